@@ -1,0 +1,45 @@
+"""hicached: a per-node tiered KV-cache storage daemon for LLM inference engines.
+
+Engine side: ``Client`` speaks SGLang's HiCache v2 storage API (``batch_exists_v2`` /
+``batch_get_v2`` / ``batch_set_v2`` and the v1 KV calls) to the node's daemon.
+Daemon side: ``hicached serve`` (``hicached.server.Daemon``).
+"""
+
+from hicached.errors import (
+    DaemonUnavailable,
+    HicachedError,
+    LengthMismatch,
+    PageSizeMismatch,
+    UnknownPool,
+)
+from hicached.types import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client",
+    "DaemonUnavailable",
+    "HicachedError",
+    "HostPool",
+    "LengthMismatch",
+    "PageSizeMismatch",
+    "PoolHitPolicy",
+    "PoolName",
+    "PoolTransfer",
+    "PoolTransferResult",
+    "UnknownPool",
+]
+
+
+def __getattr__(name: str):
+    # Client and HostPool pull in torch and zmq; the daemon's CLI can start without paying that
+    # until it needs them.
+    if name == "Client":
+        from hicached.client import Client
+
+        return Client
+    if name == "HostPool":
+        from hicached.hostpool import HostPool
+
+        return HostPool
+    raise AttributeError(f"module 'hicached' has no attribute {name!r}")

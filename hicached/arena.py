@@ -1,0 +1,118 @@
+"""The shared-memory arena: one file in /dev/shm that the daemon creates and every client maps.
+
+The daemon owns it (create, pre-fault, unlink on close); clients map the same file read/write
+after the handshake and copy page bytes between arena slots and their host pools. Pre-faulting
+matters: copying into never-touched memory runs at a third of memcpy (page faults), so the daemon
+allocates the tmpfs pages up front (``posix_fallocate`` also turns "/dev/shm too small" into a
+clear error at start instead of a SIGBUS later) and both sides map with ``MAP_POPULATE``.
+
+    arena bytes  [0 ............................................ size)
+                 |  slab 0  |  slab 1  |  ...  |  slab n-1  | tail |
+    slots of one size class are carved out of whole slabs (``slabs.py``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+
+from hicached.errors import ArenaError
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _map(fd: int, size_bytes: int) -> mmap.mmap:
+    return mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | _POPULATE,
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+class Arena:
+    """A mapped shared-memory file of ``size_bytes`` bytes.
+
+    ``Arena.create`` (daemon) makes a fresh file, replacing a stale one of a crashed daemon;
+    ``Arena.attach`` (client) maps an existing one. ``tensor`` is a 1-D ``torch.uint8`` CPU view of
+    the whole arena; ``buffer`` the raw mmap (for ``preadv`` / ``pwritev`` / registration).
+    """
+
+    def __init__(self, path: str, size_bytes: int, buffer: mmap.mmap, owner: bool):
+        self.path = path
+        self.size_bytes = size_bytes
+        self.buffer = buffer
+        self.owner = owner
+        self.tensor = torch.frombuffer(buffer, dtype=torch.uint8, count=size_bytes)
+        self._closed = False
+
+    @classmethod
+    def create(cls, path: str, size_bytes: int, mode: int = 0o600) -> "Arena":
+        """Create (or replace) the arena file and map it, pre-faulted."""
+        if size_bytes <= 0:
+            raise ArenaError(f"arena size must be > 0 bytes, got {size_bytes}")
+        try:
+            os.unlink(path)  # a crashed daemon's arena: nobody maps a file we are about to own
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        except OSError as e:
+            raise ArenaError(f"cannot create arena {path}: {e}") from e
+        try:
+            os.fchmod(fd, mode)  # umask must not widen or narrow what the operator asked for
+            try:
+                os.posix_fallocate(fd, 0, size_bytes)
+            except OSError as e:
+                raise ArenaError(
+                    f"cannot reserve {size_bytes} bytes for arena {path} "
+                    f"(is /dev/shm large enough? see `df -h /dev/shm`): {e}"
+                ) from e
+            buf = _map(fd, size_bytes)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        return cls(path, size_bytes, buf, owner=True)
+
+    @classmethod
+    def attach(cls, path: str, size_bytes: int) -> "Arena":
+        """Map an arena the daemon created (client side)."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise ArenaError(f"cannot open arena {path}: {e}") from e
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size_bytes:
+                raise ArenaError(
+                    f"arena {path} has {actual} bytes, daemon announced {size_bytes}"
+                )
+            buf = _map(fd, size_bytes)
+        finally:
+            os.close(fd)
+        return cls(path, size_bytes, buf, owner=False)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """A memoryview of ``nbytes`` at ``offset`` (bounds checked)."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size_bytes:
+            raise ArenaError(
+                f"slice [{offset}, {offset + nbytes}) outside arena of {self.size_bytes} bytes"
+            )
+        return memoryview(self.buffer)[offset : offset + nbytes]
+
+    def close(self) -> None:
+        """Drop this mapping (and unlink the file, for the owner). Safe to call twice.
+
+        The mmap is not closed explicitly: a tensor or memoryview another thread still holds
+        keeps the memory mapped until it is gone (closing under it would crash that thread).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.tensor = None
+        self.buffer = None
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,97 @@
+"""The L3 backend contract, and the registry of backends by name.
+
+A backend stores pages outside the node (Mooncake Store, 3FS) or on a local directory (the
+embedded default). It moves bytes straight between the daemon's arena and the store: ``open``
+hands it the arena once (register it for zero-copy transports), and every transfer names arena
+byte offsets, never Python byte strings.
+
+Threads: ``exists`` runs on the daemon's control loop and must answer from memory or within a
+short deadline; ``batch_put`` / ``batch_get`` run on the daemon's I/O worker threads (one writer,
+one reader) and may block. A failing store answers False (a miss), it does not raise: the daemon
+must keep serving from L2. Backends are created by ``create_backend(name, **options)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from hicached.arena import Arena
+
+
+class L3Backend(ABC):
+    """One L3 store. Pages are addressed by (namespace digest, pool, key)."""
+
+    name = "abstract"
+
+    def open(self, arena: Arena) -> None:
+        """Called once before any transfer with the arena transfers read from / write into."""
+        self.arena = arena
+
+    @abstractmethod
+    def exists(self, ns: str, pool: str, keys: Sequence[str]) -> list[bool]:
+        """Per key: is the page stored? Cheap; called on the control loop."""
+
+    @abstractmethod
+    def batch_put(
+        self, ns: str, pool: str, keys: Sequence[str], offsets: Sequence[int], page_bytes: int
+    ) -> list[bool]:
+        """Store arena[offsets[i] : offsets[i] + page_bytes] under keys[i]; per key success.
+
+        Keys already stored are skipped and count as success. The arena slots stay pinned by the
+        daemon until this returns. Blocking; worker thread.
+        """
+
+    @abstractmethod
+    def batch_get(
+        self, ns: str, pool: str, keys: Sequence[str], offsets: Sequence[int], page_bytes: int
+    ) -> list[bool]:
+        """Load keys[i] into arena[offsets[i] : offsets[i] + page_bytes]; per key success.
+
+        A missing key, a stored page of another size or a failing store is False, never an
+        exception. Blocking; worker thread.
+        """
+
+    def clear(self) -> int:
+        """Delete every stored page; returns how many (best effort)."""
+        return 0
+
+    def stats(self) -> dict:
+        """Backend counters for the daemon's stats."""
+        return {}
+
+    def close(self) -> None:
+        """Release connections and threads. Idempotent."""
+
+
+class NullBackend(L3Backend):
+    """No L3: everything is a miss and nothing is stored (a disabled tier as a Null object)."""
+
+    name = "none"
+
+    def exists(self, ns, pool, keys):
+        return [False] * len(keys)
+
+    def batch_put(self, ns, pool, keys, offsets, page_bytes):
+        return [False] * len(keys)
+
+    def batch_get(self, ns, pool, keys, offsets, page_bytes):
+        return [False] * len(keys)
+
+
+# name -> "module:Class"; a new backend is one new file and one line here.
+BACKENDS = {
+    "none": "hicached.backends.base:NullBackend",
+    "file": "hicached.backends.file:FileBackend",
+}
+
+
+def create_backend(name: str, **options) -> L3Backend:
+    """Instantiate a backend by registry name with its options."""
+    try:
+        target = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown L3 backend {name!r}; valid: {sorted(BACKENDS)}") from None
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)(**options)

@@ -1,0 +1,309 @@
+"""The engine-side client: SGLang's v2 storage calls over the daemon's socket and shared arena.
+
+    client = Client("ipc:///run/hicached/hicached.sock", namespace="qwen3-next|bf16|tp0/1")
+    client.register_mem_host_pool_v2(kv_host_pool, PoolName.KV)
+    client.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=idx, keys=keys)])
+
+Control messages go through one DEALER socket (guarded by a lock, so any thread may call);
+page bytes never do: the client copies them between its host pools and arena slots itself,
+outside the lock, so several threads copy at once. Every round trip has a deadline
+(``timeout_s``): a daemon that is gone or stuck raises ``DaemonUnavailable``, never hangs. A
+daemon that restarted is re-joined transparently (new handshake, pools registered again).
+
+Slots are only touched while the client is sure it still owns them: a reservation or lease
+expires ``ttl`` after the daemon granted it, so copies that would end later than half the TTL
+after the request was sent are abandoned (set: aborted; get: reported as misses).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from hicached import protocol as P
+from hicached.arena import Arena
+from hicached.errors import (
+    DaemonUnavailable,
+    LengthMismatch,
+    ProtocolError,
+    UnknownPool,
+    UnknownSession,
+    error_from_code,
+)
+from hicached.hostpool import PageIO, make_page_io
+from hicached.types import PoolTransfer, PoolTransferResult, pool_value, policy_value
+
+log = logging.getLogger(__name__)
+KV = "kv"
+
+
+def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str) -> list[int]:
+    """Page-start token indices (``host_indices[i * page_size]``), length-checked."""
+    n = len(host_indices) if host_indices is not None else 0
+    if n != num_keys * page_size:
+        raise LengthMismatch(
+            f"pool {pool!r}: {num_keys} keys need {num_keys * page_size} host indices "
+            f"(page_size {page_size}), got {n}"
+        )
+    starts = host_indices[::page_size]
+    return starts.tolist() if hasattr(starts, "tolist") else list(starts)
+
+
+class Client:
+    """A connection to one hicached daemon, in one namespace. Thread-safe; a context manager."""
+
+    def __init__(self, endpoint: str, namespace: str, *, timeout_s: float = 5.0,
+                 client_name: str = ""):
+        if not namespace:
+            raise ValueError("namespace must be a non-empty string")
+        self.endpoint = endpoint
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self.client_name = client_name
+        self._ctx = zmq.Context()
+        self._lock = threading.RLock()
+        self._req_ids = itertools.count(1)
+        self._sock: zmq.Socket | None = None
+        self._pools: dict[str, PageIO] = {}
+        self._closed = False
+        self.session = 0
+        self.arena: Arena | None = None
+        with self._lock:
+            self._handshake()
+
+    # ------------------------------------------------------------ connection
+
+    def _new_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
+            self._sock = None
+            raise DaemonUnavailable(f"no daemon socket at {self.endpoint}")
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.endpoint)
+
+    def _handshake(self) -> None:
+        self._new_socket()
+        hello = P.Hello(next(self._req_ids), P.PROTOCOL_VERSION, self.namespace, os.getpid(),
+                        self.client_name)
+        w = self._roundtrip(hello)
+        if not isinstance(w, P.Welcome):
+            raise ProtocolError(f"expected Welcome, got {type(w).__name__}")
+        self.session = w.session
+        self.reservation_ttl_s = w.reservation_ttl_s
+        self.lease_ttl_s = w.lease_ttl_s
+        if self.arena is None or self.arena.path != w.arena_path or \
+                self.arena.size_bytes != w.arena_bytes or self._daemon_pid != w.daemon_pid:
+            self.arena = Arena.attach(w.arena_path, w.arena_bytes)  # old mapping dies with refs
+        self._daemon_pid = w.daemon_pid
+        for name, io in self._pools.items():
+            self._roundtrip(P.RegisterPool(next(self._req_ids), self.session, name,
+                                           io.page_bytes))
+
+    def _roundtrip(self, msg) -> Any:
+        """Send one request and wait (deadline) for its answer; daemon errors are raised."""
+        if self._sock is None:
+            self._new_socket()
+        self._sock.send(P.encode(msg))
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                if time.monotonic() < deadline:
+                    continue
+                self._sock.close(linger=0)  # drop queued requests; a fresh socket next time
+                self._sock = None
+                raise DaemonUnavailable(
+                    f"no answer from hicached at {self.endpoint} within {self.timeout_s}s "
+                    f"({type(msg).__name__})")
+            answer = P.answer_decoder.decode(self._sock.recv())
+            if answer.req_id != msg.req_id:
+                continue  # the late answer of a request we gave up on
+            if isinstance(answer, P.Error):
+                raise error_from_code(answer.code, answer.message)
+            return answer
+
+    def _call(self, build) -> Any:
+        """``build(session, req_id) -> request``; re-joins a restarted daemon once."""
+        if self._closed:
+            raise DaemonUnavailable("client is closed")
+        with self._lock:
+            try:
+                return self._roundtrip(build(self.session, next(self._req_ids)))
+            except UnknownSession:
+                log.warning("hicached session lost (daemon restarted?): joining again")
+                self._handshake()
+                return self._roundtrip(build(self.session, next(self._req_ids)))
+
+    def _send_only(self, msg) -> None:
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    self._sock.send(P.encode(msg), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # the lease expires on its own
+
+    # ------------------------------------------------------------ pools
+
+    def register_mem_host_pool_v2(self, host_pool: Any, pool_name: Any) -> None:
+        """Register the host pool of ``pool_name`` (any SGLang-shaped pool or a ``HostPool``)."""
+        name = pool_value(pool_name)
+        io = make_page_io(host_pool)
+        self._call(lambda s, r: P.RegisterPool(r, s, name, io.page_bytes))
+        self._pools[name] = io
+
+    def register_mem_pool_host(self, host_pool: Any) -> None:
+        """v1: register the KV host pool."""
+        self.register_mem_host_pool_v2(host_pool, KV)
+
+    def _io(self, name: str) -> PageIO:
+        try:
+            return self._pools[name]
+        except KeyError:
+            raise UnknownPool(f"pool {name!r} is not registered (registered: "
+                              f"{sorted(self._pools)})") from None
+
+    # ------------------------------------------------------------ exists
+
+    def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
+        """Number of leading keys whose KV page is stored (L2 or L3)."""
+        keys = list(keys)
+        return self._call(lambda s, r: P.Exists(r, s, keys)).kv_hit_pages
+
+    def batch_exists_v2(self, keys: Sequence[str], pool_transfers: Sequence[Any] | None = None,
+                        extra_info: Any = None) -> PoolTransferResult:
+        """Largest prefix every pool can restore (ARCHITECTURE.md hit semantics)."""
+        keys = list(keys)
+        queries = []
+        for t in pool_transfers or ():
+            name = pool_value(t.name)
+            if name == KV:
+                continue
+            queries.append(P.PoolQuery(name, policy_value(t.hit_policy),
+                                       max(1, len(t.keys or ()))))
+        a = self._call(lambda s, r: P.Exists(r, s, keys, queries))
+        return PoolTransferResult(a.kv_hit_pages, dict(a.pool_hits), list(a.restorable))
+
+    # ------------------------------------------------------------ set
+
+    def _plan(self, transfers: Sequence[Any]) -> list[tuple[str, PageIO, list[str], list[int]]]:
+        plan = []
+        for t in transfers:
+            name = pool_value(t.name)
+            io = self._io(name)
+            keys = list(t.keys or ())
+            plan.append((name, io, keys, _token_starts(t.host_indices, len(keys),
+                                                       io.page_size, name)))
+        return plan
+
+    def batch_set_v2(self, transfers: Sequence[Any], extra_info: Any = None
+                     ) -> dict[str, list[bool]]:
+        """Store every pool's pages of the call atomically (reserve -> copy -> commit)."""
+        plan = self._plan(transfers)
+        sent = time.monotonic()
+        res = self._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys(n, k) for n, _, k, _ in plan]))
+        arena = self.arena
+        ok = [[off >= 0 for off in row] for row in res.offsets]
+        if res.reservation_id:
+            try:
+                for (name, io, _, starts), row in zip(plan, res.offsets):
+                    sel = [i for i, off in enumerate(row) if off >= 0]
+                    if not sel:
+                        continue
+                    if time.monotonic() - sent > self.reservation_ttl_s / 2:
+                        raise TimeoutError(f"reservation too old to copy into ({name})")
+                    io.to_arena([starts[i] for i in sel], arena.tensor, [row[i] for i in sel])
+            except BaseException:
+                self._abort(res.reservation_id)
+                raise
+            rid = res.reservation_id
+            stored = self._call(lambda s, r: P.Commit(r, s, rid, ok)).stored
+        else:
+            stored = ok
+        out = {}
+        for (name, _, _, _), row, srow in zip(plan, res.offsets, stored):
+            out[name] = [srow[i] if off >= 0 else off in (P.SLOT_PRESENT, P.SLOT_INFLIGHT)
+                         for i, off in enumerate(row)]
+        return out
+
+    def _abort(self, reservation_id: int) -> None:
+        try:
+            self._call(lambda s, r: P.Commit(r, s, reservation_id, abort=True))
+        except Exception:  # the reservation expires on its own
+            log.debug("abort of reservation %d failed", reservation_id, exc_info=True)
+
+    def batch_set_v1(self, keys: Sequence[str], host_indices: Any, extra_info: Any = None
+                     ) -> list[bool]:
+        """v1: store KV pages from the registered KV host pool."""
+        return self.batch_set_v2([PoolTransfer(KV, host_indices, keys=list(keys))])[KV]
+
+    # ------------------------------------------------------------ get
+
+    def batch_get_v2(self, transfers: Sequence[Any], extra_info: Any = None
+                     ) -> dict[str, list[bool]]:
+        """Load every pool's pages into their host pools; one bool per key."""
+        plan = self._plan(transfers)
+        sent = time.monotonic()
+        res = self._call(lambda s, r: P.Lease(r, s, [P.PoolKeys(n, k) for n, _, k, _ in plan]))
+        arena = self.arena
+        out = {}
+        try:
+            for (name, io, _, starts), row in zip(plan, res.offsets):
+                sel = [i for i, off in enumerate(row) if off >= 0]
+                if sel:
+                    io.from_arena([starts[i] for i in sel], arena.tensor, [row[i] for i in sel])
+                out[name] = [off >= 0 for off in row]
+        finally:
+            if res.lease_id:
+                self._send_only(P.Release(0, self.session, [res.lease_id]))
+        if time.monotonic() - sent > self.lease_ttl_s / 2:
+            log.warning("get took longer than half the lease TTL: results discarded")
+            return {name: [False] * len(row) for name, row in out.items()}
+        return out
+
+    def batch_get_v1(self, keys: Sequence[str], host_indices: Any, extra_info: Any = None
+                     ) -> list[bool]:
+        """v1: load KV pages into the registered KV host pool."""
+        return self.batch_get_v2([PoolTransfer(KV, host_indices, keys=list(keys))])[KV]
+
+    # ------------------------------------------------------------ admin and lifecycle
+
+    def stats(self) -> dict:
+        return self._call(lambda s, r: P.GetStats(r)).stats
+
+    def flush(self, tier: str = "l2") -> None:
+        self._call(lambda s, r: P.Flush(r, tier))
+
+    def ping(self) -> None:
+        self._call(lambda s, r: P.Ping(r))
+
+    def close(self) -> None:
+        """End the session (its leases and reservations are freed at once). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._sock is not None:
+                try:
+                    self._sock.send(P.encode(P.Bye(0, self.session)), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                self._sock.close(linger=100)  # give Bye a moment to leave
+                self._sock = None
+            self._ctx.term()
+            if self.arena is not None:
+                self.arena.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

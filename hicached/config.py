@@ -1,0 +1,157 @@
+"""The daemon's one frozen config object, resolved once at the edge.
+
+Precedence: CLI flags > ``HICACHED_*`` environment > TOML file (``--config``) > defaults.
+Unknown keys and bad values raise ``ConfigError`` naming the key. Library code receives a
+``DaemonConfig`` and never reads the environment itself. Every key is documented, with its
+default, in ``configs/hicached.toml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from hicached.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,
+          "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_size(value: object, key: str = "size") -> int:
+    """Bytes from an int or a string such as ``4GiB``, ``512MiB``, ``1e9``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{key}: cannot read {value!r} as a size (e.g. 4GiB, 512MiB, 1e9)")
+        try:
+            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        except ValueError:
+            raise ConfigError(f"{key}: cannot read {value!r} as a size") from None
+    if n <= 0:
+        raise ConfigError(f"{key}: must be > 0 bytes, got {value!r}")
+    return n
+
+
+def default_runtime_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/hicached-{os.getuid()}"
+    return os.path.join(base, "hicached") if "XDG_RUNTIME_DIR" in os.environ else base
+
+
+def default_state_dir() -> str:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(base, "hicached")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything ``hicached serve`` needs. Sizes in bytes, times in seconds."""
+
+    endpoint: str = ""  # "" -> ipc://<runtime dir>/hicached.sock
+    l2_size: int = 4 * 1024**3
+    state_dir: str = ""  # "" -> $XDG_STATE_HOME/hicached
+    arena_path: str = ""  # "" -> /dev/shm/hicached-<digest of state_dir>
+    slab_size: int = 64 * 1024**2
+    l3_backend: str = "file"  # file | none
+    l3_dir: str = ""  # "" -> <state_dir>/l3
+    write_policy: str = "write_through"
+    reservation_ttl_s: float = 30.0
+    lease_ttl_s: float = 30.0
+    io_queue_depth: int = 256
+    socket_mode: int = 0o600
+    log_level: str = "info"
+
+    def resolved(self) -> "DaemonConfig":
+        """Fill the derived defaults (paths) and check values."""
+        state = os.path.abspath(self.state_dir or default_state_dir())
+        endpoint = self.endpoint or f"ipc://{default_runtime_dir()}/hicached.sock"
+        arena = self.arena_path or "/dev/shm/hicached-" + hashlib.sha256(
+            state.encode()).hexdigest()[:16]
+        cfg = dataclasses.replace(self, state_dir=state, endpoint=endpoint, arena_path=arena,
+                                  l3_dir=self.l3_dir or os.path.join(state, "l3"))
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        if not self.endpoint.startswith(("ipc://", "tcp://")):
+            raise ConfigError(f"endpoint: must start with ipc:// or tcp://, got {self.endpoint!r}")
+        if self.slab_size % 64:
+            raise ConfigError(f"slab_size: must be a multiple of 64 bytes, got {self.slab_size}")
+        if self.l2_size < self.slab_size:
+            raise ConfigError(
+                f"l2_size: {self.l2_size} bytes is smaller than one slab ({self.slab_size} bytes)"
+            )
+        if self.l3_backend not in ("file", "none"):
+            raise ConfigError(f"l3_backend: unknown {self.l3_backend!r}; valid: ['file', 'none']")
+        if self.write_policy != "write_through":
+            raise ConfigError(f"write_policy: {self.write_policy!r} not supported; "
+                              "valid: ['write_through']")
+        for key in ("reservation_ttl_s", "lease_ttl_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}: must be > 0, got {getattr(self, key)}")
+
+
+_SIZES = {"l2_size", "slab_size"}
+
+
+def _coerce(key: str, value: object) -> object:
+    field_type = {f.name: f.type for f in fields(DaemonConfig)}[key]
+    if key in _SIZES:
+        return parse_size(value, key)
+    try:
+        if field_type == "int":
+            if isinstance(value, str):
+                return int(value, 0)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError
+            return value
+        if field_type == "float":
+            return float(value)
+        if field_type == "str":
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected {field_type}, got {value!r}") from None
+    return value
+
+
+def load_config(path: str | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, object] | None = None) -> DaemonConfig:
+    """Merge file < env < overrides over the defaults; returns a resolved, checked config."""
+    names = {f.name for f in fields(DaemonConfig)}
+    values: dict[str, object] = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+        data = data.get("hicached", data)
+        for key, value in data.items():
+            if key not in names:
+                raise ConfigError(f"{path}: unknown key {key!r}; valid: {sorted(names)}")
+            values[key] = _coerce(key, value)
+    for var, value in (env or {}).items():
+        if not var.startswith("HICACHED_"):
+            continue
+        key = var[len("HICACHED_"):].lower()
+        if key not in names:
+            continue  # other tools' HICACHED_* variables (e.g. the admin key) are not ours
+        values[key] = _coerce(key, value)
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key not in names:
+            raise ConfigError(f"unknown option {key!r}")
+        values[key] = _coerce(key, value)
+    return DaemonConfig(**values).resolved()

@@ -1,0 +1,96 @@
+"""Typed errors shared by the daemon and the client.
+
+Every error the daemon answers carries a stable ``code`` string on the wire (``protocol.Error``);
+the client turns it back into the matching class with :func:`error_from_code`.
+"""
+
+from __future__ import annotations
+
+
+class HicachedError(Exception):
+    """Base class of every hicached error."""
+
+    code = "internal"
+
+
+class DaemonUnavailable(HicachedError):
+    """The daemon did not answer within the client's deadline (or its socket does not exist)."""
+
+    code = "unavailable"
+
+
+class ProtocolError(HicachedError):
+    """A frame could not be decoded, or a message is not valid in this state."""
+
+    code = "malformed"
+
+
+class VersionMismatch(HicachedError):
+    """Client and daemon speak different protocol versions."""
+
+    code = "version_mismatch"
+
+
+class UnknownSession(HicachedError):
+    """The session id is not known to the daemon (no handshake, or the daemon restarted)."""
+
+    code = "unknown_session"
+
+
+class UnknownPool(HicachedError):
+    """A call names a pool this session never registered."""
+
+    code = "unknown_pool"
+
+
+class PageSizeMismatch(HicachedError):
+    """A pool is registered with a page size other than the one its namespace already uses."""
+
+    code = "page_size_mismatch"
+
+
+class LengthMismatch(HicachedError):
+    """keys / host_indices / flags of one call do not have matching lengths."""
+
+    code = "length_mismatch"
+
+
+class ArenaError(HicachedError):
+    """The shared-memory arena cannot be created or mapped, or a slot is out of its bounds."""
+
+    code = "arena"
+
+
+class ShuttingDown(HicachedError):
+    """The daemon is draining and takes no new work."""
+
+    code = "shutting_down"
+
+
+class ConfigError(HicachedError, ValueError):
+    """A configuration key or value is invalid; the message names the key."""
+
+    code = "config"
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        HicachedError,
+        DaemonUnavailable,
+        ProtocolError,
+        VersionMismatch,
+        UnknownSession,
+        UnknownPool,
+        PageSizeMismatch,
+        LengthMismatch,
+        ArenaError,
+        ShuttingDown,
+        ConfigError,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> HicachedError:
+    """Rebuild the typed error a daemon answered (unknown codes become ``HicachedError``)."""
+    return _BY_CODE.get(code, HicachedError)(message)

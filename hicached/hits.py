@@ -1,0 +1,76 @@
+"""Hit semantics: which prefix lengths every pool can restore (ARCHITECTURE.md, "the contract").
+
+Keys form a chain; key i stands for the prefix of pages 0..i. An endpoint L (pages) is restorable:
+  anchor (KV)            iff pages 0..L-1 all exist                      (L <= kv_pages)
+  ALL_PAGES pool         iff pages 0..L-1 all exist
+  TRAILING_PAGES (N)     iff pages max(0, L-N)..L-1 all exist            (Mamba N=1, SWA N=window)
+The answer is the largest L every pool can restore: the intersection of the pools' endpoint sets,
+not the minimum of per-pool prefixes, which may name an endpoint a trailing pool has a hole at.
+
+    pages     0   1   2   3   4          kv_pages = 5
+    kv        x   x   x   x   x          endpoints {1,2,3,4,5}
+    mamba     .   x   .   x   .          N=1: endpoints {2,4}
+    indexer   x   x   x   x   .          endpoints {1,2,3,4}
+    restorable = {2, 4}  ->  kv_hit_pages = 4
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hicached.types import PoolHitPolicy
+
+ALL = PoolHitPolicy.ALL_PAGES.value
+TRAILING = PoolHitPolicy.TRAILING_PAGES.value
+
+
+def leading_run(exists: Sequence[bool]) -> int:
+    """Number of leading True values."""
+    n = 0
+    for e in exists:
+        if not e:
+            break
+        n += 1
+    return n
+
+
+def restorable_endpoints(exists: Sequence[bool], policy: str, window: int, limit: int) -> list[int]:
+    """Ascending endpoints L in 1..limit that one pool can restore.
+
+    ``exists[i]`` says whether page i of this pool is present (len >= limit).
+    """
+    if policy == ALL:
+        return list(range(1, leading_run(exists[:limit]) + 1))
+    if policy != TRAILING:
+        raise ValueError(f"unknown hit policy {policy!r}; valid: {[ALL, TRAILING]}")
+    window = max(1, window)
+    out: list[int] = []
+    run = 0  # consecutive present pages ending at L-1
+    for length in range(1, limit + 1):
+        run = run + 1 if exists[length - 1] else 0
+        if run >= min(window, length):
+            out.append(length)
+    return out
+
+
+def intersect_endpoints(
+    kv_pages: int, pools: Sequence[tuple[str, str, int, Sequence[bool]]]
+) -> tuple[int, dict[str, int], list[int]]:
+    """Combine the anchor's prefix with every extra pool.
+
+    ``pools``: (name, policy, window, exists-per-page over at least ``kv_pages`` pages).
+    Returns (kv_hit_pages, per-pool hit pages, restorable endpoints ascending). Per-pool hits follow
+    SGLang: the pool's own largest restorable endpoint, reported only when > 0; the anchor's entry
+    is ``kv_pages`` when > 0.
+    """
+    common = set(range(1, kv_pages + 1))
+    hits: dict[str, int] = {}
+    for name, policy, window, exists in pools:
+        ends = restorable_endpoints(exists, policy, window, kv_pages)
+        if ends:
+            hits[name] = ends[-1]
+        common.intersection_update(ends)
+        if not common:
+            break
+    restorable = sorted(common)
+    return (restorable[-1] if restorable else 0), hits, restorable

@@ -1,0 +1,214 @@
+"""The L2 page index: which (namespace, pool, key) lives in which arena slot, and in what state.
+
+A page is an ``Entry``. Its states:
+
+    reserve() ----> pending (pinned, invisible) ---commit()---> committed (visible, in LRU)
+                         |                                        |   ^
+                         +--abort()--> freed                 pin()|   |unpin()   (leases, L3 I/O)
+                                                                  v   |
+                                                     evicted when unpinned and least recently used
+
+Readers only ever look at committed tables, so a page becomes visible exactly when ``commit`` runs
+(the control loop is single-threaded: a multi-pool commit is atomic for every reader).
+
+Eviction (``_make_room``): when a size class has no free slot, compare its least recently used
+unpinned page with the least recently used unpinned slab of *another* class; evict whichever was
+used longer ago (a whole slab frees room for any page size). ``ticks`` are a counter, not a clock,
+so eviction order is exact and testable.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from hicached.slabs import Slab, SlabAllocator
+
+TableId = tuple[str, str]  # (namespace digest, pool name)
+
+
+class Entry:
+    """One page in L2."""
+
+    __slots__ = ("table", "key", "offset", "page_bytes", "stride", "pins", "committed",
+                 "last_used", "in_l3", "hits")
+
+    def __init__(self, table: TableId, key: str, offset: int, page_bytes: int, stride: int):
+        self.table = table
+        self.key = key
+        self.offset = offset
+        self.page_bytes = page_bytes
+        self.stride = stride
+        self.pins = 0
+        self.committed = False
+        self.last_used = 0
+        self.in_l3 = False  # a copy is known to be in the L3 backend
+        self.hits = 0
+
+    def __repr__(self) -> str:
+        state = "committed" if self.committed else "pending"
+        return f"Entry({self.table[1]}:{self.key} @{self.offset} {state} pins={self.pins})"
+
+
+class PageIndex:
+    """Entries, per-class LRU, pins and eviction over a ``SlabAllocator``.
+
+    Not thread-safe: only the daemon's control loop calls it.
+    ``on_evict(entry)`` runs for every evicted committed page (before its slot is reused).
+    """
+
+    def __init__(self, allocator: SlabAllocator, on_evict: Callable[[Entry], None] | None = None):
+        self.alloc = allocator
+        self.on_evict = on_evict
+        self.tables: dict[TableId, dict[str, Entry]] = {}
+        self.pending: dict[TableId, dict[str, Entry]] = {}
+        self._lru: dict[int, OrderedDict[Entry, None]] = {}
+        self._by_offset: dict[int, Entry] = {}
+        self._tick = 0
+        self.evictions = 0
+
+    # ------------------------------------------------------------ lookups
+
+    def table(self, table: TableId) -> dict[str, Entry]:
+        """The committed entries of a table (created empty on first use)."""
+        t = self.tables.get(table)
+        if t is None:
+            t = self.tables[table] = {}
+        return t
+
+    def get(self, table: TableId, key: str) -> Entry | None:
+        """The committed entry of ``key`` or None."""
+        t = self.tables.get(table)
+        return t.get(key) if t else None
+
+    def get_pending(self, table: TableId, key: str) -> Entry | None:
+        p = self.pending.get(table)
+        return p.get(key) if p else None
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self.tables.values())
+
+    # ------------------------------------------------------------ reserve / commit / abort
+
+    def reserve(self, table: TableId, key: str, page_bytes: int, stride: int) -> Entry | None:
+        """A pending, pinned entry with a fresh slot, or None when nothing can be evicted.
+
+        The caller checks first that the key is neither committed nor pending.
+        """
+        offset = self.alloc.alloc(stride)
+        if offset is None:
+            offset = self._make_room(stride)
+            if offset is None:
+                return None
+        entry = Entry(table, key, offset, page_bytes, stride)
+        self._by_offset[offset] = entry
+        self.pending.setdefault(table, {})[key] = entry
+        self.pin(entry)
+        return entry
+
+    def commit(self, entry: Entry) -> None:
+        """Publish a pending entry: from now on every reader of its table sees it."""
+        assert not entry.committed and self.pending[entry.table].get(entry.key) is entry
+        del self.pending[entry.table][entry.key]
+        entry.committed = True
+        self.table(entry.table)[entry.key] = entry
+        self._lru.setdefault(entry.stride, OrderedDict())[entry] = None
+        self.touch(entry)
+        self.unpin(entry)
+
+    def abort(self, entry: Entry) -> None:
+        """Drop a pending entry and free its slot."""
+        assert not entry.committed
+        p = self.pending.get(entry.table)
+        if p is not None and p.get(entry.key) is entry:
+            del p[entry.key]
+        self.unpin(entry)
+        self._free_slot(entry)
+
+    # ------------------------------------------------------------ pins and recency
+
+    def pin(self, entry: Entry) -> None:
+        """Keep ``entry`` from eviction (lease, reservation, L3 I/O in flight)."""
+        if entry.pins == 0:
+            self.alloc.slab_of(entry.offset).pinned += 1
+        entry.pins += 1
+
+    def unpin(self, entry: Entry) -> None:
+        assert entry.pins > 0, entry
+        entry.pins -= 1
+        if entry.pins == 0:
+            self.alloc.slab_of(entry.offset).pinned -= 1
+
+    def touch(self, entry: Entry) -> None:
+        """Mark ``entry`` most recently used."""
+        self._tick += 1
+        entry.last_used = self._tick
+        self.alloc.slab_of(entry.offset).last_used = self._tick
+        lru = self._lru.get(entry.stride)
+        if lru is not None and entry in lru:
+            lru.move_to_end(entry)
+
+    # ------------------------------------------------------------ eviction
+
+    def lru_order(self, stride: int) -> list[Entry]:
+        """Committed entries of a class, least recently used first (for tests and stats)."""
+        return list(self._lru.get(stride, ()))
+
+    def _oldest_unpinned(self, stride: int) -> Entry | None:
+        for entry in self._lru.get(stride, ()):
+            if entry.pins == 0:
+                return entry
+        return None
+
+    def _oldest_slab(self, stride: int) -> Slab | None:
+        best = None
+        for slab in self.alloc.slabs:
+            if slab.stride and slab.stride != stride and slab.pinned == 0:
+                if best is None or slab.last_used < best.last_used:
+                    best = slab
+        return best
+
+    def _make_room(self, stride: int) -> int | None:
+        while True:
+            page = self._oldest_unpinned(stride)
+            slab = self._oldest_slab(stride)
+            if page is not None and (slab is None or page.last_used <= slab.last_used):
+                self.evict(page)
+            elif slab is not None:
+                for offset in list(slab.slot_offsets()):
+                    victim = self._by_offset.get(offset)
+                    if victim is not None:
+                        self.evict(victim)
+            else:
+                return None
+            offset = self.alloc.alloc(stride)
+            if offset is not None:
+                return offset
+
+    def evict(self, entry: Entry) -> None:
+        """Remove a committed, unpinned entry from L2 and free its slot."""
+        assert entry.committed and entry.pins == 0, entry
+        if self.on_evict is not None:
+            self.on_evict(entry)
+        self._unpublish(entry)
+        self.evictions += 1
+
+    def drop(self, entries: Sequence[Entry]) -> int:
+        """Remove committed, unpinned entries (flush); returns how many were dropped."""
+        n = 0
+        for entry in list(entries):
+            if entry.committed and entry.pins == 0:
+                self._unpublish(entry)
+                n += 1
+        return n
+
+    def _unpublish(self, entry: Entry) -> None:
+        del self.tables[entry.table][entry.key]
+        del self._lru[entry.stride][entry]
+        entry.committed = False
+        self._free_slot(entry)
+
+    def _free_slot(self, entry: Entry) -> None:
+        del self._by_offset[entry.offset]
+        self.alloc.free(entry.offset)
+        entry.offset = -1

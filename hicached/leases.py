@@ -1,0 +1,120 @@
+"""Reservations (set in progress) and leases (get in progress), each with a deadline.
+
+A client that dies between ``Reserve`` and ``Commit``, or while it holds a lease, must not pin
+arena memory forever: every reservation and lease expires ``ttl_s`` after it was granted and the
+control loop's ``sweep`` aborts / releases it. A client seen dead earlier (its pid is gone) loses
+them at once (``drop_session``).
+
+    Reservation  id -> (session, deadline, [(pool position, key position, Entry)])   pending entries
+    Lease        id -> (session, deadline, [Entry])                                   pinned entries
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from hicached.index import Entry, PageIndex
+
+
+@dataclass
+class Reservation:
+    id: int
+    session: int
+    deadline: float
+    slots: list[tuple[int, int, Entry]] = field(default_factory=list)
+
+
+@dataclass
+class LeaseGrant:
+    id: int
+    session: int
+    deadline: float
+    entries: list[Entry] = field(default_factory=list)
+
+
+class LeaseTable:
+    """Owns reservation and lease records; pins/unpins through the ``PageIndex``."""
+
+    def __init__(self, index: PageIndex, reservation_ttl_s: float, lease_ttl_s: float):
+        self.index = index
+        self.reservation_ttl_s = reservation_ttl_s
+        self.lease_ttl_s = lease_ttl_s
+        self.reservations: dict[int, Reservation] = {}
+        self.leases: dict[int, LeaseGrant] = {}
+        self._ids = itertools.count(1)
+        self.expired_reservations = 0
+        self.expired_leases = 0
+
+    # ------------------------------------------------------------ reservations
+
+    def new_reservation(self, session: int, now: float) -> Reservation:
+        r = Reservation(next(self._ids), session, now + self.reservation_ttl_s)
+        self.reservations[r.id] = r
+        return r
+
+    def take_reservation(self, rid: int, session: int) -> Reservation | None:
+        """Remove and return a live reservation of ``session`` (None if expired or foreign)."""
+        r = self.reservations.get(rid)
+        if r is None or r.session != session:
+            return None
+        del self.reservations[rid]
+        return r
+
+    def abort_reservation(self, r: Reservation) -> None:
+        for _, _, entry in r.slots:
+            if not entry.committed:
+                self.index.abort(entry)
+
+    # ------------------------------------------------------------ leases
+
+    def new_lease(self, session: int, entries: list[Entry], now: float) -> LeaseGrant:
+        """Pin ``entries`` under a new lease that expires after ``lease_ttl_s``."""
+        g = LeaseGrant(next(self._ids), session, now + self.lease_ttl_s, entries)
+        for e in entries:
+            self.index.pin(e)
+        self.leases[g.id] = g
+        return g
+
+    def release(self, lease_id: int, session: int) -> bool:
+        """End a lease of ``session``; False if unknown (expired, foreign or released twice)."""
+        g = self.leases.get(lease_id)
+        if g is None or g.session != session:
+            return False
+        del self.leases[lease_id]
+        self._unpin_all(g)
+        return True
+
+    def _unpin_all(self, g: LeaseGrant) -> None:
+        for e in g.entries:
+            self.index.unpin(e)
+
+    # ------------------------------------------------------------ expiry
+
+    def sweep(self, now: float) -> tuple[int, int]:
+        """Abort expired reservations and release expired leases; returns (reservations, leases)."""
+        dead_r = [r for r in self.reservations.values() if r.deadline <= now]
+        for r in dead_r:
+            del self.reservations[r.id]
+            self.abort_reservation(r)
+        dead_l = [g for g in self.leases.values() if g.deadline <= now]
+        for g in dead_l:
+            del self.leases[g.id]
+            self._unpin_all(g)
+        self.expired_reservations += len(dead_r)
+        self.expired_leases += len(dead_l)
+        return len(dead_r), len(dead_l)
+
+    def drop_session(self, session: int) -> None:
+        """Free everything a (dead or closed) session holds."""
+        for r in [r for r in self.reservations.values() if r.session == session]:
+            del self.reservations[r.id]
+            self.abort_reservation(r)
+        for g in [g for g in self.leases.values() if g.session == session]:
+            del self.leases[g.id]
+            self._unpin_all(g)
+
+    def next_deadline(self) -> float | None:
+        ds = [r.deadline for r in self.reservations.values()]
+        ds += [g.deadline for g in self.leases.values()]
+        return min(ds) if ds else None

@@ -1,0 +1,202 @@
+"""Every message between client and daemon: msgspec Structs, msgpack-encoded, one frame each.
+
+Transport: the client's DEALER sends ``[payload]``; the daemon's ROUTER sees ``[identity, payload]``
+and answers ``[identity, payload]``. Each request carries ``req_id`` (echoed in the answer, so a
+client can drop late answers of a request it gave up on) and, after the handshake, ``session``.
+
+Requests (client -> daemon)             answer
+  Hello        handshake                 Welcome
+  RegisterPool pool geometry             Ok
+  Exists       hit query                 ExistsResult
+  Reserve      set, step 1               Reserved
+  Commit       set, step 2 (or abort)    Committed
+  Lease        get                       Leased
+  Release      end of get leases         (none: fire and forget)
+  Bye          end of session            (none: fire and forget)
+  Flush        empty L2 (and/or L3)      Ok
+  GetStats     counters                  Stats
+  Ping         liveness                  Ok
+Any request may be answered with ``Error(code, message)`` (codes: ``errors.py``).
+
+Slot answers (``Reserved.offsets`` / ``Leased.offsets``) are byte offsets into the arena, or one of
+the negative sentinels below.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# Negative "offsets": what a key got instead of a slot.
+SLOT_PRESENT = -1  # Reserve: already committed (nothing to copy; counts as stored)
+SLOT_NO_SPACE = -2  # Reserve: arena full and nothing evictable
+SLOT_INFLIGHT = -3  # Reserve: another client is writing this key right now
+SLOT_MISS = -4  # Lease: not in L2 nor L3
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="op"):
+    pass
+
+
+class PoolKeys(msgspec.Struct, array_like=True, gc=False):
+    """One pool's keys in a Reserve or Lease."""
+
+    pool: str
+    keys: list[str]
+
+
+class PoolQuery(msgspec.Struct, array_like=True, gc=False):
+    """One extra pool of an Exists: its hit policy and trailing window (pages)."""
+
+    pool: str
+    policy: str
+    window: int = 1
+
+
+# ---------------------------------------------------------------- requests
+
+
+class Hello(_Msg, tag="hello"):
+    req_id: int
+    version: int
+    namespace: str
+    pid: int
+    client_name: str = ""
+
+
+class RegisterPool(_Msg, tag="register_pool"):
+    req_id: int
+    session: int
+    pool: str
+    page_bytes: int
+
+
+class Exists(_Msg, tag="exists"):
+    req_id: int
+    session: int
+    keys: list[str]
+    pools: list[PoolQuery] = []
+    anchor: str = "kv"
+
+
+class Reserve(_Msg, tag="reserve"):
+    req_id: int
+    session: int
+    transfers: list[PoolKeys]
+
+
+class Commit(_Msg, tag="commit"):
+    """Publish a reservation. ``ok[i][j]`` False (copy failed) aborts that page; empty ``ok``
+    with ``abort=True`` aborts the whole reservation."""
+
+    req_id: int
+    session: int
+    reservation_id: int
+    ok: list[list[bool]] = []
+    abort: bool = False
+
+
+class Lease(_Msg, tag="lease"):
+    req_id: int
+    session: int
+    transfers: list[PoolKeys]
+
+
+class Release(_Msg, tag="release"):
+    req_id: int
+    session: int
+    lease_ids: list[int]
+
+
+class Bye(_Msg, tag="bye"):
+    req_id: int
+    session: int
+
+
+class Flush(_Msg, tag="flush"):
+    """Drop unpinned pages: ``tier`` is ``l2``, ``l3`` or ``all``."""
+
+    req_id: int
+    tier: str = "l2"
+
+
+class GetStats(_Msg, tag="get_stats"):
+    req_id: int
+
+
+class Ping(_Msg, tag="ping"):
+    req_id: int
+
+
+Request = Union[
+    Hello, RegisterPool, Exists, Reserve, Commit, Lease, Release, Bye, Flush, GetStats, Ping
+]
+
+# ---------------------------------------------------------------- answers
+
+
+class Welcome(_Msg, tag="welcome"):
+    """Handshake answer. The TTLs let a client stop using slots it may no longer own."""
+
+    req_id: int
+    session: int
+    arena_path: str
+    arena_bytes: int
+    daemon_pid: int
+    reservation_ttl_s: float
+    lease_ttl_s: float
+
+
+class Ok(_Msg, tag="ok"):
+    req_id: int
+
+
+class ExistsResult(_Msg, tag="exists_result"):
+    req_id: int
+    kv_hit_pages: int
+    pool_hits: dict[str, int]
+    restorable: list[int]
+
+
+class Reserved(_Msg, tag="reserved"):
+    req_id: int
+    reservation_id: int
+    offsets: list[list[int]]
+
+
+class Committed(_Msg, tag="committed"):
+    req_id: int
+    stored: list[list[bool]]
+
+
+class Leased(_Msg, tag="leased"):
+    req_id: int
+    lease_id: int
+    offsets: list[list[int]]
+
+
+class Stats(_Msg, tag="stats"):
+    req_id: int
+    stats: dict[str, Any]
+
+
+class Error(_Msg, tag="error"):
+    req_id: int
+    code: str
+    message: str
+
+
+Answer = Union[Welcome, Ok, ExistsResult, Reserved, Committed, Leased, Stats, Error]
+
+# Built once: encoders are stateless, decoders typed to the direction they read.
+encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(Request)
+answer_decoder = msgspec.msgpack.Decoder(Answer)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """msgpack bytes of one message."""
+    return encoder.encode(msg)

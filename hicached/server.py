@@ -1,0 +1,268 @@
+"""The daemon: one object owning the socket, the arena, the index, the controller and the L3 tier.
+
+The control loop is single-threaded. It polls the ROUTER socket and the I/O workers' wake pipe,
+answers each request, and between batches sweeps expired reservations / leases and clients whose
+process is gone. A request that cannot be decoded or is invalid gets a typed ``Error`` answer;
+nothing a client sends can stop the loop.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+
+import msgspec
+import zmq
+
+from hicached import protocol as P
+from hicached.arena import Arena
+from hicached.backends.base import NullBackend, create_backend
+from hicached.config import DaemonConfig
+from hicached.controller import Controller, Session
+from hicached.errors import (
+    HicachedError,
+    ProtocolError,
+    ShuttingDown,
+    UnknownSession,
+    VersionMismatch,
+)
+from hicached.index import PageIndex
+from hicached.leases import LeaseTable
+from hicached.slabs import SlabAllocator
+from hicached.workers import IOWorkers
+
+log = logging.getLogger(__name__)
+
+SWEEP_INTERVAL_S = 0.5
+MAX_BATCH = 256  # requests handled before the loop looks at I/O completions and timers
+
+
+class Daemon:
+    """``Daemon(config).serve_forever()`` runs until ``stop()`` (or SIGTERM/SIGINT via ``run``)."""
+
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self._stop = threading.Event()
+        self._lock_fd = self._take_state_lock(config.state_dir)
+        self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.socket_mode)
+        try:
+            self.allocator = SlabAllocator(config.l2_size, config.slab_size)
+            self.index = PageIndex(self.allocator)
+            self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
+            if config.l3_backend == "none":
+                self.backend, self.workers = NullBackend(), None
+            else:
+                self.backend = create_backend(config.l3_backend, root=config.l3_dir)
+                self.backend.open(self.arena)
+                self.workers = IOWorkers(lambda: self.backend, config.io_queue_depth)
+            self.controller = Controller(self.index, self.leases, self.backend, self.workers,
+                                         time.monotonic)
+            self.ctx = zmq.Context()
+            self.sock = self._bind(config.endpoint)
+        except BaseException:
+            self.arena.close()
+            raise
+        self.requests = 0
+
+    # ------------------------------------------------------------ setup
+
+    @staticmethod
+    def _take_state_lock(state_dir: str) -> int:
+        os.makedirs(state_dir, exist_ok=True)
+        fd = os.open(os.path.join(state_dir, "hicached.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise HicachedError(
+                f"another hicached daemon already uses state dir {state_dir}") from None
+        return fd
+
+    def _bind(self, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if endpoint.startswith("ipc://"):
+            path = endpoint[len("ipc://"):]
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            if os.path.exists(path):
+                os.unlink(path)  # we hold the state lock: a leftover of a dead daemon
+            old = os.umask(0o777 & ~self.config.socket_mode)
+            try:
+                sock.bind(endpoint)
+            finally:
+                os.umask(old)
+        else:
+            sock.bind(endpoint)
+        return sock
+
+    def describe(self) -> str:
+        c = self.config
+        l3 = "none" if c.l3_backend == "none" else f"{c.l3_backend} at {c.l3_dir}"
+        return (f"hicached listening on {c.endpoint} (pid {os.getpid()}); "
+                f"arena {c.l2_size / 1024**3:.2f} GiB at {c.arena_path}; L3 {l3}")
+
+    # ------------------------------------------------------------ loop
+
+    def stop(self) -> None:
+        """Ask the loop to finish (thread- and signal-safe)."""
+        self._stop.set()
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if self.workers is not None:
+            poller.register(self.workers.wake_r, zmq.POLLIN)
+        next_sweep = time.monotonic() + SWEEP_INTERVAL_S
+        try:
+            while not self._stop.is_set():
+                timeout_ms = max(0, int((next_sweep - time.monotonic()) * 1000))
+                events = dict(poller.poll(min(timeout_ms, 200)))
+                if self.sock in events:
+                    self._drain_socket()
+                if self.workers is not None and self.workers.wake_r in events:
+                    self.controller.on_io_done()
+                now = time.monotonic()
+                if now >= next_sweep:
+                    self.leases.sweep(now)
+                    self.controller.reap_dead_sessions()
+                    next_sweep = now + SWEEP_INTERVAL_S
+            self._drain_for_shutdown()
+        finally:
+            self.close()
+
+    def _drain_socket(self) -> None:
+        for _ in range(MAX_BATCH):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self.requests += 1
+            if len(frames) != 2:
+                log.warning("dropping a message of %d frames (expected identity + payload)",
+                            len(frames))
+                if frames:
+                    self._send(frames[0], P.Error(0, ProtocolError.code,
+                                                  f"expected 1 payload frame, got {len(frames) - 1}"))
+                continue
+            self._handle(frames[0], frames[1])
+
+    def _send(self, identity: bytes, answer) -> None:
+        try:
+            self.sock.send_multipart([identity, P.encode(answer)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # peer gone or its queue full: its problem, not ours
+            log.debug("answer to a client dropped: %s", e)
+
+    def _handle(self, identity: bytes, payload: bytes) -> None:
+        req_id = 0
+        try:
+            try:
+                msg = P.request_decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise ProtocolError(f"malformed request ({len(payload)} bytes): {e}") from None
+            req_id = msg.req_id
+            answer = self._dispatch(identity, msg)
+        except HicachedError as e:
+            answer = P.Error(req_id, e.code, str(e))
+        except Exception as e:  # a bug must cost one request, never the daemon
+            log.exception("internal error handling a request")
+            answer = P.Error(req_id, "internal", f"{type(e).__name__}: {e}")
+        if answer is not None:
+            self._send(identity, answer)
+
+    def _session(self, sid: int) -> Session:
+        s = self.controller.sessions.get(sid)
+        if s is None:
+            raise UnknownSession(f"session {sid} unknown (daemon restarted?); handshake again")
+        return s
+
+    def _dispatch(self, identity: bytes, msg):
+        c = self.controller
+        match msg:
+            case P.Exists():
+                return c.exists(self._session(msg.session), msg)
+            case P.Lease():
+                return c.lease(self._session(msg.session), msg,
+                               lambda answer: self._send(identity, answer))
+            case P.Release():
+                s = c.sessions.get(msg.session)
+                if s is not None:
+                    c.release(s, msg.lease_ids)
+                return None
+            case P.Reserve():
+                if self._stop.is_set():
+                    raise ShuttingDown("daemon is shutting down; not accepting writes")
+                return c.reserve(self._session(msg.session), msg)
+            case P.Commit():
+                return c.commit(self._session(msg.session), msg)
+            case P.Hello():
+                if msg.version != P.PROTOCOL_VERSION:
+                    raise VersionMismatch(
+                        f"client speaks protocol {msg.version}, daemon {P.PROTOCOL_VERSION}")
+                s = c.open_session(msg)
+                log.info("session %d: pid %d %s namespace %r", s.id, s.pid, s.name, s.namespace)
+                return P.Welcome(msg.req_id, s.id, self.arena.path, self.arena.size_bytes,
+                                 os.getpid(), self.config.reservation_ttl_s,
+                                 self.config.lease_ttl_s)
+            case P.RegisterPool():
+                c.register_pool(self._session(msg.session), msg.pool, msg.page_bytes)
+                return P.Ok(msg.req_id)
+            case P.Bye():
+                c.close_session(msg.session)
+                return None
+            case P.Flush():
+                n = c.flush(msg.tier)
+                log.info("flushed %d pages (tier %s)", n, msg.tier)
+                return P.Ok(msg.req_id)
+            case P.GetStats():
+                return P.Stats(msg.req_id, {**c.stats(), "requests": self.requests})
+            case P.Ping():
+                return P.Ok(msg.req_id)
+        raise ProtocolError(f"unhandled message {type(msg).__name__}")
+
+    def _drain_for_shutdown(self, timeout_s: float = 10.0) -> None:
+        """Finish queued L3 writes (bounded) before the arena goes away."""
+        if self.workers is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while self.workers.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self.controller.on_io_done()
+        if self.workers.in_flight:
+            log.warning("%d L3 jobs unfinished at shutdown", self.workers.in_flight)
+
+    def close(self) -> None:
+        """Release everything the daemon owns. Safe to call twice."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if self.workers is not None:
+            self.workers.close()
+        self.backend.close()
+        self.sock.close(linger=0)
+        self.ctx.term()
+        ep = self.config.endpoint
+        if ep.startswith("ipc://"):
+            try:
+                os.unlink(ep[len("ipc://"):])
+            except FileNotFoundError:
+                pass
+        self.arena.close()
+        os.close(self._lock_fd)
+
+
+def run(config: DaemonConfig, ready=None) -> None:
+    """Run a daemon in the foreground until SIGTERM / SIGINT; print where it listens."""
+    daemon = Daemon(config)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: daemon.stop())
+    print(daemon.describe(), flush=True)
+    if ready is not None:
+        ready(daemon)
+    daemon.serve_forever()
+    print("hicached stopped", flush=True)

@@ -1,0 +1,117 @@
+"""Slot allocator: fixed-size slabs carved into equal slots, one size class per slot size.
+
+Pools of different models (different page sizes) share one arena. Each slot size gets its own
+slabs, so a class never fragments another; a slab whose last slot is freed goes back to the
+global free list and any class can take it. Slots of a fresh slab are handed out in ascending
+order, so a batch of pages usually lands in consecutive slots (the client coalesces those copies).
+
+    arena   |<----- slab_bytes ----->|<----- slab_bytes ----->| ...
+    slab k  | slot 0 | slot 1 | ...  | slot n-1 | (waste < stride)
+            ^ offset = k * slab_bytes + i * stride,   stride = round_up(page_bytes, ALIGN)
+
+This module only does bookkeeping; what to evict when ``alloc`` returns None is ``index.py``'s call.
+"""
+
+from __future__ import annotations
+
+from hicached.errors import ArenaError
+
+ALIGN = 64  # bytes; cache-line aligned slots, and a multiple of every dtype's itemsize
+
+
+def stride_for(page_bytes: int) -> int:
+    """Slot stride (bytes) for a page of ``page_bytes``."""
+    return -(-page_bytes // ALIGN) * ALIGN
+
+
+class Slab:
+    """One slab: its offset, its class (0 while free) and its free slot indices."""
+
+    __slots__ = ("index", "offset", "stride", "num_slots", "free", "pinned", "last_used")
+
+    def __init__(self, index: int, offset: int):
+        self.index = index
+        self.offset = offset
+        self.stride = 0
+        self.num_slots = 0
+        self.free: list[int] = []  # stack of free slot indices, lowest on top
+        self.pinned = 0  # entries in this slab that may not be evicted (owned by index.py)
+        self.last_used = 0.0  # newest access of any entry in this slab (owned by index.py)
+
+    @property
+    def used(self) -> int:
+        return self.num_slots - len(self.free)
+
+    def slot_offsets(self) -> range:
+        return range(self.offset, self.offset + self.num_slots * self.stride, self.stride)
+
+
+class SlabAllocator:
+    """Allocates slots of any size class from ``arena_bytes // slab_bytes`` slabs."""
+
+    def __init__(self, arena_bytes: int, slab_bytes: int):
+        if slab_bytes <= 0 or slab_bytes % ALIGN:
+            raise ArenaError(f"slab size must be a positive multiple of {ALIGN}, got {slab_bytes}")
+        if arena_bytes < slab_bytes:
+            raise ArenaError(f"arena of {arena_bytes} bytes holds no slab of {slab_bytes} bytes")
+        self.slab_bytes = slab_bytes
+        self.slabs = [Slab(i, i * slab_bytes) for i in range(arena_bytes // slab_bytes)]
+        self._free_slabs: list[Slab] = list(reversed(self.slabs))  # pop() -> lowest offset
+        self._partial: dict[int, dict[int, Slab]] = {}  # stride -> slabs with free slots
+
+    def check_page_bytes(self, page_bytes: int) -> int:
+        """Validate a page size; return its stride."""
+        stride = stride_for(page_bytes)
+        if page_bytes <= 0 or stride > self.slab_bytes:
+            raise ArenaError(
+                f"page of {page_bytes} bytes does not fit a slab of {self.slab_bytes} bytes "
+                "(raise slab_size in the config)"
+            )
+        return stride
+
+    def slab_of(self, offset: int) -> Slab:
+        return self.slabs[offset // self.slab_bytes]
+
+    @property
+    def free_slab_count(self) -> int:
+        return len(self._free_slabs)
+
+    def alloc(self, stride: int) -> int | None:
+        """A free slot's offset for class ``stride``, or None when the class and the free slab
+        list are both empty (the caller evicts and retries)."""
+        partial = self._partial.setdefault(stride, {})
+        if not partial:
+            if not self._free_slabs:
+                return None
+            slab = self._free_slabs.pop()
+            slab.stride = stride
+            slab.num_slots = self.slab_bytes // stride
+            slab.free = list(range(slab.num_slots - 1, -1, -1))
+            partial[slab.index] = slab
+        slab = next(iter(partial.values()))
+        slot = slab.free.pop()
+        if not slab.free:
+            del partial[slab.index]
+        return slab.offset + slot * stride
+
+    def free(self, offset: int) -> None:
+        """Return a slot; a slab left empty goes back to the global free list."""
+        slab = self.slab_of(offset)
+        rel = offset - slab.offset
+        if slab.stride == 0 or rel % slab.stride or rel // slab.stride >= slab.num_slots:
+            raise ArenaError(f"offset {offset} is not a slot of slab {slab.index}")
+        partial = self._partial[slab.stride]
+        slab.free.append(rel // slab.stride)
+        if len(slab.free) == slab.num_slots:
+            partial.pop(slab.index, None)
+            slab.stride = slab.num_slots = 0
+            slab.free = []
+            slab.last_used = 0.0
+            self._free_slabs.append(slab)
+            self._free_slabs.sort(key=lambda s: -s.offset)
+        else:
+            partial[slab.index] = slab
+
+    def used_bytes(self) -> int:
+        """Bytes in allocated slots (strides, not page bytes)."""
+        return sum(s.used * s.stride for s in self.slabs if s.stride)

@@ -1,0 +1,115 @@
+"""L3 I/O worker threads: the control loop never waits on a store.
+
+Two threads, one per direction, so a load someone is waiting for is never stuck behind a backlog
+of write-throughs. Each has a bounded queue: ``submit`` returns False when it is full (the
+controller then skips the write-through, or answers the load as a miss) instead of blocking the
+loop. Finished jobs go to one completion queue, and a byte on a pipe wakes the loop's poller.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IOJob:
+    """One batched backend call. ``result`` (one bool per key) is filled by the worker."""
+
+    kind: str  # "put" | "get"
+    ns: str
+    pool: str
+    keys: list[str]
+    offsets: list[int]
+    page_bytes: int
+    entries: list[Any]
+    result: list[bool] = field(default_factory=list)
+    waiters: list[Any] = field(default_factory=list)  # parked requests (owned by the controller)
+
+
+class IOWorkers:
+    """A writer and a reader thread calling ``backend.batch_put`` / ``batch_get``."""
+
+    def __init__(self, backend_of: Callable[[], Any], queue_depth: int = 256):
+        self._backend_of = backend_of
+        self.done: queue.SimpleQueue[IOJob] = queue.SimpleQueue()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        self._queues = {"put": queue.Queue(queue_depth), "get": queue.Queue(queue_depth)}
+        self._threads = [
+            threading.Thread(target=self._run, args=(kind,), name=f"hicached-l3-{kind}",
+                             daemon=True)
+            for kind in self._queues
+        ]
+        self.in_flight = 0  # submitted and not yet collected (control loop only)
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: IOJob) -> bool:
+        """Queue a job; False if that direction's queue is full."""
+        try:
+            self._queues[job.kind].put_nowait(job)
+        except queue.Full:
+            return False
+        self.in_flight += 1
+        return True
+
+    def _run(self, kind: str) -> None:
+        q = self._queues[kind]
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            backend = self._backend_of()
+            try:
+                fn = backend.batch_put if kind == "put" else backend.batch_get
+                job.result = list(fn(job.ns, job.pool, job.keys, job.offsets, job.page_bytes))
+                if len(job.result) != len(job.keys):
+                    raise RuntimeError(
+                        f"{backend.name}.batch_{kind} answered {len(job.result)} results "
+                        f"for {len(job.keys)} keys"
+                    )
+            except Exception:
+                log.exception("L3 %s of %d pages failed; treated as misses", kind, len(job.keys))
+                job.result = [False] * len(job.keys)
+            self.done.put(job)
+            try:
+                os.write(self.wake_w, b"x")
+            except OSError:
+                pass
+
+    def collect(self) -> list[IOJob]:
+        """Finished jobs (control loop)."""
+        try:
+            os.read(self.wake_r, 65536)
+        except BlockingIOError:
+            pass
+        jobs = []
+        while True:
+            try:
+                jobs.append(self.done.get_nowait())
+            except queue.Empty:
+                break
+        self.in_flight -= len(jobs)
+        return jobs
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Let queued jobs finish (up to ``timeout_s``), stop the threads; True if they ended."""
+        for kind, q in self._queues.items():
+            try:
+                q.put(None, timeout=timeout_s)
+            except queue.Full:
+                log.warning("L3 %s queue still full at shutdown", kind)
+        for t in self._threads:
+            t.join(timeout_s)
+        ended = not any(t.is_alive() for t in self._threads)
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+        return ended
