@@ -1,0 +1,51 @@
+"""Config precedence (flags > env > file > defaults), sizes, and errors naming the key."""
+
+import pytest
+
+from hicached.config import DaemonConfig, load_config, parse_size
+from hicached.errors import ConfigError
+
+
+def test_parse_size():
+    assert parse_size("4GiB") == 4 * 1024**3
+    assert parse_size("512MiB") == 512 * 1024**2
+    assert parse_size("1e9") == 10**9
+    assert parse_size(4096) == 4096
+    for bad in ("lots", "-1", 0, True, "4 parsecs"):
+        with pytest.raises(ConfigError):
+            parse_size(bad, "l2_size")
+
+
+def test_precedence(tmp_path):
+    f = tmp_path / "h.toml"
+    f.write_text('l2_size = "1GiB"\nlease_ttl_s = 5\nendpoint = "ipc:///tmp/from-file.sock"\n')
+    cfg = load_config(str(f), {"HICACHED_L2_SIZE": "2GiB", "HICACHED_LEASE_TTL_S": "7"},
+                      {"l2_size": "3GiB", "state_dir": str(tmp_path)})
+    assert cfg.l2_size == 3 * 1024**3  # flag beats env and file
+    assert cfg.lease_ttl_s == 7.0  # env beats file
+    assert cfg.endpoint == "ipc:///tmp/from-file.sock"  # file beats default
+    assert cfg.reservation_ttl_s == DaemonConfig.reservation_ttl_s
+    assert cfg.l3_dir == str(tmp_path / "l3")
+
+
+def test_hicached_section_and_unknown_key(tmp_path):
+    f = tmp_path / "h.toml"
+    f.write_text('[hicached]\nl2_sise = "1GiB"\n')
+    with pytest.raises(ConfigError, match="l2_sise"):
+        load_config(str(f), {}, {})
+
+
+def test_bad_values_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="lease_ttl_s"):
+        load_config(None, {}, {"lease_ttl_s": "soon", "state_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="l3_backend"):
+        load_config(None, {}, {"l3_backend": "tape", "state_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="l2_size"):
+        load_config(None, {}, {"l2_size": "1MiB", "state_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="endpoint"):
+        load_config(None, {}, {"endpoint": "http://x", "state_dir": str(tmp_path)})
+
+
+def test_shipped_config_file_loads(tmp_path):
+    cfg = load_config("configs/hicached.toml", {}, {"state_dir": str(tmp_path)})
+    assert cfg.l2_size == DaemonConfig.l2_size

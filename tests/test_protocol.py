@@ -1,0 +1,59 @@
+"""Every Struct round-trips; malformed frames raise typed decode errors."""
+
+import msgspec
+import pytest
+
+from hicached import protocol as P
+
+REQUESTS = [
+    P.Hello(1, P.PROTOCOL_VERSION, "ns", 123, "engine"),
+    P.RegisterPool(2, 7, "kv", 4096),
+    P.Exists(3, 7, ["a", "b"], [P.PoolQuery("mamba", "trailing_pages", 1)]),
+    P.Exists(3, 7, ["a"]),
+    P.Reserve(4, 7, [P.PoolKeys("kv", ["a"]), P.PoolKeys("mamba", ["a"])]),
+    P.Commit(5, 7, 11, [[True], [False]]),
+    P.Commit(5, 7, 11, abort=True),
+    P.Lease(6, 7, [P.PoolKeys("kv", ["a", "b"])]),
+    P.Release(0, 7, [1, 2]),
+    P.Bye(0, 7),
+    P.Flush(8, "all"),
+    P.GetStats(9),
+    P.Ping(10),
+]
+ANSWERS = [
+    P.Welcome(1, 7, "/dev/shm/x", 1 << 30, 99, 30.0, 30.0),
+    P.Ok(2),
+    P.ExistsResult(3, 2, {"kv": 2, "mamba": 2}, [2]),
+    P.Reserved(4, 11, [[0, P.SLOT_PRESENT], [P.SLOT_NO_SPACE, P.SLOT_INFLIGHT]]),
+    P.Committed(5, [[True], [False]]),
+    P.Leased(6, 12, [[4096, P.SLOT_MISS]]),
+    P.Stats(9, {"l2_pages": 3, "l3": {"pages": 1}}),
+    P.Error(7, "unknown_pool", "pool 'x'"),
+]
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)
+def test_request_roundtrip(msg):
+    assert P.request_decoder.decode(P.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", ANSWERS, ids=lambda m: type(m).__name__)
+def test_answer_roundtrip(msg):
+    assert P.answer_decoder.decode(P.encode(msg)) == msg
+
+
+def test_answers_are_not_requests():
+    with pytest.raises(msgspec.ValidationError):
+        P.request_decoder.decode(P.encode(P.Ok(1)))
+
+
+@pytest.mark.parametrize("raw", [b"", b"\xc1", b"garbage", msgspec.msgpack.encode(["hello", 1])])
+def test_malformed_frames_raise(raw):
+    with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+        P.request_decoder.decode(raw)
+
+
+def test_wrong_field_type_raises():
+    raw = msgspec.msgpack.encode(["register_pool", 1, 7, "kv", "not-an-int"])
+    with pytest.raises(msgspec.ValidationError):
+        P.request_decoder.decode(raw)
