@@ -75,8 +75,14 @@ class Client:
         self._closed = False
         self.session = 0
         self.arena: Arena | None = None
-        with self._lock:
-            self._handshake()
+        try:
+            with self._lock:
+                self._handshake()
+        except BaseException:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+            self._ctx.term()
+            raise
 
     # ------------------------------------------------------------ connection
 

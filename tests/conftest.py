@@ -23,3 +23,101 @@ def arena(shm_path):
     a = Arena.create(shm_path, 1 << 20)
     yield a
     a.close()
+
+
+# ---------------------------------------------------------------- real daemons
+
+import signal
+import subprocess
+import sys
+import time
+
+from hicached.client import Client
+from hicached.config import load_config
+from hicached.errors import DaemonUnavailable
+
+
+class DaemonProc:
+    """A real ``hicached serve`` process on an ipc:// socket in a temp dir."""
+
+    def __init__(self, tmp, name="d", l2_size="16MiB", slab_size="1MiB", extra=(), state=None):
+        self.tmp = tmp
+        self.endpoint = f"ipc://{tmp}/{name}.sock"
+        self.state_dir = str(state or tmp / f"{name}-state")
+        self.args = ["--endpoint", self.endpoint, "--l2-size", l2_size, "--state-dir",
+                     self.state_dir, "--slab-size", slab_size, *extra]
+        self.cfg = load_config(None, {}, {"state_dir": self.state_dir})
+        self.log = open(tmp / f"{name}.log", "ab")
+        self.proc = None
+
+    def start(self, timeout_s=30.0):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hicached.cli", "serve", *self.args],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.output()}")
+            try:
+                with Client(self.endpoint, "probe", timeout_s=1.0) as c:
+                    c.ping()
+                return self
+            except DaemonUnavailable:
+                time.sleep(0.05)
+        raise RuntimeError(f"daemon did not come up: {self.output()}")
+
+    def output(self):
+        self.log.flush()
+        with open(self.log.name, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def client(self, namespace="model-a", **kw):
+        return Client(self.endpoint, namespace, **kw)
+
+    def stop(self, sig=signal.SIGTERM, timeout_s=20.0):
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def cleanup(self):
+        self.stop()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            os.unlink(self.cfg.arena_path)  # left behind only by a SIGKILLed daemon
+        except FileNotFoundError:
+            pass
+        self.log.close()
+
+
+@pytest.fixture
+def make_daemon(tmp_path):
+    made = []
+
+    def make(**kw):
+        d = DaemonProc(tmp_path, **kw)
+        made.append(d)
+        return d.start()
+
+    yield make
+    for d in made:
+        d.cleanup()
+
+
+@pytest.fixture
+def daemon(make_daemon):
+    return make_daemon()
+
+
+def run_client_proc(script: str, *args: str, timeout_s: float = 60.0) -> str:
+    """Run ``script`` in a fresh Python process; returns its stdout (raises on failure)."""
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                         timeout=timeout_s)
+    if out.returncode != 0:
+        raise AssertionError(f"client process failed ({out.returncode}):\n{out.stderr}")
+    return out.stdout

@@ -1,0 +1,394 @@
+"""Integration: real daemons on ipc:// sockets, real clients, several processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from hicached import HostPool, PoolHitPolicy, PoolName, PoolTransfer
+from hicached.errors import DaemonUnavailable, LengthMismatch, PageSizeMismatch, UnknownPool
+
+from conftest import run_client_proc
+
+PAGE = 4  # tokens per KV page
+
+
+def kv_pool(num_pages=32, seed=None):
+    pool = HostPool.allocate_mha(num_pages, PAGE, layers=2, heads=2, head_dim=8,
+                                 layout="page_first", dtype=torch.float32)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g))
+    return pool
+
+
+def mamba_pool(num_slots=8, seed=None):
+    pool = HostPool.allocate_mamba(num_slots, 2, (2, 4), [(3, 4)])
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for b in pool.buffers:
+            b.copy_(torch.randn(b.shape, generator=g).to(b.dtype))
+    return pool
+
+
+def indexer_pool(num_pages=32, seed=None):
+    pool = HostPool.allocate_indexer(num_pages, PAGE, layers=2, page_elems=16)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        pool.buffers[0].copy_(torch.randint(0, 255, pool.buffers[0].shape, generator=g))
+    return pool
+
+
+def pages(start, n):
+    """Token indices of n KV pages starting at page ``start``."""
+    return torch.arange(start * PAGE, (start + n) * PAGE)
+
+
+def kv_tokens(pool, start, n):
+    return pool.kv_buffer[:, start * PAGE:(start + n) * PAGE]
+
+
+def test_set_get_roundtrip_three_pools(daemon):
+    keys = [f"k{i}" for i in range(6)]
+    with daemon.client() as w, daemon.client() as r:
+        src = {"kv": kv_pool(seed=1), "mamba": mamba_pool(seed=2), "indexer": indexer_pool(seed=3)}
+        dst = {"kv": kv_pool(), "mamba": mamba_pool(), "indexer": indexer_pool()}
+        for name in src:
+            w.register_mem_host_pool_v2(src[name], name)
+            r.register_mem_host_pool_v2(dst[name], name)
+        res = w.batch_set_v2([
+            PoolTransfer(PoolName.KV, pages(0, 6), keys=keys),
+            PoolTransfer(PoolName.MAMBA, torch.tensor([5]), keys=keys[5:],
+                         hit_policy=PoolHitPolicy.TRAILING_PAGES),
+            PoolTransfer(PoolName.INDEXER, pages(0, 6), keys=keys),
+        ])
+        assert res == {"kv": [True] * 6, "mamba": [True], "indexer": [True] * 6}
+        # read into other host slots: KV pages 10..15, mamba slot 2
+        got = r.batch_get_v2([
+            PoolTransfer(PoolName.KV, pages(10, 6), keys=keys),
+            PoolTransfer(PoolName.MAMBA, torch.tensor([2]), keys=keys[5:]),
+            PoolTransfer(PoolName.INDEXER, pages(10, 6), keys=keys),
+        ])
+        assert got == {"kv": [True] * 6, "mamba": [True], "indexer": [True] * 6}
+        assert torch.equal(kv_tokens(dst["kv"], 10, 6), kv_tokens(src["kv"], 0, 6))
+        for a, b in zip(dst["mamba"].buffers, src["mamba"].buffers):
+            assert torch.equal(a[2], b[5])
+        assert torch.equal(dst["indexer"].buffers[0][10:16], src["indexer"].buffers[0][0:6])
+        # second set of the same keys: present, nothing copied
+        assert w.batch_set_v1(keys, pages(0, 6)) == [True] * 6
+        st = w.stats()
+        assert st["l2_pages_by_pool"] == {"kv": 6, "mamba": 1, "indexer": 6}
+        assert st["leases"] == 0 or st["leases"] == 1  # release is asynchronous
+
+
+def test_v1_calls_and_partial_miss(daemon):
+    with daemon.client() as c:
+        src, dst = kv_pool(seed=4), kv_pool()
+        c.register_mem_pool_host(src)
+        assert c.batch_set_v1(["a", "b"], pages(0, 2)) == [True, True]
+        assert c.batch_exists(["a", "b", "c"]) == 2
+        c.register_mem_pool_host(dst)  # the same pool name, re-registered: same geometry
+        assert c.batch_get_v1(["a", "x", "b"], pages(3, 3)) == [True, False, True]
+        assert torch.equal(kv_tokens(dst, 3, 1), kv_tokens(src, 0, 1))
+        assert torch.equal(kv_tokens(dst, 5, 1), kv_tokens(src, 1, 1))
+        assert kv_tokens(dst, 4, 1).abs().sum() == 0
+
+
+def test_exists_v2_trailing_holes_through_daemon(daemon):
+    keys = [f"p{i}" for i in range(5)]
+    with daemon.client() as c:
+        kv, mb, ix = kv_pool(seed=5), mamba_pool(seed=6), indexer_pool(seed=7)
+        c.register_mem_host_pool_v2(kv, "kv")
+        c.register_mem_host_pool_v2(mb, "mamba")
+        c.register_mem_host_pool_v2(ix, "indexer")
+        c.batch_set_v2([PoolTransfer("kv", pages(0, 5), keys=keys),
+                        PoolTransfer("indexer", pages(0, 4), keys=keys[:4])])
+        # Mamba states only at pages 1 and 3 (a tombstone at 2, nothing at 4)
+        c.batch_set_v2([PoolTransfer("mamba", torch.tensor([0, 1]), keys=[keys[1], keys[3]])])
+        res = c.batch_exists_v2(keys, [
+            PoolTransfer("mamba", keys=keys[:1], hit_policy="trailing_pages"),
+            PoolTransfer("indexer", keys=keys, hit_policy="all_pages"),
+        ])
+        assert res.kv_hit_pages == 4
+        assert res.restorable_prefix_pages == [2, 4]
+        assert res.extra_pool_hit_pages == {"kv": 5, "mamba": 4, "indexer": 4}
+        # trailing window 2 for mamba: needs pages L-2, L-1
+        res2 = c.batch_exists_v2(keys, [PoolTransfer("mamba", keys=keys[:2],
+                                                     hit_policy="trailing_pages")])
+        assert res2.kv_hit_pages == 0 and res2.restorable_prefix_pages == []
+
+
+def _proc_script(body):
+    return (
+        "import sys, json, torch\n"
+        "sys.path.insert(0, %r)\n"
+        "from test_daemon import *\n"
+        "from hicached import Client\n" % os.path.dirname(__file__)
+    ) + body
+
+
+WRITER = _proc_script("""
+c = Client(sys.argv[1], sys.argv[2])
+kv = kv_pool(seed=11)
+c.register_mem_host_pool_v2(kv, 'kv')
+keys = [f'shared{i}' for i in range(8)]
+print(json.dumps(c.batch_set_v2([PoolTransfer('kv', pages(0, 8), keys=keys)])['kv']))
+c.close()
+""")
+
+READER = _proc_script("""
+c = Client(sys.argv[1], sys.argv[2])
+kv = kv_pool()
+c.register_mem_host_pool_v2(kv, 'kv')
+keys = [f'shared{i}' for i in range(8)]
+n = c.batch_exists(keys)
+got = c.batch_get_v2([PoolTransfer('kv', pages(0, 8), keys=keys)])['kv']
+same = torch.equal(kv.kv_buffer[:, :32], kv_pool(seed=11).kv_buffer[:, :32])
+print(json.dumps({'exists': n, 'got': got, 'same': same}))
+c.close()
+""")
+
+
+def test_processes_share_l2_within_a_namespace_only(daemon):
+    assert json.loads(run_client_proc(WRITER, daemon.endpoint, "model-a")) == [True] * 8
+    same_ns = json.loads(run_client_proc(READER, daemon.endpoint, "model-a"))
+    assert same_ns == {"exists": 8, "got": [True] * 8, "same": True}
+    other_ns = json.loads(run_client_proc(READER, daemon.endpoint, "model-b"))
+    assert other_ns == {"exists": 0, "got": [False] * 8, "same": False}
+
+
+HOLD_RESERVATION = _proc_script("""
+from hicached import protocol as P
+c = Client(sys.argv[1], 'model-a')
+c.register_mem_host_pool_v2(kv_pool(), 'kv')
+c.register_mem_host_pool_v2(mamba_pool(), 'mamba')
+res = c._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys('kv', ['h0', 'h1']),
+                                             P.PoolKeys('mamba', ['h1'])]))
+print(json.dumps(res.offsets), flush=True)
+import time; time.sleep(600)
+""")
+
+
+@pytest.fixture
+def spawn():
+    """Start a client process that prints one JSON line, then keeps running."""
+    procs = []
+
+    def start(script, *args):
+        p = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        procs.append(p)
+        line = p.stdout.readline()
+        if not line:
+            raise AssertionError(p.stderr.read())
+        return p, json.loads(line)
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        p.stderr.close()
+
+
+def _wait(pred, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+def test_sigkill_between_reserve_and_commit_leaves_nothing(daemon, spawn):
+    p, offsets = spawn(HOLD_RESERVATION, daemon.endpoint)
+    assert all(o >= 0 for row in offsets for o in row)
+    with daemon.client() as c:
+        c.register_mem_host_pool_v2(kv_pool(), "kv")
+        assert c.stats()["reservations"] == 1
+        assert c.batch_exists(["h0", "h1"]) == 0  # pending pages are invisible
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert _wait(lambda: c.stats()["reservations"] == 0)
+        st = c.stats()
+        assert st["l2_pages"] == 0 and st["l2_used_bytes"] == 0
+        assert c.batch_exists(["h0", "h1"]) == 0
+
+
+def test_stalled_client_reservation_expires_after_ttl(make_daemon, spawn):
+    d = make_daemon(extra=["--reservation-ttl-s", "1"])
+    spawn(HOLD_RESERVATION, d.endpoint)  # alive, never commits
+    with d.client() as c:
+        assert c.stats()["reservations"] == 1
+        assert _wait(lambda: c.stats()["expired_reservations"] == 1, 5)
+        st = c.stats()
+        assert st["reservations"] == 0 and st["l2_used_bytes"] == 0
+
+
+HOLD_LEASE = _proc_script("""
+from hicached import protocol as P
+c = Client(sys.argv[1], 'model-a')
+c.register_mem_host_pool_v2(kv_pool(seed=1), 'kv')
+c.batch_set_v1(['l0'], pages(0, 1))
+res = c._call(lambda s, r: P.Lease(r, s, [P.PoolKeys('kv', ['l0'])]))
+print(json.dumps(res.lease_id), flush=True)
+import time; time.sleep(600)
+""")
+
+
+def test_sigkill_while_holding_lease_makes_page_evictable(make_daemon, spawn):
+    d = make_daemon(l2_size="1MiB", slab_size="1MiB", extra=["--l3-backend", "none"])
+    p, lease_id = spawn(HOLD_LEASE, d.endpoint)
+    assert lease_id > 0
+    with d.client() as c:
+        kv = kv_pool(num_pages=512, seed=3)
+        c.register_mem_host_pool_v2(kv, "kv")
+        assert c.stats()["leases"] == 1
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert _wait(lambda: c.stats()["leases"] == 0)
+        # the arena holds 1MiB / 256B = 4096 slots; fill it: the formerly leased page must go
+        keys = [f"fill{i}" for i in range(4096)]
+        assert all(c.batch_set_v1(keys[:512], pages(0, 512)))
+        for start in range(512, 4096, 512):
+            c.batch_set_v1(keys[start:start + 512], pages(0, 512))
+        assert c.batch_exists(["l0"]) == 0
+        assert c.stats()["evictions"] >= 1
+
+
+def test_full_arena_answers_no_space_and_corrupts_nothing(make_daemon):
+    d = make_daemon(l2_size="64KiB", slab_size="64KiB", extra=["--l3-backend", "none"])
+    with d.client() as c:
+        src = kv_pool(num_pages=300, seed=9)
+        c.register_mem_host_pool_v2(src, "kv")  # page = 2*4*2*2*8*4 = 1 KiB -> 64 slots
+        from hicached import protocol as P
+        keys = [f"f{i}" for i in range(64)]
+        assert c.batch_set_v1(keys, pages(0, 64)) == [True] * 64
+        lease = c._call(lambda s, r: P.Lease(r, s, [P.PoolKeys("kv", keys)]))  # pin them all
+        assert c.batch_set_v1(["more0", "more1"], pages(100, 2)) == [False, False]
+        assert c.stats()["no_space"] == 2
+        c._send_only(P.Release(0, c.session, [lease.lease_id]))
+        dst = kv_pool(num_pages=300)
+        c.register_mem_host_pool_v2(dst, "kv")
+        assert c.batch_get_v1(keys, pages(0, 64)) == [True] * 64
+        assert torch.equal(kv_tokens(dst, 0, 64), kv_tokens(src, 0, 64))
+        # unpinned now: new pages evict the oldest
+        assert c.batch_set_v1(["more0"], pages(100, 1)) == [True]
+
+
+def test_namespaces_with_different_page_sizes_share_the_arena(make_daemon):
+    d = make_daemon(l2_size="256KiB", slab_size="64KiB", extra=["--l3-backend", "none"])
+    with d.client("small") as a, d.client("big") as b:
+        small = kv_pool(num_pages=600, seed=1)  # 1 KiB pages
+        big = HostPool.allocate_mha(64, 16, layers=2, heads=2, head_dim=8, layout="page_first",
+                                    dtype=torch.float32)  # 4 KiB pages
+        a.register_mem_host_pool_v2(small, "kv")
+        b.register_mem_host_pool_v2(big, "kv")
+        assert all(a.batch_set_v1([f"s{i}" for i in range(256)], pages(0, 256)))  # fills it all
+        assert all(b.batch_set_v1([f"b{i}" for i in range(16)], torch.arange(0, 256)))
+        st = a.stats()
+        assert st["l2_pages_by_pool"]["kv"] == 256 - 64 + 16  # one 64 KiB slab reclaimed
+        assert a.batch_exists([f"s{i}" for i in range(256)]) == 0  # oldest slab went first
+        assert b.batch_exists([f"b{i}" for i in range(16)]) == 16
+        assert a.batch_exists([f"s{i}" for i in range(64, 256)]) == 192
+
+
+def test_bad_input_gets_typed_errors(daemon):
+    with daemon.client() as c:
+        c.register_mem_host_pool_v2(kv_pool(), "kv")
+        with pytest.raises(UnknownPool):
+            c.batch_get_v2([PoolTransfer("swa", pages(0, 1), keys=["a"])])
+        with pytest.raises(LengthMismatch):
+            c.batch_set_v1(["a", "b"], pages(0, 1))
+        with daemon.client() as other:
+            with pytest.raises(PageSizeMismatch):
+                other.register_mem_host_pool_v2(
+                    HostPool.allocate_mha(8, 8, layers=2, heads=2, head_dim=8,
+                                          dtype=torch.float32), "kv")
+        from hicached import protocol as P
+        with pytest.raises(UnknownPool):
+            c._call(lambda s, r: P.Exists(r, s, ["a"], [P.PoolQuery("mamba", "all_pages")]))
+        c.register_mem_host_pool_v2(mamba_pool(), "mamba")
+        from hicached.errors import ProtocolError
+        with pytest.raises(ProtocolError, match="hit policy"):
+            c._call(lambda s, r: P.Exists(r, s, ["a"], [P.PoolQuery("mamba", "sometimes")]))
+        assert c.batch_set_v1(["ok"], pages(0, 1)) == [True]  # still serving
+
+
+def test_malformed_frames_and_wrong_version(daemon):
+    import zmq
+
+    from hicached import protocol as P
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.connect(daemon.endpoint)
+    try:
+        for junk in (b"", b"\xc1\xc1", b"not msgpack at all", P.encode(P.Ok(3))):
+            s.send(junk)
+            ans = P.answer_decoder.decode(s.recv())
+            assert isinstance(ans, P.Error) and ans.code == "malformed"
+        s.send_multipart([b"two", b"frames"])
+        assert P.answer_decoder.decode(s.recv()).code == "malformed"
+        s.send(P.encode(P.Hello(9, 999, "ns", os.getpid())))
+        ans = P.answer_decoder.decode(s.recv())
+        assert ans.code == "version_mismatch" and ans.req_id == 9
+        s.send(P.encode(P.Exists(10, 12345, ["a"])))
+        assert P.answer_decoder.decode(s.recv()).code == "unknown_session"
+    finally:
+        s.close()
+        ctx.term()
+    with daemon.client() as c:
+        c.ping()  # others unaffected
+
+
+def test_unreachable_daemon_fails_fast(tmp_path, daemon):
+    t = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match="no daemon socket"):
+        from hicached import Client
+        Client(f"ipc://{tmp_path}/nobody.sock", "ns")
+    assert time.monotonic() - t < 1.0
+    c = daemon.client(timeout_s=0.5)
+    daemon.proc.send_signal(signal.SIGSTOP)  # alive but not answering
+    try:
+        t = time.monotonic()
+        with pytest.raises(DaemonUnavailable, match="within 0.5s"):
+            c.ping()
+        assert time.monotonic() - t < 2.0
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    c.ping()  # recovers once the daemon answers again
+    c.close()
+
+
+def test_threads_share_one_client(daemon):
+    with daemon.client() as c:
+        src, dst = kv_pool(num_pages=64, seed=21), kv_pool(num_pages=64)
+        c.register_mem_host_pool_v2(src, "kv")
+        errors = []
+
+        def work(t):
+            try:
+                for rnd in range(10):
+                    keys = [f"t{t}-{rnd}-{i}" for i in range(4)]
+                    assert c.batch_set_v1(keys, pages(t * 8, 4)) == [True] * 4
+                    assert c.batch_exists(keys) == 4
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors
+        c.register_mem_host_pool_v2(dst, "kv")
+        assert c.batch_get_v1([f"t2-9-{i}" for i in range(4)], pages(0, 4)) == [True] * 4
+        assert torch.equal(kv_tokens(dst, 0, 4), kv_tokens(src, 16, 4))
