@@ -1,0 +1,93 @@
+"""L2 -> L3 write-through, L3 loads on L2 miss, and a restarted daemon finding its pages."""
+
+import os
+import time
+
+import torch
+
+from hicached import PoolTransfer
+
+from test_daemon import kv_pool, kv_tokens, mamba_pool, pages
+
+
+def _wait(pred, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+def _page_files(state_dir):
+    return [f for _, _, fs in os.walk(os.path.join(state_dir, "l3")) for f in fs]
+
+
+def test_write_through_then_l3_hit_after_l2_flush(daemon):
+    keys = [f"w{i}" for i in range(8)]
+    with daemon.client() as c:
+        src, dst = kv_pool(seed=31), kv_pool()
+        msrc, mdst = mamba_pool(seed=32), mamba_pool()
+        c.register_mem_host_pool_v2(src, "kv")
+        c.register_mem_host_pool_v2(msrc, "mamba")
+        c.batch_set_v2([PoolTransfer("kv", pages(0, 8), keys=keys),
+                        PoolTransfer("mamba", torch.tensor([4]), keys=keys[7:])])
+        assert _wait(lambda: c.stats()["l3_writes"] == 9)
+        assert sorted(_page_files(daemon.state_dir)) == sorted(keys + keys[7:])
+        c.flush("l2")
+        assert c.stats()["l2_pages"] == 0
+        # exists consults L3 after L2
+        assert c.batch_exists_v2(keys, [PoolTransfer("mamba", keys=keys[:1],
+                                                     hit_policy="trailing_pages")]
+                                 ).kv_hit_pages == 8
+        c.register_mem_host_pool_v2(dst, "kv")
+        c.register_mem_host_pool_v2(mdst, "mamba")
+        got = c.batch_get_v2([PoolTransfer("kv", pages(20, 8), keys=keys),
+                              PoolTransfer("mamba", torch.tensor([1]), keys=keys[7:])])
+        assert got == {"kv": [True] * 8, "mamba": [True]}
+        assert torch.equal(kv_tokens(dst, 20, 8), kv_tokens(src, 0, 8))
+        for a, b in zip(mdst.buffers, msrc.buffers):
+            assert torch.equal(a[1], b[4])
+        st = c.stats()
+        assert st["l2_pages"] == 9  # loaded pages are L2 pages again
+        assert st["l3_writes"] == 9  # and were not written back a second time
+
+
+def test_restarted_daemon_finds_its_pages(make_daemon, tmp_path):
+    d1 = make_daemon(name="first")
+    keys = [f"r{i}" for i in range(4)]
+    src = kv_pool(seed=41)
+    with d1.client() as c:
+        c.register_mem_host_pool_v2(src, "kv")
+        assert c.batch_set_v1(keys, pages(0, 4)) == [True] * 4
+        assert _wait(lambda: c.stats()["l3_writes"] == 4)
+    assert d1.stop() == 0
+    d2 = make_daemon(name="second", state=d1.state_dir)
+    with d2.client() as c:
+        dst = kv_pool()
+        c.register_mem_host_pool_v2(dst, "kv")
+        assert c.stats()["l2_pages"] == 0
+        assert c.batch_exists(keys) == 4
+        assert c.batch_get_v1(keys, pages(8, 4)) == [True] * 4
+        assert torch.equal(kv_tokens(dst, 8, 4), kv_tokens(src, 0, 4))
+    with d2.client("another-model") as c:
+        c.register_mem_host_pool_v2(kv_pool(), "kv")
+        assert c.batch_exists(keys) == 0
+
+
+def test_client_rejoins_a_restarted_daemon(make_daemon):
+    d = make_daemon()
+    c = d.client()
+    src = kv_pool(seed=51)
+    c.register_mem_host_pool_v2(src, "kv")
+    assert c.batch_set_v1(["x0", "x1"], pages(0, 2)) == [True, True]
+    assert _wait(lambda: c.stats()["l3_writes"] == 2)
+    assert d.stop() == 0
+    d.start()
+    # the old session is gone: the client handshakes again, maps the new arena, re-registers
+    assert c.batch_exists(["x0", "x1"]) == 2
+    dst = kv_pool()
+    c.register_mem_host_pool_v2(dst, "kv")
+    assert c.batch_get_v1(["x0", "x1"], pages(4, 2)) == [True, True]
+    assert torch.equal(kv_tokens(dst, 4, 2), kv_tokens(src, 0, 2))
+    c.close()
