@@ -17,6 +17,7 @@ not the minimum of per-pool prefixes, which may name an endpoint a trailing pool
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
 
 from hicached.types import PoolHitPolicy
 
@@ -26,12 +27,11 @@ TRAILING = PoolHitPolicy.TRAILING_PAGES.value
 
 def leading_run(exists: Sequence[bool]) -> int:
     """Number of leading True values."""
-    n = 0
-    for e in exists:
-        if not e:
-            break
-        n += 1
-    return n
+    exists = list(exists)
+    try:
+        return exists.index(False)
+    except ValueError:
+        return len(exists)
 
 
 def restorable_endpoints(exists: Sequence[bool], policy: str, window: int, limit: int) -> list[int]:
@@ -43,7 +43,8 @@ def restorable_endpoints(exists: Sequence[bool], policy: str, window: int, limit
         return list(range(1, leading_run(exists[:limit]) + 1))
     if policy != TRAILING:
         raise ValueError(f"unknown hit policy {policy!r}; valid: {[ALL, TRAILING]}")
-    window = max(1, window)
+    if window <= 1:  # the common Mamba case, at C speed
+        return list(compress(range(1, limit + 1), exists[:limit]))
     out: list[int] = []
     run = 0  # consecutive present pages ending at L-1
     for length in range(1, limit + 1):
@@ -60,17 +61,31 @@ def intersect_endpoints(
 
     ``pools``: (name, policy, window, exists-per-page over at least ``kv_pages`` pages).
     Returns (kv_hit_pages, per-pool hit pages, restorable endpoints ascending). Per-pool hits follow
-    SGLang: the pool's own largest restorable endpoint, reported only when > 0; the anchor's entry
-    is ``kv_pages`` when > 0.
+    SGLang: the pool's own largest restorable endpoint, reported only when > 0 (the caller adds
+    the anchor's own entry).
+
+    ALL_PAGES sets are prefixes {1..b}, so they intersect as a bound; only TRAILING_PAGES sets,
+    which have holes, are intersected as sets, and only below that bound.
     """
-    common = set(range(1, kv_pages + 1))
     hits: dict[str, int] = {}
+    bound = kv_pages
+    trailing = []
     for name, policy, window, exists in pools:
-        ends = restorable_endpoints(exists, policy, window, kv_pages)
+        if policy == ALL:
+            b = leading_run(exists[:kv_pages])
+            if b:
+                hits[name] = b
+            bound = min(bound, b)
+        elif policy == TRAILING:
+            trailing.append((name, window, exists))
+        else:
+            raise ValueError(f"unknown hit policy {policy!r}; valid: {[ALL, TRAILING]}")
+    common: list[int] | None = None
+    for name, window, exists in trailing:
+        ends = restorable_endpoints(exists, TRAILING, window, kv_pages)
         if ends:
             hits[name] = ends[-1]
-        common.intersection_update(ends)
-        if not common:
-            break
-    restorable = sorted(common)
+        below = [e for e in ends if e <= bound] if ends and ends[-1] > bound else ends
+        common = below if common is None else sorted(set(common).intersection(below))
+    restorable = list(range(1, bound + 1)) if common is None else common
     return (restorable[-1] if restorable else 0), hits, restorable

@@ -1,0 +1,164 @@
+"""L2 benchmark: batch_set_v2 / batch_get_v2 bandwidth vs memcpy of the same bytes, exists latency.
+
+Starts its own daemon (L3 off, so only the L2 path is measured) on an ipc socket in a temp dir,
+and measures side by side in one run:
+  memcpy   torch copy_ of the same bytes between two pre-faulted buffers
+  set      batch_set_v2 of 64 pages of 1 MiB (reserve -> copy into the arena -> commit)
+  get      batch_get_v2 of the same 64 pages (lease -> copy out -> release)
+  exists   batch_exists_v2 of 1024 keys over 3 pools (kv, mamba trailing, indexer), p50 / p99
+Targets (issue 2): get >= 0.85 x memcpy, set >= 0.80 x memcpy, exists p50 <= 0.3 ms.
+
+    python tools/bench_l2.py [--reps 20] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from hicached import Client, HostPool, PoolTransfer
+from hicached.errors import DaemonUnavailable
+
+PAGES, PAGE_SIZE, LAYERS, KV_DIM = 64, 64, 16, 512  # MLA bf16: 64*16*512*2 = 1 MiB a page
+
+
+def start_daemon(tmp: str, l2_size: str) -> tuple[subprocess.Popen, str]:
+    endpoint = f"ipc://{tmp}/bench.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hicached.cli", "serve", "--endpoint", endpoint, "--l2-size",
+         l2_size, "--state-dir", f"{tmp}/state", "--l3-backend", "none", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with Client(endpoint, "probe", timeout_s=1.0) as c:
+                c.ping()
+            return proc, endpoint
+        except DaemonUnavailable:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("daemon did not start")
+
+
+def gbps(nbytes: int, seconds: list[float]) -> dict:
+    rates = [nbytes / s / 1e9 for s in seconds]
+    return {"median": statistics.median(rates), "best": max(rates)}
+
+
+def bench_memcpy(nbytes: int, reps: int) -> dict:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    dst.copy_(src)  # fault in
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return gbps(nbytes, times)
+
+
+def bench_set_get(endpoint: str, reps: int) -> tuple[dict, dict, int]:
+    with Client(endpoint, "bench-1mib") as c:
+        src = HostPool.allocate_mla(PAGES, PAGE_SIZE, LAYERS, KV_DIM, dtype=torch.bfloat16)
+        src.kv_buffer.normal_()
+        dst = HostPool.allocate_mla(PAGES, PAGE_SIZE, LAYERS, KV_DIM, dtype=torch.bfloat16)
+        dst.kv_buffer.fill_(1)  # fault in
+        c.register_mem_host_pool_v2(src, "kv")
+        idx = torch.arange(PAGES * PAGE_SIZE)
+        nbytes = PAGES * src.page_bytes
+        set_t = []
+        for rep in range(reps + 1):
+            keys = [f"set-{rep}-{i}" for i in range(PAGES)]
+            t = time.perf_counter()
+            res = c.batch_set_v2([PoolTransfer("kv", idx, keys=keys)])
+            dt = time.perf_counter() - t
+            assert all(res["kv"]), res
+            if rep:
+                set_t.append(dt)  # rep 0 warms up
+        c.register_mem_host_pool_v2(dst, "kv")
+        get_t = []
+        for rep in range(reps + 1):
+            t = time.perf_counter()
+            res = c.batch_get_v2([PoolTransfer("kv", idx, keys=keys)])
+            dt = time.perf_counter() - t
+            assert all(res["kv"]), res
+            if rep:
+                get_t.append(dt)
+        assert torch.equal(dst.kv_buffer, src.kv_buffer), "get returned other bytes"
+        return gbps(nbytes, set_t), gbps(nbytes, get_t), nbytes
+
+
+def bench_exists(endpoint: str, samples: int) -> dict:
+    n = 1024
+    with Client(endpoint, "bench-exists") as c:
+        kv = HostPool.allocate_mla(n, 1, 1, 32, dtype=torch.bfloat16)
+        ix = HostPool.allocate_indexer(n, 1, 1, 64)
+        mb = HostPool.allocate_mamba(4, 1, (8,), [(4,)])
+        c.register_mem_host_pool_v2(kv, "kv")
+        c.register_mem_host_pool_v2(ix, "indexer")
+        c.register_mem_host_pool_v2(mb, "mamba")
+        keys = [f"{i:064x}" for i in range(n)]  # SGLang-like 64-char hex keys
+        idx = torch.arange(n)
+        c.batch_set_v2([PoolTransfer("kv", idx, keys=keys), PoolTransfer("indexer", idx, keys=keys),
+                        PoolTransfer("mamba", torch.tensor([0]), keys=keys[-1:])])
+        pools = [PoolTransfer("mamba", keys=keys[-1:], hit_policy="trailing_pages"),
+                 PoolTransfer("indexer", keys=keys, hit_policy="all_pages")]
+        lat = []
+        for i in range(samples + 20):
+            t = time.perf_counter()
+            r = c.batch_exists_v2(keys, pools)
+            dt = time.perf_counter() - t
+            if i >= 20:
+                lat.append(dt * 1e3)
+        assert r.kv_hit_pages == n and r.restorable_prefix_pages == [n], r
+        lat.sort()
+        return {"p50_ms": lat[len(lat) // 2], "p99_ms": lat[int(len(lat) * 0.99) - 1],
+                "best_ms": lat[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--exists-samples", type=int, default=500)
+    ap.add_argument("--l2-size", default="1GiB")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, endpoint = start_daemon(tmp, args.l2_size)
+        try:
+            set_bw, get_bw, nbytes = bench_set_get(endpoint, args.reps)
+            mem = bench_memcpy(nbytes, args.reps)
+            exists = bench_exists(endpoint, args.exists_samples)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    out = {
+        "bytes_per_call": nbytes, "memcpy_gbps": mem, "set_gbps": set_bw, "get_gbps": get_bw,
+        "set_over_memcpy": set_bw["median"] / mem["median"],
+        "get_over_memcpy": get_bw["median"] / mem["median"],
+        "exists_1024x3": exists, "cpus": os.cpu_count(),
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"{PAGES} pages x {nbytes // PAGES // 1024} KiB = {nbytes / 2**20:.0f} MiB per call, "
+          f"{args.reps} reps (median / best GB/s)")
+    print(f"  memcpy            {mem['median']:6.2f} / {mem['best']:6.2f}")
+    print(f"  batch_set_v2      {set_bw['median']:6.2f} / {set_bw['best']:6.2f}   "
+          f"ratio {out['set_over_memcpy']:.2f} (target >= 0.80)")
+    print(f"  batch_get_v2      {get_bw['median']:6.2f} / {get_bw['best']:6.2f}   "
+          f"ratio {out['get_over_memcpy']:.2f} (target >= 0.85)")
+    print(f"batch_exists_v2, 1024 keys x 3 pools: p50 {exists['p50_ms']:.3f} ms, "
+          f"p99 {exists['p99_ms']:.3f} ms, best {exists['best_ms']:.3f} ms (target p50 <= 0.3)")
+
+
+if __name__ == "__main__":
+    main()
