@@ -45,7 +45,7 @@ class Arena:
         self._closed = False
 
     @classmethod
-    def create(cls, path: str, size_bytes: int, mode: int = 0o600) -> "Arena":
+    def create(cls, path: str, size_bytes: int, mode: int = 0o600) -> Arena:
         """Create (or replace) the arena file and map it, pre-faulted."""
         if size_bytes <= 0:
             raise ArenaError(f"arena size must be > 0 bytes, got {size_bytes}")
@@ -75,7 +75,7 @@ class Arena:
         return cls(path, size_bytes, buf, owner=True)
 
     @classmethod
-    def attach(cls, path: str, size_bytes: int) -> "Arena":
+    def attach(cls, path: str, size_bytes: int) -> Arena:
         """Map an arena the daemon created (client side)."""
         try:
             fd = os.open(path, os.O_RDWR)

@@ -38,7 +38,7 @@ from hicached.errors import (
     error_from_code,
 )
 from hicached.hostpool import PageIO, make_page_io
-from hicached.types import PoolTransfer, PoolTransferResult, pool_value, policy_value
+from hicached.types import PoolTransfer, PoolTransferResult, policy_value, pool_value
 
 log = logging.getLogger(__name__)
 KV = "kv"
@@ -308,7 +308,7 @@ class Client:
             if self.arena is not None:
                 self.arena.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,9 +12,10 @@ import dataclasses
 import hashlib
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+
+import tomllib
 
 from hicached.errors import ConfigError
 
@@ -70,7 +71,7 @@ class DaemonConfig:
     socket_mode: int = 0o600
     log_level: str = "info"
 
-    def resolved(self) -> "DaemonConfig":
+    def resolved(self) -> DaemonConfig:
         """Fill the derived defaults (paths) and check values."""
         state = os.path.abspath(self.state_dir or default_state_dir())
         endpoint = self.endpoint or f"ipc://{default_runtime_dir()}/hicached.sock"

@@ -30,8 +30,18 @@ TableId = tuple[str, str]  # (namespace digest, pool name)
 class Entry:
     """One page in L2."""
 
-    __slots__ = ("table", "key", "offset", "page_bytes", "stride", "pins", "committed",
-                 "last_used", "in_l3", "hits")
+    __slots__ = (
+        "committed",
+        "hits",
+        "in_l3",
+        "key",
+        "last_used",
+        "offset",
+        "page_bytes",
+        "pins",
+        "stride",
+        "table",
+    )
 
     def __init__(self, table: TableId, key: str, offset: int, page_bytes: int, stride: int):
         self.table = table

@@ -27,7 +27,7 @@ def stride_for(page_bytes: int) -> int:
 class Slab:
     """One slab: its offset, its class (0 while free) and its free slot indices."""
 
-    __slots__ = ("index", "offset", "stride", "num_slots", "free", "pinned", "last_used")
+    __slots__ = ("free", "index", "last_used", "num_slots", "offset", "pinned", "stride")
 
     def __init__(self, index: int, offset: int):
         self.index = index

@@ -91,5 +91,5 @@ class PoolTransferResult:
     restorable_prefix_pages: list[int] | None = None
 
     @classmethod
-    def empty(cls) -> "PoolTransferResult":
+    def empty(cls) -> PoolTransferResult:
         return cls(0, {}, [])

@@ -10,11 +10,10 @@ import time
 
 import pytest
 import torch
+from conftest import run_client_proc
 
 from hicached import HostPool, PoolHitPolicy, PoolName, PoolTransfer
 from hicached.errors import DaemonUnavailable, LengthMismatch, PageSizeMismatch, UnknownPool
-
-from conftest import run_client_proc
 
 PAGE = 4  # tokens per KV page
 
@@ -306,11 +305,10 @@ def test_bad_input_gets_typed_errors(daemon):
             c.batch_get_v2([PoolTransfer("swa", pages(0, 1), keys=["a"])])
         with pytest.raises(LengthMismatch):
             c.batch_set_v1(["a", "b"], pages(0, 1))
-        with daemon.client() as other:
-            with pytest.raises(PageSizeMismatch):
-                other.register_mem_host_pool_v2(
-                    HostPool.allocate_mha(8, 8, layers=2, heads=2, head_dim=8,
-                                          dtype=torch.float32), "kv")
+        with daemon.client() as other, pytest.raises(PageSizeMismatch):
+            other.register_mem_host_pool_v2(
+                HostPool.allocate_mha(8, 8, layers=2, heads=2, head_dim=8,
+                                      dtype=torch.float32), "kv")
         from hicached import protocol as P
         with pytest.raises(UnknownPool):
             c._call(lambda s, r: P.Exists(r, s, ["a"], [P.PoolQuery("mamba", "all_pages")]))

@@ -4,10 +4,9 @@ import os
 import time
 
 import torch
+from test_daemon import kv_pool, kv_tokens, mamba_pool, pages
 
 from hicached import PoolTransfer
-
-from test_daemon import kv_pool, kv_tokens, mamba_pool, pages
 
 
 def _wait(pred, timeout_s=10.0):
