@@ -48,7 +48,11 @@ class Daemon:
         self.config = config
         self._stop = threading.Event()
         self._lock_fd = self._take_state_lock(config.state_dir)
-        self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.socket_mode)
+        try:
+            self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.socket_mode)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         try:
             self.allocator = SlabAllocator(config.l2_size, config.slab_size)
             self.index = PageIndex(self.allocator)
@@ -65,6 +69,7 @@ class Daemon:
             self.sock = self._bind(config.endpoint)
         except BaseException:
             self.arena.close()
+            os.close(self._lock_fd)
             raise
         self.requests = 0
 
