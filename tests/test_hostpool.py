@@ -115,6 +115,7 @@ def test_paths_write_identical_arena_bytes_and_restore_identically(case):
     assert isinstance(ios["pointer"], PointerPageIO)
     assert isinstance(ios["flat"], FlatPageIO)
     assert {io.page_bytes for io in ios.values()} == {pool.page_bytes}
+    assert [io.path for io in ios.values()] == list(ios)
     starts, offsets = _batch(ios["native"])
     arenas = {}
     for name, io in ios.items():
@@ -238,6 +239,8 @@ def test_page_io_rejects_bad_input(path):
         with pytest.raises(ValueError, match=f"offset {2 * pb + 64} \\+ {pb} page bytes is "
                                              f"outside the arena of {3 * pb} bytes"):
             call([0], arena, [2 * pb + 64])
+    with pytest.raises(ValueError, match=f"slots at offsets 0 and 64 overlap \\(page_bytes {pb}"):
+        io.to_arena([0, 4], arena, [64, 0])
 
 
 def test_make_page_io_picks_paths_and_names_missing_methods():
@@ -272,6 +275,25 @@ def test_pointer_refusal_falls_back_to_flat():
     pool = make_pool("indexer", "layer_first", 4)
     io = make_page_io(LayerFirstSGLangMLA(pool))
     assert isinstance(io, FlatPageIO) and io.page_bytes == pool.page_bytes
+
+
+def test_pointer_meta_disagreeing_with_the_pool_falls_back_to_flat():
+    class SkipsV(FlatOnly, PointerOnly):
+        """Meta that covers only K (like SGLang's kv_split with skip_v): not the flat page."""
+
+        def __init__(self, pool):
+            FlatOnly.__init__(self, pool)
+            PointerOnly.__init__(self, pool)
+
+        def get_page_buffer_meta(self, indices):
+            ptrs, sizes = self._pool.get_page_buffer_meta(indices)
+            return ptrs[::2], sizes[::2]
+
+    pool = make_pool("mha", "page_first", 4)
+    with pytest.raises(ValueError, match="meta segments cover 192 bytes per page, the pool says "
+                                         "384"):
+        PointerPageIO(SkipsV(pool))
+    assert isinstance(make_page_io(SkipsV(pool)), FlatPageIO)
 
 
 def test_geometry_errors():

@@ -88,7 +88,8 @@ def _spec(pool: HostPool) -> tuple[str, str, int, list[torch.Tensor]]:
 
 
 def _bytes_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+    pairs = zip(a, b, strict=True)
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in pairs)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids)

@@ -1,0 +1,13 @@
+"""Page copies between engine host pools and arena slots.
+
+- ``reference``: plain-torch, page-by-page definition of the arena page format (the spec).
+- ``cpu``: fast torch copies over page-major views of a pool's tensors (``PageCopier``).
+- ``pointers``: ``memmove`` of SGLang ``get_page_buffer_meta`` segments (``SegmentPlan``).
+
+``hicached.hostpool.make_page_io`` picks among them for a given pool.
+"""
+
+from hicached.kernels.cpu import PageCopier, page_major_parts
+from hicached.kernels.pointers import SegmentPlan, mha_layer_first_order
+
+__all__ = ["PageCopier", "SegmentPlan", "mha_layer_first_order", "page_major_parts"]
