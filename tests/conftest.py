@@ -121,3 +121,13 @@ def run_client_proc(script: str, *args: str, timeout_s: float = 60.0) -> str:
     if out.returncode != 0:
         raise AssertionError(f"client process failed ({out.returncode}):\n{out.stderr}")
     return out.stdout
+
+
+def wait_until(pred, timeout_s=10.0):
+    """Poll ``pred`` until it is true or ``timeout_s`` passed; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()

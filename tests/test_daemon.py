@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import run_client_proc
+from conftest import run_client_proc, wait_until
 
 from hicached import HostPool, PoolHitPolicy, PoolName, PoolTransfer
 from hicached.errors import DaemonUnavailable, LengthMismatch, PageSizeMismatch, UnknownPool
@@ -196,14 +196,6 @@ def spawn():
         p.stderr.close()
 
 
-def _wait(pred, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
-
 
 def test_sigkill_between_reserve_and_commit_leaves_nothing(daemon, spawn):
     p, offsets = spawn(HOLD_RESERVATION, daemon.endpoint)
@@ -214,7 +206,7 @@ def test_sigkill_between_reserve_and_commit_leaves_nothing(daemon, spawn):
         assert c.batch_exists(["h0", "h1"]) == 0  # pending pages are invisible
         p.send_signal(signal.SIGKILL)
         p.wait()
-        assert _wait(lambda: c.stats()["reservations"] == 0)
+        assert wait_until(lambda: c.stats()["reservations"] == 0)
         st = c.stats()
         assert st["l2_pages"] == 0 and st["l2_used_bytes"] == 0
         assert c.batch_exists(["h0", "h1"]) == 0
@@ -225,7 +217,7 @@ def test_stalled_client_reservation_expires_after_ttl(make_daemon, spawn):
     spawn(HOLD_RESERVATION, d.endpoint)  # alive, never commits
     with d.client() as c:
         assert c.stats()["reservations"] == 1
-        assert _wait(lambda: c.stats()["expired_reservations"] == 1, 5)
+        assert wait_until(lambda: c.stats()["expired_reservations"] == 1, 5)
         st = c.stats()
         assert st["reservations"] == 0 and st["l2_used_bytes"] == 0
 
@@ -251,7 +243,7 @@ def test_sigkill_while_holding_lease_makes_page_evictable(make_daemon, spawn):
         assert c.stats()["leases"] == 1
         p.send_signal(signal.SIGKILL)
         p.wait()
-        assert _wait(lambda: c.stats()["leases"] == 0)
+        assert wait_until(lambda: c.stats()["leases"] == 0)
         # the arena holds 1MiB / 256B = 4096 slots; fill it: the formerly leased page must go
         keys = [f"fill{i}" for i in range(4096)]
         assert all(c.batch_set_v1(keys[:512], pages(0, 512)))

@@ -1,21 +1,13 @@
 """L2 -> L3 write-through, L3 loads on L2 miss, and a restarted daemon finding its pages."""
 
 import os
-import time
 
 import torch
+from conftest import wait_until
 from test_daemon import kv_pool, kv_tokens, mamba_pool, pages
 
 from hicached import PoolTransfer
 
-
-def _wait(pred, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 def _page_files(state_dir):
@@ -31,7 +23,7 @@ def test_write_through_then_l3_hit_after_l2_flush(daemon):
         c.register_mem_host_pool_v2(msrc, "mamba")
         c.batch_set_v2([PoolTransfer("kv", pages(0, 8), keys=keys),
                         PoolTransfer("mamba", torch.tensor([4]), keys=keys[7:])])
-        assert _wait(lambda: c.stats()["l3_writes"] == 9)
+        assert wait_until(lambda: c.stats()["l3_writes"] == 9)
         assert sorted(_page_files(daemon.state_dir)) == sorted(keys + keys[7:])
         c.flush("l2")
         assert c.stats()["l2_pages"] == 0
@@ -59,7 +51,7 @@ def test_restarted_daemon_finds_its_pages(make_daemon, tmp_path):
     with d1.client() as c:
         c.register_mem_host_pool_v2(src, "kv")
         assert c.batch_set_v1(keys, pages(0, 4)) == [True] * 4
-        assert _wait(lambda: c.stats()["l3_writes"] == 4)
+        assert wait_until(lambda: c.stats()["l3_writes"] == 4)
     assert d1.stop() == 0
     d2 = make_daemon(name="second", state=d1.state_dir)
     with d2.client() as c:
@@ -80,7 +72,7 @@ def test_client_rejoins_a_restarted_daemon(make_daemon):
     src = kv_pool(seed=51)
     c.register_mem_host_pool_v2(src, "kv")
     assert c.batch_set_v1(["x0", "x1"], pages(0, 2)) == [True, True]
-    assert _wait(lambda: c.stats()["l3_writes"] == 2)
+    assert wait_until(lambda: c.stats()["l3_writes"] == 2)
     assert d.stop() == 0
     d.start()
     # the old session is gone: the client handshakes again, maps the new arena, re-registers
