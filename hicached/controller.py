@@ -88,7 +88,7 @@ class Controller:
         self.geometry: dict[TableId, int] = {}  # (ns, pool) -> page_bytes, fixed once seen
         self._session_ids = itertools.count(1)
         self._loading: dict[tuple[TableId, str], IOJob] = {}
-        self.counters = {"l2_hits": 0, "l3_hits": 0, "misses": 0, "l3_writes": 0,
+        self.counters = {"hits": 0, "misses": 0, "l3_loads": 0, "l3_writes": 0,
                          "l3_write_failures": 0, "l3_writes_dropped": 0, "no_space": 0}
 
     @property
@@ -270,7 +270,7 @@ class Controller:
             for e in entries:  # keep what is already here while the rest loads
                 self.index.touch(e)
             return None
-        return self._grant(s, msg.req_id, entries, offsets, count=load)
+        return self._grant(s, msg.req_id, entries, offsets)
 
     def _start_loads(self, s: Session, t: P.PoolKeys, table: TableId, missing: list[int],
                      parked: ParkedGet) -> None:
@@ -300,10 +300,12 @@ class Controller:
         for e in new:
             self._loading[(table, e.key)] = job
 
-    def _grant(self, s: Session, req_id: int, entries: list[Entry], offsets: list[list[int]],
-               count: bool = True) -> P.Leased:
+    def _grant(self, s: Session, req_id: int, entries: list[Entry], offsets: list[list[int]]
+               ) -> P.Leased:
+        """Lease ``entries``. Counts pages served from L2 (a page loaded from L3 for this request
+        is served from L2 too; ``l3_loads`` counts the loads)."""
         hits = len(entries)
-        self.counters["l2_hits" if count else "l3_hits"] += hits
+        self.counters["hits"] += hits
         self.counters["misses"] += sum(len(row) for row in offsets) - hits
         if not entries:
             return P.Leased(req_id, 0, offsets)
@@ -335,6 +337,7 @@ class Controller:
                 if ok:
                     e.in_l3 = True
                     self.index.commit(e)
+                    self.counters["l3_loads"] += 1
                 else:
                     self.index.abort(e)
             for parked in job.waiters:

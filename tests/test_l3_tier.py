@@ -41,6 +41,7 @@ def test_write_through_then_l3_hit_after_l2_flush(daemon):
             assert torch.equal(a[1], b[4])
         st = c.stats()
         assert st["l2_pages"] == 9  # loaded pages are L2 pages again
+        assert st["l3_loads"] == 9 and st["hits"] == 9
         assert st["l3_writes"] == 9  # and were not written back a second time
 
 
