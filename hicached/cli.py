@@ -24,12 +24,14 @@ def _serve_parser(sub) -> None:
     p.add_argument("--arena-path", dest="arena_path", help="shared-memory file of the arena")
     p.add_argument("--reservation-ttl-s", dest="reservation_ttl_s", type=float)
     p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=float)
+    p.add_argument("--busy-poll-ms", dest="busy_poll_ms", type=float,
+                   help="spin this long after a request before sleeping in poll (0: never)")
     p.add_argument("--log-level", dest="log_level")
     p.add_argument("--print-config", action="store_true", help="print the effective config")
 
 
 OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l3_dir",
-               "arena_path", "reservation_ttl_s", "lease_ttl_s", "log_level")
+               "arena_path", "reservation_ttl_s", "lease_ttl_s", "busy_poll_ms", "log_level")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,12 +60,13 @@ class Client:
     """A connection to one hicached daemon, in one namespace. Thread-safe; a context manager."""
 
     def __init__(self, endpoint: str, namespace: str, *, timeout_s: float = 5.0,
-                 client_name: str = ""):
+                 client_name: str = "", spin_s: float = 0.002):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
         self.endpoint = endpoint
         self.namespace = namespace
         self.timeout_s = timeout_s
+        self.spin_s = spin_s  # busy-wait this long for an answer before sleeping in poll
         self.client_name = client_name
         self._ctx = zmq.Context()
         self._lock = threading.RLock()
@@ -119,10 +120,16 @@ class Client:
         if self._sock is None:
             self._new_socket()
         self._sock.send(P.encode(msg))
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        spin_until = start + self.spin_s  # answers usually come within it: skip the wake-up cost
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+            now = time.monotonic()
+            left = deadline - now
+            if now < spin_until:
+                if not self._sock.poll(0, zmq.POLLIN):
+                    continue
+            elif left <= 0 or not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 if time.monotonic() < deadline:
                     continue
                 self._sock.close(linger=0)  # drop queued requests; a fresh socket next time
@@ -212,7 +219,11 @@ class Client:
 
     def batch_set_v2(self, transfers: Sequence[Any], extra_info: Any = None
                      ) -> dict[str, list[bool]]:
-        """Store every pool's pages of the call atomically (reserve -> copy -> commit)."""
+        """Store every pool's pages of the call atomically (reserve -> copy -> commit).
+
+        One round trip (Reserve); the Commit is sent without waiting. Per key: True when the
+        page was copied (or was already there / being written by another client), False when
+        the arena had no evictable room."""
         plan = self._plan(transfers)
         sent = time.monotonic()
         res = self._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys(n, k) for n, _, k, _ in plan]))
@@ -230,21 +241,16 @@ class Client:
             except BaseException:
                 self._abort(res.reservation_id)
                 raise
-            rid = res.reservation_id
-            stored = self._call(lambda s, r: P.Commit(r, s, rid, ok)).stored
-        else:
-            stored = ok
-        out = {}
-        for (name, _, _, _), row, srow in zip(plan, res.offsets, stored):
-            out[name] = [srow[i] if off >= 0 else off in (P.SLOT_PRESENT, P.SLOT_INFLIGHT)
-                         for i, off in enumerate(row)]
-        return out
+            # Fire and forget: the daemon publishes all pools of the call at once when it reads
+            # this; requests this client sends later are ordered after it (one socket). A commit
+            # that never arrives (client killed now) only loses the pages: the slots expire.
+            self._send_only(P.Commit(0, self.session, res.reservation_id, ok, reply=False))
+        return {name: [off >= 0 or off in (P.SLOT_PRESENT, P.SLOT_INFLIGHT) for off in row]
+                for (name, _, _, _), row in zip(plan, res.offsets)}
 
     def _abort(self, reservation_id: int) -> None:
-        try:
-            self._call(lambda s, r: P.Commit(r, s, reservation_id, abort=True))
-        except Exception:  # the reservation expires on its own
-            log.debug("abort of reservation %d failed", reservation_id, exc_info=True)
+        # if this is lost, the reservation expires on its own
+        self._send_only(P.Commit(0, self.session, reservation_id, abort=True, reply=False))
 
     def batch_set_v1(self, keys: Sequence[str], host_indices: Any, extra_info: Any = None
                      ) -> list[bool]:

@@ -68,6 +68,7 @@ class DaemonConfig:
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 30.0
     io_queue_depth: int = 256
+    busy_poll_ms: float = 0.0  # after a request, poll without sleeping this long (0: never)
     socket_mode: int = 0o600
     log_level: str = "info"
 
@@ -96,6 +97,8 @@ class DaemonConfig:
         if self.write_policy != "write_through":
             raise ConfigError(f"write_policy: {self.write_policy!r} not supported; "
                               "valid: ['write_through']")
+        if self.busy_poll_ms < 0:
+            raise ConfigError(f"busy_poll_ms: must be >= 0, got {self.busy_poll_ms}")
         for key in ("reservation_ttl_s", "lease_ttl_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be > 0, got {getattr(self, key)}")

@@ -9,7 +9,7 @@ Requests (client -> daemon)             answer
   RegisterPool pool geometry             Ok
   Exists       hit query                 ExistsResult
   Reserve      set, step 1               Reserved
-  Commit       set, step 2 (or abort)    Committed
+  Commit       set, step 2 (or abort)    Committed (or none, with reply=False)
   Lease        get                       Leased
   Release      end of get leases         (none: fire and forget)
   Bye          end of session            (none: fire and forget)
@@ -90,13 +90,16 @@ class Reserve(_Msg, tag="reserve"):
 
 class Commit(_Msg, tag="commit"):
     """Publish a reservation. ``ok[i][j]`` False (copy failed) aborts that page; empty ``ok``
-    with ``abort=True`` aborts the whole reservation."""
+    with ``abort=True`` aborts the whole reservation. ``reply=False``: no ``Committed`` answer
+    (saves a round trip; the client's later requests on the same socket are still ordered after
+    it, so it reads its own writes)."""
 
     req_id: int
     session: int
     reservation_id: int
     ok: list[list[bool]] = []
     abort: bool = False
+    reply: bool = True
 
 
 class Lease(_Msg, tag="lease"):

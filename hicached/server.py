@@ -124,12 +124,19 @@ class Daemon:
         if self.workers is not None:
             poller.register(self.workers.wake_r, zmq.POLLIN)
         next_sweep = time.monotonic() + SWEEP_INTERVAL_S
+        busy_until = 0.0  # spin (non-blocking polls) until then: see busy_poll_ms in the config
+        busy_s = self.config.busy_poll_ms / 1000
         try:
             while not self._stop.is_set():
-                timeout_ms = max(0, int((next_sweep - time.monotonic()) * 1000))
-                events = dict(poller.poll(min(timeout_ms, 200)))
+                now = time.monotonic()
+                if now < busy_until:
+                    timeout_ms = 0
+                else:
+                    timeout_ms = min(200, max(0, int((next_sweep - now) * 1000)))
+                events = dict(poller.poll(timeout_ms))
                 if self.sock in events:
                     self._drain_socket()
+                    busy_until = time.monotonic() + busy_s
                 if self.workers is not None and self.workers.wake_r in events:
                     self.controller.on_io_done()
                 now = time.monotonic()
@@ -204,7 +211,8 @@ class Daemon:
                     raise ShuttingDown("daemon is shutting down; not accepting writes")
                 return c.reserve(self._session(msg.session), msg)
             case P.Commit():
-                return c.commit(self._session(msg.session), msg)
+                answer = c.commit(self._session(msg.session), msg)
+                return answer if msg.reply else None
             case P.Hello():
                 if msg.version != P.PROTOCOL_VERSION:
                     raise VersionMismatch(

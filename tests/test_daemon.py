@@ -382,3 +382,30 @@ def test_threads_share_one_client(daemon):
         c.register_mem_host_pool_v2(dst, "kv")
         assert c.batch_get_v1([f"t2-9-{i}" for i in range(4)], pages(0, 4)) == [True] * 4
         assert torch.equal(kv_tokens(dst, 0, 4), kv_tokens(src, 16, 4))
+
+
+def test_commit_answers_and_expired_reservation(daemon):
+    from hicached import protocol as P
+    with daemon.client() as c:
+        c.register_mem_host_pool_v2(kv_pool(), "kv")
+        c.register_mem_host_pool_v2(mamba_pool(), "mamba")
+        res = c._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["c0", "c1"]),
+                                                     P.PoolKeys("mamba", ["c1"])]))
+        assert c.batch_exists(["c0"]) == 0
+        ok = [[True, False], [True]]  # the copy of kv page c1 "failed": only it is aborted
+        done = c._call(lambda s, r: P.Commit(r, s, res.reservation_id, ok))
+        assert done.stored == ok
+        assert c.batch_exists(["c0", "c1"]) == 1
+        st = c.stats()
+        assert st["reservations"] == 0 and st["l2_pages_by_pool"] == {"kv": 1, "mamba": 1}
+        again = c._call(lambda s, r: P.Commit(r, s, res.reservation_id, ok))
+        assert again.stored == [[False, False], [False]]  # gone: nothing published twice
+
+
+def test_set_then_exists_reads_own_writes(daemon):
+    with daemon.client() as c:
+        c.register_mem_host_pool_v2(kv_pool(seed=2), "kv")
+        for rnd in range(20):  # the commit is not awaited; the next request is ordered after it
+            keys = [f"ryw{rnd}-{i}" for i in range(8)]
+            assert c.batch_set_v1(keys, pages(0, 8)) == [True] * 8
+            assert c.batch_exists(keys) == 8
