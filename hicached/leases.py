@@ -113,8 +113,3 @@ class LeaseTable:
         for g in [g for g in self.leases.values() if g.session == session]:
             del self.leases[g.id]
             self._unpin_all(g)
-
-    def next_deadline(self) -> float | None:
-        ds = [r.deadline for r in self.reservations.values()]
-        ds += [g.deadline for g in self.leases.values()]
-        return min(ds) if ds else None
