@@ -19,8 +19,15 @@ def _serve_parser(sub) -> None:
     p.add_argument("--l2-size", dest="l2_size", help="shared-memory arena size, e.g. 4GiB")
     p.add_argument("--state-dir", dest="state_dir", help="directory for the lock and the file L3")
     p.add_argument("--slab-size", dest="slab_size", help="arena slab size, e.g. 64MiB")
-    p.add_argument("--l3-backend", dest="l3_backend", choices=["file", "none"])
+    p.add_argument("--l3-backend", dest="l3_backend",
+                   help="L3 tier: file (default), none, mooncake, hf3fs")
     p.add_argument("--l3-dir", dest="l3_dir", help="directory of the file L3")
+    p.add_argument("--l3-options", dest="l3_options",
+                   help="backend options as a JSON object or @file.json")
+    p.add_argument("--write-policy", dest="write_policy",
+                   choices=["write_through", "write_through_selective", "write_back"])
+    p.add_argument("--write-through-threshold", dest="write_through_threshold", type=int,
+                   help="write_through_selective: hits before a page is written to L3")
     p.add_argument("--arena-path", dest="arena_path", help="shared-memory file of the arena")
     p.add_argument("--reservation-ttl-s", dest="reservation_ttl_s", type=float)
     p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=float)
@@ -31,7 +38,8 @@ def _serve_parser(sub) -> None:
 
 
 OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l3_dir",
-               "arena_path", "reservation_ttl_s", "lease_ttl_s", "busy_poll_ms", "log_level")
+               "l3_options", "write_policy", "write_through_threshold", "arena_path",
+               "reservation_ttl_s", "lease_ttl_s", "busy_poll_ms", "log_level")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import tomllib
 
@@ -62,9 +63,13 @@ class DaemonConfig:
     state_dir: str = ""  # "" -> $XDG_STATE_HOME/hicached
     arena_path: str = ""  # "" -> /dev/shm/hicached-<digest of state_dir>
     slab_size: int = 64 * 1024**2
-    l3_backend: str = "file"  # file | none
+    l3_backend: str = "file"  # a name of hicached.backends.base.BACKENDS
     l3_dir: str = ""  # "" -> <state_dir>/l3
-    write_policy: str = "write_through"
+    l3_options: Mapping = field(default_factory=dict)  # keyword options of the backend
+    write_policy: str = "write_through"  # | write_through_selective | write_back
+    write_through_threshold: int = 2  # write_through_selective: hits before a page goes to L3
+    prefetch: bool = True  # exists that finds pages only in L3 starts pulling them into L2
+    get_wait_s: float = 5.0  # longest a get waits for L3 loads of its keys before missing
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 30.0
     io_queue_depth: int = 256
@@ -92,11 +97,19 @@ class DaemonConfig:
             raise ConfigError(
                 f"l2_size: {self.l2_size} bytes is smaller than one slab ({self.slab_size} bytes)"
             )
-        if self.l3_backend not in ("file", "none"):
-            raise ConfigError(f"l3_backend: unknown {self.l3_backend!r}; valid: ['file', 'none']")
-        if self.write_policy != "write_through":
-            raise ConfigError(f"write_policy: {self.write_policy!r} not supported; "
-                              "valid: ['write_through']")
+        from hicached.backends.base import BACKENDS
+
+        if self.l3_backend not in BACKENDS:
+            raise ConfigError(
+                f"l3_backend: unknown {self.l3_backend!r}; valid: {sorted(BACKENDS)}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"write_policy: unknown {self.write_policy!r}; "
+                              f"valid: {list(WRITE_POLICIES)}")
+        if self.write_through_threshold < 1:
+            raise ConfigError("write_through_threshold: must be >= 1, got "
+                              f"{self.write_through_threshold}")
+        if self.get_wait_s <= 0:
+            raise ConfigError(f"get_wait_s: must be > 0, got {self.get_wait_s}")
         if self.busy_poll_ms < 0:
             raise ConfigError(f"busy_poll_ms: must be >= 0, got {self.busy_poll_ms}")
         for key in ("reservation_ttl_s", "lease_ttl_s"):
@@ -104,14 +117,50 @@ class DaemonConfig:
                 raise ConfigError(f"{key}: must be > 0, got {getattr(self, key)}")
 
 
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
 _SIZES = {"l2_size", "slab_size"}
+
+
+def parse_options(value: object, key: str = "l3_options") -> dict:
+    """A dict from a TOML table, a JSON object string, or ``@file`` holding JSON."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a table or a JSON object, got {value!r}")
+    text = value
+    if text.startswith("@"):
+        try:
+            with open(text[1:]) as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"{key}: {e}") from None
+    try:
+        data = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{key}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
 
 
 def _coerce(key: str, value: object) -> object:
     field_type = {f.name: f.type for f in fields(DaemonConfig)}[key]
     if key in _SIZES:
         return parse_size(value, key)
+    if key == "l3_options":
+        return parse_options(value, key)
     try:
+        if field_type == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in _BOOLS:
+                return _BOOLS[value.lower()]
+            raise ValueError
         if field_type == "int":
             if isinstance(value, str):
                 return int(value, 0)

@@ -41,6 +41,15 @@ SWEEP_INTERVAL_S = 0.5
 MAX_BATCH = 256  # requests handled before the loop looks at I/O completions and timers
 
 
+def backend_options(name: str, config: DaemonConfig, options: dict | None = None) -> dict:
+    """Keyword options for backend ``name``: ``options`` (or the config's ``l3_options``), with
+    the file backend's root defaulting to the config's ``l3_dir``."""
+    opts = dict(config.l3_options if options is None else options)
+    if name == "file":
+        opts.setdefault("root", config.l3_dir)
+    return opts
+
+
 class Daemon:
     """``Daemon(config).serve_forever()`` runs until ``stop()`` (or SIGTERM/SIGINT via ``run``)."""
 
@@ -60,7 +69,8 @@ class Daemon:
             if config.l3_backend == "none":
                 self.backend, self.workers = NullBackend(), None
             else:
-                self.backend = create_backend(config.l3_backend, root=config.l3_dir)
+                self.backend = create_backend(config.l3_backend,
+                                              **backend_options(config.l3_backend, config))
                 self.backend.open(self.arena)
                 self.workers = IOWorkers(lambda: self.backend, config.io_queue_depth)
             self.controller = Controller(self.index, self.leases, self.backend, self.workers,
