@@ -126,6 +126,27 @@ class Flush(_Msg, tag="flush"):
     tier: str = "l2"
 
 
+class Attach(_Msg, tag="attach"):
+    """Attach an L3 backend at runtime (``options`` are the backend's keyword options). Attaching
+    the backend that is attached only updates the policies given."""
+
+    req_id: int
+    backend: str
+    options: dict[str, Any] = {}
+    write_policy: str = ""  # "" keeps the current one
+    prefetch: bool | None = None  # None keeps the current one
+
+
+class Detach(_Msg, tag="detach"):
+    """Detach the L3 backend (idempotent); L2 keeps its pages."""
+
+    req_id: int
+
+
+class GetBackend(_Msg, tag="get_backend"):
+    req_id: int
+
+
 class GetStats(_Msg, tag="get_stats"):
     req_id: int
 
@@ -135,7 +156,8 @@ class Ping(_Msg, tag="ping"):
 
 
 Request = Union[
-    Hello, RegisterPool, Exists, Reserve, Commit, Lease, Release, Bye, Flush, GetStats, Ping
+    Hello, RegisterPool, Exists, Reserve, Commit, Lease, Release, Bye, Flush, Attach, Detach,
+    GetBackend, GetStats, Ping
 ]
 
 # ---------------------------------------------------------------- answers
@@ -186,13 +208,21 @@ class Stats(_Msg, tag="stats"):
     stats: dict[str, Any]
 
 
+class BackendStatus(_Msg, tag="backend_status"):
+    """The L3 tier: backend name ("none" when detached), policies and backend counters."""
+
+    req_id: int
+    status: dict[str, Any]
+
+
 class Error(_Msg, tag="error"):
     req_id: int
     code: str
     message: str
 
 
-Answer = Union[Welcome, Ok, ExistsResult, Reserved, Committed, Leased, Stats, Error]
+Answer = Union[Welcome, Ok, ExistsResult, Reserved, Committed, Leased, Stats, BackendStatus,
+               Error]
 
 # Built once: encoders are stateless, decoders typed to the direction they read.
 encoder = msgspec.msgpack.Encoder()
