@@ -33,6 +33,7 @@ from hicached.errors import (
     DaemonUnavailable,
     LengthMismatch,
     ProtocolError,
+    Unauthorized,
     UnknownPool,
     UnknownSession,
     error_from_code,
@@ -60,7 +61,7 @@ class Client:
     """A connection to one hicached daemon, in one namespace. Thread-safe; a context manager."""
 
     def __init__(self, endpoint: str, namespace: str, *, timeout_s: float = 5.0,
-                 client_name: str = "", spin_s: float = 0.002):
+                 client_name: str = "", spin_s: float = 0.002, token: str = ""):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
         self.endpoint = endpoint
@@ -68,6 +69,7 @@ class Client:
         self.timeout_s = timeout_s
         self.spin_s = spin_s  # busy-wait this long for an answer before sleeping in poll
         self.client_name = client_name
+        self._token = token  # the daemon's client_token, if it has one (never logged)
         self._ctx = zmq.Context()
         self._lock = threading.RLock()
         self._req_ids = itertools.count(1)
@@ -100,7 +102,7 @@ class Client:
     def _handshake(self) -> None:
         self._new_socket()
         hello = P.Hello(next(self._req_ids), P.PROTOCOL_VERSION, self.namespace, os.getpid(),
-                        self.client_name)
+                        self.client_name, self._token)
         w = self._roundtrip(hello)
         if not isinstance(w, P.Welcome):
             raise ProtocolError(f"expected Welcome, got {type(w).__name__}")
@@ -151,7 +153,7 @@ class Client:
         with self._lock:
             try:
                 return self._roundtrip(build(self.session, next(self._req_ids)))
-            except UnknownSession:
+            except (UnknownSession, Unauthorized):  # Unauthorized: a fresh socket, not yet joined
                 log.warning("hicached session lost (daemon restarted?): joining again")
                 self._handshake()
                 return self._roundtrip(build(self.session, next(self._req_ids)))

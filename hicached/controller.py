@@ -27,6 +27,7 @@ from hicached.errors import PageSizeMismatch, ProtocolError, UnknownPool
 from hicached.hits import TRAILING, intersect_endpoints, leading_run
 from hicached.index import Entry, PageIndex, TableId
 from hicached.leases import LeaseTable
+from hicached.quotas import NoQuotas
 from hicached.tier import L3Tier
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class Controller:
         self.parked: dict[int, ParkedGet] = {}  # id -> get waiting for loads
         self._session_ids = itertools.count(1)
         self.counters = {"hits": 0, "misses": 0, "no_space": 0, "get_wait_timeouts": 0}
+        self.quotas = NoQuotas()  # per-namespace L2 quotas (quotas.py); the daemon installs them
 
     # ------------------------------------------------------------ sessions and pools
 
@@ -198,7 +200,8 @@ class Controller:
                 elif self.index.get_pending(table, key) is not None:
                     row.append(P.SLOT_INFLIGHT)
                 else:
-                    e = self.index.reserve(table, key, spec.page_bytes, spec.stride)
+                    e = (self.index.reserve(table, key, spec.page_bytes, spec.stride)
+                         if self.quotas.admit(s.ns, spec.stride) else None)
                     if e is None:
                         self.counters["no_space"] += 1
                         row.append(P.SLOT_NO_SPACE)

@@ -78,6 +78,7 @@ class PageIndex:
         self._by_offset: dict[int, Entry] = {}
         self._tick = 0
         self.evictions = 0
+        self.ns_bytes: dict[str, int] = {}  # namespace digest -> slot bytes held (quotas.py)
 
     # ------------------------------------------------------------ lookups
 
@@ -113,6 +114,7 @@ class PageIndex:
             if offset is None:
                 return None
         entry = Entry(table, key, offset, page_bytes, stride)
+        self.ns_bytes[table[0]] = self.ns_bytes.get(table[0], 0) + stride
         self._by_offset[offset] = entry
         self.pending.setdefault(table, {})[key] = entry
         self.pin(entry)
@@ -221,6 +223,7 @@ class PageIndex:
         self._free_slot(entry)
 
     def _free_slot(self, entry: Entry) -> None:
+        self.ns_bytes[entry.table[0]] -= entry.stride
         del self._by_offset[entry.offset]
         self.alloc.free(entry.offset)
         entry.offset = -1

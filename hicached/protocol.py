@@ -60,11 +60,14 @@ class PoolQuery(msgspec.Struct, array_like=True, gc=False):
 
 
 class Hello(_Msg, tag="hello"):
+    """Handshake. ``token``: the daemon's ``client_token`` when it has one (``auth.py``)."""
+
     req_id: int
     version: int
     namespace: str
     pid: int
     client_name: str = ""
+    token: str = ""
 
 
 class RegisterPool(_Msg, tag="register_pool"):

@@ -49,6 +49,7 @@ class IOWorkers:
             for kind in self._queues
         ]
         self.in_flight = 0  # submitted and not yet collected (control loop only)
+        self.bytes_done = {"put": 0, "get": 0}  # page bytes moved by successful jobs (metrics)
         for t in self._threads:
             t.start()
 
@@ -98,6 +99,8 @@ class IOWorkers:
             except queue.Empty:
                 break
         self.in_flight -= len(jobs)
+        for job in jobs:
+            self.bytes_done[job.kind] += job.page_bytes * sum(map(bool, job.result))
         return jobs
 
     def close(self, timeout_s: float = 10.0) -> bool:

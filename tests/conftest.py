@@ -40,8 +40,11 @@ from hicached.errors import DaemonUnavailable
 class DaemonProc:
     """A real ``hicached serve`` process on an ipc:// socket in a temp dir."""
 
-    def __init__(self, tmp, name="d", l2_size="16MiB", slab_size="1MiB", extra=(), state=None):
+    def __init__(self, tmp, name="d", l2_size="16MiB", slab_size="1MiB", extra=(), state=None,
+                 env=None, token=""):
         self.tmp = tmp
+        self.env = env  # None: this process's environment
+        self.token = token  # the daemon's client_token, for the probe and client()
         self.endpoint = f"ipc://{tmp}/{name}.sock"
         self.state_dir = str(state or tmp / f"{name}-state")
         self.args = ["--endpoint", self.endpoint, "--l2-size", l2_size, "--state-dir",
@@ -53,13 +56,13 @@ class DaemonProc:
     def start(self, timeout_s=30.0):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hicached.cli", "serve", *self.args],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.output()}")
             try:
-                with Client(self.endpoint, "probe", timeout_s=1.0) as c:
+                with Client(self.endpoint, "probe", timeout_s=1.0, token=self.token) as c:
                     c.ping()
                 return self
             except DaemonUnavailable:
@@ -72,6 +75,7 @@ class DaemonProc:
             return f.read().decode(errors="replace")
 
     def client(self, namespace="model-a", **kw):
+        kw.setdefault("token", self.token)
         return Client(self.endpoint, namespace, **kw)
 
     def stop(self, sig=signal.SIGTERM, timeout_s=20.0):
