@@ -24,12 +24,13 @@ import os
 import sys
 import threading
 import time
+import tomllib
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any, Self
 
-from hicached.config import load_config, parse_options
+from hicached.config import parse_options
 from hicached.errors import ConfigError, HicachedError
 
 DEFAULT_DAEMON_CONFIG = "/etc/hicached/hicached.toml"
@@ -216,20 +217,43 @@ def add_parsers(sub) -> None:
     sub.add_parser("detach", parents=[common], help="detach the L3 backend")
 
 
+def admin_settings(path: str | None, env) -> dict:
+    """admin_host / admin_port / admin_api_key of the daemon's config: the TOML file, then its
+    ``HICACHED_*`` environment overrides (the daemon's precedence). Only these keys are read,
+    so this stays fast (no torch) and works with a config this node's daemon rejects."""
+    values = {"admin_host": "127.0.0.1", "admin_port": 0, "admin_api_key": ""}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+        data = data.get("hicached", data)
+        values.update({k: data[k] for k in values if k in data})
+    values.update({k: env[f"HICACHED_{k.upper()}"] for k in values
+                   if f"HICACHED_{k.upper()}" in env})
+    try:
+        values["admin_port"] = int(values["admin_port"])
+    except (TypeError, ValueError):
+        raise ConfigError(f"admin_port: expected a port, got {values['admin_port']!r}") from None
+    return values
+
+
 def client_from_args(args: argparse.Namespace, env=os.environ) -> AdminClient:
     """Resolve the admin address and key (see the module docstring)."""
     path = args.daemon_config
     if path is None and os.access(DEFAULT_DAEMON_CONFIG, os.R_OK):
         path = DEFAULT_DAEMON_CONFIG
-    cfg = load_config(path, env, {})
+    cfg = admin_settings(path, env)
     url = args.url
     if not url:
-        if not cfg.admin_port:
+        if not cfg["admin_port"]:
             raise ConfigError("no admin API address: pass --url http://HOST:PORT, or "
                               "--daemon-config FILE with admin_port set")
-        host = f"[{cfg.admin_host}]" if ":" in cfg.admin_host else cfg.admin_host
-        url = f"http://{host}:{cfg.admin_port}"
-    key = args.admin_api_key or env.get("HICACHED_ADMIN_API_KEY") or cfg.admin_api_key
+        host = cfg["admin_host"]
+        url = f"http://[{host}]:{cfg['admin_port']}" if ":" in host else \
+            f"http://{host}:{cfg['admin_port']}"
+    key = args.admin_api_key or cfg["admin_api_key"]
     return AdminClient(url, key, args.timeout)
 
 

@@ -198,8 +198,10 @@ class Daemon:
         """Every ``SWEEP_INTERVAL_S``: expire reservations and leases, drop dead clients, relieve
         write-back pressure; and feed the systemd watchdog (only a running loop does)."""
         if now >= self._next_watchdog:
-            self.notifier.watchdog()
-            self._next_watchdog = now + (self.notifier.watchdog_interval_s or float("inf"))
+            interval = self.notifier.watchdog_interval_s
+            if interval:
+                self.notifier.watchdog()
+            self._next_watchdog = now + (interval or float("inf"))
         if now >= self._next_sweep:
             self.leases.sweep(now)
             self.controller.reap_dead_sessions()
@@ -500,8 +502,7 @@ class Daemon:
         log.info("reloaded: %s", ", ".join(f"{k}={v!r}" for k, v in changed.items())
                  or "nothing changed")
         if ignored:
-            log.warning("reload: %s changed but only take effect after a restart",
-                        ", ".join(ignored))
+            log.warning("reload: %s changed; restart hicached to apply", ", ".join(ignored))
         return changed
 
     def _attach_for(self, identity: bytes, msg: P.Attach) -> None:
