@@ -41,7 +41,7 @@ def test_admin_key_rules_and_key_never_logged(make_daemon):
 
 
 def test_mutating_endpoints_refused_without_a_configured_key(make_daemon):
-    d, url = admin_daemon(make_daemon, key="")
+    _d, url = admin_daemon(make_daemon, key="")
     for method, path, body in MUTATING:
         status, ans = http(method, url + path, body, key="anything")
         assert status == 400, (method, path)
@@ -73,7 +73,7 @@ def test_attach_detach_status_while_a_client_works(make_daemon, tmp_path):
                     assert _write(c, keys) == [True] * 4
                     assert c.batch_get_v1(keys, pages(8, 4)) == [True] * 4
                     i += 1
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:  # noqa: BLE001 - reported after the join
             errors.append(e)
 
     t = threading.Thread(target=traffic)
@@ -105,7 +105,7 @@ def test_attach_detach_status_while_a_client_works(make_daemon, tmp_path):
             http("PUT", url + "/hicache/storage-backend", {"hicache_storage_backend": "file",
                  "hicache_write_policy": "write_through"}, key=KEY)
             assert _write(c, ["after0", "after1"]) == [True, True]
-            files = lambda: {f for _, _, fs in os.walk(l3_dir) for f in fs}  # noqa: E731
+            files = lambda: {f for _, _, fs in os.walk(l3_dir) for f in fs}
             assert wait_until(lambda: {"after0", "after1"} <= files())
             assert "before0" not in files()  # committed before the attach: not written through
             # flush L2 over HTTP: the pages come back from the attached L3
@@ -132,8 +132,8 @@ def test_attach_detach_status_while_a_client_works(make_daemon, tmp_path):
 
 
 def test_attach_errors_map_to_statuses(make_daemon, tmp_path):
-    d, url = admin_daemon(make_daemon, extra=["--l3-backend", "none"])
-    put = lambda body: http("PUT", url + "/hicache/storage-backend", body, key=KEY)  # noqa: E731
+    _d, url = admin_daemon(make_daemon, extra=["--l3-backend", "none"])
+    put = lambda body: http("PUT", url + "/hicache/storage-backend", body, key=KEY)
     status, ans = put({"hicache_storage_backend": "tape"})
     assert status == 400 and "tape" in ans["error"] and "file" in ans["error"]
     status, ans = put({"hicache_storage_backend": "file", "hicache_write_policy": "sometimes"})
@@ -177,7 +177,7 @@ def test_flush_tiers_and_clear(make_daemon):
         assert status == 200 and ans == {"success": True, "tier": "l2", "pages": 6,
                                          "message": "Cache flushed: 6 pages dropped from L2."}
         assert c.stats()["l2_pages"] == 0
-        l3_pages = lambda: http("GET", url + "/stats")[1]["tiers"]["l3"][  # noqa: E731
+        l3_pages = lambda: http("GET", url + "/stats")[1]["tiers"]["l3"][
             "backend_stats"]["pages"]
         assert l3_pages() == 6  # L3 still has them
         status, ans = http("POST", url + "/hicache/storage-backend/clear", key=KEY)

@@ -21,8 +21,8 @@ def cli(*args, key=KEY, env_extra=None, module="hicached.cli"):
     if key:
         env["HICACHED_ADMIN_API_KEY"] = key
     env.update(env_extra or {})
-    p = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                       env=env, timeout=60)
+    p = subprocess.run([sys.executable, "-m", module, *args], check=False, capture_output=True,
+                       text=True, env=env, timeout=60)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -76,7 +76,7 @@ def test_flush_attach_detach_commands(make_daemon, tmp_path):
 
 
 def test_failures_exit_non_zero_with_a_clear_message(make_daemon, tmp_path):
-    d, url = admin_daemon(make_daemon, extra=["--l3-backend", "none"])
+    _d, url = admin_daemon(make_daemon, extra=["--l3-backend", "none"])
     rc, out, err = cli("flush", "--url", url, key="")
     assert rc == 1 and "unauthorized (HTTP 401)" in err and "HICACHED_ADMIN_API_KEY" in err
     rc, out, err = cli("flush", "--url", url, key="wrong")
@@ -88,14 +88,15 @@ def test_failures_exit_non_zero_with_a_clear_message(make_daemon, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     rc, out, err = cli("status", "--url", dead)
     assert rc == 1 and f"cannot reach the hicached admin API at {dead}" in err
-    rc, out, err = cli("status")  # no --url and no config with an admin_port
+    assert out == ""  # failures say so on stderr only
+    rc, _out, err = cli("status")  # no --url and no config with an admin_port
     assert rc == 2 and "no admin API address" in err
-    rc, out, err = cli("flush", "--tier", "l9", "--url", url)
+    rc, _out, err = cli("flush", "--tier", "l9", "--url", url)
     assert rc == 2 and "invalid choice" in err  # argparse
 
 
 def test_address_and_key_from_the_daemon_config(make_daemon, tmp_path):
-    d, url = admin_daemon(make_daemon)
+    _d, url = admin_daemon(make_daemon)
     port = url.rsplit(":", 1)[1]
     conf = tmp_path / "daemon.toml"
     conf.write_text(f'[hicached]\nadmin_port = {port}\nadmin_api_key = "{KEY}"\n')

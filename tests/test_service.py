@@ -37,7 +37,7 @@ def test_systemd_unit_verifies(tmp_path):
         exe = sys.executable
     unit = tmp_path / "hicached.service"
     unit.write_text(text.replace("/usr/local/bin/hicached", exe))
-    out = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+    out = subprocess.run(["systemd-analyze", "verify", str(unit)], check=False, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stderr.strip() == "", out.stderr  # unknown keys / bad values only warn
@@ -194,7 +194,7 @@ def test_print_config_hides_secrets(tmp_path):
         [sys.executable, "-m", "hicached.cli", "serve", "--print-config", "--state-dir",
          str(tmp_path), "--admin-port", "8470", "--admin-api-key", "key-from-flag",
          "--namespace-quotas", '{"model-a": "1GiB"}'],
-        capture_output=True, text=True, env=env, timeout=60)
+        check=False, capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "key-from-flag" not in out.stdout and "token-from-env" not in out.stdout
     assert "admin_api_key = '<set>'" in out.stdout and "client_token = '<set>'" in out.stdout
