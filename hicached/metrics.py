@@ -140,7 +140,8 @@ class Metrics(NullMetrics):
 
     def _count_reserved(self, msg: P.Reserve, answer: P.Reserved) -> None:
         for t, row in zip(msg.transfers, answer.offsets):
-            granted = sum(1 for off in row if off >= 0)
+            granted = (len(row) - row.count(P.SLOT_PRESENT) - row.count(P.SLOT_NO_SPACE)
+                       - row.count(P.SLOT_INFLIGHT))
             self.client_bytes["client_to_l2"] += granted * self._page_bytes(msg.session, t.pool)
 
     @staticmethod

@@ -8,12 +8,10 @@ nothing a client sends can stop the loop.
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -54,8 +52,6 @@ log = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 0.5
 MAX_BATCH = 256  # requests handled before the loop looks at I/O completions and timers
 FLUSH_TIERS = ("l2", "l3", "all")
-RELOADABLE = ("write_policy", "write_through_threshold", "prefetch", "get_wait_s", "log_level",
-              "namespace_quotas")  # applied by SIGHUP; other keys need a restart
 # answered while draining (they finish work in flight); everything else gets ShuttingDown
 _DRAIN_OK = (P.Commit, P.Release, P.Bye)
 
@@ -481,30 +477,6 @@ class Daemon:
     def stats(self) -> dict:
         return self.call(lambda: {**self.controller.stats(), "requests": self.requests})
 
-    def reload(self, new: DaemonConfig) -> dict[str, object]:
-        """Apply the ``RELOADABLE`` keys of ``new`` (SIGHUP; thread-safe). Returns the keys that
-        changed; other changed keys are logged as needing a restart."""
-        old = self.config
-        changed = {k: getattr(new, k) for k in RELOADABLE if getattr(new, k) != getattr(old, k)}
-        ignored = [f.name for f in dataclasses.fields(DaemonConfig)
-                   if f.name not in RELOADABLE and getattr(new, f.name) != getattr(old, f.name)]
-
-        def apply() -> None:
-            self.tier.set_policies(new.write_policy, new.write_through_threshold, new.prefetch)
-            self.controller.get_wait_s = new.get_wait_s
-            self.controller.quotas.set_quotas(new.namespace_quotas)
-            if new.namespace_quotas and not old.namespace_quotas:
-                self.controller.quotas = make_quotas(self.index, new.namespace_quotas)
-            logging.getLogger().setLevel(new.log_level.upper())
-            self.config = dataclasses.replace(old, **{k: getattr(new, k) for k in RELOADABLE})
-
-        self.call(apply)
-        log.info("reloaded: %s", ", ".join(f"{k}={v!r}" for k, v in changed.items())
-                 or "nothing changed")
-        if ignored:
-            log.warning("reload: %s changed; restart hicached to apply", ", ".join(ignored))
-        return changed
-
     def _attach_for(self, identity: bytes, msg: P.Attach) -> None:
         """A client's Attach: connect off the loop, answer from the loop."""
 
@@ -583,12 +555,8 @@ class Daemon:
 
 
 def run(config: DaemonConfig, ready=None) -> None:
-    """Run a daemon in the foreground until SIGTERM / SIGINT; print where it listens."""
-    daemon = Daemon(config)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: daemon.stop())
-    print(daemon.describe(), flush=True)
-    if ready is not None:
-        ready(daemon)
-    daemon.serve_forever()
-    print("hicached stopped", flush=True)
+    """Run a daemon in the foreground until SIGTERM / SIGINT (``service.serve``, without
+    systemd notifications or SIGHUP reloads)."""
+    from hicached.service import serve  # service builds on this module
+
+    serve(config, ready=ready)

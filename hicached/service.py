@@ -6,7 +6,7 @@
     4. control loop        WATCHDOG=1 every half ``WATCHDOG_USEC`` (``Daemon._tick``); a stuck
                            loop stops feeding it and systemd restarts the daemon
     SIGHUP                 RELOADING=1, the config is resolved again (file, env and the same
-                           flags) and its policy keys applied (``Daemon.reload``), READY=1
+                           flags) and its policy keys applied (``reload_policies``), READY=1
     SIGTERM / SIGINT       STOPPING=1, drain (``Daemon._drain_for_shutdown``: work in flight
                            finishes within ``drain_timeout_s``, new requests get ShuttingDown),
                            admin API closed, exit 0
@@ -17,6 +17,7 @@ so they never touch daemon state themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -25,17 +26,47 @@ from collections.abc import Callable
 from hicached.admin import start_admin
 from hicached.config import DaemonConfig
 from hicached.errors import HicachedError
+from hicached.quotas import NoQuotas, make_quotas
 from hicached.sdnotify import NullNotifier
 from hicached.server import Daemon
 
 log = logging.getLogger(__name__)
+
+RELOADABLE = ("write_policy", "write_through_threshold", "prefetch", "get_wait_s", "log_level",
+              "namespace_quotas")  # applied by SIGHUP; other keys need a restart
+
+
+def reload_policies(daemon: Daemon, new: DaemonConfig) -> dict[str, object]:
+    """Apply the ``RELOADABLE`` keys of ``new`` on the daemon's control loop (thread-safe).
+    Returns the keys that changed; other changed keys are logged as needing a restart."""
+    old = daemon.config
+    changed = {k: getattr(new, k) for k in RELOADABLE if getattr(new, k) != getattr(old, k)}
+    ignored = [f.name for f in dataclasses.fields(DaemonConfig)
+               if f.name not in RELOADABLE and getattr(new, f.name) != getattr(old, f.name)]
+
+    def apply() -> None:
+        daemon.tier.set_policies(new.write_policy, new.write_through_threshold, new.prefetch)
+        daemon.controller.get_wait_s = new.get_wait_s
+        if type(daemon.controller.quotas) is NoQuotas:
+            daemon.controller.quotas = make_quotas(daemon.index, new.namespace_quotas)
+        else:
+            daemon.controller.quotas.set_quotas(new.namespace_quotas)
+        logging.getLogger().setLevel(new.log_level.upper())
+        daemon.config = dataclasses.replace(old, **{k: getattr(new, k) for k in RELOADABLE})
+
+    daemon.call(apply)
+    log.info("reloaded: %s", ", ".join(f"{k}={v!r}" for k, v in changed.items())
+             or "nothing changed")
+    if ignored:
+        log.warning("reload: %s changed; restart hicached to apply", ", ".join(ignored))
+    return changed
 
 
 def _reload(daemon: Daemon, notifier: NullNotifier,
             load: Callable[[], DaemonConfig]) -> None:
     notifier.reloading()
     try:
-        daemon.reload(load())
+        reload_policies(daemon, load())
     except HicachedError as e:
         log.error("reload failed; the running config stays: %s", e)
     except Exception:
