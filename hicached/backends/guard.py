@@ -194,6 +194,11 @@ class Breaker:
             self.fast_misses += 1
             return False
 
+    def refuse(self) -> None:
+        """Count a call answered as a miss without trying (e.g. no client yet)."""
+        with self._lock:
+            self.fast_misses += 1
+
     def ok(self) -> None:
         with self._lock:
             self._probing = False

@@ -42,6 +42,7 @@ import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from hicached.arena import Arena
@@ -125,7 +126,8 @@ class MooncakeBackend(L3Backend):
         self._closed = False
         self.counters = {"puts": 0, "put_failures": 0, "gets": 0, "get_misses": 0,
                          "get_errors": 0, "exists_calls": 0, "size_mismatches": 0,
-                         "no_space": 0, "timeouts": 0, "errors": 0, "setups": 0}
+                         "no_space": 0, "timeouts": 0, "errors": 0, "setups": 0,
+                         "put_bytes": 0, "get_bytes": 0, "put_s": 0.0, "get_s": 0.0}
 
     # ------------------------------------------------------------ connection
 
@@ -203,15 +205,18 @@ class MooncakeBackend(L3Backend):
 
     # ------------------------------------------------------------ guarded calls
 
-    def _admit(self):
+    def _admit(self, timeout_s: float):
         """The client to call now, or None: not connected, closed, or the breaker is open.
         A probe (the first call after a backoff) first asks the free ``health_check``."""
         store = self._store
-        if store is None or not self.breaker.admit():
+        if store is None:
+            self.breaker.refuse()
+            return None
+        if not self.breaker.admit():
             return None
         if self.breaker.degraded:
             try:
-                health = self._caller.call(store.health_check, timeout_s=self.opts.timeout_s)
+                health = self._caller.call(store.health_check, timeout_s=timeout_s)
             except StoreUnavailable as e:
                 self._failed(e)
                 return None
@@ -264,7 +269,7 @@ class MooncakeBackend(L3Backend):
         if not keys:
             return []
         names = self._names(ns, pool, keys)
-        store = self._admit()
+        store = self._admit(self.opts.exists_timeout_s)
         if store is None:
             return [False] * len(keys)
         self.counters["exists_calls"] += 1
@@ -279,18 +284,21 @@ class MooncakeBackend(L3Backend):
             return []
         ptrs = self._ptrs(offsets, page_bytes)
         names = self._names(ns, pool, keys)
-        store = self._admit()
+        store = self._admit(self.opts.timeout_s)
         if store is None:
             self.counters["put_failures"] += len(keys)
             return [False] * len(keys)
+        t = time.perf_counter()
         rcs = self._call(store.batch_put_from, names, ptrs, [page_bytes] * len(keys),
                          timeout_s=self.opts.timeout_s)
+        self.counters["put_s"] += time.perf_counter() - t
         if rcs is None:
             self.counters["put_failures"] += len(keys)
             return [False] * len(keys)
         self._settle("batch_put_from", rcs)
         out = [rc in (0, OBJECT_ALREADY_EXISTS) for rc in rcs]  # already stored: a success
         self.counters["puts"] += sum(out)
+        self.counters["put_bytes"] += sum(out) * page_bytes
         self.counters["put_failures"] += len(out) - sum(out)
         self.counters["no_space"] += sum(rc == NO_AVAILABLE_HANDLE for rc in rcs)
         others = [rc for rc in rcs if rc < 0 and rc not in UNREACHABLE
@@ -303,12 +311,14 @@ class MooncakeBackend(L3Backend):
             return []
         ptrs = self._ptrs(offsets, page_bytes)
         names = self._names(ns, pool, keys)
-        store = self._admit()
+        store = self._admit(self.opts.timeout_s)
         if store is None:
             self.counters["get_misses"] += len(keys)
             return [False] * len(keys)
+        t = time.perf_counter()
         rcs = self._call(store.batch_get_into, names, ptrs, [page_bytes] * len(keys),
                          timeout_s=self.opts.timeout_s)
+        self.counters["get_s"] += time.perf_counter() - t
         if rcs is None:
             self.counters["get_misses"] += len(keys)
             return [False] * len(keys)
@@ -320,6 +330,7 @@ class MooncakeBackend(L3Backend):
             log.debug("mooncake L3: %d pages of pool %s stored with another size than %d bytes",
                       mismatched, pool, page_bytes)
         self.counters["gets"] += sum(out)
+        self.counters["get_bytes"] += sum(out) * page_bytes
         self.counters["get_misses"] += len(out) - sum(out)
         self._count_errors("batch_get_into", [rc for rc in rcs if rc < 0 and rc not in UNREACHABLE
                                               and rc not in (OBJECT_NOT_FOUND, INVALID_PARAMS)])
@@ -337,7 +348,7 @@ class MooncakeBackend(L3Backend):
     def clear(self) -> int:
         """Remove every page under our key prefix (force: a page another node read in the last
         lease TTL, which includes any exists check, would otherwise survive). Returns how many."""
-        store = self._admit()
+        store = self._admit(self.opts.timeout_s)
         if store is None:
             return 0
         n = self._call(store.remove_by_regex, f"^{self.opts.key_prefix}/", True,
