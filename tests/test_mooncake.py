@@ -6,6 +6,7 @@ deadline), recovery (master restarted on the same port, master started after the
 two daemons sharing pages through one master.
 """
 
+import itertools
 import json
 import os
 import signal
@@ -346,3 +347,40 @@ def test_two_daemons_share_pages_through_one_master(master, make_daemon):
     with d2.client("another-model") as c:
         c.register_mem_host_pool_v2(kv_pool(), "kv")
         assert c.batch_exists(keys) == 0
+
+
+def test_daemon_serves_l2_while_master_is_down_and_recovers(master, make_daemon):
+    opts = {"master_server_address": master.address, "global_segment_size": "32MiB",
+            "local_buffer_size": "4MiB", "local_hostname": "127.0.0.1", "timeout_s": 1.0,
+            "exists_timeout_s": 0.3, "max_backoff_s": 1.0}
+    d = make_daemon(extra=["--l3-backend", "mooncake", "--l3-options", json.dumps(opts)])
+    keys = [f"k{i}" for i in range(4)]
+    with d.client() as c:
+        src, dst = kv_pool(seed=71), kv_pool()
+        c.register_mem_host_pool_v2(src, "kv")
+        assert c.batch_set_v1(keys, pages(0, 4)) == [True] * 4
+        assert wait_until(lambda: c.stats()["l3_writes"] == 4)
+        master.kill()
+        # L2 keeps answering; L3 lookups cost at most their deadline, then nothing
+        t = time.monotonic()
+        assert c.batch_exists(keys + ["not-anywhere"]) == 4
+        assert c.batch_get_v1(keys, pages(8, 4)) == [True] * 4
+        assert torch.equal(kv_tokens(src, 8, 4), kv_tokens(src, 0, 4))
+        assert c.batch_exists(["nowhere-1", "nowhere-2"]) == 0
+        assert c.batch_set_v1(["late"], pages(12, 1)) == [True]
+        assert time.monotonic() - t < 0.3 + 1.0 + 3.0
+        assert wait_until(lambda: c.stats()["l3"]["degraded"])
+        assert wait_until(lambda: c.stats()["l3_write_failures"] >= 1)
+
+        master.start()  # same port, empty: new writes reach L3 again without a daemon restart
+        fresh = itertools.count()
+
+        def written_through():  # a fresh key each time: a key L2 holds is not set again
+            c.batch_set_v1([f"m{next(fresh)}"], pages(16, 1))
+            return c.stats()["l3_writes"] > 4
+
+        assert wait_until(written_through, timeout_s=40)
+        c.flush("l2")
+        c.register_mem_host_pool_v2(dst, "kv")
+        assert c.stats()["l3"]["degraded"] is False
+        assert c.batch_get_v1(["late"], pages(0, 1)) == [False]  # lost with the old master
