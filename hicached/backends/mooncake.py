@@ -18,20 +18,23 @@ slot), is a miss counted as ``size_mismatches``; -900 / -901 (master RPC failed 
 mean the store is unreachable.
 
 Deadlines and degradation (``guard.py``): every Mooncake call runs on a helper thread and is
-abandoned past its deadline (``exists_timeout_s`` on the control loop, ``timeout_s`` on the I/O
-workers). A timeout or an unreachable-store code opens the breaker: logged once, counted, and
-calls answer misses at once until a backoff passes; then one call probes (after a free
-``health_check``), and success closes the breaker. Measured with 0.3.13.post1: against a
-killed master calls take ~4.3 s (-900), against a SIGSTOPped one 30 s (-901); once the master
-runs again (same address) the client reconnects and remounts its segment by itself within
-~1-2 s (puts answer -200 until then), so recovery needs no new client. A client that never got
-set up (master down at start) is set up again by a background thread.
+abandoned past its deadline (``exists_timeout_s`` on the control loop; ``timeout_s`` plus
+``timeout_per_gib_s`` per GiB moved on the I/O workers). A timeout or an unreachable-store code
+opens the breaker: logged once, counted, and calls answer misses at once until a backoff passes;
+then one call probes (after a free ``health_check``), and success closes the breaker.
 
-Two Mooncake calls hold the GIL, which no helper thread can bound: ``setup`` (~90 s against a
-dead master, so the master's port is probed first) and ``close`` (16 s against a dead master,
-so a client whose master is unreachable is left open rather than closed). An abandoned
-*transfer* may still touch its arena slots after this backend answered (Mooncake cannot cancel
-it); those are counted as ``abandoned_calls`` and the arena mapping is kept alive for them.
+Measured with 0.3.13.post1: against a killed master calls take ~4.3 s (-900), against a
+SIGSTOPped one 30 s (-901). Once the master runs again at the same address the client reconnects
+and remounts its segment by itself within ~1-2 s (puts answer -200 until then), so recovery
+needs no new client; a client that never got set up (master down at start) is set up by a
+background thread. Two calls hold the GIL, which no helper thread can bound: ``setup`` (~90 s
+against a dead master, so the master's port is probed first) and ``close`` (7-16 s against a
+dead master, so such a client is left open, for Mooncake's own cleanup at process exit).
+
+Known hazard: Mooncake cannot cancel a transfer. One abandoned in its data phase (a peer that is
+slow, not dead: a dead or hung master fails before any byte moves) may still write (get) or read
+(put) its arena slots after the controller reused them. Counted as ``abandoned_calls``; the
+arena mapping stays alive for it. Closing it needs the controller to quarantine such slots.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ class MooncakeBackend(L3Backend):
         self._base = 0
         self._closed = False
         self.counters = {"puts": 0, "put_failures": 0, "gets": 0, "get_misses": 0,
-                         "get_errors": 0, "exists_calls": 0, "size_mismatches": 0,
+                         "exists_calls": 0, "size_mismatches": 0,
                          "no_space": 0, "timeouts": 0, "errors": 0, "setups": 0,
                          "put_bytes": 0, "get_bytes": 0, "put_s": 0.0, "get_s": 0.0}
 
@@ -249,6 +252,10 @@ class MooncakeBackend(L3Backend):
         else:
             self.breaker.ok()
 
+    def _deadline(self, nbytes: int) -> float:
+        """Deadline of a transfer of ``nbytes``: ``timeout_s`` + ``timeout_per_gib_s`` per GiB."""
+        return self.opts.timeout_s + nbytes / 2**30 * self.opts.timeout_per_gib_s
+
     def _names(self, ns: str, pool: str, keys: Sequence[str]) -> list[str]:
         prefix = self.opts.key_prefix
         return [object_key(prefix, ns, pool, k) for k in keys]
@@ -290,7 +297,7 @@ class MooncakeBackend(L3Backend):
             return [False] * len(keys)
         t = time.perf_counter()
         rcs = self._call(store.batch_put_from, names, ptrs, [page_bytes] * len(keys),
-                         timeout_s=self.opts.timeout_s)
+                         timeout_s=self._deadline(len(keys) * page_bytes))
         self.counters["put_s"] += time.perf_counter() - t
         if rcs is None:
             self.counters["put_failures"] += len(keys)
@@ -317,14 +324,14 @@ class MooncakeBackend(L3Backend):
             return [False] * len(keys)
         t = time.perf_counter()
         rcs = self._call(store.batch_get_into, names, ptrs, [page_bytes] * len(keys),
-                         timeout_s=self.opts.timeout_s)
+                         timeout_s=self._deadline(len(keys) * page_bytes))
         self.counters["get_s"] += time.perf_counter() - t
         if rcs is None:
             self.counters["get_misses"] += len(keys)
             return [False] * len(keys)
         self._settle("batch_get_into", rcs)
         out = [rc == page_bytes for rc in rcs]
-        mismatched = sum(rc >= 0 and rc != page_bytes or rc == INVALID_PARAMS for rc in rcs)
+        mismatched = sum((rc >= 0 and rc != page_bytes) or rc == INVALID_PARAMS for rc in rcs)
         if mismatched:
             self.counters["size_mismatches"] += mismatched
             log.debug("mooncake L3: %d pages of pool %s stored with another size than %d bytes",
@@ -352,7 +359,7 @@ class MooncakeBackend(L3Backend):
         if store is None:
             return 0
         n = self._call(store.remove_by_regex, f"^{self.opts.key_prefix}/", True,
-                       timeout_s=max(self.opts.timeout_s, 10.0))
+                       timeout_s=self.opts.timeout_s)  # runs on the control loop (flush)
         if n is None:
             return 0
         self._settle("remove_by_regex", [n])
@@ -403,7 +410,7 @@ class MooncakeBackend(L3Backend):
                 _LEFT_OPEN.append((store, self._buffer))
         else:
             log.warning("mooncake L3: client left open at close (%s)",
-                        "calls still running" if not idle else f"health_check {health}")
+                        "calls still running" if not idle else f"health: {health}")
             _LEFT_OPEN.append((store, self._buffer))
         self._caller.close()
 

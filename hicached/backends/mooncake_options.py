@@ -20,7 +20,9 @@ variable SGLang reads for it, the default below. Unknown keys raise ``ConfigErro
 
 hicached's own (no environment variable; they are daemon behaviour, not Mooncake's):
 
-    timeout_s          2.0       deadline of one batch_put / batch_get call (worker threads)
+    timeout_s          2.0       deadline of one batch_put / batch_get call (worker threads) ...
+    timeout_per_gib_s  10.0      ... plus this per GiB it moves (a floor of ~100 MB/s), so a big
+                                 batch on a slow but working network is not abandoned midway
     exists_timeout_s   0.5       deadline of one exists call (the daemon's control loop waits!)
     connect_timeout_s  1.0       TCP probe of the master before ``setup`` (which holds the GIL)
     backoff_s          0.5       first retry delay once the store is found unavailable ...
@@ -88,6 +90,7 @@ class MooncakeOptions:
     enable_ssd_offload: bool = False
     ssd_offload_path: str | None = None
     timeout_s: float = 2.0
+    timeout_per_gib_s: float = 10.0
     exists_timeout_s: float = 0.5
     connect_timeout_s: float = 1.0
     backoff_s: float = 0.5
@@ -135,6 +138,9 @@ class MooncakeOptions:
                     "max_backoff_s", "close_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"l3_options: {key} must be > 0, got {getattr(self, key)}")
+        if self.timeout_per_gib_s < 0:
+            raise ConfigError(f"l3_options: timeout_per_gib_s must be >= 0, "
+                              f"got {self.timeout_per_gib_s}")
         if self.max_call_threads < 1:
             raise ConfigError(f"l3_options: max_call_threads must be >= 1, "
                               f"got {self.max_call_threads}")
