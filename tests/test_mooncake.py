@@ -251,9 +251,14 @@ def test_roundtrip_exists_skip_sizes_namespaces_clear(master, make_backend, make
 def test_killed_master_misses_within_deadline_then_recovers(master, make_backend, make_arena):
     arena = make_arena()
     b = make_backend(master.address, arena, timeout_s=1.0, exists_timeout_s=0.3)
+    other = make_backend(master.address, global_segment_size=0)
     fill_random(arena, 0, PAGE, seed=1)
     assert b.batch_put("ns", "kv", ["a"], [0], PAGE) == [True]
     master.kill()
+    # close is bounded (Mooncake's close would block ~16 s on a dead master) and idempotent
+    _, dt = timed(other.close)
+    assert dt < 2.0 + 1.0 and other.stats()["connected"] is False
+    other.close()
     # each call answers within its deadline (+ slack for a busy VM), as a miss
     for _ in range(3):
         got, dt = timed(lambda: b.exists("ns", "kv", ["a"]))
