@@ -141,6 +141,13 @@ class MooncakeBackend(L3Backend):
         self._buffer = arena.buffer
         self._base = arena.tensor.data_ptr()
         log.info("mooncake L3: %s", self.opts.describe())
+        o = self.opts
+        loopback = ("localhost", "127.0.0.1", "::1")
+        if (o.local_hostname in loopback and o.global_segment_size
+                and not o.master_server_address.startswith(loopback)):
+            log.warning("mooncake L3: local_hostname is %s but the master is remote: other nodes "
+                        "cannot reach this node's segment; set local_hostname (or "
+                        "MOONCAKE_LOCAL_HOSTNAME) to this node's address", o.local_hostname)
         try:
             self._connect()
         except StoreUnavailable as e:
