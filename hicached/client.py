@@ -115,13 +115,14 @@ class Client:
             self._roundtrip(P.RegisterPool(next(self._req_ids), self.session, name,
                                            io.page_bytes))
 
-    def _roundtrip(self, msg) -> Any:
+    def _roundtrip(self, msg, timeout_s: float | None = None) -> Any:
         """Send one request and wait (deadline) for its answer; daemon errors are raised."""
         if self._sock is None:
             self._new_socket()
         self._sock.send(P.encode(msg))
         start = time.monotonic()
-        deadline = start + self.timeout_s
+        timeout_s = timeout_s or self.timeout_s
+        deadline = start + timeout_s
         spin_until = start + self.spin_s  # answers usually come within it: skip the wake-up cost
         while True:
             now = time.monotonic()
@@ -135,7 +136,7 @@ class Client:
                 self._sock.close(linger=0)  # drop queued requests; a fresh socket next time
                 self._sock = None
                 raise DaemonUnavailable(
-                    f"no answer from hicached at {self.endpoint} within {self.timeout_s}s "
+                    f"no answer from hicached at {self.endpoint} within {timeout_s}s "
                     f"({type(msg).__name__})")
             answer = P.answer_decoder.decode(self._sock.recv())
             if answer.req_id != msg.req_id:
@@ -144,17 +145,17 @@ class Client:
                 raise error_from_code(answer.code, answer.message)
             return answer
 
-    def _call(self, build) -> Any:
+    def _call(self, build, timeout_s: float | None = None) -> Any:
         """``build(session, req_id) -> request``; re-joins a restarted daemon once."""
         if self._closed:
             raise DaemonUnavailable("client is closed")
         with self._lock:
             try:
-                return self._roundtrip(build(self.session, next(self._req_ids)))
+                return self._roundtrip(build(self.session, next(self._req_ids)), timeout_s)
             except UnknownSession:
                 log.warning("hicached session lost (daemon restarted?): joining again")
                 self._handshake()
-                return self._roundtrip(build(self.session, next(self._req_ids)))
+                return self._roundtrip(build(self.session, next(self._req_ids)), timeout_s)
 
     def _send_only(self, msg) -> None:
         with self._lock:
@@ -296,6 +297,21 @@ class Client:
 
     def ping(self) -> None:
         self._call(lambda s, r: P.Ping(r))
+
+    def attach_backend(self, backend: str, options: dict | None = None, *,
+                       write_policy: str | None = None, prefetch: bool | None = None,
+                       timeout_s: float = 120.0) -> dict:
+        """Attach an L3 backend to the daemon at runtime; returns the tier status. Attaching
+        the attached backend only updates the policies; another one raises BackendConflict."""
+        return self._call(lambda s, r: P.Attach(r, backend, dict(options or {}),
+                                                write_policy or "", prefetch), timeout_s).status
+
+    def detach_backend(self) -> dict:
+        """Detach the daemon's L3 backend (idempotent); returns the tier status."""
+        return self._call(lambda s, r: P.Detach(r)).status
+
+    def backend_status(self) -> dict:
+        return self._call(lambda s, r: P.GetBackend(r)).status
 
     def close(self) -> None:
         """End the session (its leases and reservations are freed at once). Idempotent."""
