@@ -84,6 +84,7 @@ class NullBackend(L3Backend):
 BACKENDS = {
     "none": "hicached.backends.base:NullBackend",
     "file": "hicached.backends.file:FileBackend",
+    "hf3fs": "hicached.backends.hf3fs:Hf3fsBackend",
 }
 
 

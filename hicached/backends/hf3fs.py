@@ -1,0 +1,493 @@
+"""The 3FS L3 backend: pages in fixed-size slots of per-node segment files on a shared mount.
+
+A 3FS mount is a POSIX directory shared by every node's daemon. Each daemon ("node", option
+``node``, default the host name) writes only into its own segment files; any daemon reads any
+node's pages. Layout and records: ``hf3fs_format.py``; this node's slots: ``hf3fs_space.py``;
+the bytes move through ``hf3fs_io.py`` (USRBIO rings when ``hf3fs_py_usrbio`` imports and the
+root is on a 3FS mount, ``preadv``/``pwritev`` on the arena's memory otherwise; same format).
+
+    key (ns, pool, key) --sha256--> kh --> index/<ns>/<pool>/<kh[:2]>/<kh>   pointer record
+    pointer = (node uuid, segment, slot, slot offset, generation, page_bytes, kh)
+    slot    = [.. | head stamp | page bytes | trail stamp | ..]   stamp = (slot, gen, size, kh,
+                                                                    segment tag[, page crc])
+
+Write (one node, its writer thread), per batch:
+  1. allocate slots (``NodeSpace``: free slot, new segment, or LRU eviction at ``capacity``);
+  2. write every head stamp (a new, never reused generation: epoch << 32 | counter), wait;
+  3. write page bytes + trail stamp, wait;
+  4. write the slot's directory entry, then publish the pointer (temp file + rename).
+Read (any node, its reader thread):
+  1. resolve kh -> pointer (own slots from memory, others' from a cache or the record);
+  2. read [head | page | trail] in one vectored op per page, page bytes straight into the arena;
+  3. check head and trail against the pointer, then read the head again and check it once more.
+A writer recycling the slot stamps the head with a new generation *before* it touches the page,
+so a page read that saw any new byte sees the new head in step 3: a torn or recycled slot is a
+miss, never wrong bytes (seqlock; the stamp CRC also rejects zeroed or foreign blocks). A stale
+pointer is harmless for the same reason. Eviction removes the pointer first and reuses the slot
+only ``grace_s`` later, so readers in flight rarely lose a page to the check.
+
+What this relies on from 3FS (and any local filesystem): rename replaces a file atomically;
+a read that starts after a write completed (on any client) returns the written bytes (3FS:
+CRAQ chains, no client data cache for these files); O_EXCL create. It does not rely on
+cross-host locks, mtimes, file length updates (segments are sized once at creation) or clocks
+agreeing across hosts. Nothing is fsynced: this is a cache; on a local filesystem without
+ordered writeback set ``checksum`` so a power loss never yields wrong bytes.
+
+``exists`` answers from memory (own slots, found pointers, recent misses) and checks unknown
+keys' pointer records on a helper thread for at most ``lookup_budget_ms``: what that does not
+finish counts as a miss now and is known on the next call, so a hung mount never stalls the loop.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+
+from hicached.backends.base import L3Backend
+from hicached.backends.hf3fs_format import (
+    FORMAT,
+    HAS_CRC,
+    HEAD_MAGIC,
+    HEAD_OFF,
+    PAGE_OFF,
+    STAMP_BYTES,
+    TRAIL_MAGIC,
+    Pointer,
+    Stamp,
+    key_hash,
+    pack_stamp,
+    pointer_relpath,
+    safe_name,
+    segment_tag,
+    slot_bytes_for,
+    unpack_stamp,
+)
+from hicached.backends.hf3fs_io import ARENA, SCRATCH, FdTable, IOOp, Part, PosixIO, select_io
+from hicached.backends.hf3fs_keys import KeyCache
+from hicached.backends.hf3fs_space import NodeSpace, Slot, publish_pointer, read_pointer
+from hicached.config import parse_size
+from hicached.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SCRATCH_PER_PAGE = 3 * STAMP_BYTES  # head, trail, head again
+MARKER = "hicached-hf3fs.json"
+
+
+class Hf3fsBackend(L3Backend):
+    """Pages on a 3FS (or any shared POSIX) directory; see the module docstring."""
+
+    name = "hf3fs"
+
+    def __init__(self, root: str | None = None, capacity="64GiB", io: str = "auto",
+                 node: str | None = None, segment_bytes="256MiB", grace_s: float = 1.0,
+                 lookup_budget_ms: float = 5.0, negative_ttl_s: float = 2.0,
+                 remote_ttl_s: float = 10.0, batch_entries: int = 256, checksum: bool = False,
+                 io_timeout_s: float = 10.0, max_open_files: int = 256, file_mode: int = 0o600,
+                 **unknown):
+        if unknown:
+            valid = [k for k in inspect.signature(Hf3fsBackend).parameters if k != "unknown"]
+            raise ConfigError(f"hf3fs: unknown option {min(unknown)!r}; valid: {valid}")
+        if not root or not isinstance(root, str):
+            raise ConfigError("hf3fs: option 'root' (a directory on the 3FS mount) is required")
+        if io not in ("auto", "posix", "usrbio"):
+            raise ConfigError(f"hf3fs: io must be 'auto', 'posix' or 'usrbio', got {io!r}")
+        for key, v in (("grace_s", grace_s), ("lookup_budget_ms", lookup_budget_ms),
+                       ("negative_ttl_s", negative_ttl_s), ("remote_ttl_s", remote_ttl_s),
+                       ("io_timeout_s", io_timeout_s)):
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+                raise ConfigError(f"hf3fs: {key} must be a number >= 0, got {v!r}")
+        for key, v in (("batch_entries", batch_entries), ("max_open_files", max_open_files)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"hf3fs: {key} must be an integer >= 1, got {v!r}")
+        self.root = os.path.abspath(root)
+        self.capacity = parse_size(capacity, "hf3fs capacity")
+        seg_bytes = parse_size(segment_bytes, "hf3fs segment_bytes")
+        self._prepare_root()
+        self.grace_s = float(grace_s)
+        self.entries, self.checksum, self.file_mode = batch_entries, bool(checksum), file_mode
+        self.io, self.io_reason = select_io(io, self.root, 3 * batch_entries, io_timeout_s)
+        self._io_option = io
+        self.fds = FdTable(self.io, max_open_files)
+        self.space = NodeSpace(self.root, safe_name(node) if node else NodeSpace.default_node(),
+                               self.capacity, seg_bytes, self.grace_s, self.fds, file_mode)
+        self._write_lock = threading.RLock()  # batch_put vs clear / close
+        self.keys = KeyCache(float(remote_ttl_s), float(negative_ttl_s), lookup_budget_ms / 1000)
+        self._next_wipe_check = 0.0
+        self._logged: set[str] = set()
+        self.counters = dict.fromkeys(
+            ("puts", "put_failures", "no_space", "gets", "get_hits", "remote_hits",
+             "size_mismatches", "read_failures", "verify_failures"), 0)
+        self._closed = False
+
+    def _prepare_root(self) -> None:
+        marker = os.path.join(self.root, MARKER)
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise PermissionError(f"no write permission on {self.root}")
+            try:
+                fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                with open(marker) as f:
+                    text = f.read()
+                if f'"format": {FORMAT}' not in text:
+                    raise ConfigError(f"hf3fs: {marker} holds another format: {text!r}") from None
+            else:
+                os.write(fd, b'{"format": %d}\n' % FORMAT)
+                os.close(fd)
+        except OSError as e:
+            raise ConfigError(f"hf3fs: root {self.root} is not a writable directory: {e}") from e
+
+    def open(self, arena) -> None:
+        super().open(arena)
+        scratch = self.entries * SCRATCH_PER_PAGE
+        try:
+            self.io.attach(arena, scratch)
+        except (OSError, ConfigError) as e:
+            if self._io_option == "usrbio":
+                raise ConfigError(f"hf3fs: io='usrbio' cannot use the arena: {e}") from e
+            log.warning("hf3fs: USRBIO unusable (%s); using POSIX I/O", e)
+            self.io.close()
+            self.io, self.io_reason = PosixIO(), f"usrbio failed: {e}"
+            self.fds.swap_io(self.io)
+            self.io.attach(arena, scratch)
+        log.info("hf3fs L3 at %s: node %s, io %s (%s), capacity %d bytes", self.root,
+                 self.space.node, self.io.name, self.io_reason, self.capacity)
+
+    # ------------------------------------------------------------ key caches
+
+    def _ptr_path(self, ns: str, pool: str, kh: bytes) -> str:
+        return os.path.join(self.root, pointer_relpath(safe_name(ns), safe_name(pool), kh))
+
+    def _note(self, what: str, err: Exception) -> None:
+        """Count a failure of ``what`` (put | get | read); log only the first of each."""
+        self.counters["put_failures" if what == "put" else "read_failures"] += 1
+        if what not in self._logged:
+            self._logged.add(what)
+            log.error("hf3fs %s failed: %s (further failures are only counted)", what, err)
+
+    # ------------------------------------------------------------ contract
+
+    def exists(self, ns: str, pool: str, keys: Sequence[str]) -> list[bool]:
+        out = [False] * len(keys)
+        if self._closed:
+            return out
+        now = time.monotonic()
+        unknown = []
+        for i, key in enumerate(keys):
+            kh = key_hash(ns, pool, key)
+            if self.space.lookup(kh) is not None or self.keys.found(kh, now):
+                out[i] = True
+            elif not self.keys.absent(kh, now):
+                unknown.append((i, kh))
+        if unknown:
+            self.keys.lookup([(kh, self._ptr_path(ns, pool, kh)) for _, kh in unknown])
+            now = time.monotonic()
+            for i, kh in unknown:
+                out[i] = self.keys.found(kh, now)
+        return out
+
+    def batch_put(self, ns, pool, keys, offsets, page_bytes):
+        out = [False] * len(keys)
+        if self._closed:
+            return out
+        with self._write_lock:
+            self._check_wiped()
+            for start in range(0, len(keys), self.entries):
+                end = start + self.entries
+                try:
+                    out[start:end] = self._put_chunk(ns, pool, keys[start:end],
+                                                     offsets[start:end], page_bytes)
+                except Exception as e:  # a failing store is a miss, never an exception
+                    log.exception("hf3fs put of %d pages failed", len(keys[start:end]))
+                    self._note("put", e)
+        return out
+
+    def _check_wiped(self) -> None:
+        now = time.monotonic()
+        if now < self._next_wipe_check:
+            return
+        self._next_wipe_check = now + 1.0
+        if self.space.wiped():
+            log.warning("hf3fs: segments of node %s were deleted (clear by another node?); "
+                        "starting empty", self.space.node)
+            self._reset()
+
+    def _put_chunk(self, ns, pool, keys, offsets, page_bytes) -> list[bool]:
+        out = [False] * len(keys)
+        ns_name, pool_name = safe_name(ns), safe_name(pool)
+        now = time.monotonic()
+        todo: list[tuple[int, bytes]] = []
+        seen: set[bytes] = set()
+        for i, key in enumerate(keys):
+            kh = key_hash(ns, pool, key)
+            if kh in seen or self.space.lookup(kh) is not None or self.keys.found(kh, now):
+                out[i] = True
+                continue
+            seen.add(kh)
+            if not self.keys.absent(kh, now) and os.path.exists(
+                    self._ptr_path(ns, pool, kh)):  # another node stored it
+                self.keys.remember(kh, None, now)
+                out[i] = True
+                continue
+            todo.append((i, kh))
+        if not todo:
+            return out
+        sb = slot_bytes_for(page_bytes)
+        places = self.space.allocate(sb, len(todo))
+        self.counters["no_space"] += len(todo) - len(places)
+        items = [(i, Slot(seg, idx, self.space.next_gen(), page_bytes, kh, ns_name, pool_name,
+                          0.0)) for (seg, idx), (i, kh) in zip(places, todo)]
+        pending = dict(enumerate(items))  # slots to give back if anything below raises
+        handles = {}
+        try:
+            try:
+                for _, s in items:
+                    if s.seg.key not in handles:
+                        handles[s.seg.key] = self.fds.acquire(s.seg.key, s.seg.path, True)
+                ok = self._write_slots(items, offsets, handles)
+            finally:
+                for h in handles.values():
+                    self.fds.release(h)
+            for n, ((i, s), good) in enumerate(zip(items, ok)):
+                del pending[n]
+                out[i] = good and self._publish(ns, pool, s)
+            stored = sum(out[i] for i, _ in items)
+            self.counters["puts"] += stored
+            self.counters["put_failures"] += len(items) - stored
+        finally:
+            for _, s in pending.values():
+                self.space.release(s.seg, s.index)
+        self.space.top_up(sb)
+        return out
+
+    def _publish(self, ns: str, pool: str, s: Slot) -> bool:
+        """Directory entry, then the pointer (step 4); on failure the slot goes back."""
+        try:
+            self.space.commit(s)
+        except OSError as e:
+            self._note("put", e)
+            self.space.release(s.seg, s.index)
+            return False
+        try:
+            publish_pointer(self._ptr_path(ns, pool, s.kh), s.pointer(self.space.uuid),
+                            self.file_mode)
+        except OSError as e:
+            self._note("put", e)
+            self.space.evict([s])
+            return False
+        self.keys.stored(s.kh)
+        return True
+
+    def _write_slots(self, items: list[tuple[int, Slot]], offsets, handles) -> list[bool]:
+        """Head stamps first (a recycled slot is invalid before its page changes), then page
+        bytes + trail stamps. One batch per phase; True per item when both phases completed."""
+        scratch = self.io.scratch("put")
+        heads, bodies = [], []
+        for n, (i, s) in enumerate(items):
+            off = offsets[i]
+            crc = zlib.crc32(self.arena.view(off, s.page_bytes)) if self.checksum else 0
+            stamp = Stamp(s.index, s.gen, s.page_bytes, s.kh, s.seg.tag, crc,
+                          HAS_CRC if self.checksum else 0)
+            base = n * SCRATCH_PER_PAGE
+            scratch[base:base + STAMP_BYTES] = pack_stamp(HEAD_MAGIC, stamp)
+            scratch[base + STAMP_BYTES:base + 2 * STAMP_BYTES] = pack_stamp(TRAIL_MAGIC, stamp)
+            fd = handles[s.seg.key].fd
+            slot_off = s.seg.head.slot_off(s.index)
+            heads.append(IOOp(fd, slot_off + HEAD_OFF, (Part(SCRATCH, base, STAMP_BYTES),)))
+            bodies.append(IOOp(fd, slot_off + PAGE_OFF, (
+                Part(ARENA, off, s.page_bytes), Part(SCRATCH, base + STAMP_BYTES, STAMP_BYTES))))
+        ok = [r == op.nbytes for r, op in zip(self.io.submit("put", True, heads), heads)]
+        todo = [n for n, good in enumerate(ok) if good]
+        res = self.io.submit("put", True, [bodies[n] for n in todo])
+        for n, r in zip(todo, res):
+            ok[n] = r == bodies[n].nbytes
+        return ok
+
+    def batch_get(self, ns, pool, keys, offsets, page_bytes):
+        out = [False] * len(keys)
+        if self._closed:
+            return out
+        for start in range(0, len(keys), self.entries):
+            end = start + self.entries
+            try:
+                out[start:end] = self._get_chunk(ns, pool, keys[start:end], offsets[start:end],
+                                                 page_bytes)
+            except Exception as e:
+                log.exception("hf3fs get of %d pages failed", len(keys[start:end]))
+                self._note("get", e)
+        self.counters["gets"] += len(keys)
+        self.counters["get_hits"] += sum(out)
+        return out
+
+    def _get_chunk(self, ns, pool, keys, offsets, page_bytes) -> list[bool]:
+        out = [False] * len(keys)
+        now = time.monotonic()
+        todo: list[tuple[int, Pointer, bool]] = []  # (index, pointer, pointer read just now)
+        own: dict[int, Slot] = {}
+        for i, key in enumerate(keys):
+            kh = key_hash(ns, pool, key)
+            slot = self.space.lookup(kh)
+            if slot is not None:
+                own[i] = slot
+                todo.append((i, slot.pointer(self.space.uuid), True))
+                continue
+            cached = self.keys.pointer(kh, now)
+            if cached is not None:
+                todo.append((i, cached, False))
+                continue
+            ptr = self._load_pointer(ns, pool, kh, now)
+            if ptr is not None:
+                todo.append((i, ptr, True))
+        ok = self._read_checked(todo, offsets, page_bytes)
+        retry = []
+        for (i, ptr, fresh), good in zip(todo, ok):
+            out[i] = good
+            if not good and not fresh:  # a cached pointer may be stale: read the record again
+                new = self._load_pointer(ns, pool, ptr.key_hash, now)
+                if new is not None and new != ptr:
+                    retry.append((i, new, True))
+        for (i, _, _), good in zip(retry, self._read_checked(retry, offsets, page_bytes)):
+            out[i] = good
+        for i, slot in own.items():
+            if out[i]:
+                self.space.touch(slot)
+        self.counters["remote_hits"] += sum(out[i] for i, p, _ in todo
+                                            if p.node_uuid != self.space.uuid)
+        return out
+
+    def _load_pointer(self, ns: str, pool: str, kh: bytes, now: float) -> Pointer | None:
+        try:
+            ptr = read_pointer(self._ptr_path(ns, pool, kh))
+        except OSError as e:
+            self._note("read", e)
+            return None
+        if ptr is None or ptr.key_hash != kh:
+            self.keys.forget(kh, now)
+            return None
+        self.keys.remember(kh, ptr, now)
+        return ptr
+
+    def _read_checked(self, todo: list[tuple[int, Pointer, bool]], offsets, page_bytes
+                      ) -> list[bool]:
+        """Read each pointer's slot into the arena and verify it (module docstring, read 2-3)."""
+        ok = [False] * len(todo)
+        items, handles = [], {}
+        try:
+            for n, (i, ptr, _) in enumerate(todo):
+                if ptr.page_bytes != page_bytes:
+                    self.counters["size_mismatches"] += 1
+                    continue
+                key = (ptr.node_uuid, ptr.seg)
+                if key not in handles:
+                    try:
+                        handles[key] = self.fds.acquire(
+                            key, os.path.join(self.root, ptr.segment_relpath()),
+                            writable=ptr.node_uuid == self.space.uuid)
+                    except OSError:
+                        handles[key] = None  # segment gone (retired, cleared): a miss
+                if handles[key] is not None:
+                    items.append((n, i, ptr, handles[key].fd))
+            ok_items = self._read_slots(items, offsets, page_bytes)
+        finally:
+            for h in handles.values():
+                if h is not None:
+                    self.fds.release(h)
+        for (n, *_), good in zip(items, ok_items):
+            ok[n] = good
+        return ok
+
+    def _read_slots(self, items, offsets, page_bytes) -> list[bool]:
+        scratch = self.io.scratch("get")
+        reads, checks = [], []
+        for k, (_, i, ptr, fd) in enumerate(items):
+            base = k * SCRATCH_PER_PAGE
+            reads.append(IOOp(fd, ptr.slot_off + HEAD_OFF, (
+                Part(SCRATCH, base, STAMP_BYTES), Part(ARENA, offsets[i], page_bytes),
+                Part(SCRATCH, base + STAMP_BYTES, STAMP_BYTES))))
+            checks.append(IOOp(fd, ptr.slot_off + HEAD_OFF,
+                               (Part(SCRATCH, base + 2 * STAMP_BYTES, STAMP_BYTES),)))
+        res = self.io.submit("get", False, reads)
+        ok = [False] * len(items)
+        first: list[Stamp | None] = [None] * len(items)
+        for k, ((_, _, ptr, _), r) in enumerate(zip(items, res)):
+            if r != reads[k].nbytes:
+                self.counters["read_failures"] += 1
+                continue
+            base = k * SCRATCH_PER_PAGE
+            head = unpack_stamp(HEAD_MAGIC, scratch[base:base + STAMP_BYTES])
+            trail = unpack_stamp(TRAIL_MAGIC, scratch[base + STAMP_BYTES:base + 2 * STAMP_BYTES])
+            if head is None or head != trail or not self._matches(head, ptr):
+                self.counters["verify_failures"] += 1
+                continue
+            first[k] = head
+        again = [k for k, h in enumerate(first) if h is not None]
+        res = self.io.submit("get", False, [checks[k] for k in again])
+        for k, r in zip(again, res):
+            base = k * SCRATCH_PER_PAGE + 2 * STAMP_BYTES
+            if r != STAMP_BYTES or unpack_stamp(HEAD_MAGIC, scratch[base:base + STAMP_BYTES]
+                                               ) != first[k]:
+                self.counters["verify_failures"] += 1
+                continue
+            head = first[k]
+            if head.flags & HAS_CRC and zlib.crc32(
+                    self.arena.view(offsets[items[k][1]], page_bytes)) != head.data_crc:
+                self.counters["verify_failures"] += 1
+                continue
+            ok[k] = True
+        return ok
+
+    @staticmethod
+    def _matches(s: Stamp, ptr: Pointer) -> bool:
+        return (s.slot == ptr.slot and s.gen == ptr.gen and s.page_bytes == ptr.page_bytes
+                and s.key_hash == ptr.key_hash and s.seg_tag == segment_tag(ptr.node_uuid,
+                                                                           ptr.seg))
+
+    # ------------------------------------------------------------ maintenance
+
+    def clear(self) -> int:
+        """Delete every pointer and segment under the root (all nodes'); returns how many
+        pages (pointer records) were removed. Other nodes notice and start empty."""
+        n = 0
+        with self._write_lock:
+            for top in ("index", "segments"):
+                for dirpath, _, files in os.walk(os.path.join(self.root, top), topdown=False):
+                    for f in files:
+                        try:
+                            os.unlink(os.path.join(dirpath, f))
+                        except OSError:
+                            continue
+                        if top == "index" and ".tmp-" not in f:
+                            n += 1
+                    try:
+                        os.rmdir(dirpath)
+                    except OSError:
+                        pass
+            self._reset()
+        return n
+
+    def _reset(self) -> None:
+        self.fds.drop_all()
+        self.space.reset()
+        self.keys.clear()
+
+    def stats(self) -> dict:
+        return {**self.space.stats(), "io": self.io.name, "io_reason": self.io_reason,
+                "open_files": len(self.fds), "lookups": self.keys.lookups,
+                "lookup_errors": self.keys.lookup_errors, **self.counters}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.keys.close()
+        with self._write_lock:
+            self.fds.drop_all()
+            self.io.close()
+            self.space.close()
