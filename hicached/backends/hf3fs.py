@@ -83,6 +83,7 @@ class Hf3fsBackend(L3Backend):
     """Pages on a 3FS (or any shared POSIX) directory; see the module docstring."""
 
     name = "hf3fs"
+    wipe_check_s = 1.0  # how often the workers check that another node's clear left us alone
 
     def __init__(self, root: str | None = None, capacity="64GiB", io: str = "auto",
                  node: str | None = None, segment_bytes="256MiB", grace_s: float = 1.0,
@@ -102,7 +103,13 @@ class Hf3fsBackend(L3Backend):
                        ("io_timeout_s", io_timeout_s)):
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
                 raise ConfigError(f"hf3fs: {key} must be a number >= 0, got {v!r}")
-        for key, v in (("batch_entries", batch_entries), ("max_open_files", max_open_files)):
+        if isinstance(file_mode, str):  # JSON has no octal literals: "0o640" / "640"
+            try:
+                file_mode = int(file_mode.removeprefix("0o"), 8)
+            except ValueError:
+                raise ConfigError(f"hf3fs: file_mode {file_mode!r} is not octal") from None
+        for key, v in (("batch_entries", batch_entries), ("max_open_files", max_open_files),
+                       ("file_mode", file_mode)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"hf3fs: {key} must be an integer >= 1, got {v!r}")
         self.root = os.path.abspath(root)
@@ -118,7 +125,7 @@ class Hf3fsBackend(L3Backend):
                                self.capacity, seg_bytes, self.grace_s, self.fds, file_mode)
         self._write_lock = threading.RLock()  # batch_put vs clear / close
         self.keys = KeyCache(float(remote_ttl_s), float(negative_ttl_s), lookup_budget_ms / 1000)
-        self._next_wipe_check = 0.0
+        self._wipe_checked = float("-inf")
         self._logged: set[str] = set()
         self.counters = dict.fromkeys(
             ("puts", "put_failures", "no_space", "gets", "get_hits", "remote_hits",
@@ -210,14 +217,18 @@ class Hf3fsBackend(L3Backend):
         return out
 
     def _check_wiped(self) -> None:
+        """Start empty if another node's ``clear`` deleted our segments (rate limited; the
+        write lock is taken only then, so loads never wait behind writes here)."""
         now = time.monotonic()
-        if now < self._next_wipe_check:
+        if now - self._wipe_checked < self.wipe_check_s:
             return
-        self._next_wipe_check = now + 1.0
+        self._wipe_checked = now
         if self.space.wiped():
-            log.warning("hf3fs: segments of node %s were deleted (clear by another node?); "
-                        "starting empty", self.space.node)
-            self._reset()
+            with self._write_lock:
+                if self.space.wiped():
+                    log.warning("hf3fs: segments of node %s were deleted (clear by another "
+                                "node?); starting empty", self.space.node)
+                    self._reset()
 
     def _put_chunk(self, ns, pool, keys, offsets, page_bytes) -> list[bool]:
         out = [False] * len(keys)
@@ -314,6 +325,7 @@ class Hf3fsBackend(L3Backend):
         out = [False] * len(keys)
         if self._closed:
             return out
+        self._check_wiped()
         for start in range(0, len(keys), self.entries):
             end = start + self.entries
             try:

@@ -188,6 +188,7 @@ class NodeSpace:
             self.close()
             raise
         self.evictions = 0
+        self.waits = 0  # allocations that waited out a grace period
         self._reset_state()
         self._load()
 
@@ -306,6 +307,7 @@ class NodeSpace:
                     if not self._evict_for(slot_bytes, n - len(out)):
                         break
                 else:
+                    self.waits += 1
                     time.sleep(max(0.0, soonest - self.clock()))
         return out
 
@@ -356,11 +358,12 @@ class NodeSpace:
     def _evict_for(self, sb: int, k: int) -> bool:
         """Make room for class ``sb``: evict its ``k`` oldest pages, or retire the segment of
         another class that holds the oldest page. False when nothing can be evicted."""
-        od = self.lru.get(sb)
-        if od:
-            self.evict([od[kh] for kh, _ in zip(od, range(k))])
+        victims = self._oldest(sb, k)
+        if victims:
+            self.evict(victims)
             return True
-        heads = [next(iter(o.values())) for c, o in self.lru.items() if o and c != sb]
+        with self.lock:  # the reader thread reorders the LRUs (touch)
+            heads = [next(iter(o.values())) for c, o in self.lru.items() if o and c != sb]
         if heads:
             victim_seg = min(heads, key=lambda s: s.used).seg
         else:  # no live page of another class either: retire a segment holding only free slots
@@ -411,11 +414,15 @@ class NodeSpace:
         capacity rarely wait out the grace period themselves."""
         if self.grace_s <= 0 or self._could_grow(sb):
             return
-        od = self.lru.get(sb)
-        spare = max(1, len(od or ()) // 32)
-        short = spare - len(self.free.get(sb, ()))
-        if od and short > 0:
-            self.evict([od[kh] for kh, _ in zip(od, range(short))])
+        short = max(1, len(self.lru.get(sb, ())) // 32) - len(self.free.get(sb, ()))
+        if short > 0:
+            self.evict(self._oldest(sb, short))
+
+    def _oldest(self, sb: int, k: int) -> list[Slot]:
+        """The ``k`` least recently used live slots of class ``sb``."""
+        with self.lock:
+            od = self.lru.get(sb)
+            return [od[kh] for kh, _ in zip(od, range(k))] if od else []
 
     def _could_grow(self, sb: int) -> bool:
         return SegmentHeader.layout(sb, 1, self.uuid, 0).file_bytes <= (
@@ -468,7 +475,8 @@ class NodeSpace:
             page_bytes = sum(s.page_bytes for s in self.live.values())
         return {"node": self.node, "pages": pages, "page_bytes": page_bytes,
                 "bytes": self.used_bytes, "capacity": self.capacity,
-                "segments": len(self.segments), "evictions": self.evictions}
+                "segments": len(self.segments), "evictions": self.evictions,
+                "alloc_waits": self.waits}
 
     def close(self) -> None:
         if self._lock_fd >= 0:
