@@ -367,9 +367,7 @@ class Hf3fsBackend(L3Backend):
                     retry.append((i, new, True))
         for (i, _, _), good in zip(retry, self._read_checked(retry, offsets, page_bytes)):
             out[i] = good
-        for i, slot in own.items():
-            if out[i]:
-                self.space.touch(slot)
+        self.space.touch([slot for i, slot in own.items() if out[i]])
         self.counters["remote_hits"] += sum(out[i] for i, p, _ in todo
                                             if p.node_uuid != self.space.uuid)
         return out
@@ -416,40 +414,38 @@ class Hf3fsBackend(L3Backend):
         return ok
 
     def _read_slots(self, items, offsets, page_bytes) -> list[bool]:
+        """Phase 1: one vectored read of [head | page | trail] per item, checked against its
+        pointer (head) and the head (trail: same fields under its own magic). Phase 2, after
+        every phase-1 read completed: the head again, byte for byte the same."""
         scratch = self.io.scratch("get")
-        reads, checks = [], []
-        for k, (_, i, ptr, fd) in enumerate(items):
-            base = k * SCRATCH_PER_PAGE
-            reads.append(IOOp(fd, ptr.slot_off + HEAD_OFF, (
-                Part(SCRATCH, base, STAMP_BYTES), Part(ARENA, offsets[i], page_bytes),
-                Part(SCRATCH, base + STAMP_BYTES, STAMP_BYTES))))
-            checks.append(IOOp(fd, ptr.slot_off + HEAD_OFF,
-                               (Part(SCRATCH, base + 2 * STAMP_BYTES, STAMP_BYTES),)))
-        res = self.io.submit("get", False, reads)
-        ok = [False] * len(items)
-        first: list[Stamp | None] = [None] * len(items)
-        for k, ((_, _, ptr, _), r) in enumerate(zip(items, res)):
-            if r != reads[k].nbytes:
+        reads = [IOOp(fd, ptr.slot_off + HEAD_OFF, (
+            Part(SCRATCH, k * SCRATCH_PER_PAGE, STAMP_BYTES), Part(ARENA, offsets[i], page_bytes),
+            Part(SCRATCH, k * SCRATCH_PER_PAGE + STAMP_BYTES, STAMP_BYTES)))
+            for k, (_, i, ptr, fd) in enumerate(items)]
+        heads: dict[int, tuple[bytes, Stamp]] = {}
+        for k, r in enumerate(self.io.submit("get", False, reads)):
+            if r != page_bytes + 2 * STAMP_BYTES:
                 self.counters["read_failures"] += 1
                 continue
             base = k * SCRATCH_PER_PAGE
-            head = unpack_stamp(HEAD_MAGIC, scratch[base:base + STAMP_BYTES])
-            trail = unpack_stamp(TRAIL_MAGIC, scratch[base + STAMP_BYTES:base + 2 * STAMP_BYTES])
-            if head is None or head != trail or not self._matches(head, ptr):
+            raw = bytes(scratch[base:base + 2 * STAMP_BYTES])
+            head = unpack_stamp(HEAD_MAGIC, raw)
+            if (head is None or raw[STAMP_BYTES:STAMP_BYTES + 4] != TRAIL_MAGIC
+                    or raw[4:STAMP_BYTES - 4] != raw[STAMP_BYTES + 4:-4]
+                    or not self._matches(head, items[k][2])):
                 self.counters["verify_failures"] += 1
                 continue
-            first[k] = head
-        again = [k for k, h in enumerate(first) if h is not None]
-        res = self.io.submit("get", False, [checks[k] for k in again])
-        for k, r in zip(again, res):
+            heads[k] = (raw[:STAMP_BYTES], head)
+        again = list(heads)
+        checks = [IOOp(items[k][3], items[k][2].slot_off + HEAD_OFF, (
+            Part(SCRATCH, k * SCRATCH_PER_PAGE + 2 * STAMP_BYTES, STAMP_BYTES),)) for k in again]
+        ok = [False] * len(items)
+        for k, r in zip(again, self.io.submit("get", False, checks)):
             base = k * SCRATCH_PER_PAGE + 2 * STAMP_BYTES
-            if r != STAMP_BYTES or unpack_stamp(HEAD_MAGIC, scratch[base:base + STAMP_BYTES]
-                                               ) != first[k]:
-                self.counters["verify_failures"] += 1
-                continue
-            head = first[k]
-            if head.flags & HAS_CRC and zlib.crc32(
-                    self.arena.view(offsets[items[k][1]], page_bytes)) != head.data_crc:
+            raw, head = heads[k]
+            if r != STAMP_BYTES or scratch[base:base + STAMP_BYTES] != raw or (
+                    head.flags & HAS_CRC and head.data_crc != zlib.crc32(
+                        self.arena.view(offsets[items[k][1]], page_bytes))):
                 self.counters["verify_failures"] += 1
                 continue
             ok[k] = True

@@ -25,6 +25,7 @@ Segment file (``seg`` = "<slot_bytes>-<epoch>-<n>", never reused):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import struct
@@ -66,14 +67,17 @@ def safe_name(s: str) -> str:
     return "h-" + hashlib.sha256(s.encode()).hexdigest()[:40]
 
 
+@functools.lru_cache(maxsize=1024)
+def _table_hasher(ns: str, pool: str):
+    n, p = ns.encode(), pool.encode()
+    return hashlib.sha256(b"hicached-hf3fs\0%d:%b%d:%b" % (len(n), n, len(p), p))
+
+
 def key_hash(ns: str, pool: str, key: str) -> bytes:
-    """128-bit digest of (namespace, pool, key); length-prefixed, so no two triples collide
-    by concatenation. Stable across processes and hosts (never Python's ``hash``)."""
-    h = hashlib.sha256(b"hicached-hf3fs\0")
-    for part in (ns, pool, key):
-        b = part.encode()
-        h.update(len(b).to_bytes(4, "little"))
-        h.update(b)
+    """128-bit digest of (namespace, pool, key); ns and pool are length-prefixed, so no two
+    triples collide by concatenation. Stable across processes and hosts (never ``hash``)."""
+    h = _table_hasher(ns, pool).copy()
+    h.update(key.encode())
     return h.digest()[:16]
 
 
@@ -83,6 +87,7 @@ def pointer_relpath(ns_name: str, pool_name: str, kh: bytes) -> str:
     return f"index/{ns_name}/{pool_name}/{hx[:2]}/{hx}"
 
 
+@functools.lru_cache(maxsize=4096)
 def segment_tag(node_uuid: bytes, seg: str) -> int:
     """64-bit tag of one segment file, stamped into every slot: a read from the wrong file
     (a recycled fd, a renamed file) never verifies."""

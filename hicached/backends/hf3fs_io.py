@@ -99,16 +99,13 @@ class PosixIO(SlotIO):
 
     name = "posix"
 
-    def _bufs(self, lane: str, op: IOOp) -> list[memoryview]:
-        scratch = self.scratch(lane)
-        return [self.arena.view(p.offset, p.nbytes) if p.where == ARENA
-                else scratch[p.offset:p.offset + p.nbytes] for p in op.parts]
-
     def submit(self, lane, write, ops):
         out = []
+        scratch, view = self.scratch(lane), self.arena.view
         for op in ops:
             try:
-                bufs = self._bufs(lane, op)
+                bufs = [view(off, n) if where == ARENA else scratch[off:off + n]
+                        for where, off, n in op.parts]
                 if write:
                     out.append(self._write_all(op.fd, bufs, op.file_off))
                 else:

@@ -264,12 +264,15 @@ class NodeSpace:
     def lookup(self, kh: bytes) -> Slot | None:
         return self.live.get(kh)
 
-    def touch(self, slot: Slot) -> None:
+    def touch(self, slots: list[Slot]) -> None:
+        """Mark ``slots`` as just used (LRU order)."""
+        now = self.clock()
         with self.lock:
-            od = self.lru.get(slot.seg.head.slot_bytes)
-            if od is not None and od.get(slot.kh) is slot:
-                od.move_to_end(slot.kh)
-                slot.used = self.clock()
+            for slot in slots:
+                od = self.lru.get(slot.seg.head.slot_bytes)
+                if od is not None and od.get(slot.kh) is slot:
+                    od.move_to_end(slot.kh)
+                    slot.used = now
 
     def _add_live(self, slot: Slot) -> None:
         with self.lock:
