@@ -459,3 +459,16 @@ def test_two_daemons_share_pages_through_one_root(make_daemon, tmp_path):
         st = c.stats()
         assert st["l3_loads"] == 6 and st["l3"]["remote_hits"] == 6
         assert st["l3_backend"] == "hf3fs" and st["l3"]["io"] == "posix"
+
+
+def test_direct_io_is_chosen_for_fuse_mounts():
+    from hicached.backends.hf3fs_io import mount_fstype, wants_direct
+
+    info = ("22 1 252:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+            "90 22 0:50 / /mnt/3fs rw,nosuid shared:40 - fuse.hf3fs_fuse_main hf3fs.stage rw\n"
+            "91 22 0:51 / /mnt/3fs\\040b rw shared:41 - tmpfs tmpfs rw\n")
+    assert mount_fstype("/mnt/3fs/kv/index", info) == "fuse.hf3fs_fuse_main"
+    assert mount_fstype("/mnt/3fs b/x", info) == "tmpfs"
+    assert mount_fstype("/mnt/3fsx", info) == "ext4"
+    assert wants_direct(True, "/") and not wants_direct(False, "/")
+    assert wants_direct("auto", "/proc") is False  # procfs, not FUSE

@@ -3,8 +3,10 @@
 A 3FS mount is a POSIX directory shared by every node's daemon. Each daemon ("node", option
 ``node``, default the host name) writes only into its own segment files; any daemon reads any
 node's pages. Layout and records: ``hf3fs_format.py``; this node's slots: ``hf3fs_space.py``;
-the bytes move through ``hf3fs_io.py`` (USRBIO rings when ``hf3fs_py_usrbio`` imports and the
-root is on a 3FS mount, ``preadv``/``pwritev`` on the arena's memory otherwise; same format).
+the write/read protocol of a batch of slots: ``hf3fs_slots.py``; what is known about other
+nodes' keys: ``hf3fs_keys.py``; the bytes move through ``hf3fs_io.py`` (USRBIO rings when
+``hf3fs_py_usrbio`` imports and the root is on a 3FS mount, ``preadv``/``pwritev`` on the
+arena's memory otherwise; the same format either way).
 
     key (ns, pool, key) --sha256--> kh --> index/<ns>/<pool>/<kh[:2]>/<kh>   pointer record
     pointer = (node uuid, segment, slot, slot offset, generation, page_bytes, kh)
@@ -26,12 +28,22 @@ miss, never wrong bytes (seqlock; the stamp CRC also rejects zeroed or foreign b
 pointer is harmless for the same reason. Eviction removes the pointer first and reuses the slot
 only ``grace_s`` later, so readers in flight rarely lose a page to the check.
 
-What this relies on from 3FS (and any local filesystem): rename replaces a file atomically;
-a read that starts after a write completed (on any client) returns the written bytes (3FS:
-CRAQ chains, no client data cache for these files); O_EXCL create. It does not rely on
-cross-host locks, mtimes, file length updates (segments are sized once at creation) or clocks
-agreeing across hosts. Nothing is fsynced: this is a cache; on a local filesystem without
-ordered writeback set ``checksum`` so a power loss never yields wrong bytes.
+What this relies on from 3FS (checked against its FUSE client source) and any filesystem:
+- rename replaces a file atomically (3FS: metadata transactions in FoundationDB); O_EXCL create;
+- a read that starts after a write returned sees the write, from any client (3FS storage:
+  CRAQ chains). The FUSE client would break this for plain fds: it buffers writes per inode
+  (``io_bufs.write_buf_size``, 1 MB) and reads through the kernel page cache
+  (``enable_read_cache``). So on a FUSE mount segment files are opened O_DIRECT (option
+  ``direct``, "auto"): each write reaches storage before it returns, reads skip the cache.
+  USRBIO bypasses both anyway. Pointer files are plain: close() flushes them (FUSE flush ->
+  fsync) before the rename publishes them;
+- lookups may be stale for a while (``entry_timeout`` 30 s, ``negative_timeout`` 5 s): a new
+  pointer can stay invisible to another node for seconds (a miss), a replaced or removed one
+  can still be read (a stale pointer: the slot check turns it into a miss or the old page).
+It does not rely on cross-host locks, mtimes, lazily updated file lengths (segments are sized
+once at creation), or clocks agreeing across hosts. Nothing is fsynced: this is a cache; on a
+local filesystem without ordered writeback set ``checksum`` so a power loss never yields wrong
+bytes.
 
 ``exists`` answers from memory (own slots, found pointers, recent misses) and checks unknown
 keys' pointer records on a helper thread for at most ``lookup_budget_ms``: what that does not
@@ -45,37 +57,27 @@ import logging
 import os
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 
 from hicached.backends.base import L3Backend
 from hicached.backends.hf3fs_format import (
     FORMAT,
-    HAS_CRC,
-    HEAD_MAGIC,
-    HEAD_OFF,
-    PAGE_OFF,
-    STAMP_BYTES,
-    TRAIL_MAGIC,
     Pointer,
     Stamp,
     key_hash,
-    pack_stamp,
     pointer_relpath,
     safe_name,
-    segment_tag,
     slot_bytes_for,
-    unpack_stamp,
 )
-from hicached.backends.hf3fs_io import ARENA, SCRATCH, FdTable, IOOp, Part, PosixIO, select_io
+from hicached.backends.hf3fs_io import FdTable, PosixIO, select_io, wants_direct
 from hicached.backends.hf3fs_keys import KeyCache
+from hicached.backends.hf3fs_slots import SCRATCH_PER_PAGE, read_slots, write_slots
 from hicached.backends.hf3fs_space import NodeSpace, Slot, publish_pointer, read_pointer
 from hicached.config import parse_size
 from hicached.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-SCRATCH_PER_PAGE = 3 * STAMP_BYTES  # head, trail, head again
 MARKER = "hicached-hf3fs.json"
 
 
@@ -90,7 +92,7 @@ class Hf3fsBackend(L3Backend):
                  lookup_budget_ms: float = 5.0, negative_ttl_s: float = 2.0,
                  remote_ttl_s: float = 10.0, batch_entries: int = 256, checksum: bool = False,
                  io_timeout_s: float = 10.0, max_open_files: int = 256, file_mode: int = 0o600,
-                 **unknown):
+                 direct: bool | str = "auto", **unknown):
         if unknown:
             valid = [k for k in inspect.signature(Hf3fsBackend).parameters if k != "unknown"]
             raise ConfigError(f"hf3fs: unknown option {min(unknown)!r}; valid: {valid}")
@@ -98,6 +100,8 @@ class Hf3fsBackend(L3Backend):
             raise ConfigError("hf3fs: option 'root' (a directory on the 3FS mount) is required")
         if io not in ("auto", "posix", "usrbio"):
             raise ConfigError(f"hf3fs: io must be 'auto', 'posix' or 'usrbio', got {io!r}")
+        if direct not in ("auto", True, False):
+            raise ConfigError(f"hf3fs: direct must be 'auto', true or false, got {direct!r}")
         for key, v in (("grace_s", grace_s), ("lookup_budget_ms", lookup_budget_ms),
                        ("negative_ttl_s", negative_ttl_s), ("remote_ttl_s", remote_ttl_s),
                        ("io_timeout_s", io_timeout_s)):
@@ -120,10 +124,12 @@ class Hf3fsBackend(L3Backend):
         self.entries, self.checksum, self.file_mode = batch_entries, bool(checksum), file_mode
         self.io, self.io_reason = select_io(io, self.root, 3 * batch_entries, io_timeout_s)
         self._io_option = io
-        self.fds = FdTable(self.io, max_open_files)
+        self.direct = wants_direct(direct, self.root)
+        self.fds = FdTable(self.io, max_open_files, os.O_DIRECT if self.direct else 0)
         self.space = NodeSpace(self.root, safe_name(node) if node else NodeSpace.default_node(),
                                self.capacity, seg_bytes, self.grace_s, self.fds, file_mode)
-        self._write_lock = threading.RLock()  # batch_put vs clear / close
+        self._write_lock = threading.RLock()  # batch_put vs clear / close; the "put" lane
+        self._get_lock = threading.Lock()  # the "get" lane
         self.keys = KeyCache(float(remote_ttl_s), float(negative_ttl_s), lookup_budget_ms / 1000)
         self._wipe_checked = float("-inf")
         self._logged: set[str] = set()
@@ -262,7 +268,10 @@ class Hf3fsBackend(L3Backend):
                 for _, s in items:
                     if s.seg.key not in handles:
                         handles[s.seg.key] = self.fds.acquire(s.seg.key, s.seg.path, True)
-                ok = self._write_slots(items, offsets, handles)
+                ok = write_slots(self.io, self.arena, [
+                    (handles[s.seg.key].fd, s.seg.head.slot_off(s.index), offsets[i],
+                     Stamp(s.index, s.gen, s.page_bytes, s.kh, s.seg.tag, 0)) for i, s in items],
+                    self.checksum)
             finally:
                 for h in handles.values():
                     self.fds.release(h)
@@ -296,44 +305,20 @@ class Hf3fsBackend(L3Backend):
         self.keys.stored(s.kh)
         return True
 
-    def _write_slots(self, items: list[tuple[int, Slot]], offsets, handles) -> list[bool]:
-        """Head stamps first (a recycled slot is invalid before its page changes), then page
-        bytes + trail stamps. One batch per phase; True per item when both phases completed."""
-        scratch = self.io.scratch("put")
-        heads, bodies = [], []
-        for n, (i, s) in enumerate(items):
-            off = offsets[i]
-            crc = zlib.crc32(self.arena.view(off, s.page_bytes)) if self.checksum else 0
-            stamp = Stamp(s.index, s.gen, s.page_bytes, s.kh, s.seg.tag, crc,
-                          HAS_CRC if self.checksum else 0)
-            base = n * SCRATCH_PER_PAGE
-            scratch[base:base + STAMP_BYTES] = pack_stamp(HEAD_MAGIC, stamp)
-            scratch[base + STAMP_BYTES:base + 2 * STAMP_BYTES] = pack_stamp(TRAIL_MAGIC, stamp)
-            fd = handles[s.seg.key].fd
-            slot_off = s.seg.head.slot_off(s.index)
-            heads.append(IOOp(fd, slot_off + HEAD_OFF, (Part(SCRATCH, base, STAMP_BYTES),)))
-            bodies.append(IOOp(fd, slot_off + PAGE_OFF, (
-                Part(ARENA, off, s.page_bytes), Part(SCRATCH, base + STAMP_BYTES, STAMP_BYTES))))
-        ok = [r == op.nbytes for r, op in zip(self.io.submit("put", True, heads), heads)]
-        todo = [n for n, good in enumerate(ok) if good]
-        res = self.io.submit("put", True, [bodies[n] for n in todo])
-        for n, r in zip(todo, res):
-            ok[n] = r == bodies[n].nbytes
-        return ok
-
     def batch_get(self, ns, pool, keys, offsets, page_bytes):
         out = [False] * len(keys)
         if self._closed:
             return out
         self._check_wiped()
-        for start in range(0, len(keys), self.entries):
-            end = start + self.entries
-            try:
-                out[start:end] = self._get_chunk(ns, pool, keys[start:end], offsets[start:end],
-                                                 page_bytes)
-            except Exception as e:
-                log.exception("hf3fs get of %d pages failed", len(keys[start:end]))
-                self._note("get", e)
+        with self._get_lock:  # one user of the "get" lane's scratch and ring at a time
+            for start in range(0, len(keys), self.entries):
+                end = start + self.entries
+                try:
+                    out[start:end] = self._get_chunk(ns, pool, keys[start:end],
+                                                     offsets[start:end], page_bytes)
+                except Exception as e:
+                    log.exception("hf3fs get of %d pages failed", len(keys[start:end]))
+                    self._note("get", e)
         self.counters["gets"] += len(keys)
         self.counters["get_hits"] += sum(out)
         return out
@@ -403,8 +388,11 @@ class Hf3fsBackend(L3Backend):
                     except OSError:
                         handles[key] = None  # segment gone (retired, cleared): a miss
                 if handles[key] is not None:
-                    items.append((n, i, ptr, handles[key].fd))
-            ok_items = self._read_slots(items, offsets, page_bytes)
+                    items.append((n, handles[key].fd, ptr, offsets[i]))
+            ok_items, fails = read_slots(self.io, self.arena, [t[1:] for t in items],
+                                         page_bytes)
+            self.counters["read_failures"] += fails.read
+            self.counters["verify_failures"] += fails.verify
         finally:
             for h in handles.values():
                 if h is not None:
@@ -412,50 +400,6 @@ class Hf3fsBackend(L3Backend):
         for (n, *_), good in zip(items, ok_items):
             ok[n] = good
         return ok
-
-    def _read_slots(self, items, offsets, page_bytes) -> list[bool]:
-        """Phase 1: one vectored read of [head | page | trail] per item, checked against its
-        pointer (head) and the head (trail: same fields under its own magic). Phase 2, after
-        every phase-1 read completed: the head again, byte for byte the same."""
-        scratch = self.io.scratch("get")
-        reads = [IOOp(fd, ptr.slot_off + HEAD_OFF, (
-            Part(SCRATCH, k * SCRATCH_PER_PAGE, STAMP_BYTES), Part(ARENA, offsets[i], page_bytes),
-            Part(SCRATCH, k * SCRATCH_PER_PAGE + STAMP_BYTES, STAMP_BYTES)))
-            for k, (_, i, ptr, fd) in enumerate(items)]
-        heads: dict[int, tuple[bytes, Stamp]] = {}
-        for k, r in enumerate(self.io.submit("get", False, reads)):
-            if r != page_bytes + 2 * STAMP_BYTES:
-                self.counters["read_failures"] += 1
-                continue
-            base = k * SCRATCH_PER_PAGE
-            raw = bytes(scratch[base:base + 2 * STAMP_BYTES])
-            head = unpack_stamp(HEAD_MAGIC, raw)
-            if (head is None or raw[STAMP_BYTES:STAMP_BYTES + 4] != TRAIL_MAGIC
-                    or raw[4:STAMP_BYTES - 4] != raw[STAMP_BYTES + 4:-4]
-                    or not self._matches(head, items[k][2])):
-                self.counters["verify_failures"] += 1
-                continue
-            heads[k] = (raw[:STAMP_BYTES], head)
-        again = list(heads)
-        checks = [IOOp(items[k][3], items[k][2].slot_off + HEAD_OFF, (
-            Part(SCRATCH, k * SCRATCH_PER_PAGE + 2 * STAMP_BYTES, STAMP_BYTES),)) for k in again]
-        ok = [False] * len(items)
-        for k, r in zip(again, self.io.submit("get", False, checks)):
-            base = k * SCRATCH_PER_PAGE + 2 * STAMP_BYTES
-            raw, head = heads[k]
-            if r != STAMP_BYTES or scratch[base:base + STAMP_BYTES] != raw or (
-                    head.flags & HAS_CRC and head.data_crc != zlib.crc32(
-                        self.arena.view(offsets[items[k][1]], page_bytes))):
-                self.counters["verify_failures"] += 1
-                continue
-            ok[k] = True
-        return ok
-
-    @staticmethod
-    def _matches(s: Stamp, ptr: Pointer) -> bool:
-        return (s.slot == ptr.slot and s.gen == ptr.gen and s.page_bytes == ptr.page_bytes
-                and s.key_hash == ptr.key_hash and s.seg_tag == segment_tag(ptr.node_uuid,
-                                                                           ptr.seg))
 
     # ------------------------------------------------------------ maintenance
 
@@ -487,6 +431,7 @@ class Hf3fsBackend(L3Backend):
 
     def stats(self) -> dict:
         return {**self.space.stats(), "io": self.io.name, "io_reason": self.io_reason,
+                "direct": self.direct,
                 "open_files": len(self.fds), "lookups": self.keys.lookups,
                 "lookup_errors": self.keys.lookup_errors, **self.counters}
 

@@ -142,7 +142,6 @@ class UsrbioIO(SlotIO):
         self.entries = entries
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._links: list[str] = []
-        self._shm_paths: list[str] = []
         self._rings: dict[tuple[str, bool], object] = {}
         self._closed = False
 
@@ -172,8 +171,10 @@ class UsrbioIO(SlotIO):
             buf = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
-        self._shm_paths.append(path)
-        self._iov[("scratch", id(buf))] = self._wrap(buf, path)
+        try:
+            self._iov[("scratch", id(buf))] = self._wrap(buf, path)
+        finally:
+            os.unlink(path)  # mapped by us and (after the wrap) by the FUSE process: no leak
         return buf
 
     def register(self, fd):
@@ -235,7 +236,7 @@ class UsrbioIO(SlotIO):
         self._closed = True
         self._rings.clear()
         self._iov = {}
-        for link in self._links + self._shm_paths:
+        for link in self._links:
             try:
                 os.unlink(link)
             except OSError:
@@ -270,6 +271,39 @@ def select_io(io: str, root: str, entries: int, timeout_s: float) -> tuple[SlotI
     return UsrbioIO(module, mount, entries, timeout_s), f"3FS mount {mount}"
 
 
+def mount_fstype(path: str, mountinfo: str | None = None) -> str:
+    """Filesystem type of the mount holding ``path`` (from /proc/self/mountinfo), or ""."""
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo") as f:
+                mountinfo = f.read()
+        except OSError:
+            return ""
+    path = os.path.realpath(path)
+    best, fstype = "", ""
+    for line in mountinfo.splitlines():
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not rest:
+            continue
+        mnt = parts[4].replace("\\040", " ")
+        inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best):
+            best, fstype = mnt, rest.split()[0]
+    return fstype
+
+
+def wants_direct(direct: bool | str, root: str) -> bool:
+    """Whether segment files are opened with O_DIRECT. "auto": on FUSE mounts (3FS), where a
+    plain fd reads through the kernel page cache (stale across nodes) and writes through the
+    FUSE client's write buffer (no order across the buffer's flushes, nothing visible to other
+    nodes until a flush). Local filesystems need aligned buffers for O_DIRECT, so "auto" is off
+    there; the page cache of a local disk is coherent anyway."""
+    if direct == "auto":
+        return mount_fstype(root).startswith("fuse")
+    return bool(direct)
+
+
 class FdHandle:
     """An open segment file: ``fd`` stays valid while ``users`` > 0 (see ``FdTable``)."""
 
@@ -288,9 +322,10 @@ class FdTable:
     recently used beyond ``max_open``; pinned ones (this node's, read/write) stay open.
     """
 
-    def __init__(self, io: SlotIO, max_open: int = 256):
+    def __init__(self, io: SlotIO, max_open: int = 256, open_flags: int = 0):
         self.io = io
         self.max_open = max_open
+        self.open_flags = open_flags  # os.O_DIRECT on FUSE mounts (see ``wants_direct``)
         self._open: OrderedDict[tuple, FdHandle] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -301,7 +336,8 @@ class FdTable:
             h = self._open.get(key)
             if h is None:
                 if fd < 0:
-                    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+                    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY)
+                                 | self.open_flags)
                 try:
                     self.io.register(fd)
                 except OSError:

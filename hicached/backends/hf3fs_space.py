@@ -342,7 +342,8 @@ class NodeSpace:
         name = f"{sb}-{self.epoch}-{self._seq}"
         head = SegmentHeader.layout(sb, n, self.uuid, time.time_ns())
         path = os.path.join(self.dir, name + ".seg")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, self.file_mode)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | self.fds.open_flags,
+                     self.file_mode)
         try:
             os.ftruncate(fd, head.file_bytes)  # sparse; 3FS sets the length now, not lazily
             os.pwrite(fd, head.pack(), 0)
