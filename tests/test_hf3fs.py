@@ -472,3 +472,32 @@ def test_direct_io_is_chosen_for_fuse_mounts():
     assert mount_fstype("/mnt/3fsx", info) == "ext4"
     assert wants_direct(True, "/") and not wants_direct(False, "/")
     assert wants_direct("auto", "/proc") is False  # procfs, not FUSE
+
+
+def test_a_failed_write_gives_its_slot_back(arena, tmp_path, backends):
+    b = make(tmp_path, arena, capacity=capacity_for(1), grace_s=0)
+    backends.append(b)
+    real = b.io.submit
+    b.io.submit = lambda lane, write, ops: [-5] * len(ops) if write else real(lane, write, ops)
+    assert b.batch_put("ns", "kv", ["a"], [0], P) == [False]
+    assert b.exists("ns", "kv", ["a"]) == [False]
+    b.io.submit = real
+    assert b.batch_put("ns", "kv", ["a"], [0], P) == [True]  # the only slot was returned
+    st = b.stats()
+    assert (st["put_failures"], st["puts"], st["pages"]) == (1, 1, 1)
+
+
+def test_restart_after_eviction_keeps_free_slots_free(arena, tmp_path, backends):
+    b = make(tmp_path, arena, node="n1", capacity=capacity_for(2), grace_s=0)
+    for i, k in enumerate("abc"):
+        fill(arena, i * P, P, i + 1)
+        assert b.batch_put("ns", "kv", [k], [i * P], P) == [True]
+    b.close()
+    b2 = make(tmp_path, arena, node="n1", capacity=capacity_for(2), grace_s=0)
+    backends.append(b2)
+    assert b2.stats()["pages"] == 2
+    assert b2.exists("ns", "kv", ["a", "b", "c"]) == [False, True, True]
+    assert b2.batch_put("ns", "kv", ["d"], [3 * P], P) == [True]  # evicts b, the oldest
+    assert b2.exists("ns", "kv", ["b", "c", "d"]) == [False, True, True]
+    got = b2.batch_get("ns", "kv", ["c", "d"], [8 * P, 9 * P], P)
+    assert got == [True, True] and same(arena, 8 * P, 2 * P) and same(arena, 9 * P, 3 * P)

@@ -178,9 +178,9 @@ class Hf3fsBackend(L3Backend):
     def _ptr_path(self, ns: str, pool: str, kh: bytes) -> str:
         return os.path.join(self.root, pointer_relpath(safe_name(ns), safe_name(pool), kh))
 
-    def _note(self, what: str, err: Exception) -> None:
-        """Count a failure of ``what`` (put | get | read); log only the first of each."""
-        self.counters["put_failures" if what == "put" else "read_failures"] += 1
+    def _note(self, what: str, err: Exception, count: int = 1) -> None:
+        """Count ``count`` failures of ``what`` (put | get | read); log only the first."""
+        self.counters["put_failures" if what == "put" else "read_failures"] += count
         if what not in self._logged:
             self._logged.add(what)
             log.error("hf3fs %s failed: %s (further failures are only counted)", what, err)
@@ -219,7 +219,7 @@ class Hf3fsBackend(L3Backend):
                                                      offsets[start:end], page_bytes)
                 except Exception as e:  # a failing store is a miss, never an exception
                     log.exception("hf3fs put of %d pages failed", len(keys[start:end]))
-                    self._note("put", e)
+                    self._note("put", e, len(keys[start:end]))
         return out
 
     def _check_wiped(self) -> None:
@@ -277,7 +277,10 @@ class Hf3fsBackend(L3Backend):
                     self.fds.release(h)
             for n, ((i, s), good) in enumerate(zip(items, ok)):
                 del pending[n]
-                out[i] = good and self._publish(ns, pool, s)
+                if good:
+                    out[i] = self._publish(ns, pool, s)
+                else:
+                    self.space.release(s.seg, s.index)
             stored = sum(out[i] for i, _ in items)
             self.counters["puts"] += stored
             self.counters["put_failures"] += len(items) - stored
@@ -292,14 +295,14 @@ class Hf3fsBackend(L3Backend):
         try:
             self.space.commit(s)
         except OSError as e:
-            self._note("put", e)
+            self._note("put", e, 0)  # counted with the batch
             self.space.release(s.seg, s.index)
             return False
         try:
             publish_pointer(self._ptr_path(ns, pool, s.kh), s.pointer(self.space.uuid),
                             self.file_mode)
         except OSError as e:
-            self._note("put", e)
+            self._note("put", e, 0)
             self.space.evict([s])
             return False
         self.keys.stored(s.kh)
