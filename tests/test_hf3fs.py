@@ -105,9 +105,14 @@ def test_restart_finds_pages_from_the_segment_directory(arena, tmp_path, backend
 
 
 def test_same_node_twice_on_one_host_is_an_error(arena, tmp_path, backends):
-    backends.append(make(tmp_path, arena, node="n1"))
+    first = make(tmp_path, arena, node="n1")
+    backends.append(first)
+    t0 = time.monotonic()
     with pytest.raises(ConfigError, match="in use by another daemon"):
-        make(tmp_path, arena, node="n1")
+        make(tmp_path, arena, node="n1", lock_wait_s=0.5)
+    assert time.monotonic() - t0 >= 0.45  # it waited for a holder that might be closing
+    threading.Timer(0.3, first.close).start()  # a detached backend, closed a moment later
+    backends.append(make(tmp_path, arena, node="n1"))
 
 
 # ---------------------------------------------------------------- two nodes on one root
@@ -501,3 +506,22 @@ def test_restart_after_eviction_keeps_free_slots_free(arena, tmp_path, backends)
     assert b2.exists("ns", "kv", ["b", "c", "d"]) == [False, True, True]
     got = b2.batch_get("ns", "kv", ["c", "d"], [8 * P, 9 * P], P)
     assert got == [True, True] and same(arena, 8 * P, 2 * P) and same(arena, 9 * P, 3 * P)
+
+
+def test_detach_and_attach_again_finds_the_pages(make_daemon, tmp_path):
+    opts = {"root": str(tmp_path / "mnt"), "node": "n1", "io": "posix"}
+    d = make_daemon(extra=["--l3-backend", "hf3fs", "--l3-options", json.dumps(opts)])
+    keys = [f"re-{i}" for i in range(3)]
+    src, dst = kv_pool(seed=71), kv_pool()
+    with d.client() as c:
+        c.register_mem_host_pool_v2(src, "kv")
+        assert c.batch_set_v1(keys, pages(0, 3)) == [True] * 3
+        assert wait_until(lambda: c.stats()["l3_writes"] == 3)
+        c.detach_backend()
+        c.flush("l2")
+        assert c.batch_exists(keys) == 0
+        c.attach_backend("hf3fs", opts)  # same node: the closed instance's lock is free again
+        assert c.batch_exists(keys) == 3
+        c.register_mem_host_pool_v2(dst, "kv")
+        assert c.batch_get_v1(keys, pages(4, 3)) == [True] * 3
+        assert torch.equal(kv_tokens(dst, 4, 3), kv_tokens(src, 0, 3))

@@ -92,7 +92,7 @@ class Hf3fsBackend(L3Backend):
                  lookup_budget_ms: float = 5.0, negative_ttl_s: float = 2.0,
                  remote_ttl_s: float = 10.0, batch_entries: int = 256, checksum: bool = False,
                  io_timeout_s: float = 10.0, max_open_files: int = 256, file_mode: int = 0o600,
-                 direct: bool | str = "auto", **unknown):
+                 direct: bool | str = "auto", lock_wait_s: float = 5.0, **unknown):
         if unknown:
             valid = [k for k in inspect.signature(Hf3fsBackend).parameters if k != "unknown"]
             raise ConfigError(f"hf3fs: unknown option {min(unknown)!r}; valid: {valid}")
@@ -104,7 +104,7 @@ class Hf3fsBackend(L3Backend):
             raise ConfigError(f"hf3fs: direct must be 'auto', true or false, got {direct!r}")
         for key, v in (("grace_s", grace_s), ("lookup_budget_ms", lookup_budget_ms),
                        ("negative_ttl_s", negative_ttl_s), ("remote_ttl_s", remote_ttl_s),
-                       ("io_timeout_s", io_timeout_s)):
+                       ("io_timeout_s", io_timeout_s), ("lock_wait_s", lock_wait_s)):
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
                 raise ConfigError(f"hf3fs: {key} must be a number >= 0, got {v!r}")
         if isinstance(file_mode, str):  # JSON has no octal literals: "0o640" / "640"
@@ -127,7 +127,8 @@ class Hf3fsBackend(L3Backend):
         self.direct = wants_direct(direct, self.root)
         self.fds = FdTable(self.io, max_open_files, os.O_DIRECT if self.direct else 0)
         self.space = NodeSpace(self.root, safe_name(node) if node else NodeSpace.default_node(),
-                               self.capacity, seg_bytes, self.grace_s, self.fds, file_mode)
+                               self.capacity, seg_bytes, self.grace_s, self.fds, file_mode,
+                               lock_wait_s=float(lock_wait_s))
         self._write_lock = threading.RLock()  # batch_put vs clear / close; the "put" lane
         self._get_lock = threading.Lock()  # the "get" lane
         self.keys = KeyCache(float(remote_ttl_s), float(negative_ttl_s), lookup_budget_ms / 1000)

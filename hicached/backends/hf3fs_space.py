@@ -124,21 +124,26 @@ def remove_pointer_if(path: str, want: Pointer) -> bool:
 # ---------------------------------------------------------------- node identity
 
 
-def lock_node(root: str, node: str, mode: int) -> int:
+def lock_node(root: str, node: str, mode: int, wait_s: float = 5.0) -> int:
     """flock ``nodes/<node>.lock``: two daemons of one host never share a node (3FS's FUSE
     client keeps flocks local to the host; across hosts the host check of ``bump_epoch``
-    catches a name given twice). Returns the lock's fd."""
+    catches a name given twice). Waits up to ``wait_s`` for a holder that is closing (a
+    detached backend of this daemon, closed once its last job is collected). Returns the fd."""
     nodes = os.path.join(root, "nodes")
     os.makedirs(nodes, exist_ok=True)
     lock_fd = os.open(os.path.join(nodes, f"{node}.lock"), os.O_RDWR | os.O_CREAT, mode)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(lock_fd)
-        raise ConfigError(
-            f"hf3fs: node {node!r} under {root} is in use by another daemon on this host; "
-            f"give each daemon its own l3_options 'node'") from None
-    return lock_fd
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock_fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(lock_fd)
+                raise ConfigError(
+                    f"hf3fs: node {node!r} under {root} is in use by another daemon on this "
+                    f"host; give each daemon its own l3_options 'node'") from None
+            time.sleep(0.05)
 
 
 def bump_epoch(root: str, node: str) -> tuple[bytes, int]:
@@ -176,12 +181,13 @@ class NodeSpace:
     / eviction run on the writer thread only; ``lookup`` / ``touch`` from any thread."""
 
     def __init__(self, root: str, node: str, capacity: int, segment_bytes: int, grace_s: float,
-                 fds: FdTable, file_mode: int = 0o600, clock=time.monotonic):
+                 fds: FdTable, file_mode: int = 0o600, clock=time.monotonic,
+                 lock_wait_s: float = 5.0):
         self.root, self.node, self.capacity = root, node, capacity
         self.segment_bytes, self.grace_s, self.fds = segment_bytes, grace_s, fds
         self.file_mode, self.clock = file_mode, clock
         self.lock = threading.Lock()  # guards live / lru against the reader and loop threads
-        self._lock_fd = lock_node(root, node, file_mode)
+        self._lock_fd = lock_node(root, node, file_mode, lock_wait_s)
         try:
             self.uuid, self.epoch = bump_epoch(root, node)
         except BaseException:
