@@ -23,8 +23,9 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 import zmq
 
 from hicached import protocol as P
@@ -38,7 +39,11 @@ from hicached.errors import (
     error_from_code,
 )
 from hicached.hostpool import PageIO, make_page_io
+from hicached.kernels.cpu import check_arena, check_disjoint, check_slots
 from hicached.types import PoolTransfer, PoolTransferResult, policy_value, pool_value
+
+if TYPE_CHECKING:
+    from hicached.prefetch import PrefetchOperation, StopPolicy
 
 log = logging.getLogger(__name__)
 KV = "kv"
@@ -54,6 +59,47 @@ def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str) -
         )
     starts = host_indices[::page_size]
     return starts.tolist() if hasattr(starts, "tolist") else list(starts)
+
+
+class TensorPages(PageIO):
+    """Flat page tensors standing in for a host pool: item i is ``pages[i]``.
+
+    SGLang's generic (v0) path hands the backend one flat CPU tensor per page
+    (``get_data_page`` to store, ``get_dummy_flat_data_page`` to fill) instead of host indices.
+    Each tensor must hold exactly ``page_bytes`` bytes; tensors filled by ``from_arena`` must be
+    contiguous (their bytes are written in place).
+    """
+
+    path = "tensors"
+
+    def __init__(self, pages: Sequence[torch.Tensor], page_bytes: int):
+        self.page_size, self.page_bytes, self.capacity_tokens = 1, page_bytes, len(pages)
+        self._bytes: list[torch.Tensor] = []
+        for i, page in enumerate(pages):
+            if not isinstance(page, torch.Tensor) or page.device.type != "cpu":
+                raise ValueError(f"page {i} must be a CPU tensor, got {type(page).__name__}")
+            if not page.is_contiguous():
+                raise ValueError(f"page {i} is not contiguous (strides {page.stride()})")
+            data = page.reshape(-1).view(torch.uint8)
+            if data.numel() != page_bytes:
+                raise ValueError(f"page {i} has {data.numel()} bytes, pages of this pool have "
+                                 f"{page_bytes}")
+            self._bytes.append(data)
+
+    def to_arena(self, token_starts, arena, offsets) -> None:
+        starts, offs = self._check(token_starts, offsets)
+        check_arena(arena)
+        check_slots(offs, self.page_bytes, arena.numel())
+        check_disjoint(offs, self.page_bytes)
+        for i, o in zip(starts.tolist(), offs.tolist(), strict=True):
+            arena[o : o + self.page_bytes].copy_(self._bytes[i])
+
+    def from_arena(self, token_starts, arena, offsets) -> None:
+        starts, offs = self._check(token_starts, offsets)
+        check_arena(arena)
+        check_slots(offs, self.page_bytes, arena.numel())
+        for i, o in zip(starts.tolist(), offs.tolist(), strict=True):
+            self._bytes[i].copy_(arena[o : o + self.page_bytes])
 
 
 class Client:
@@ -222,6 +268,15 @@ class Client:
                                                        io.page_size, name)))
         return plan
 
+    def _pages_plan(self, pool_name: Any, keys: Sequence[str], pages: Sequence[torch.Tensor]
+                    ) -> tuple[str, list[tuple[str, PageIO, list[str], list[int]]]]:
+        name = pool_value(pool_name)
+        keys = list(keys)
+        if len(keys) != len(pages):
+            raise LengthMismatch(f"pool {name!r}: {len(keys)} keys but {len(pages)} pages")
+        io = TensorPages(pages, self._io(name).page_bytes)
+        return name, [(name, io, keys, list(range(len(keys))))]
+
     def batch_set_v2(self, transfers: Sequence[Any], extra_info: Any = None
                      ) -> dict[str, list[bool]]:
         """Store every pool's pages of the call atomically (reserve -> copy -> commit).
@@ -229,7 +284,17 @@ class Client:
         One round trip (Reserve); the Commit is sent without waiting. Per key: True when the
         page was copied (or was already there / being written by another client), False when
         the arena had no evictable room."""
-        plan = self._plan(transfers)
+        return self._store(self._plan(transfers))
+
+    def batch_set_pages(self, pool_name: Any, keys: Sequence[str],
+                        pages: Sequence[torch.Tensor]) -> list[bool]:
+        """Store flat page tensors (SGLang's generic v0 path): ``pages[i]`` under ``keys[i]``
+        in the registered pool ``pool_name`` (whose page size they must have)."""
+        name, plan = self._pages_plan(pool_name, keys, [p.contiguous() for p in pages])
+        return self._store(plan)[name]
+
+    def _store(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
+               ) -> dict[str, list[bool]]:
         sent = time.monotonic()
         res = self._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys(n, k) for n, _, k, _ in plan]))
         arena = self.arena
@@ -267,7 +332,17 @@ class Client:
     def batch_get_v2(self, transfers: Sequence[Any], extra_info: Any = None
                      ) -> dict[str, list[bool]]:
         """Load every pool's pages into their host pools; one bool per key."""
-        plan = self._plan(transfers)
+        return self._load(self._plan(transfers))
+
+    def batch_get_pages(self, pool_name: Any, keys: Sequence[str],
+                        pages: Sequence[torch.Tensor]) -> list[bool]:
+        """Fill contiguous flat page tensors (SGLang's generic v0 path): ``pages[i]`` gets the
+        bytes of ``keys[i]`` of pool ``pool_name``; one bool per key (False: left untouched)."""
+        name, plan = self._pages_plan(pool_name, keys, pages)
+        return self._load(plan)[name]
+
+    def _load(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
+              ) -> dict[str, list[bool]]:
         sent = time.monotonic()
         res = self._call(lambda s, r: P.Lease(r, s, [P.PoolKeys(n, k) for n, _, k, _ in plan]))
         arena = self.arena
@@ -290,6 +365,23 @@ class Client:
                      ) -> list[bool]:
         """v1: load KV pages into the registered KV host pool."""
         return self.batch_get_v2([PoolTransfer(KV, host_indices, keys=list(keys))])[KV]
+
+    # ------------------------------------------------------------ prefetch
+
+    def prefetch(self, keys: Sequence[str], host_indices: Any, sidecars: Sequence[Any] = (), *,
+                 policy: str | StopPolicy = "best_effort", chunk_pages: int = 128,
+                 on_progress: Any = None) -> PrefetchOperation:
+        """Start exists + chunked get of ``keys`` into the registered KV pool at
+        ``host_indices`` (and the ``sidecars`` transfers' pools) on a background thread.
+
+        ``policy``: when the caller may stop waiting (``hicached.prefetch``: "best_effort",
+        "wait_complete", "timeout", or a ``StopPolicy``). Returns the running operation."""
+        from hicached.prefetch import PrefetchOperation, make_policy
+
+        op = PrefetchOperation(self, keys, host_indices, sidecars, make_policy(policy),
+                               chunk_pages=chunk_pages, on_progress=on_progress)
+        op.start()
+        return op
 
     # ------------------------------------------------------------ admin and lifecycle
 
