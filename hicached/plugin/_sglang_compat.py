@@ -30,7 +30,7 @@ BACKEND_FACTORY = "sglang.srt.mem_cache.storage.backend_factory"
 
 def sglang_installed() -> bool:
     """Whether an ``sglang`` package can be found (nothing is imported)."""
-    return "sglang" in sys.modules or importlib.util.find_spec("sglang") is not None
+    return importlib.util.find_spec("sglang") is not None
 
 
 def import_sglang(module: str = HICACHE_STORAGE) -> types.ModuleType | None:
@@ -38,6 +38,8 @@ def import_sglang(module: str = HICACHE_STORAGE) -> types.ModuleType | None:
     cannot be imported without the rest of SGLang (logged)."""
     if module in sys.modules:
         return sys.modules[module]
+    if "sglang" in sys.modules and sys.modules["sglang"] is None:
+        return None  # import of sglang blocked (sys.modules entry None): treat as not installed
     if "sglang" in sys.modules:  # the real package (or our bare one): a normal import
         return importlib.import_module(module)
     spec = importlib.util.find_spec("sglang")

@@ -1,0 +1,147 @@
+"""SGLang on CPU for the plugin tests: the real storage ABC, factory and file backend.
+
+SGLang is imported through ``hicached.plugin._sglang_compat`` (engine-plugins.md §1.5(b)): only
+torch and ``sglang --no-deps`` are needed. Its real host pools cannot be imported on CPU, so the
+tests use ``hicached.HostPool`` (real tensors, SGLang's host-pool surface) or ``SGLangLikePool``,
+which hides that it is a HostPool so the plugin takes the path a real SGLang pool gets.
+
+``hicache_file`` builds SGLang's own ``HiCacheFile`` as the differential oracle. Its LRU evictor
+imports ``sglang.srt.utils.common`` (all of SGLang) for one size parser that is only called when
+a disk-size limit is configured; the import is satisfied by a stand-in module for the duration
+of that one import (the tests configure no limit, so the stand-in is never called).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hicached.plugin._sglang_compat import BACKEND_FACTORY, HICACHE_STORAGE, import_sglang
+
+SKIP_REASON = ("sglang is not installed: pip install --no-deps sglang==0.5.23 "
+               "(the README test command and .ci/run install it)")
+
+
+def require_sglang() -> SimpleNamespace:
+    """SGLang's storage modules (``hs``: hicache_storage, ``factory``: StorageBackendFactory),
+    or skip the test with the install command."""
+    hs = import_sglang(HICACHE_STORAGE)
+    bf = import_sglang(BACKEND_FACTORY)
+    if hs is None or bf is None:
+        pytest.skip(SKIP_REASON)
+    return SimpleNamespace(hs=hs, factory=bf.StorageBackendFactory)
+
+
+def storage_config(sg, *, model="org/model-a", tp_rank=0, tp_size=1, mla=False, extra=None,
+                   metrics=False, **fields):
+    """A ``HiCacheStorageConfig`` as SGLang's controller builds it."""
+    return sg.hs.HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=True,
+        model_name=model, extra_config=extra, **fields)
+
+
+def plugin_extra(endpoint, **more):
+    """The extra_config of ``--hicache-storage-backend dynamic`` for the plugin."""
+    return {"backend_name": "hicached", "module_path": "hicached.plugin.sglang",
+            "class_name": "HicachedStorage", "endpoint": endpoint, **more}
+
+
+def create_plugin(sg, endpoint, pools, *, extra=None, **cfg):
+    """SGLang's attach sequence (§1.4): factory ``create_backend("dynamic", cfg, host_pool)``
+    -> ``register_mem_pool_host(kv)`` -> ``register_mem_host_pool_v2`` for every entry, KV
+    first -> ``on_host_pools_registered()``. ``pools``: {PoolName value: host pool}."""
+    config = storage_config(sg, extra=plugin_extra(endpoint, **(extra or {})), **cfg)
+    backend = sg.factory.create_backend("dynamic", config, pools.get("kv"))
+    attach(sg, backend, pools)
+    return backend
+
+
+def attach(sg, backend, pools):
+    """Register ``pools`` the way SGLang's HybridCacheController does."""
+    backend.register_mem_pool_host(pools["kv"])
+    for name, pool in pools.items():
+        backend.register_mem_host_pool_v2(pool, sg.hs.PoolName(name))
+    if hasattr(backend, "on_host_pools_registered"):
+        backend.on_host_pools_registered()
+
+
+def hicache_file(sg, directory, **cfg):
+    """SGLang's ``HiCacheFile`` over ``directory`` (see the module docstring)."""
+    evictor = "sglang.srt.mem_cache.storage.file.lru_file_evictor"
+    common = "sglang.srt.utils.common"
+    if evictor not in sys.modules and common not in sys.modules:
+        stand_in = types.ModuleType(common, "stand-in for the file backend tests")
+
+        def human_readable_int(value):
+            raise NotImplementedError("disk size limits are not used in these tests")
+
+        stand_in.human_readable_int = human_readable_int
+        sys.modules[common] = stand_in
+        try:
+            importlib.import_module(evictor)
+        finally:
+            if sys.modules.get(common) is stand_in:
+                del sys.modules[common]
+    config = storage_config(sg, extra={"file_storage_path": str(directory)}, **cfg)
+    return sg.hs.HiCacheFile(config)
+
+
+def storage_namespace_seed():
+    """SGLang's own ``storage_namespace_seed(extra_key, cache_salt)``, compiled from its source
+    (``mem_cache/utils.py`` imports SGLang's kernels, so the module itself cannot be imported)."""
+    spec = importlib.util.find_spec("sglang.srt.mem_cache.utils")
+    with open(spec.origin) as f:
+        tree = ast.parse(f.read())
+    fn = next(n for n in tree.body
+              if isinstance(n, ast.FunctionDef) and n.name == "storage_namespace_seed")
+    module = ast.Module(body=[fn], type_ignores=[])
+    scope = {"hashlib": hashlib, "Optional": __import__("typing").Optional}
+    exec(compile(module, spec.origin, "exec"), scope)  # noqa: S102 - SGLang's own source
+    return scope["storage_namespace_seed"]
+
+
+def page_hashes(token_ids, page_size, prior_hash=None):
+    """SGLang's page keys: SHA-256 chain over (prior digest, page tokens as uint32 LE)."""
+    out, prior = [], bytes.fromhex(prior_hash) if prior_hash else b""
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        h = hashlib.sha256(prior)
+        for t in token_ids[start:start + page_size]:
+            h.update(int(t).to_bytes(4, "little"))
+        prior = h.digest()
+        out.append(h.hexdigest())
+    return out
+
+
+class SGLangLikePool:
+    """SGLang's host-pool surface over a HostPool, without being one: the plugin copies through
+    ``get_page_buffer_meta`` pointers, as it does for SGLang's real pools."""
+
+    def __init__(self, pool):
+        self._pool = pool
+        for name in ("page_size", "layout", "dtype", "size", "kv_buffer", "layer_num"):
+            if hasattr(pool, name):
+                setattr(self, name, getattr(pool, name))
+
+    def __getattr__(self, name):
+        if name in ("get_data_page", "get_dummy_flat_data_page", "set_from_flat_data_page",
+                    "get_page_buffer_meta", "get_size_per_token", "get_ksize_per_token"):
+            return getattr(self._pool, name)
+        raise AttributeError(name)
+
+
+def fill_random(pool, seed):
+    """Give every buffer of a HostPool random bytes (deterministic per seed)."""
+    g = torch.Generator().manual_seed(seed)
+    for buf in pool.buffers:
+        raw = buf.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
+    return pool
+
