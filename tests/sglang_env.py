@@ -14,6 +14,7 @@ of that one import (the tests configure no limit, so the stand-in is never calle
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib
 import sys
@@ -23,7 +24,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hicached import HostPool
 from hicached.plugin._sglang_compat import BACKEND_FACTORY, HICACHE_STORAGE, import_sglang
+
+PAGE = 4  # tokens per KV page
 
 SKIP_REASON = ("sglang is not installed: pip install --no-deps sglang==0.5.23 "
                "(the README test command and .ci/run install it)")
@@ -46,6 +50,23 @@ def storage_config(sg, *, model="org/model-a", tp_rank=0, tp_size=1, mla=False, 
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=True,
         model_name=model, extra_config=extra, **fields)
+
+
+@contextlib.contextmanager
+def plugins(sg):
+    """Yields ``make(endpoint, pools, extra=..., **config)`` (``create_plugin``); every plugin
+    made is closed on exit."""
+    made = []
+
+    def make(endpoint, pools, **kw):
+        made.append(create_plugin(sg, endpoint, pools, **kw))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for backend in made:
+            backend.close()
 
 
 def plugin_extra(endpoint, **more):
@@ -145,3 +166,95 @@ def fill_random(pool, seed):
         raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
     return pool
 
+
+# ---------------------------------------------------------------- pools and keys
+
+
+def kv_pool(num_pages=160, layout="page_first", dtype=torch.bfloat16, seed=None):
+    pool = HostPool.allocate_mha(num_pages, PAGE, layers=2, heads=2, head_dim=8, layout=layout,
+                                 dtype=dtype)
+    return fill_random(pool, seed) if seed is not None else pool
+
+
+def mamba_pool(seed=None):
+    pool = HostPool.allocate_mamba(8, 2, (2, 4), [(3, 4)])
+    return fill_random(pool, seed) if seed is not None else pool
+
+
+def indexer_pool(num_pages=160, seed=None):
+    pool = HostPool.allocate_indexer(num_pages, PAGE, layers=2, page_elems=16)
+    return fill_random(pool, seed) if seed is not None else pool
+
+
+def swa_pool(num_pages=160, seed=None):
+    pool = HostPool.allocate_mha(num_pages, PAGE, layers=1, heads=1, head_dim=8,
+                                 layout="page_first", dtype=torch.bfloat16)
+    return fill_random(pool, seed) if seed is not None else pool
+
+
+def idx(first_page, n):
+    """Token host indices of ``n`` pages from page ``first_page``."""
+    return torch.arange(first_page * PAGE, (first_page + n) * PAGE, dtype=torch.int64)
+
+
+def kv_bytes(pool, first_page, n):
+    """The bytes of ``n`` KV pages from ``first_page`` (SGLang's flat pages, any layout)."""
+    return torch.cat([pool.get_data_page((first_page + i) * PAGE).view(torch.uint8)
+                      for i in range(n)])
+
+
+def keys_of(prefix, n):
+    return [f"{prefix}{i:03d}" for i in range(n)]
+
+
+# ---------------------------------------------------------------- SGLang's controller, in small
+
+
+def backup(sg, backend, keys, kv_idx, sidecars=(), v1=True, kv_pool_=None):
+    """HybridCacheController._page_backup: sidecars, then KV batches (stop at a failed one)."""
+    hs = sg.hs
+    if sidecars:
+        res = backend.batch_set_v2(list(sidecars), hs.HiCacheStorageExtraInfo())
+        assert all(all(v) for v in res.values()), res
+    stored = 0
+    for i in range(0, len(keys), hs.STORAGE_BATCH_SIZE):
+        batch = keys[i:i + hs.STORAGE_BATCH_SIZE]
+        batch_idx = kv_idx[i * PAGE:(i + len(batch)) * PAGE]
+        if v1:
+            ok = all(backend.batch_set_v1(batch, batch_idx, hs.HiCacheStorageExtraInfo()))
+        else:
+            ok = backend.batch_set(batch, [kv_pool_.get_data_page(batch_idx[j * PAGE])
+                                           for j in range(len(batch))])
+        if not ok:
+            break
+        stored += len(batch)
+    return stored
+
+
+def load_kv(sg, backend, keys, kv_idx, kv_pool_, derived=(), v1=True):
+    """CacheController._page_transfer: KV batches (+ KV-derived sidecars), min of the hits."""
+    hs = sg.hs
+    done = 0
+    for i in range(0, len(keys), hs.STORAGE_BATCH_SIZE):
+        batch = keys[i:i + hs.STORAGE_BATCH_SIZE]
+        batch_idx = kv_idx[i * PAGE:(i + len(batch)) * PAGE]
+        if v1:
+            res = backend.batch_get_v1(batch, batch_idx, hs.HiCacheStorageExtraInfo())
+            hits = res.index(False) if False in res else len(res)
+        else:
+            pages = backend.batch_get(batch, [kv_pool_.get_dummy_flat_data_page() for _ in batch])
+            hits = 0
+            for j, page in enumerate(pages):
+                if page is None:
+                    break
+                kv_pool_.set_from_flat_data_page(batch_idx[j * PAGE], page)
+                hits += 1
+        if derived:
+            side = backend.batch_get_v2(
+                [hs.PoolTransfer(name=name, host_indices=batch_idx, keys=batch)
+                 for name in derived], hs.HiCacheStorageExtraInfo())
+            hits = min([hits, *hs.count_pool_hits(side).values()])
+        done += hits
+        if hits != len(batch):
+            break
+    return done
