@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import sys
 import types
+import typing
 from types import SimpleNamespace
 
 import pytest
@@ -115,18 +117,49 @@ def hicache_file(sg, directory, **cfg):
     return sg.hs.HiCacheFile(config)
 
 
-def storage_namespace_seed():
-    """SGLang's own ``storage_namespace_seed(extra_key, cache_salt)``, compiled from its source
-    (``mem_cache/utils.py`` imports SGLang's kernels, so the module itself cannot be imported)."""
-    spec = importlib.util.find_spec("sglang.srt.mem_cache.utils")
+def sglang_source_object(module, name, scope, into=None):
+    """One top-level function or class of an SGLang module, compiled from its source with
+    ``scope`` as globals (``into``: a module object whose namespace to use): for modules whose
+    own imports need all of SGLang (kernels, metrics)."""
+    spec = importlib.util.find_spec(module)
     with open(spec.origin) as f:
         tree = ast.parse(f.read())
-    fn = next(n for n in tree.body
-              if isinstance(n, ast.FunctionDef) and n.name == "storage_namespace_seed")
-    module = ast.Module(body=[fn], type_ignores=[])
-    scope = {"hashlib": hashlib, "Optional": __import__("typing").Optional}
-    exec(compile(module, spec.origin, "exec"), scope)  # noqa: S102 - SGLang's own source
-    return scope["storage_namespace_seed"]
+    node = next(n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                and n.name == name)
+    namespace = into.__dict__ if into is not None else {"__name__": module}
+    namespace.update(scope)
+    code = compile(ast.Module(body=[node], type_ignores=[]), spec.origin, "exec")
+    exec(code, namespace)  # noqa: S102 - SGLang's own source
+    return namespace[name]
+
+
+def storage_namespace_seed():
+    """SGLang's own ``storage_namespace_seed(extra_key, cache_salt)`` (``mem_cache/utils.py``
+    imports SGLang's kernels, so the module itself cannot be imported on CPU)."""
+    return sglang_source_object("sglang.srt.mem_cache.utils", "storage_namespace_seed",
+                                {"hashlib": hashlib, "Optional": typing.Optional})
+
+
+def storage_metrics_module():
+    """A module holding SGLang's own ``StorageMetrics`` dataclass, compiled from
+    ``observability/metrics_collector.py`` (which imports most of SGLang). The caller puts it in
+    ``sys.modules`` (where a running server has the real one)."""
+    name = "sglang.srt.observability.metrics_collector"
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.util.find_spec(name)
+    saved = sys.modules.get(name)
+    sys.modules[name] = module  # dataclass() looks its class's module up while decorating
+    try:
+        sglang_source_object(name, "StorageMetrics", {
+            "annotations": __import__("__future__").annotations,
+            "dataclass": dataclasses.dataclass, "field": dataclasses.field, "List": list},
+            into=module)
+    finally:
+        if saved is None:
+            del sys.modules[name]
+        else:
+            sys.modules[name] = saved
+    return module
 
 
 def page_hashes(token_ids, page_size, prior_hash=None):

@@ -8,6 +8,7 @@ then the trailing sidecars with their real keys).
 """
 
 import signal
+import sys
 import threading
 import time
 
@@ -28,6 +29,7 @@ from sglang_env import (
     mamba_pool,
     plugins,
     require_sglang,
+    storage_metrics_module,
     swa_pool,
 )
 
@@ -342,3 +344,14 @@ def test_storage_metrics_are_drained_per_call(sg, plugin, daemon):
     assert b.clear() is True
     assert b.batch_exists(keys) == 0  # flushed L2 and L3
     b.close()
+
+
+def test_get_stats_returns_sglangs_storage_metrics_when_sglang_has_it(sg, plugin, daemon,
+                                                                      monkeypatch):
+    module = storage_metrics_module()  # SGLang's class, as a running server has it imported
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    b = plugin(daemon.endpoint, {"kv": kv_pool(seed=18)}, metrics=True)
+    b.batch_set_v1(keys_of("sm-", 3), idx(0, 3))
+    st = b.get_stats()
+    assert type(st) is module.StorageMetrics
+    assert st.backup_pgs == [3] and st.prefetch_pgs == [] and st.counters["written_pages"] == 3
