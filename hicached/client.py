@@ -423,6 +423,10 @@ class Client:
                 self._sock.close(linger=100)  # give Bye a moment to leave
                 self._sock = None
             self._ctx.term()
+            for io in self._pools.values():  # CUDA registrations of the arena go first
+                release = getattr(io, "release_arena", None)
+                if release is not None:
+                    release()
             if self.arena is not None:
                 self.arena.close()
 
