@@ -45,13 +45,14 @@ def require_sglang() -> SimpleNamespace:
     return SimpleNamespace(hs=hs, factory=bf.StorageBackendFactory)
 
 
-def storage_config(sg, *, model="org/model-a", tp_rank=0, tp_size=1, mla=False, extra=None,
-                   metrics=False, **fields):
+def storage_config(sg, *, model="org/model-a", tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                   cp_rank=0, cp_size=1, mla=False, extra=None, metrics=False, **fields):
     """A ``HiCacheStorageConfig`` as SGLang's controller builds it."""
     return sg.hs.HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=True,
-        model_name=model, extra_config=extra, **fields)
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+        attn_cp_rank=cp_rank, attn_cp_size=cp_size, is_mla_model=mla,
+        enable_storage_metrics=metrics, is_page_first_layout=True, model_name=model,
+        extra_config=extra, **fields)
 
 
 @contextlib.contextmanager

@@ -24,10 +24,12 @@ from sglang_env import (
     page_hashes,
     plugins,
     require_sglang,
+    storage_config,
     storage_namespace_seed,
 )
 
 from hicached import HostPool
+from hicached.plugin.namespace import build_namespace
 
 
 @pytest.fixture
@@ -62,6 +64,8 @@ def test_models_ranks_dtypes_layouts_and_salts_never_share(sg, plugin, daemon):
         "model": ({"kv": kv_pool()}, dict(base, model="org/b")),
         "tp rank": ({"kv": kv_pool()}, dict(base, tp_rank=1)),
         "tp size": ({"kv": kv_pool()}, dict(base, tp_size=4)),
+        "pp stage": ({"kv": kv_pool()}, dict(base, pp_rank=1, pp_size=2)),
+        "cp rank": ({"kv": kv_pool()}, dict(base, cp_rank=1, cp_size=2)),
         "kv dtype": ({"kv": kv_pool(dtype=torch.float16)}, base),  # same page bytes
         "layout": ({"kv": kv_pool(layout="layer_first")}, base),
         "tenant salt": ({"kv": kv_pool()}, dict(base, extra={"namespace_salt": "t1"})),
@@ -138,6 +142,23 @@ def test_mla_kv_is_shared_across_tp_ranks_mamba_is_per_rank(sg, plugin, daemon):
     assert other_size.batch_exists_v2(keys, query[:1]).kv_hit_pages == 0  # no state of its own
 
 
+def test_dcp_shards_share_within_their_shard_only(sg):
+    """Decode context parallelism: MLA KV is split into DCP shards; the equal shard of every
+    DCP group shares pages, and its first rank (tp_rank == dcp_rank) writes them."""
+    ns = {r: build_namespace(storage_config(sg, mla=True, tp_rank=r, tp_size=4, dcp_size=2,
+                                            dcp_rank=r % 2, logical_page_size=8), kv_pool())
+          for r in range(4)}
+    assert ns[0].namespace == ns[2].namespace != ns[1].namespace == ns[3].namespace
+    assert "tp=replicated,dcp1of2,tp4,lp8" in ns[1].namespace
+    assert [ns[r].is_writer for r in range(4)] == [True, True, False, False]
+    assert (ns[0].wire_pool("mamba"), ns[2].wire_pool("mamba")) == ("mamba@tp0of4",
+                                                                    "mamba@tp2of4")
+    assert ns[2].wire_pool("indexer") == "indexer" and not ns[2].writes("indexer")
+    assert ns[2].writes("mamba")
+    mha = build_namespace(storage_config(sg, tp_rank=1, tp_size=2), kv_pool())
+    assert mha.wire_pool("mamba") == "mamba" and mha.writes("kv") and "tp=tp1of2" in mha.namespace
+
+
 NO_SGLANG = """
 import json, sys
 sys.modules["sglang"] = None  # as if SGLang were not installed
@@ -145,6 +166,7 @@ from types import SimpleNamespace
 import torch
 import hicached.plugin.sglang as m
 from hicached import HostPool
+from hicached.plugin.namespace import build_namespace
 cfg = SimpleNamespace(tp_rank=0, tp_size=1, is_mla_model=False, is_page_first_layout=True,
                       model_name="old", extra_config={"endpoint": sys.argv[1]})  # oldest form
 b = m.HicachedStorage(cfg, {})

@@ -9,8 +9,9 @@ Enable it with SGLang's dynamic backend loader (``cls(storage_config, {})`` is h
 
 (or ``'@/path/conf.json|.toml|.yaml'``). extra_config keys read here (``PluginSettings``):
 ``endpoint`` (default ``ipc://<runtime dir>/hicached.sock``; ``socket`` = a path also works),
-``timeout_s`` (2.0: a daemon slower than this is a miss), ``retry_interval_s`` (1.0: how long a
-failed connect is not retried), ``model_name``, ``model_revision``, ``namespace_salt`` (see
+``timeout_s`` (6.0: a daemon slower than this is a miss; a little over the daemon's own bound on
+waiting for L3 loads, ``get_wait_s`` = 5 s, so that answer comes first), ``retry_interval_s`` (1.0:
+how long a failed connect is not retried), ``model_name``, ``model_revision``, ``namespace_salt`` (see
 ``namespace.py``), ``clear_tier`` ("all" | "l2" | "none": what ``clear()`` flushes, node-wide).
 SGLang itself reads ``interface_v1`` (1: KV through ``batch_get_v1``/``batch_set_v1``, one copy
 per page; otherwise the generic ``batch_get``/``batch_set`` with a staging page, two copies) and
@@ -96,7 +97,7 @@ class PluginSettings:
     """The extra_config keys this plugin reads (see the module docstring)."""
 
     endpoint: str
-    timeout_s: float = 2.0
+    timeout_s: float = 6.0
     retry_interval_s: float = 1.0
     model_name: str = ""
     model_revision: str = ""
@@ -199,8 +200,10 @@ class HicachedStorage(_Base):
         """Connect now (not on the first request) so problems show at attach. Never raises."""
         try:
             self._ensure_client()
-        except Exception as e:  # noqa: BLE001 - a down daemon must not fail the attach
+        except DaemonUnavailable as e:  # a down daemon must not fail the attach
             self._health.unavailable("on_host_pools_registered", e)
+        except Exception as e:  # noqa: BLE001 - nor anything else: I/O answers misses
+            self._health.error("on_host_pools_registered", e)
         else:
             self._health.warn_once("connected", f"{self.name}: namespace "
                                    f"{self.namespace.namespace!r} at {self.settings.endpoint}",
