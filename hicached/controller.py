@@ -23,12 +23,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hicached import protocol as P
-from hicached.backends.base import L3Backend, NullBackend
 from hicached.errors import PageSizeMismatch, ProtocolError, UnknownPool
-from hicached.hits import intersect_endpoints, leading_run
+from hicached.hits import TRAILING, intersect_endpoints, leading_run
 from hicached.index import Entry, PageIndex, TableId
 from hicached.leases import LeaseTable
-from hicached.workers import IOJob, IOWorkers
+from hicached.tier import L3Tier
 
 log = logging.getLogger(__name__)
 
@@ -66,34 +65,32 @@ class Session:
 
 @dataclass
 class ParkedGet:
-    """A Lease waiting for L3 loads; answered through ``reply`` once ``jobs`` is empty."""
+    """A Lease waiting for L3 loads; answered through ``reply`` once ``jobs`` is empty or at
+    ``deadline`` (pages still loading are then misses)."""
 
     session: Session
     msg: P.Lease
     reply: Callable[[P.Leased], None]
+    deadline: float
     jobs: set[int] = field(default_factory=set)
+    answered: bool = False
 
 
 class Controller:
-    """L2 bookkeeping plus L3 write-through and loads. See the module docstring."""
+    """L2 bookkeeping; L3 through the ``L3Tier``. See the module docstring."""
 
-    def __init__(self, index: PageIndex, leases: LeaseTable, backend: L3Backend | None,
-                 workers: IOWorkers | None, clock: Callable[[], float]):
+    def __init__(self, index: PageIndex, leases: LeaseTable, tier: L3Tier,
+                 clock: Callable[[], float], get_wait_s: float = 5.0):
         self.index = index
         self.leases = leases
-        self.backend = backend or NullBackend()
-        self.workers = workers
+        self.tier = tier
         self.clock = clock
+        self.get_wait_s = get_wait_s
         self.sessions: dict[int, Session] = {}
         self.geometry: dict[TableId, int] = {}  # (ns, pool) -> page_bytes, fixed once seen
+        self.parked: dict[int, ParkedGet] = {}  # id -> get waiting for loads
         self._session_ids = itertools.count(1)
-        self._loading: dict[tuple[TableId, str], IOJob] = {}
-        self.counters = {"hits": 0, "misses": 0, "l3_loads": 0, "l3_writes": 0,
-                         "l3_write_failures": 0, "l3_writes_dropped": 0, "no_space": 0}
-
-    @property
-    def has_l3(self) -> bool:
-        return not isinstance(self.backend, NullBackend) and self.workers is not None
+        self.counters = {"hits": 0, "misses": 0, "no_space": 0, "get_wait_timeouts": 0}
 
     # ------------------------------------------------------------ sessions and pools
 
@@ -140,30 +137,49 @@ class Controller:
 
     # ------------------------------------------------------------ exists
 
-    def _present(self, ns: str, pool: str, keys: list[str]) -> list[bool]:
-        """Per key: in L2 (committed) or in L3."""
+    def _present(self, ns: str, pool: str, keys: list[str]) -> tuple[list[bool], list[bool]]:
+        """Per key: (in L2 committed, in L2 or L3)."""
         table = self.index.tables.get((ns, pool))
-        have = [k in table for k in keys] if table else [False] * len(keys)
-        if self.has_l3 and not all(have):
-            missing = [i for i, h in enumerate(have) if not h]
-            for i, h in zip(missing, self.backend.exists(ns, pool, [keys[i] for i in missing])):
-                have[i] = bool(h)
-        return have
+        in_l2 = list(map(table.__contains__, keys)) if table else [False] * len(keys)
+        have = in_l2
+        if self.tier.attached and not all(in_l2):
+            have = list(in_l2)
+            missing = [i for i, h in enumerate(in_l2) if not h]
+            for i, h in zip(missing, self.tier.exists(ns, pool, [keys[i] for i in missing])):
+                have[i] = h
+        return in_l2, have
 
     def exists(self, s: Session, msg: P.Exists) -> P.ExistsResult:
         s.spec(msg.anchor)
         for q in msg.pools:
             s.spec(q.pool)
-        kv_pages = leading_run(self._present(s.ns, msg.anchor, msg.keys))
-        keys = msg.keys[:kv_pages]
-        pools = [(q.pool, q.policy, q.window, self._present(s.ns, q.pool, keys)) for q in msg.pools]
+        all_keys = msg.key_list()
+        kv_l2, kv_have = self._present(s.ns, msg.anchor, all_keys)
+        kv_pages = leading_run(kv_have)
+        keys = all_keys[:kv_pages]
+        found = [(q, *self._present(s.ns, q.pool, keys)) for q in msg.pools]
         try:
-            final, hits, restorable = intersect_endpoints(kv_pages, pools)
+            final, hits, restorable = intersect_endpoints(
+                kv_pages, [(q.pool, q.policy, q.window, have) for q, _, have in found])
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         if kv_pages:
             hits[msg.anchor] = kv_pages
+        if final and self.tier.attached and self.tier.prefetch_enabled:
+            self._prefetch(s, msg.anchor, all_keys, kv_l2, 0, final)
+            for q, in_l2, _ in found:
+                start = max(0, final - q.window) if q.policy == TRAILING else 0
+                self._prefetch(s, q.pool, keys, in_l2, start, final)
         return P.ExistsResult(msg.req_id, final, hits, restorable)
+
+    def _prefetch(self, s: Session, pool: str, keys: list[str], in_l2: list[bool], start: int,
+                  end: int) -> None:
+        """Start pulling pages start..end-1 of ``pool`` that only L3 has (they are known to be
+        there: ``exists`` just found them restorable)."""
+        todo = [keys[i] for i in range(start, end) if not in_l2[i]]
+        if todo:
+            spec = s.spec(pool)
+            self.tier.load((s.ns, pool), todo, spec.page_bytes, spec.stride, known_in_l3=True)
 
     # ------------------------------------------------------------ set: reserve, commit
 
@@ -191,6 +207,8 @@ class Controller:
                         r.slots.append((p, i, e))
                         row.append(e.offset)
             offsets.append(row)
+        if self.tier.dirty:  # write_back: make dirty pages evictable before the arena fills
+            self.tier.relieve_pressure(force=any(P.SLOT_NO_SPACE in row for row in offsets))
         if not r.slots:
             self.leases.take_reservation(r.id, s.id)
             return P.Reserved(msg.req_id, 0, offsets)
@@ -210,95 +228,61 @@ class Controller:
                 done.append(e)
             else:
                 self.index.abort(e)
-        if done and self.has_l3:
-            self._write_through(done)
+        self.tier.on_commit(done)
         return P.Committed(msg.req_id, stored)
-
-    def _write_through(self, entries: list[Entry]) -> None:
-        """Step 5: send committed pages L3 lacks to the writer thread (pinned until written)."""
-        by_table: dict[TableId, list[Entry]] = {}
-        for e in entries:
-            if not e.in_l3:
-                by_table.setdefault(e.table, []).append(e)
-        for (ns, pool), group in by_table.items():
-            there = self.backend.exists(ns, pool, [e.key for e in group])
-            todo = []
-            for e, have in zip(group, there):
-                if have:
-                    e.in_l3 = True
-                else:
-                    todo.append(e)
-            if not todo:
-                continue
-            job = IOJob("put", ns, pool, [e.key for e in todo], [e.offset for e in todo],
-                        todo[0].page_bytes, todo)
-            for e in todo:
-                self.index.pin(e)
-            if not self.workers.submit(job):
-                for e in todo:
-                    self.index.unpin(e)
-                self.counters["l3_writes_dropped"] += len(todo)
 
     # ------------------------------------------------------------ get: lease, release
 
-    def lease(self, s: Session, msg: P.Lease, reply: Callable[[P.Leased], None],
-              load: bool = True) -> P.Leased | None:
-        """Lease every present page; park the request (answer later via ``reply``) when some
-        pages are being loaded from L3."""
+    def lease(self, s: Session, msg: P.Lease, reply: Callable[[P.Leased], None]
+              ) -> P.Leased | None:
+        """Lease every present page; park the request (answer later via ``reply``) while pages
+        only L3 has are loaded, or loads of its keys are in flight."""
         for t in msg.transfers:
             s.spec(t.pool)
-        parked = ParkedGet(s, msg, reply)
+        parked = ParkedGet(s, msg, reply, self.clock() + self.get_wait_s)
+        for t in msg.transfers:
+            committed = self.index.tables.get((s.ns, t.pool)) or {}
+            missing = [k for k in t.keys if k not in committed]
+            if missing:
+                spec = s.spec(t.pool)
+                parked.jobs |= self.tier.load((s.ns, t.pool), missing, spec.page_bytes,
+                                              spec.stride, waiter=parked)
+        if parked.jobs:
+            self.parked[id(parked)] = parked
+            return None
+        return self._lease_present(s, msg)
+
+    def _lease_present(self, s: Session, msg: P.Lease) -> P.Leased:
+        """Lease the pages of ``msg`` that are in L2 now; the others are misses."""
         offsets: list[list[int]] = []
         entries: list[Entry] = []
         for t in msg.transfers:
-            table = (s.ns, t.pool)
-            committed = self.index.tables.get(table) or {}
+            committed = self.index.tables.get((s.ns, t.pool)) or {}
             row = []
-            missing = []
-            for i, key in enumerate(t.keys):
+            for key in t.keys:
                 e = committed.get(key)
                 if e is not None:
                     entries.append(e)
                     row.append(e.offset)
                 else:
                     row.append(P.SLOT_MISS)
-                    missing.append(i)
-            if missing and load:
-                self._start_loads(s, t, table, missing, parked)
             offsets.append(row)
-        if parked.jobs:
-            for e in entries:  # keep what is already here while the rest loads
-                self.index.touch(e)
-            return None
         return self._grant(s, msg.req_id, entries, offsets)
 
-    def _start_loads(self, s: Session, t: P.PoolKeys, table: TableId, missing: list[int],
-                     parked: ParkedGet) -> None:
-        if not self.has_l3:
-            return
-        spec = s.spec(t.pool)
-        keys = [t.keys[i] for i in missing]
-        new: list[Entry] = []
-        for key, there in zip(keys, self.backend.exists(s.ns, t.pool, keys)):
-            job = self._loading.get((table, key))
-            if job is not None:  # someone else's load of the same page: wait for it too
-                job.waiters.append(parked)
-                parked.jobs.add(id(job))
-            elif there and self.index.get_pending(table, key) is None:
-                e = self.index.reserve(table, key, spec.page_bytes, spec.stride)
-                if e is not None:
-                    new.append(e)
-        if not new:
-            return
-        job = IOJob("get", s.ns, t.pool, [e.key for e in new], [e.offset for e in new],
-                    spec.page_bytes, new, waiters=[parked])
-        if not self.workers.submit(job):
-            for e in new:
-                self.index.abort(e)
-            return
-        parked.jobs.add(id(job))
-        for e in new:
-            self._loading[(table, e.key)] = job
+    def _answer_parked(self, parked: ParkedGet) -> None:
+        parked.answered = True
+        self.parked.pop(id(parked), None)
+        if parked.session.id in self.sessions:
+            parked.reply(self._lease_present(parked.session, parked.msg))
+
+    def expire_parked(self, now: float) -> None:
+        """Answer gets that waited ``get_wait_s`` for loads: what is loaded now is served."""
+        for parked in [p for p in self.parked.values() if p.deadline <= now]:
+            self.counters["get_wait_timeouts"] += 1
+            self._answer_parked(parked)
+
+    def next_parked_deadline(self) -> float | None:
+        return min((p.deadline for p in self.parked.values()), default=None)
 
     def _grant(self, s: Session, req_id: int, entries: list[Entry], offsets: list[list[int]]
                ) -> P.Leased:
@@ -313,6 +297,8 @@ class Controller:
             self.index.touch(e)
             e.hits += 1
         g = self.leases.new_lease(s.id, entries, self.clock())
+        for e in entries:  # after the lease pinned them: a selective write-through may start
+            self.tier.on_hit(e)
         return P.Leased(req_id, g.id, offsets)
 
     def release(self, s: Session, lease_ids: list[int]) -> None:
@@ -322,28 +308,13 @@ class Controller:
     # ------------------------------------------------------------ I/O completions
 
     def on_io_done(self) -> None:
-        """Apply finished L3 jobs: loaded pages become L2 pages; parked gets are answered."""
-        for job in self.workers.collect():
-            if job.kind == "put":
-                for e, ok in zip(job.entries, job.result):
-                    e.in_l3 = e.in_l3 or ok
-                    self.index.unpin(e)
-                ok_n = sum(job.result)
-                self.counters["l3_writes"] += ok_n
-                self.counters["l3_write_failures"] += len(job.result) - ok_n
+        """Apply finished L3 jobs; answer parked gets whose loads are all done."""
+        for parked, job_id in self.tier.collect():
+            if parked.answered:
                 continue
-            for e, ok in zip(job.entries, job.result):
-                del self._loading[(e.table, e.key)]
-                if ok:
-                    e.in_l3 = True
-                    self.index.commit(e)
-                    self.counters["l3_loads"] += 1
-                else:
-                    self.index.abort(e)
-            for parked in job.waiters:
-                parked.jobs.discard(id(job))
-                if not parked.jobs and parked.session.id in self.sessions:
-                    parked.reply(self.lease(parked.session, parked.msg, parked.reply, load=False))
+            parked.jobs.discard(job_id)
+            if not parked.jobs:
+                self._answer_parked(parked)
 
     # ------------------------------------------------------------ maintenance
 
@@ -353,10 +324,9 @@ class Controller:
             raise ProtocolError(f"unknown tier {tier!r}; valid: ['l2', 'l3', 'all']")
         n = 0
         if tier in ("l2", "all"):
-            for table in list(self.index.tables.values()):
-                n += self.index.drop(list(table.values()))
+            n += self.tier.flush_l2()
         if tier in ("l3", "all"):
-            n += self.backend.clear()
+            n += self.tier.clear()
         return n
 
     def stats(self) -> dict:
@@ -374,8 +344,10 @@ class Controller:
             "expired_reservations": self.leases.expired_reservations,
             "expired_leases": self.leases.expired_leases,
             "sessions": len(self.sessions),
-            "l3_backend": self.backend.name,
-            "l3": self.backend.stats(),
+            "parked_gets": len(self.parked),
+            "l3_backend": self.tier.backend.name,
+            "l3_tier": self.tier.status(),
+            "l3": self.tier.backend_stats(),
             **self.counters,
+            **self.tier.counters,
         }
-

@@ -73,6 +73,18 @@ class ConfigError(HicachedError, ValueError):
     code = "config"
 
 
+class BackendError(HicachedError):
+    """An L3 backend could not be attached or used (bad options, unreachable store)."""
+
+    code = "backend"
+
+
+class BackendConflict(BackendError):
+    """Another L3 backend is attached (or being attached): detach it first."""
+
+    code = "backend_conflict"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -87,6 +99,8 @@ _BY_CODE = {
         ArenaError,
         ShuttingDown,
         ConfigError,
+        BackendError,
+        BackendConflict,
     )
 }
 

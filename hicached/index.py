@@ -41,6 +41,7 @@ class Entry:
         "pins",
         "stride",
         "table",
+        "writing",
     )
 
     def __init__(self, table: TableId, key: str, offset: int, page_bytes: int, stride: int):
@@ -54,6 +55,7 @@ class Entry:
         self.last_used = 0
         self.in_l3 = False  # a copy is known to be in the L3 backend
         self.hits = 0
+        self.writing = False  # an L3 write of this page is in flight
 
     def __repr__(self) -> str:
         state = "committed" if self.committed else "pending"

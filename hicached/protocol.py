@@ -75,11 +75,24 @@ class RegisterPool(_Msg, tag="register_pool"):
 
 
 class Exists(_Msg, tag="exists"):
+    """``packed``: the keys NUL-joined in one UTF-8 blob (decodes ~20x faster than a list);
+    used instead of ``keys`` when non-empty (see ``pack_keys``)."""
+
     req_id: int
     session: int
     keys: list[str]
     pools: list[PoolQuery] = []
     anchor: str = "kv"
+    packed: bytes = b""
+
+    def key_list(self) -> list[str]:
+        return self.packed.decode().split("\0") if self.packed else self.keys
+
+
+def pack_keys(keys: list[str]) -> bytes:
+    """One blob for ``Exists.packed``, or b"" when a key holds NUL (then send the list)."""
+    blob = "\0".join(keys)
+    return b"" if not keys or blob.count("\0") != len(keys) - 1 else blob.encode()
 
 
 class Reserve(_Msg, tag="reserve"):
@@ -126,6 +139,27 @@ class Flush(_Msg, tag="flush"):
     tier: str = "l2"
 
 
+class Attach(_Msg, tag="attach"):
+    """Attach an L3 backend at runtime (``options`` are the backend's keyword options). Attaching
+    the backend that is attached only updates the policies given."""
+
+    req_id: int
+    backend: str
+    options: dict[str, Any] = {}
+    write_policy: str = ""  # "" keeps the current one
+    prefetch: bool | None = None  # None keeps the current one
+
+
+class Detach(_Msg, tag="detach"):
+    """Detach the L3 backend (idempotent); L2 keeps its pages."""
+
+    req_id: int
+
+
+class GetBackend(_Msg, tag="get_backend"):
+    req_id: int
+
+
 class GetStats(_Msg, tag="get_stats"):
     req_id: int
 
@@ -135,7 +169,8 @@ class Ping(_Msg, tag="ping"):
 
 
 Request = Union[
-    Hello, RegisterPool, Exists, Reserve, Commit, Lease, Release, Bye, Flush, GetStats, Ping
+    Hello, RegisterPool, Exists, Reserve, Commit, Lease, Release, Bye, Flush, Attach, Detach,
+    GetBackend, GetStats, Ping
 ]
 
 # ---------------------------------------------------------------- answers
@@ -186,13 +221,21 @@ class Stats(_Msg, tag="stats"):
     stats: dict[str, Any]
 
 
+class BackendStatus(_Msg, tag="backend_status"):
+    """The L3 tier: backend name ("none" when detached), policies and backend counters."""
+
+    req_id: int
+    status: dict[str, Any]
+
+
 class Error(_Msg, tag="error"):
     req_id: int
     code: str
     message: str
 
 
-Answer = Union[Welcome, Ok, ExistsResult, Reserved, Committed, Leased, Stats, Error]
+Answer = Union[Welcome, Ok, ExistsResult, Reserved, Committed, Leased, Stats, BackendStatus,
+               Error]
 
 # Built once: encoders are stateless, decoders typed to the direction they read.
 encoder = msgspec.msgpack.Encoder()

@@ -11,19 +11,26 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import msgspec
 import zmq
 
 from hicached import protocol as P
 from hicached.arena import Arena
-from hicached.backends.base import NullBackend, create_backend
-from hicached.config import DaemonConfig
+from hicached.backends.base import L3Backend, create_backend
+from hicached.config import WRITE_POLICIES, DaemonConfig
 from hicached.controller import Controller, Session
 from hicached.errors import (
+    BackendConflict,
+    BackendError,
     HicachedError,
     ProtocolError,
     ShuttingDown,
@@ -33,6 +40,7 @@ from hicached.errors import (
 from hicached.index import PageIndex
 from hicached.leases import LeaseTable
 from hicached.slabs import SlabAllocator
+from hicached.tier import L3Tier, close_quietly
 from hicached.workers import IOWorkers
 
 log = logging.getLogger(__name__)
@@ -66,22 +74,29 @@ class Daemon:
             self.allocator = SlabAllocator(config.l2_size, config.slab_size)
             self.index = PageIndex(self.allocator)
             self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
-            if config.l3_backend == "none":
-                self.backend, self.workers = NullBackend(), None
-            else:
-                self.backend = create_backend(config.l3_backend,
-                                              **backend_options(config.l3_backend, config))
-                self.backend.open(self.arena)
-                self.workers = IOWorkers(lambda: self.backend, config.io_queue_depth)
-            self.controller = Controller(self.index, self.leases, self.backend, self.workers,
-                                         time.monotonic)
+            self.workers = IOWorkers(config.io_queue_depth)
+            self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
+                               config.write_through_threshold, config.prefetch)
+            if config.l3_backend != "none":
+                self.tier.attach(self._open_backend(config.l3_backend, None))
+            self.controller = Controller(self.index, self.leases, self.tier, time.monotonic,
+                                         config.get_wait_s)
             self.ctx = zmq.Context()
             self.sock = self._bind(config.endpoint)
         except BaseException:
+            if hasattr(self, "workers"):
+                self.workers.close()
+                self.tier.close()
             self.arena.close()
             os.close(self._lock_fd)
             raise
         self.requests = 0
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (fn, Future) for the loop
+        self._call_r, self._call_w = os.pipe()
+        os.set_blocking(self._call_r, False)
+        self._attaching = False
+        self._closed = False
+        self._loop_thread: int | None = None
 
     # ------------------------------------------------------------ setup
 
@@ -116,9 +131,29 @@ class Daemon:
             sock.bind(endpoint)
         return sock
 
+    def _open_backend(self, name: str, options: dict | None) -> L3Backend:
+        """Create and open a backend (blocking: never on the control loop once it runs)."""
+        try:
+            backend = create_backend(name, **backend_options(name, self.config, options))
+        except HicachedError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise BackendError(f"L3 backend {name!r}: {e}") from None
+        try:
+            backend.open(self.arena)
+        except Exception as e:
+            close_quietly(backend)
+            if isinstance(e, HicachedError):
+                raise
+            raise BackendError(f"L3 backend {name!r} failed to open: "
+                               f"{type(e).__name__}: {e}") from None
+        return backend
+
     def describe(self) -> str:
         c = self.config
-        l3 = "none" if c.l3_backend == "none" else f"{c.l3_backend} at {c.l3_dir}"
+        l3 = "none" if c.l3_backend == "none" else c.l3_backend
+        if c.l3_backend == "file":
+            l3 += f" at {c.l3_dir}"
         return (f"hicached listening on {c.endpoint} (pid {os.getpid()}); "
                 f"arena {c.l2_size / 1024**3:.2f} GiB at {c.arena_path}; L3 {l3}")
 
@@ -131,28 +166,38 @@ class Daemon:
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        if self.workers is not None:
-            poller.register(self.workers.wake_r, zmq.POLLIN)
+        poller.register(self.workers.wake_r, zmq.POLLIN)
+        poller.register(self._call_r, zmq.POLLIN)
         next_sweep = time.monotonic() + SWEEP_INTERVAL_S
         busy_until = 0.0  # spin (non-blocking polls) until then: see busy_poll_ms in the config
         busy_s = self.config.busy_poll_ms / 1000
+        self._loop_thread = threading.get_ident()
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now < busy_until:
                     timeout_ms = 0
                 else:
-                    timeout_ms = min(200, max(0, int((next_sweep - now) * 1000)))
+                    wake = next_sweep
+                    parked = self.controller.next_parked_deadline()
+                    if parked is not None:
+                        wake = min(wake, parked)
+                    timeout_ms = min(200, max(0, int((wake - now) * 1000) + 1))
                 events = dict(poller.poll(timeout_ms))
                 if self.sock in events:
                     self._drain_socket()
                     busy_until = time.monotonic() + busy_s
-                if self.workers is not None and self.workers.wake_r in events:
+                if self.workers.wake_r in events:
                     self.controller.on_io_done()
+                if self._call_r in events:
+                    self._run_calls()
                 now = time.monotonic()
+                if self.controller.parked:
+                    self.controller.expire_parked(now)
                 if now >= next_sweep:
                     self.leases.sweep(now)
                     self.controller.reap_dead_sessions()
+                    self.tier.relieve_pressure()
                     next_sweep = now + SWEEP_INTERVAL_S
             self._drain_for_shutdown()
         finally:
@@ -242,31 +287,165 @@ class Daemon:
                 n = c.flush(msg.tier)
                 log.info("flushed %d pages (tier %s)", n, msg.tier)
                 return P.Ok(msg.req_id)
+            case P.Attach():
+                self._attach_for(identity, msg)
+                return None
+            case P.Detach():
+                self.tier.detach()
+                return P.BackendStatus(msg.req_id, self.tier.status())
+            case P.GetBackend():
+                return P.BackendStatus(msg.req_id, {**self.tier.status(),
+                                                    "backend_stats": self.tier.backend_stats()})
             case P.GetStats():
                 return P.Stats(msg.req_id, {**c.stats(), "requests": self.requests})
             case P.Ping():
                 return P.Ok(msg.req_id)
         raise ProtocolError(f"unhandled message {type(msg).__name__}")
 
+    # ------------------------------------------------------------ calls from other threads
+
+    def call_soon(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn()`` on the control loop; thread-safe. The future holds its result."""
+        fut: Future = Future()
+        if self._closed:
+            fut.set_exception(ShuttingDown("daemon is stopped"))
+            return fut
+        self._calls.put((fn, fut))
+        try:
+            os.write(self._call_w, b"x")
+        except OSError:
+            pass
+        return fut
+
+    def call(self, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+        """``fn()`` run on the control loop, its result returned (or its exception raised)."""
+        if threading.get_ident() == self._loop_thread:
+            return fn()
+        try:
+            return self.call_soon(fn).result(timeout_s)
+        except FutureTimeout:
+            raise HicachedError(f"daemon control loop did not answer within {timeout_s} s") from None
+
+    def _run_calls(self, error: Exception | None = None) -> None:
+        try:
+            os.read(self._call_r, 65536)
+        except (BlockingIOError, OSError):
+            pass
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            if error is not None:
+                fut.set_exception(error)
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    # ------------------------------------------------------------ L3 attach / detach
+
+    def attach_backend(self, name: str, options: dict | None = None, *,
+                       write_policy: str | None = None, threshold: int | None = None,
+                       prefetch: bool | None = None, timeout_s: float = 120.0) -> dict:
+        """Attach L3 backend ``name`` while clients run (thread-safe; blocks the caller, never
+        the loop, while the backend connects). The backend already attached: only the policies
+        given change. Another one attached (or attaching): ``BackendConflict``."""
+
+        def begin() -> bool:
+            if self._stop.is_set():
+                raise ShuttingDown("daemon is shutting down")
+            if write_policy and write_policy not in WRITE_POLICIES:
+                raise ProtocolError(f"unknown write policy {write_policy!r}; "
+                                    f"valid: {list(WRITE_POLICIES)}")
+            t = self.tier
+            if t.attached and t.backend.name == name:
+                t.set_policies(write_policy, threshold, prefetch)
+                return False
+            if t.attached or self._attaching:
+                busy = t.backend.name if t.attached else "another backend"
+                raise BackendConflict(f"L3 backend {busy!r} is attached (or attaching); "
+                                      f"detach it before attaching {name!r}")
+            self._attaching = True
+            return True
+
+        if self.call(begin):
+            try:
+                backend = self._open_backend(name, options)
+            except BaseException:
+                self.call(lambda: setattr(self, "_attaching", False))
+                raise
+
+            def install() -> None:
+                self._attaching = False
+                self.tier.set_policies(write_policy, threshold, prefetch)
+                self.tier.attach(backend)
+
+            try:
+                self.call(install, timeout_s)
+            except BaseException:
+                close_quietly(backend)
+                raise
+        return self.backend_status()
+
+    def detach_backend(self) -> dict:
+        """Detach the L3 backend (idempotent; thread-safe). L2 keeps its pages; L3 I/O in
+        flight finishes against the old backend, which is then closed."""
+        detached = self.call(self.tier.detach)
+        return {**self.backend_status(), "detached": detached}
+
+    def backend_status(self) -> dict:
+        return self.call(lambda: {**self.tier.status(), "backend_stats": self.tier.backend_stats()})
+
+    def flush(self, tier: str = "l2") -> int:
+        return self.call(lambda: self.controller.flush(tier))
+
+    def stats(self) -> dict:
+        return self.call(lambda: {**self.controller.stats(), "requests": self.requests})
+
+    def _attach_for(self, identity: bytes, msg: P.Attach) -> None:
+        """A client's Attach: connect off the loop, answer from the loop."""
+
+        def work() -> None:
+            try:
+                status = self.attach_backend(msg.backend, msg.options,
+                                             write_policy=msg.write_policy or None,
+                                             prefetch=msg.prefetch)
+                answer = P.BackendStatus(msg.req_id, status)
+            except HicachedError as e:
+                answer = P.Error(msg.req_id, e.code, str(e))
+            except Exception as e:  # a bug costs this request only
+                log.exception("attach failed")
+                answer = P.Error(msg.req_id, "internal", f"{type(e).__name__}: {e}")
+            self.call_soon(lambda: self._send(identity, answer))
+
+        threading.Thread(target=work, name="hicached-attach", daemon=True).start()
+
+    # ------------------------------------------------------------ shutdown
+
     def _drain_for_shutdown(self, timeout_s: float = 10.0) -> None:
-        """Finish queued L3 writes (bounded) before the arena goes away."""
-        if self.workers is None:
-            return
+        """Answer waiting gets, write back dirty pages and finish queued L3 writes (bounded)
+        before the arena goes away."""
+        self.controller.expire_parked(float("inf"))
+        self.tier.write_back_all()
         deadline = time.monotonic() + timeout_s
         while self.workers.in_flight and time.monotonic() < deadline:
             time.sleep(0.01)
             self.controller.on_io_done()
         if self.workers.in_flight:
             log.warning("%d L3 jobs unfinished at shutdown", self.workers.in_flight)
+        self._run_calls(ShuttingDown("daemon is shutting down"))
 
     def close(self) -> None:
         """Release everything the daemon owns. Safe to call twice."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
-        if self.workers is not None:
-            self.workers.close()
-        self.backend.close()
+        self.workers.close()
+        self.tier.close()
         self.sock.close(linger=0)
         self.ctx.term()
         ep = self.config.endpoint
@@ -276,6 +455,8 @@ class Daemon:
             except FileNotFoundError:
                 pass
         self.arena.close()
+        os.close(self._call_r)
+        os.close(self._call_w)
         os.close(self._lock_fd)
 
 

@@ -12,7 +12,6 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,13 +31,13 @@ class IOJob:
     entries: list[Any]
     result: list[bool] = field(default_factory=list)
     waiters: list[Any] = field(default_factory=list)  # parked requests (owned by the controller)
+    backend: Any = None  # the L3Backend the job was queued for (attach/detach may swap it)
 
 
 class IOWorkers:
-    """A writer and a reader thread calling ``backend.batch_put`` / ``batch_get``."""
+    """A writer and a reader thread calling ``job.backend.batch_put`` / ``batch_get``."""
 
-    def __init__(self, backend_of: Callable[[], Any], queue_depth: int = 256):
-        self._backend_of = backend_of
+    def __init__(self, queue_depth: int = 256):
         self.done: queue.SimpleQueue[IOJob] = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
@@ -67,7 +66,7 @@ class IOWorkers:
             job = q.get()
             if job is None:
                 return
-            backend = self._backend_of()
+            backend = job.backend
             try:
                 fn = backend.batch_put if kind == "put" else backend.batch_get
                 job.result = list(fn(job.ns, job.pool, job.keys, job.offsets, job.page_bytes))

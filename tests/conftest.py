@@ -40,7 +40,8 @@ from hicached.errors import DaemonUnavailable
 class DaemonProc:
     """A real ``hicached serve`` process on an ipc:// socket in a temp dir."""
 
-    def __init__(self, tmp, name="d", l2_size="16MiB", slab_size="1MiB", extra=(), state=None):
+    def __init__(self, tmp, name="d", l2_size="16MiB", slab_size="1MiB", extra=(), state=None,
+                 env=None):
         self.tmp = tmp
         self.endpoint = f"ipc://{tmp}/{name}.sock"
         self.state_dir = str(state or tmp / f"{name}-state")
@@ -49,11 +50,15 @@ class DaemonProc:
         self.cfg = load_config(None, {}, {"state_dir": self.state_dir})
         self.log = open(tmp / f"{name}.log", "ab")
         self.proc = None
+        # tests/ on the path: daemons can load test backends such as l3_doubles:SlowFileBackend
+        tests_dir = os.path.dirname(os.path.abspath(__file__))
+        path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+        self.env = {**os.environ, "PYTHONPATH": path, **(env or {})}
 
     def start(self, timeout_s=30.0):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hicached.cli", "serve", *self.args],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -389,3 +389,22 @@ def test_daemon_serves_l2_while_master_is_down_and_recovers(master, make_daemon)
         c.register_mem_host_pool_v2(dst, "kv")
         assert c.stats()["l3"]["degraded"] is False
         assert c.batch_get_v1(["late"], pages(0, 1)) == [False]  # lost with the old master
+
+
+def test_attach_detach_attach_at_runtime(master, make_daemon):
+    """The backend can be attached, detached (closed off the loop) and attached again: a second
+    Mooncake client in the same daemon process sets up and registers the arena again."""
+    opts = {"master_server_address": master.address, "global_segment_size": "32MiB",
+            "local_buffer_size": "4MiB", "local_hostname": "127.0.0.1"}
+    d = make_daemon(extra=["--l3-backend", "none"])
+    with d.client() as c:
+        c.register_mem_host_pool_v2(kv_pool(seed=81), "kv")
+        for round_ in range(2):
+            c.attach_backend("mooncake", opts)
+            keys = [f"r{round_}-{i}" for i in range(3)]
+            assert c.batch_set_v1(keys, pages(0, 3)) == [True] * 3
+            assert wait_until(lambda: c.stats()["l3"].get("puts") == 3)
+            c.flush("l2")
+            assert c.batch_exists(keys) == 3
+            c.detach_backend()
+            assert c.stats()["l3_backend"] == "none"

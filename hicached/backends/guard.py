@@ -27,17 +27,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hicached.errors import HicachedError
+from hicached.errors import BackendError
 
 log = logging.getLogger(__name__)
 
 
-class StoreUnavailable(HicachedError):
+class StoreUnavailable(BackendError):
     """A store call failed in a way that says the store is unreachable (or the breaker is open).
 
     Raised inside backends only; the backend answers misses (the L3 contract never raises)."""
-
-    code = "l3_unavailable"
 
 
 class CallTimeout(StoreUnavailable):

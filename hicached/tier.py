@@ -1,0 +1,349 @@
+"""The L3 tier: the attached backend, the I/O workers and the policies that move pages between
+the arena (L2) and the backend (L3).
+
+    write policy              when a committed L2 page is sent to L3 (only pages L3 lacks)
+    write_through             at commit
+    write_through_selective   when its gets reach ``threshold`` hits
+    write_back                when L2 needs its room: a dirty page (L2 holds the only copy) is
+                              pinned, so eviction passes over it; under pressure (no free slab
+                              left, or a reservation found no space) the least recently used dirty
+                              pages are written, and once written they are clean and evictable
+
+    loads                     a get for pages only L3 has reserves slots and queues one batched
+                              load; the get waits (parked by the controller) for it
+    prefetch                  an exists that finds pages only in L3 starts the same loads with
+                              nobody waiting; a get that follows joins the loads in flight
+
+Attach / detach swap the backend while clients run: jobs carry the backend they were queued
+for, so in-flight writes finish against the old one (and do not mark pages as stored in the new
+one) and loads in flight still land in L2. A detached backend is closed, off the control loop,
+once its last job is collected. A backend that raises is a miss, never an error to a client.
+
+Only the control loop calls this object.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from hicached.backends.base import L3Backend, NullBackend
+from hicached.config import WRITE_POLICIES
+from hicached.errors import ProtocolError
+from hicached.index import Entry, PageIndex, TableId
+from hicached.workers import IOJob, IOWorkers
+
+log = logging.getLogger(__name__)
+
+WRITE_BACK_BATCH = 64  # dirty pages written per pressure event
+
+
+class L3Tier:
+    """See the module docstring."""
+
+    def __init__(self, index: PageIndex, workers: IOWorkers, backend: L3Backend | None = None,
+                 write_policy: str = "write_through", threshold: int = 2, prefetch: bool = True):
+        self.index = index
+        self.workers = workers
+        self.backend: L3Backend = backend or NullBackend()
+        self.set_policies(write_policy, threshold, prefetch)
+        self.loading: dict[tuple[TableId, str], IOJob] = {}
+        self.dirty: dict[Entry, None] = {}  # write_back: committed pages L3 lacks (pinned)
+        self.drop_when_written: set[Entry] = set()  # flushed from L2 once in L3
+        self._jobs_of: dict[int, int] = {}  # id(backend) -> jobs in flight
+        self._retired: list[L3Backend] = []  # detached, closed when their jobs are collected
+        self._exists_failing = False
+        self.counters = {"l3_loads": 0, "l3_load_failures": 0, "l3_writes": 0,
+                         "l3_write_failures": 0, "l3_writes_dropped": 0, "l3_errors": 0,
+                         "prefetched_pages": 0, "write_backs": 0}
+
+    # ------------------------------------------------------------ backend and policies
+
+    @property
+    def attached(self) -> bool:
+        return not isinstance(self.backend, NullBackend)
+
+    def set_policies(self, write_policy: str | None = None, threshold: int | None = None,
+                     prefetch: bool | None = None) -> None:
+        if write_policy:
+            if write_policy not in WRITE_POLICIES:
+                raise ProtocolError(f"unknown write policy {write_policy!r}; "
+                                    f"valid: {list(WRITE_POLICIES)}")
+            if getattr(self, "write_policy", None) == "write_back" and write_policy != "write_back":
+                self.write_back_all()  # dirty pages must not stay pinned under another policy
+            self.write_policy = write_policy
+        if threshold is not None:
+            if threshold < 1:
+                raise ProtocolError(f"write_through_threshold must be >= 1, got {threshold}")
+            self.threshold = threshold
+        if prefetch is not None:
+            self.prefetch_enabled = bool(prefetch)
+
+    def attach(self, backend: L3Backend) -> None:
+        """Install an opened backend (the previous one must have been detached)."""
+        assert not self.attached, "detach first"
+        self._forget_l3_copies()
+        self.backend = backend
+        self._exists_failing = False
+        log.info("L3 backend %s attached (write policy %s)", backend.name, self.write_policy)
+
+    def detach(self) -> bool:
+        """Stop using the backend; L2 keeps its pages. False if none was attached."""
+        if not self.attached:
+            return False
+        old = self.backend
+        self.backend = NullBackend()
+        for e in self.dirty:
+            self.index.unpin(e)
+        self.dirty.clear()
+        self.drop_when_written.clear()
+        self._forget_l3_copies()
+        self._retired.append(old)
+        self._close_idle_retired()
+        log.info("L3 backend %s detached", old.name)
+        return True
+
+    def _forget_l3_copies(self) -> None:
+        for table in self.index.tables.values():
+            for e in table.values():
+                e.in_l3 = False
+
+    def _close_idle_retired(self) -> None:
+        for b in [b for b in self._retired if not self._jobs_of.get(id(b))]:
+            self._retired.remove(b)
+            self._jobs_of.pop(id(b), None)
+            threading.Thread(target=close_quietly, args=(b,), name="hicached-l3-close",
+                             daemon=True).start()
+
+    def status(self) -> dict[str, Any]:
+        return {"backend": self.backend.name, "attached": self.attached,
+                "write_policy": self.write_policy, "write_through_threshold": self.threshold,
+                "prefetch": self.prefetch_enabled, "dirty_pages": len(self.dirty),
+                "loading_pages": len(self.loading), "jobs_in_flight": self.workers.in_flight,
+                "degraded": self._exists_failing, **self.counters}
+
+    def backend_stats(self) -> dict:
+        try:
+            return self.backend.stats()
+        except Exception as e:  # noqa: BLE001 - stats must never take the stats call down
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    # ------------------------------------------------------------ lookups
+
+    def exists(self, ns: str, pool: str, keys: Sequence[str]) -> list[bool]:
+        """Per key: does L3 have it? A backend error is "no" (counted, logged once a run)."""
+        if not self.attached or not keys:
+            return [False] * len(keys)
+        try:
+            out = [bool(h) for h in self.backend.exists(ns, pool, keys)]
+            if len(out) != len(keys):
+                raise RuntimeError(f"exists answered {len(out)} results for {len(keys)} keys")
+        except Exception as e:  # noqa: BLE001 - a failing L3 is a miss
+            self.counters["l3_errors"] += 1
+            if not self._exists_failing:
+                log.warning("L3 %s exists failed (%s: %s); answering misses",
+                            self.backend.name, type(e).__name__, e)
+            self._exists_failing = True
+            return [False] * len(keys)
+        if self._exists_failing:
+            log.info("L3 %s answers again", self.backend.name)
+        self._exists_failing = False
+        return out
+
+    # ------------------------------------------------------------ writes
+
+    def on_commit(self, entries: Sequence[Entry]) -> None:
+        if not self.attached or not entries:
+            return
+        if self.write_policy == "write_through":
+            self.write(entries)
+        elif self.write_policy == "write_back":
+            for e in entries:
+                if not e.in_l3 and e not in self.dirty:
+                    self.index.pin(e)
+                    self.dirty[e] = None
+            self.relieve_pressure()
+
+    def on_hit(self, e: Entry) -> None:
+        if (self.write_policy == "write_through_selective" and self.attached
+                and e.hits >= self.threshold and not e.in_l3 and not e.writing):
+            self.write([e])
+
+    def relieve_pressure(self, force: bool = False) -> int:
+        """write_back: write the least recently used dirty pages when the arena is short of
+        room (no free slab) or ``force``; returns how many were queued."""
+        if not self.dirty or not self.attached:
+            return 0
+        if not force and self.index.alloc.free_slab_count > 0:
+            return 0
+        todo = [e for e in self.dirty if not e.writing]
+        todo.sort(key=lambda e: e.last_used)
+        n = self.write(todo[:WRITE_BACK_BATCH])
+        self.counters["write_backs"] += n
+        return n
+
+    def write_back_all(self) -> int:
+        """Queue every dirty page (flush, shutdown, policy change); returns how many."""
+        todo = [e for e in self.dirty if not e.writing]
+        n = self.write(todo) if self.attached else 0
+        self.counters["write_backs"] += n
+        return n
+
+    def write(self, entries: Iterable[Entry]) -> int:
+        """Send committed pages L3 lacks to the writer thread (pinned until written)."""
+        by_table: dict[TableId, list[Entry]] = {}
+        for e in entries:
+            if not e.in_l3 and not e.writing and e.committed:
+                by_table.setdefault(e.table, []).append(e)
+        queued = 0
+        for (ns, pool), group in by_table.items():
+            todo = []
+            for e, have in zip(group, self.exists(ns, pool, [e.key for e in group])):
+                if have:
+                    self._clean(e)
+                else:
+                    todo.append(e)
+            if not todo:
+                continue
+            job = IOJob("put", ns, pool, [e.key for e in todo], [e.offset for e in todo],
+                        todo[0].page_bytes, todo, backend=self.backend)
+            if not self._submit(job):
+                self.counters["l3_writes_dropped"] += len(todo)
+                continue
+            for e in todo:
+                self.index.pin(e)
+                e.writing = True
+            queued += len(todo)
+        return queued
+
+    def _clean(self, e: Entry) -> None:
+        """``e`` is in L3 now: no longer dirty."""
+        e.in_l3 = True
+        if self.dirty.pop(e, 0) is None:
+            self.index.unpin(e)
+        if e in self.drop_when_written:
+            self.drop_when_written.discard(e)
+            if e.committed and e.pins == 0:
+                self.index.drop([e])
+
+    def _submit(self, job: IOJob) -> bool:
+        if not self.workers.submit(job):
+            return False
+        self._jobs_of[id(job.backend)] = self._jobs_of.get(id(job.backend), 0) + 1
+        return True
+
+    # ------------------------------------------------------------ loads
+
+    def load(self, table: TableId, keys: Sequence[str], page_bytes: int, stride: int,
+             waiter: Any = None, known_in_l3: bool = False) -> set[int]:
+        """Start loading ``keys`` (missing from L2) into the arena; join loads already in flight.
+        Returns the ids of the jobs ``waiter`` (if any) now waits for."""
+        if not self.attached or not keys:
+            return set()
+        ns, pool = table
+        there = [True] * len(keys) if known_in_l3 else self.exists(ns, pool, keys)
+        waits: set[int] = set()
+        new: list[Entry] = []
+        for key, have in zip(keys, there):
+            job = self.loading.get((table, key))
+            if job is not None:
+                if waiter is not None:
+                    job.waiters.append(waiter)
+                    waits.add(id(job))
+            elif (have and self.index.get(table, key) is None
+                  and self.index.get_pending(table, key) is None):
+                e = self.index.reserve(table, key, page_bytes, stride)
+                if e is not None:
+                    new.append(e)
+        if not new:
+            return waits
+        job = IOJob("get", ns, pool, [e.key for e in new], [e.offset for e in new], page_bytes,
+                    new, waiters=[waiter] if waiter is not None else [], backend=self.backend)
+        if not self._submit(job):
+            for e in new:
+                self.index.abort(e)
+            return waits
+        for e in new:
+            self.loading[(table, e.key)] = job
+        if waiter is None:
+            self.counters["prefetched_pages"] += len(new)
+        else:
+            waits.add(id(job))
+        return waits
+
+    # ------------------------------------------------------------ completions
+
+    def collect(self) -> list[tuple[Any, int]]:
+        """Apply finished jobs. Returns (waiter, job id) pairs whose job just finished."""
+        woken: list[tuple[Any, int]] = []
+        for job in self.workers.collect():
+            self._jobs_of[id(job.backend)] = self._jobs_of.get(id(job.backend), 1) - 1
+            current = job.backend is self.backend
+            if job.kind == "put":
+                self._put_done(job, current)
+                continue
+            for e, ok in zip(job.entries, job.result):
+                del self.loading[(e.table, e.key)]
+                if ok:
+                    e.in_l3 = current
+                    self.index.commit(e)
+                    self.counters["l3_loads"] += 1
+                else:
+                    self.index.abort(e)
+                    self.counters["l3_load_failures"] += 1
+            woken.extend((w, id(job)) for w in job.waiters)
+        self._close_idle_retired()
+        return woken
+
+    def _put_done(self, job: IOJob, current: bool) -> None:
+        ok_n = 0
+        for e, ok in zip(job.entries, job.result):
+            e.writing = False
+            self.index.unpin(e)
+            ok_n += bool(ok)
+            if ok and current:
+                self._clean(e)
+            elif e in self.dirty:
+                # a failing L3 must not pin the arena full: the page stays in L2, evictable
+                del self.dirty[e]
+                self.index.unpin(e)
+                self.drop_when_written.discard(e)
+        self.counters["l3_writes"] += ok_n
+        self.counters["l3_write_failures"] += len(job.result) - ok_n
+
+    def flush_l2(self) -> int:
+        """Drop every unpinned L2 page. Under write_back, dirty pages are written first and
+        dropped once written (counted here as dropped)."""
+        pending = 0
+        if self.dirty and self.attached:
+            self.drop_when_written.update(self.dirty)
+            self.write_back_all()
+            pending = len(self.dirty)
+        n = 0
+        for table in list(self.index.tables.values()):
+            n += self.index.drop(list(table.values()))
+        return n + pending
+
+    def clear(self) -> int:
+        try:
+            return self.backend.clear()
+        except Exception as e:  # noqa: BLE001 - a failing L3 is logged and counted
+            self.counters["l3_errors"] += 1
+            log.warning("L3 %s clear failed: %s", self.backend.name, e)
+            return 0
+
+    def close(self) -> None:
+        """Detach and close every backend (daemon shutdown, after the workers stopped)."""
+        for b in [*self._retired, self.backend]:
+            close_quietly(b)
+        self._retired.clear()
+        self.backend = NullBackend()
+
+
+def close_quietly(backend: L3Backend) -> None:
+    try:
+        backend.close()
+    except Exception:
+        log.exception("closing L3 backend %s failed", backend.name)
