@@ -23,8 +23,9 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 import zmq
 
 from hicached import protocol as P
@@ -39,7 +40,11 @@ from hicached.errors import (
     error_from_code,
 )
 from hicached.hostpool import PageIO, make_page_io
+from hicached.kernels.cpu import check_arena, check_disjoint, check_slots
 from hicached.types import PoolTransfer, PoolTransferResult, policy_value, pool_value
+
+if TYPE_CHECKING:
+    from hicached.prefetch import PrefetchOperation, StopPolicy
 
 log = logging.getLogger(__name__)
 KV = "kv"
@@ -55,6 +60,47 @@ def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str) -
         )
     starts = host_indices[::page_size]
     return starts.tolist() if hasattr(starts, "tolist") else list(starts)
+
+
+class TensorPages(PageIO):
+    """Flat page tensors standing in for a host pool: item i is ``pages[i]``.
+
+    SGLang's generic (v0) path hands the backend one flat CPU tensor per page
+    (``get_data_page`` to store, ``get_dummy_flat_data_page`` to fill) instead of host indices.
+    Each tensor must hold exactly ``page_bytes`` bytes; tensors filled by ``from_arena`` must be
+    contiguous (their bytes are written in place).
+    """
+
+    path = "tensors"
+
+    def __init__(self, pages: Sequence[torch.Tensor], page_bytes: int):
+        self.page_size, self.page_bytes, self.capacity_tokens = 1, page_bytes, len(pages)
+        self._bytes: list[torch.Tensor] = []
+        for i, page in enumerate(pages):
+            if not isinstance(page, torch.Tensor) or page.device.type != "cpu":
+                raise ValueError(f"page {i} must be a CPU tensor, got {type(page).__name__}")
+            if not page.is_contiguous():
+                raise ValueError(f"page {i} is not contiguous (strides {page.stride()})")
+            data = page.reshape(-1).view(torch.uint8)
+            if data.numel() != page_bytes:
+                raise ValueError(f"page {i} has {data.numel()} bytes, pages of this pool have "
+                                 f"{page_bytes}")
+            self._bytes.append(data)
+
+    def to_arena(self, token_starts, arena, offsets) -> None:
+        starts, offs = self._check(token_starts, offsets)
+        check_arena(arena)
+        check_slots(offs, self.page_bytes, arena.numel())
+        check_disjoint(offs, self.page_bytes)
+        for i, o in zip(starts.tolist(), offs.tolist(), strict=True):
+            arena[o : o + self.page_bytes].copy_(self._bytes[i])
+
+    def from_arena(self, token_starts, arena, offsets) -> None:
+        starts, offs = self._check(token_starts, offsets)
+        check_arena(arena)
+        check_slots(offs, self.page_bytes, arena.numel())
+        for i, o in zip(starts.tolist(), offs.tolist(), strict=True):
+            self._bytes[i].copy_(arena[o : o + self.page_bytes])
 
 
 class Client:
@@ -117,13 +163,14 @@ class Client:
             self._roundtrip(P.RegisterPool(next(self._req_ids), self.session, name,
                                            io.page_bytes))
 
-    def _roundtrip(self, msg) -> Any:
+    def _roundtrip(self, msg, timeout_s: float | None = None) -> Any:
         """Send one request and wait (deadline) for its answer; daemon errors are raised."""
         if self._sock is None:
             self._new_socket()
         self._sock.send(P.encode(msg))
         start = time.monotonic()
-        deadline = start + self.timeout_s
+        timeout_s = timeout_s or self.timeout_s
+        deadline = start + timeout_s
         spin_until = start + self.spin_s  # answers usually come within it: skip the wake-up cost
         while True:
             now = time.monotonic()
@@ -137,7 +184,7 @@ class Client:
                 self._sock.close(linger=0)  # drop queued requests; a fresh socket next time
                 self._sock = None
                 raise DaemonUnavailable(
-                    f"no answer from hicached at {self.endpoint} within {self.timeout_s}s "
+                    f"no answer from hicached at {self.endpoint} within {timeout_s}s "
                     f"({type(msg).__name__})")
             answer = P.answer_decoder.decode(self._sock.recv())
             if answer.req_id != msg.req_id:
@@ -146,17 +193,17 @@ class Client:
                 raise error_from_code(answer.code, answer.message)
             return answer
 
-    def _call(self, build) -> Any:
+    def _call(self, build, timeout_s: float | None = None) -> Any:
         """``build(session, req_id) -> request``; re-joins a restarted daemon once."""
         if self._closed:
             raise DaemonUnavailable("client is closed")
         with self._lock:
             try:
-                return self._roundtrip(build(self.session, next(self._req_ids)))
+                return self._roundtrip(build(self.session, next(self._req_ids)), timeout_s)
             except (UnknownSession, Unauthorized):  # Unauthorized: a fresh socket, not yet joined
                 log.warning("hicached session lost (daemon restarted?): joining again")
                 self._handshake()
-                return self._roundtrip(build(self.session, next(self._req_ids)))
+                return self._roundtrip(build(self.session, next(self._req_ids)), timeout_s)
 
     def _send_only(self, msg) -> None:
         with self._lock:
@@ -191,7 +238,9 @@ class Client:
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Number of leading keys whose KV page is stored (L2 or L3)."""
         keys = list(keys)
-        return self._call(lambda s, r: P.Exists(r, s, keys)).kv_hit_pages
+        packed = P.pack_keys(keys)
+        return self._call(lambda s, r: P.Exists(r, s, [] if packed else keys,
+                                                packed=packed)).kv_hit_pages
 
     def batch_exists_v2(self, keys: Sequence[str], pool_transfers: Sequence[Any] | None = None,
                         extra_info: Any = None) -> PoolTransferResult:
@@ -204,7 +253,9 @@ class Client:
                 continue
             queries.append(P.PoolQuery(name, policy_value(t.hit_policy),
                                        max(1, len(t.keys or ()))))
-        a = self._call(lambda s, r: P.Exists(r, s, keys, queries))
+        packed = P.pack_keys(keys)
+        a = self._call(lambda s, r: P.Exists(r, s, [] if packed else keys, queries,
+                                             packed=packed))
         return PoolTransferResult(a.kv_hit_pages, dict(a.pool_hits), list(a.restorable))
 
     # ------------------------------------------------------------ set
@@ -219,6 +270,15 @@ class Client:
                                                        io.page_size, name)))
         return plan
 
+    def _pages_plan(self, pool_name: Any, keys: Sequence[str], pages: Sequence[torch.Tensor]
+                    ) -> tuple[str, list[tuple[str, PageIO, list[str], list[int]]]]:
+        name = pool_value(pool_name)
+        keys = list(keys)
+        if len(keys) != len(pages):
+            raise LengthMismatch(f"pool {name!r}: {len(keys)} keys but {len(pages)} pages")
+        io = TensorPages(pages, self._io(name).page_bytes)
+        return name, [(name, io, keys, list(range(len(keys))))]
+
     def batch_set_v2(self, transfers: Sequence[Any], extra_info: Any = None
                      ) -> dict[str, list[bool]]:
         """Store every pool's pages of the call atomically (reserve -> copy -> commit).
@@ -226,7 +286,17 @@ class Client:
         One round trip (Reserve); the Commit is sent without waiting. Per key: True when the
         page was copied (or was already there / being written by another client), False when
         the arena had no evictable room."""
-        plan = self._plan(transfers)
+        return self._store(self._plan(transfers))
+
+    def batch_set_pages(self, pool_name: Any, keys: Sequence[str],
+                        pages: Sequence[torch.Tensor]) -> list[bool]:
+        """Store flat page tensors (SGLang's generic v0 path): ``pages[i]`` under ``keys[i]``
+        in the registered pool ``pool_name`` (whose page size they must have)."""
+        name, plan = self._pages_plan(pool_name, keys, [p.contiguous() for p in pages])
+        return self._store(plan)[name]
+
+    def _store(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
+               ) -> dict[str, list[bool]]:
         sent = time.monotonic()
         res = self._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys(n, k) for n, _, k, _ in plan]))
         arena = self.arena
@@ -264,7 +334,17 @@ class Client:
     def batch_get_v2(self, transfers: Sequence[Any], extra_info: Any = None
                      ) -> dict[str, list[bool]]:
         """Load every pool's pages into their host pools; one bool per key."""
-        plan = self._plan(transfers)
+        return self._load(self._plan(transfers))
+
+    def batch_get_pages(self, pool_name: Any, keys: Sequence[str],
+                        pages: Sequence[torch.Tensor]) -> list[bool]:
+        """Fill contiguous flat page tensors (SGLang's generic v0 path): ``pages[i]`` gets the
+        bytes of ``keys[i]`` of pool ``pool_name``; one bool per key (False: left untouched)."""
+        name, plan = self._pages_plan(pool_name, keys, pages)
+        return self._load(plan)[name]
+
+    def _load(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
+              ) -> dict[str, list[bool]]:
         sent = time.monotonic()
         res = self._call(lambda s, r: P.Lease(r, s, [P.PoolKeys(n, k) for n, _, k, _ in plan]))
         arena = self.arena
@@ -288,6 +368,23 @@ class Client:
         """v1: load KV pages into the registered KV host pool."""
         return self.batch_get_v2([PoolTransfer(KV, host_indices, keys=list(keys))])[KV]
 
+    # ------------------------------------------------------------ prefetch
+
+    def prefetch(self, keys: Sequence[str], host_indices: Any, sidecars: Sequence[Any] = (), *,
+                 policy: str | StopPolicy = "best_effort", chunk_pages: int = 128,
+                 on_progress: Any = None) -> PrefetchOperation:
+        """Start exists + chunked get of ``keys`` into the registered KV pool at
+        ``host_indices`` (and the ``sidecars`` transfers' pools) on a background thread.
+
+        ``policy``: when the caller may stop waiting (``hicached.prefetch``: "best_effort",
+        "wait_complete", "timeout", or a ``StopPolicy``). Returns the running operation."""
+        from hicached.prefetch import PrefetchOperation, make_policy
+
+        op = PrefetchOperation(self, keys, host_indices, sidecars, make_policy(policy),
+                               chunk_pages=chunk_pages, on_progress=on_progress)
+        op.start()
+        return op
+
     # ------------------------------------------------------------ admin and lifecycle
 
     def stats(self) -> dict:
@@ -298,6 +395,21 @@ class Client:
 
     def ping(self) -> None:
         self._call(lambda s, r: P.Ping(r))
+
+    def attach_backend(self, backend: str, options: dict | None = None, *,
+                       write_policy: str | None = None, prefetch: bool | None = None,
+                       timeout_s: float = 120.0) -> dict:
+        """Attach an L3 backend to the daemon at runtime; returns the tier status. Attaching
+        the attached backend only updates the policies; another one raises BackendConflict."""
+        return self._call(lambda s, r: P.Attach(r, backend, dict(options or {}),
+                                                write_policy or "", prefetch), timeout_s).status
+
+    def detach_backend(self) -> dict:
+        """Detach the daemon's L3 backend (idempotent); returns the tier status."""
+        return self._call(lambda s, r: P.Detach(r)).status
+
+    def backend_status(self) -> dict:
+        return self._call(lambda s, r: P.GetBackend(r)).status
 
     def close(self) -> None:
         """End the session (its leases and reservations are freed at once). Idempotent."""
@@ -313,6 +425,10 @@ class Client:
                 self._sock.close(linger=100)  # give Bye a moment to leave
                 self._sock = None
             self._ctx.term()
+            for io in self._pools.values():  # CUDA registrations of the arena go first
+                release = getattr(io, "release_arena", None)
+                if release is not None:
+                    release()
             if self.arena is not None:
                 self.arena.close()
 

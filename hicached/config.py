@@ -69,7 +69,7 @@ class DaemonConfig:
     write_policy: str = "write_through"  # | write_through_selective | write_back
     write_through_threshold: int = 2  # write_through_selective: hits before a page goes to L3
     prefetch: bool = True  # exists that finds pages only in L3 starts pulling them into L2
-    get_wait_s: float = 5.0  # longest a get waits for L3 loads of its keys before missing
+    get_wait_s: float = 2.0  # longest a get waits for L3 loads of its keys before missing
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 30.0
     io_queue_depth: int = 256
@@ -106,11 +106,11 @@ class DaemonConfig:
             raise ConfigError(
                 f"l2_size: {self.l2_size} bytes is smaller than one slab ({self.slab_size} bytes)"
             )
-        from hicached.backends.base import BACKENDS
+        from hicached.backends.base import BACKENDS, is_backend_name
 
-        if self.l3_backend not in BACKENDS:
-            raise ConfigError(
-                f"l3_backend: unknown {self.l3_backend!r}; valid: {sorted(BACKENDS)}")
+        if not is_backend_name(self.l3_backend):
+            raise ConfigError(f"l3_backend: unknown {self.l3_backend!r}; valid: "
+                              f"{sorted(BACKENDS)} or 'package.module:Class'")
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError(f"write_policy: unknown {self.write_policy!r}; "
                               f"valid: {list(WRITE_POLICIES)}")

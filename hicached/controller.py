@@ -142,7 +142,7 @@ class Controller:
     def _present(self, ns: str, pool: str, keys: list[str]) -> tuple[list[bool], list[bool]]:
         """Per key: (in L2 committed, in L2 or L3)."""
         table = self.index.tables.get((ns, pool))
-        in_l2 = [k in table for k in keys] if table else [False] * len(keys)
+        in_l2 = list(map(table.__contains__, keys)) if table else [False] * len(keys)
         have = in_l2
         if self.tier.attached and not all(in_l2):
             have = list(in_l2)
@@ -155,9 +155,10 @@ class Controller:
         s.spec(msg.anchor)
         for q in msg.pools:
             s.spec(q.pool)
-        kv_l2, kv_have = self._present(s.ns, msg.anchor, msg.keys)
+        all_keys = msg.key_list()
+        kv_l2, kv_have = self._present(s.ns, msg.anchor, all_keys)
         kv_pages = leading_run(kv_have)
-        keys = msg.keys[:kv_pages]
+        keys = all_keys[:kv_pages]
         found = [(q, *self._present(s.ns, q.pool, keys)) for q in msg.pools]
         try:
             final, hits, restorable = intersect_endpoints(
@@ -167,7 +168,7 @@ class Controller:
         if kv_pages:
             hits[msg.anchor] = kv_pages
         if final and self.tier.attached and self.tier.prefetch_enabled:
-            self._prefetch(s, msg.anchor, msg.keys, kv_l2, 0, final)
+            self._prefetch(s, msg.anchor, all_keys, kv_l2, 0, final)
             for q, in_l2, _ in found:
                 start = max(0, final - q.window) if q.policy == TRAILING else 0
                 self._prefetch(s, q.pool, keys, in_l2, start, final)

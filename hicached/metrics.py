@@ -85,7 +85,8 @@ class Metrics(NullMetrics):
             case P.Reserved():
                 self._count_reserved(msg, answer)
             case P.ExistsResult():
-                self.exists_keys[msg.anchor] = self.exists_keys.get(msg.anchor, 0) + len(msg.keys)
+                n = msg.packed.count(0) + 1 if msg.packed else len(msg.keys)  # NUL-joined keys
+                self.exists_keys[msg.anchor] = self.exists_keys.get(msg.anchor, 0) + n
                 for pool, n in answer.pool_hits.items():
                     self.exists_hits[pool] = self.exists_hits.get(pool, 0) + n
 

@@ -51,6 +51,7 @@ class L3Tier:
         self.set_policies(write_policy, threshold, prefetch)
         self.loading: dict[tuple[TableId, str], IOJob] = {}
         self.dirty: dict[Entry, None] = {}  # write_back: committed pages L3 lacks (pinned)
+        self.drop_when_written: set[Entry] = set()  # flushed from L2 once in L3
         self._jobs_of: dict[int, int] = {}  # id(backend) -> jobs in flight
         self._retired: list[L3Backend] = []  # detached, closed when their jobs are collected
         self._exists_failing = False
@@ -97,6 +98,7 @@ class L3Tier:
         for e in self.dirty:
             self.index.unpin(e)
         self.dirty.clear()
+        self.drop_when_written.clear()
         self._forget_l3_copies()
         self._retired.append(old)
         self._close_idle_retired()
@@ -182,14 +184,14 @@ class L3Tier:
         self.counters["write_backs"] += n
         return n
 
-    def write_back_all(self, drop_after: bool = False) -> int:
+    def write_back_all(self) -> int:
         """Queue every dirty page (flush, shutdown, policy change); returns how many."""
         todo = [e for e in self.dirty if not e.writing]
-        n = self.write(todo, drop_after=drop_after) if self.attached else 0
+        n = self.write(todo) if self.attached else 0
         self.counters["write_backs"] += n
         return n
 
-    def write(self, entries: Iterable[Entry], drop_after: bool = False) -> int:
+    def write(self, entries: Iterable[Entry]) -> int:
         """Send committed pages L3 lacks to the writer thread (pinned until written)."""
         by_table: dict[TableId, list[Entry]] = {}
         for e in entries:
@@ -206,7 +208,7 @@ class L3Tier:
             if not todo:
                 continue
             job = IOJob("put", ns, pool, [e.key for e in todo], [e.offset for e in todo],
-                        todo[0].page_bytes, todo, backend=self.backend, drop_after=drop_after)
+                        todo[0].page_bytes, todo, backend=self.backend)
             if not self._submit(job):
                 self.counters["l3_writes_dropped"] += len(todo)
                 continue
@@ -221,6 +223,10 @@ class L3Tier:
         e.in_l3 = True
         if self.dirty.pop(e, 0) is None:
             self.index.unpin(e)
+        if e in self.drop_when_written:
+            self.drop_when_written.discard(e)
+            if e.committed and e.pins == 0:
+                self.index.drop([e])
 
     def _submit(self, job: IOJob) -> bool:
         if not self.workers.submit(job):
@@ -303,15 +309,18 @@ class L3Tier:
                 # a failing L3 must not pin the arena full: the page stays in L2, evictable
                 del self.dirty[e]
                 self.index.unpin(e)
-            if job.drop_after and e.committed and e.pins == 0:
-                self.index.drop([e])
+                self.drop_when_written.discard(e)
         self.counters["l3_writes"] += ok_n
         self.counters["l3_write_failures"] += len(job.result) - ok_n
 
     def flush_l2(self) -> int:
         """Drop every unpinned L2 page. Under write_back, dirty pages are written first and
         dropped once written (counted here as dropped)."""
-        pending = self.write_back_all(drop_after=True) if self.write_policy == "write_back" else 0
+        pending = 0
+        if self.dirty and self.attached:
+            self.drop_when_written.update(self.dirty)
+            self.write_back_all()
+            pending = len(self.dirty)
         n = 0
         for table in list(self.index.tables.values()):
             n += self.index.drop(list(table.values()))

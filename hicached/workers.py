@@ -32,7 +32,6 @@ class IOJob:
     result: list[bool] = field(default_factory=list)
     waiters: list[Any] = field(default_factory=list)  # parked requests (owned by the controller)
     backend: Any = None  # the L3Backend the job was queued for (attach/detach may swap it)
-    drop_after: bool = False  # put: drop the L2 pages once written (flush under write_back)
 
 
 class IOWorkers:

@@ -43,7 +43,6 @@ class DaemonProc:
     def __init__(self, tmp, name="d", l2_size="16MiB", slab_size="1MiB", extra=(), state=None,
                  env=None, token=""):
         self.tmp = tmp
-        self.env = env  # None: this process's environment
         self.token = token  # the daemon's client_token, for the probe and client()
         self.endpoint = f"ipc://{tmp}/{name}.sock"
         self.state_dir = str(state or tmp / f"{name}-state")
@@ -52,6 +51,10 @@ class DaemonProc:
         self.cfg = load_config(None, {}, {"state_dir": self.state_dir})
         self.log = open(tmp / f"{name}.log", "ab")
         self.proc = None
+        # tests/ on the path: daemons can load test backends such as l3_doubles:SlowFileBackend
+        tests_dir = os.path.dirname(os.path.abspath(__file__))
+        path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+        self.env = {**os.environ, "PYTHONPATH": path, **(env or {})}  # env: extra variables
 
     def start(self, timeout_s=30.0):
         self.proc = subprocess.Popen(

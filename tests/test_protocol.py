@@ -57,3 +57,12 @@ def test_wrong_field_type_raises():
     raw = msgspec.msgpack.encode(["register_pool", 1, 7, "kv", "not-an-int"])
     with pytest.raises(msgspec.ValidationError):
         P.request_decoder.decode(raw)
+
+
+def test_packed_exists_keys_round_trip():
+    keys = ["a", "b/ü", "", "c" * 300]
+    m = P.request_decoder.decode(P.encode(P.Exists(1, 2, [], packed=P.pack_keys(keys))))
+    assert m.key_list() == keys
+    assert P.pack_keys(["x\0y", "z"]) == b""  # a NUL inside a key: send the list instead
+    assert P.pack_keys([]) == b""
+    assert P.Exists(1, 2, ["x\0y"]).key_list() == ["x\0y"]

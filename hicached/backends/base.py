@@ -84,14 +84,27 @@ class NullBackend(L3Backend):
 BACKENDS = {
     "none": "hicached.backends.base:NullBackend",
     "file": "hicached.backends.file:FileBackend",
+    "hf3fs": "hicached.backends.hf3fs:Hf3fsBackend",
+    "mooncake": "hicached.backends.mooncake:MooncakeBackend",
 }
 
 
+def is_backend_name(name: str) -> bool:
+    """A registry name, or ``package.module:Class`` naming an out-of-tree backend."""
+    return name in BACKENDS or (":" in name and all(name.split(":", 1)))
+
+
 def create_backend(name: str, **options) -> L3Backend:
-    """Instantiate a backend by registry name with its options."""
+    """Instantiate a backend by registry name (or ``module:Class``) with its options."""
+    target = BACKENDS.get(name, name if is_backend_name(name) else None)
+    if target is None:
+        raise ValueError(f"unknown L3 backend {name!r}; valid: {sorted(BACKENDS)} "
+                         "or 'package.module:Class'")
+    module, cls = target.split(":", 1)
     try:
-        target = BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown L3 backend {name!r}; valid: {sorted(BACKENDS)}") from None
-    module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)(**options)
+        factory = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"L3 backend {name!r} cannot be loaded: {e}") from None
+    if not (isinstance(factory, type) and issubclass(factory, L3Backend)):
+        raise ValueError(f"L3 backend {name!r} is not an L3Backend subclass")
+    return factory(**options)
