@@ -20,8 +20,8 @@ constant time and never logged (aiohttp's access log, which could show headers i
 formats, is off; the daemon logs each mutating call itself, without headers).
 
 Errors are JSON ``{"error": message, "code": code}``: ``BackendConflict`` 409, bad request
-(``ProtocolError`` / ``ConfigError`` / ``BackendError``) 400, ``BackendUnavailable`` (the store
-could not be opened) 502, ``ShuttingDown`` 503.
+(``ProtocolError`` / ``ConfigError`` / ``BackendError``) 400, ``BackendUnavailable`` /
+``StoreUnavailable`` (the store could not be opened or reached) 502, ``ShuttingDown`` 503.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 from aiohttp import web
 
+from hicached.backends.guard import StoreUnavailable
 from hicached.config import WRITE_POLICIES, parse_options
 from hicached.errors import (
     BackendConflict,
@@ -111,7 +112,7 @@ def error_status(e: BaseException) -> int:
     """HTTP status of a daemon error."""
     if isinstance(e, BackendConflict):
         return 409
-    if isinstance(e, BackendUnavailable):
+    if isinstance(e, (BackendUnavailable, StoreUnavailable)):
         return 502
     if isinstance(e, (ProtocolError, ConfigError, BackendError)):
         return 400
