@@ -5,9 +5,11 @@ the arena (L2) and the backend (L3).
     write_through             at commit
     write_through_selective   when its gets reach ``threshold`` hits
     write_back                when L2 needs its room: a dirty page (L2 holds the only copy) is
-                              pinned, so eviction passes over it; under pressure (no free slab
-                              left, or a reservation found no space) the least recently used dirty
-                              pages are written, and once written they are clean and evictable
+                              pinned, so eviction passes over it; under pressure (dirty pages
+                              above half the arena, or a reservation found no space) the least
+                              recently used dirty pages are written until dirty pages are below
+                              DIRTY_TARGET of the arena, and once written they are clean and
+                              evictable
 
     loads                     a get for pages only L3 has reserves slots and queues one batched
                               load; the get waits (parked by the controller) for it
@@ -37,7 +39,8 @@ from hicached.workers import IOJob, IOWorkers
 
 log = logging.getLogger(__name__)
 
-WRITE_BACK_BATCH = 64  # dirty pages written per pressure event
+DIRTY_HIGH = 0.5  # write_back: start writing when dirty pages fill this share of the arena
+DIRTY_TARGET = 0.4  # ... and write the oldest until they are below this share
 
 
 class L3Tier:
@@ -172,15 +175,24 @@ class L3Tier:
             self.write([e])
 
     def relieve_pressure(self, force: bool = False) -> int:
-        """write_back: write the least recently used dirty pages when the arena is short of
-        room (no free slab) or ``force``; returns how many were queued."""
+        """write_back: write the least recently used dirty pages when they fill more than
+        DIRTY_HIGH of the arena, or at least one when ``force`` (a reservation found no room),
+        until the dirty pages not being written are below DIRTY_TARGET; returns how many."""
         if not self.dirty or not self.attached:
             return 0
-        if not force and self.index.alloc.free_slab_count > 0:
-            return 0
+        arena = self.index.alloc.slab_bytes * len(self.index.alloc.slabs)
         todo = [e for e in self.dirty if not e.writing]
+        dirty = sum(e.stride for e in todo)
+        if not force and dirty <= DIRTY_HIGH * arena:
+            return 0
         todo.sort(key=lambda e: e.last_used)
-        n = self.write(todo[:WRITE_BACK_BATCH])
+        pick = []
+        for e in todo:
+            if pick and dirty <= DIRTY_TARGET * arena:
+                break
+            pick.append(e)
+            dirty -= e.stride
+        n = self.write(pick)
         self.counters["write_backs"] += n
         return n
 

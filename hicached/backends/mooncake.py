@@ -17,11 +17,18 @@ is a miss; a get answering another byte count, or -600 (the stored object is lar
 slot), is a miss counted as ``size_mismatches``; -900 / -901 (master RPC failed / timed out)
 mean the store is unreachable.
 
-Deadlines and degradation (``guard.py``): every Mooncake call runs on a helper thread and is
-abandoned past its deadline (``exists_timeout_s`` on the control loop; ``timeout_s`` plus
-``timeout_per_gib_s`` per GiB moved on the I/O workers). A timeout or an unreachable-store code
-opens the breaker: logged once, counted, and calls answer misses at once until a backoff passes;
-then one call probes (after a free ``health_check``), and success closes the breaker.
+Deadlines and degradation (``guard.py``): calls that touch no arena bytes (``batch_is_exist``
+on the control loop, ``health_check``) run on a helper thread and are abandoned past their
+deadline (``exists_timeout_s``). Transfers (``batch_put_from`` / ``batch_get_into``) run on the
+daemon's I/O worker thread and are never abandoned: Mooncake cannot cancel a transfer, and an
+abandoned one could still write (get) or read (put) arena slots after the controller reused them.
+The slots stay pinned until the call returns, which Mooncake's own RPC timeouts bound (~4 s dead
+master, ~30 s hung one); meanwhile a waiting get is answered by the controller after
+``get_wait_s`` and further jobs are refused by the full worker queue, so nobody hangs. A transfer
+that took longer than ``timeout_s`` plus ``timeout_per_gib_s`` per GiB counts as a timeout. A
+timeout or an unreachable-store code opens the breaker: logged once, counted, and calls answer
+misses at once until a backoff passes; then one call probes (after a free ``health_check``), and
+success closes the breaker.
 
 Measured with 0.3.13.post1: against a killed master calls take ~4.3 s (-900), against a
 SIGSTOPped one 30 s (-901). Once the master runs again at the same address the client reconnects
@@ -30,11 +37,6 @@ needs no new client; a client that never got set up (master down at start) is se
 background thread. Two calls hold the GIL, which no helper thread can bound: ``setup`` (~90 s
 against a dead master, so the master's port is probed first) and ``close`` (7-16 s against a
 dead master, so such a client is left open, for Mooncake's own cleanup at process exit).
-
-Known hazard: Mooncake cannot cancel a transfer. One abandoned in its data phase (a peer that is
-slow, not dead: a dead or hung master fails before any byte moves) may still write (get) or read
-(put) its arena slots after the controller reused them. Counted as ``abandoned_calls``; the
-arena mapping stays alive for it. Closing it needs the controller to quarantine such slots.
 """
 
 from __future__ import annotations
@@ -246,6 +248,22 @@ class MooncakeBackend(L3Backend):
             self._failed(StoreUnavailable(f"{type(e).__name__}: {e}"))
         return None
 
+    def _transfer(self, fn: Callable, *args: object, nbytes: int):
+        """A transfer, run to completion on this (worker) thread: never abandoned, because its
+        arena slots must not be reused while Mooncake may still touch them. None if it failed;
+        one slower than its deadline counts as a timeout (and opens the breaker)."""
+        t = time.monotonic()
+        try:
+            rcs = fn(*args)
+        except Exception as e:  # noqa: BLE001 - a binding error is a failed call, not a crash
+            self.counters["errors"] += 1
+            self._failed(StoreUnavailable(f"{type(e).__name__}: {e}"))
+            return None
+        took = time.monotonic() - t
+        if took > self._deadline(nbytes):
+            self._failed(CallTimeout(f"{getattr(fn, '__name__', 'transfer')} took {took:.1f} s"))
+        return rcs
+
     def _failed(self, e: StoreUnavailable) -> None:
         if isinstance(e, CallTimeout):
             self.counters["timeouts"] += 1
@@ -303,8 +321,8 @@ class MooncakeBackend(L3Backend):
             self.counters["put_failures"] += len(keys)
             return [False] * len(keys)
         t = time.perf_counter()
-        rcs = self._call(store.batch_put_from, names, ptrs, [page_bytes] * len(keys),
-                         timeout_s=self._deadline(len(keys) * page_bytes))
+        rcs = self._transfer(store.batch_put_from, names, ptrs, [page_bytes] * len(keys),
+                             nbytes=len(keys) * page_bytes)
         self.counters["put_s"] += time.perf_counter() - t
         if rcs is None:
             self.counters["put_failures"] += len(keys)
@@ -330,8 +348,8 @@ class MooncakeBackend(L3Backend):
             self.counters["get_misses"] += len(keys)
             return [False] * len(keys)
         t = time.perf_counter()
-        rcs = self._call(store.batch_get_into, names, ptrs, [page_bytes] * len(keys),
-                         timeout_s=self._deadline(len(keys) * page_bytes))
+        rcs = self._transfer(store.batch_get_into, names, ptrs, [page_bytes] * len(keys),
+                             nbytes=len(keys) * page_bytes)
         self.counters["get_s"] += time.perf_counter() - t
         if rcs is None:
             self.counters["get_misses"] += len(keys)
