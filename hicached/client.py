@@ -345,22 +345,43 @@ class Client:
 
     def _load(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
               ) -> dict[str, list[bool]]:
+        """Lease, copy out, release. Streamed: when pages must come from L3 the daemon answers
+        as soon as the first ones are in the arena (the rest ``SLOT_LOADING``); they are copied
+        while the others load, then the loading ones are asked for again (joining the loads in
+        flight, starting none), until none is loading or the call's deadline passes."""
         sent = time.monotonic()
-        res = self._call(lambda s, r: P.Lease(r, s, [P.PoolKeys(n, k) for n, _, k, _ in plan]))
-        arena = self.arena
-        out = {}
-        try:
-            for (name, io, _, starts), row in zip(plan, res.offsets):
-                sel = [i for i, off in enumerate(row) if off >= 0]
-                if sel:
-                    io.from_arena([starts[i] for i in sel], arena.tensor, [row[i] for i in sel])
-                out[name] = [off >= 0 for off in row]
-        finally:
-            if res.lease_id:
-                self._send_only(P.Release(0, self.session, [res.lease_id]))
-        if time.monotonic() - sent > self.lease_ttl_s / 2:
-            log.warning("get took longer than half the lease TTL: results discarded")
-            return {name: [False] * len(row) for name, row in out.items()}
+        out = {name: [False] * len(keys) for name, _, keys, _ in plan}
+        todo = [(name, io, list(range(len(keys)))) for name, io, keys, _ in plan]
+        keys_of = {name: keys for name, _, keys, _ in plan}
+        starts_of = {name: starts for name, _, _, starts in plan}
+        first = True
+        while todo:
+            req = [P.PoolKeys(name, [keys_of[name][i] for i in idx]) for name, _, idx in todo]
+            load = first
+            res = self._call(lambda s, r, req=req, load=load: P.Lease(r, s, req, stream=True,
+                                                                      load=load))
+            first = False
+            again = []
+            try:
+                for (name, io, idx), row in zip(todo, res.offsets):
+                    sel = [j for j, off in enumerate(row) if off >= 0]
+                    if sel:
+                        io.from_arena([starts_of[name][idx[j]] for j in sel], self.arena.tensor,
+                                      [row[j] for j in sel])
+                        for j in sel:
+                            out[name][idx[j]] = True
+                    wait = [idx[j] for j, off in enumerate(row) if off == P.SLOT_LOADING]
+                    if wait:
+                        again.append((name, io, wait))
+            finally:
+                if res.lease_id:
+                    self._send_only(P.Release(0, self.session, [res.lease_id]))
+            if time.monotonic() - sent > self.lease_ttl_s / 2:
+                log.warning("get took longer than half the lease TTL: results discarded")
+                return {name: [False] * len(row) for name, row in out.items()}
+            if again and time.monotonic() - sent > self.timeout_s:
+                break  # what is still loading is a miss for this call
+            todo = again
         return out
 
     def batch_get_v1(self, keys: Sequence[str], host_indices: Any, extra_info: Any = None

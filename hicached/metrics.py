@@ -14,6 +14,7 @@ Hit accounting of a get (pages):
 
     served from L2 right away                  l2 hit
     not in L2, loaded from L3 while it waited  l2 miss + l3 hit
+    streamed get: still loading (SLOT_LOADING) l2 miss; served by the follow-up: l3 hit
     not served                                 l2 miss (+ l3 miss when an L3 backend is attached)
 
 Every metric name starts with ``hicached_``. A daemon without an admin API uses ``NullMetrics``.
@@ -124,16 +125,22 @@ class Metrics(NullMetrics):
         return spec.page_bytes if spec else 0
 
     def _count_get(self, msg: P.Lease, answer: P.Leased, in_l2: list[set[str]] | None) -> None:
+        """``in_l2``: per transfer, the keys in L2 when a parked get was asked (None: answered
+        at once, so every page served was in L2). A streamed get's ``SLOT_LOADING`` pages are
+        counted by its follow-up (``load=False``), whose served pages came from L3."""
         l3 = self.daemon.tier.attached
         for i, (t, row) in enumerate(zip(msg.transfers, answer.offsets)):
-            served = len(row) - row.count(P.SLOT_MISS)
-            if in_l2 is None:
-                l2_hits = served
+            missed = row.count(P.SLOT_MISS)
+            served = len(row) - missed - row.count(P.SLOT_LOADING)
+            if not msg.load:  # a stream's follow-up: its pages were L2 misses when first asked
+                l2_hits, l2_misses = 0, 0
+            elif in_l2 is None:
+                l2_hits, l2_misses = served, len(row) - served
             else:
                 l2_hits = sum(1 for k, off in zip(t.keys, row) if off >= 0 and k in in_l2[i])
-            missed = len(row) - served
+                l2_misses = len(row) - l2_hits
             self._add(self.hits, "l2", t.pool, l2_hits)
-            self._add(self.misses, "l2", t.pool, len(row) - l2_hits)
+            self._add(self.misses, "l2", t.pool, l2_misses)
             self._add(self.hits, "l3", t.pool, served - l2_hits)
             if l3:
                 self._add(self.misses, "l3", t.pool, missed)

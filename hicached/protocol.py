@@ -35,6 +35,7 @@ SLOT_PRESENT = -1  # Reserve: already committed (nothing to copy; counts as stor
 SLOT_NO_SPACE = -2  # Reserve: arena full and nothing evictable
 SLOT_INFLIGHT = -3  # Reserve: another client is writing this key right now
 SLOT_MISS = -4  # Lease: not in L2 nor L3
+SLOT_LOADING = -5  # Lease(stream): being loaded from L3; ask again (with load=False) for it
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="op"):
@@ -119,9 +120,15 @@ class Commit(_Msg, tag="commit"):
 
 
 class Lease(_Msg, tag="lease"):
+    """Pin pages for a get. ``stream``: answer as soon as some pages are in L2, marking pages
+    still loading from L3 ``SLOT_LOADING`` (the client copies what is there while the rest
+    loads, then asks again). ``load=False``: start no new L3 loads (a stream's follow-up)."""
+
     req_id: int
     session: int
     transfers: list[PoolKeys]
+    stream: bool = False
+    load: bool = True
 
 
 class Release(_Msg, tag="release"):

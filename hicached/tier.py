@@ -39,6 +39,7 @@ from hicached.workers import IOJob, IOWorkers
 
 log = logging.getLogger(__name__)
 
+LOAD_CHUNK_BYTES = 8 << 20  # one L3 load job moves at most this much (and at least one page)
 DIRTY_HIGH = 0.5  # write_back: start writing when dirty pages fill this share of the arena
 DIRTY_TARGET = 0.4  # ... and write the oldest until they are below this share
 
@@ -249,40 +250,49 @@ class L3Tier:
     # ------------------------------------------------------------ loads
 
     def load(self, table: TableId, keys: Sequence[str], page_bytes: int, stride: int,
-             waiter: Any = None, known_in_l3: bool = False) -> set[int]:
-        """Start loading ``keys`` (missing from L2) into the arena; join loads already in flight.
-        Returns the ids of the jobs ``waiter`` (if any) now waits for."""
+             waiter: Any = None, known_in_l3: bool = False, start: bool = True) -> set[int]:
+        """Start loading ``keys`` (missing from L2) into the arena, in jobs of at most
+        LOAD_CHUNK_BYTES so a streaming get can copy the first pages while the rest load; join
+        loads already in flight (only that with ``start=False``). Returns the ids of the jobs
+        ``waiter`` (if any) now waits for."""
         if not self.attached or not keys:
             return set()
         ns, pool = table
-        there = [True] * len(keys) if known_in_l3 else self.exists(ns, pool, keys)
         waits: set[int] = set()
-        new: list[Entry] = []
-        for key, have in zip(keys, there):
+        for key in keys:
             job = self.loading.get((table, key))
-            if job is not None:
-                if waiter is not None:
-                    job.waiters.append(waiter)
-                    waits.add(id(job))
-            elif (have and self.index.get(table, key) is None
-                  and self.index.get_pending(table, key) is None):
+            if job is not None and waiter is not None and id(job) not in waits:
+                job.waiters.append(waiter)
+                waits.add(id(job))
+        if not start:
+            return waits
+        todo = [k for k in keys if (table, k) not in self.loading
+                and self.index.get(table, k) is None and self.index.get_pending(table, k) is None]
+        if not todo:
+            return waits
+        there = [True] * len(todo) if known_in_l3 else self.exists(ns, pool, todo)
+        new: list[Entry] = []
+        for key, have in zip(todo, there):
+            if have:
                 e = self.index.reserve(table, key, page_bytes, stride)
                 if e is not None:
                     new.append(e)
-        if not new:
-            return waits
-        job = IOJob("get", ns, pool, [e.key for e in new], [e.offset for e in new], page_bytes,
-                    new, waiters=[waiter] if waiter is not None else [], backend=self.backend)
-        if not self._submit(job):
-            for e in new:
-                self.index.abort(e)
-            return waits
-        for e in new:
-            self.loading[(table, e.key)] = job
-        if waiter is None:
-            self.counters["prefetched_pages"] += len(new)
-        else:
-            waits.add(id(job))
+        per_job = max(1, LOAD_CHUNK_BYTES // page_bytes)
+        for i in range(0, len(new), per_job):
+            chunk = new[i:i + per_job]
+            job = IOJob("get", ns, pool, [e.key for e in chunk], [e.offset for e in chunk],
+                        page_bytes, chunk, waiters=[waiter] if waiter is not None else [],
+                        backend=self.backend)
+            if not self._submit(job):
+                for e in new[i:]:
+                    self.index.abort(e)
+                break
+            for e in chunk:
+                self.loading[(table, e.key)] = job
+            if waiter is None:
+                self.counters["prefetched_pages"] += len(chunk)
+            else:
+                waits.add(id(job))
         return waits
 
     # ------------------------------------------------------------ completions
