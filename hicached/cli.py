@@ -32,6 +32,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--arena-path", dest="arena_path", help="shared-memory file of the arena")
     p.add_argument("--reservation-ttl-s", dest="reservation_ttl_s", type=float)
     p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=float)
+    p.add_argument("--l3-load-chunk", dest="l3_load_chunk",
+                   help="bytes one L3 load job moves at most, e.g. 64MiB")
     p.add_argument("--get-wait-s", dest="get_wait_s", type=float,
                    help="longest a get waits for L3 loads of its keys")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_const", const=False,
@@ -60,9 +62,9 @@ def _serve_parser(sub) -> None:
 
 OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l3_dir",
                "l3_options", "write_policy", "write_through_threshold", "arena_path",
-               "reservation_ttl_s", "lease_ttl_s", "get_wait_s", "prefetch", "busy_poll_ms",
-               "log_level", "admin_host", "admin_port", "admin_api_key", "drain_timeout_s",
-               "socket_group", "client_token", "allow_tcp", "namespace_quotas")
+               "reservation_ttl_s", "lease_ttl_s", "l3_load_chunk", "get_wait_s", "prefetch",
+               "busy_poll_ms", "log_level", "admin_host", "admin_port", "admin_api_key",
+               "drain_timeout_s", "socket_group", "client_token", "allow_tcp", "namespace_quotas")
 
 
 def main(argv: list[str] | None = None) -> int:

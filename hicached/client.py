@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 import zmq
@@ -453,7 +453,7 @@ class Client:
             if self.arena is not None:
                 self.arena.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

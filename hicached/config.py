@@ -69,6 +69,7 @@ class DaemonConfig:
     write_policy: str = "write_through"  # | write_through_selective | write_back
     write_through_threshold: int = 2  # write_through_selective: hits before a page goes to L3
     prefetch: bool = True  # exists that finds pages only in L3 starts pulling them into L2
+    l3_load_chunk: int = 64 * 1024**2  # bytes an L3 load job moves at most (streamed gets)
     get_wait_s: float = 2.0  # longest a get waits for L3 loads of its keys before missing
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 30.0
@@ -182,7 +183,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 SECRET_KEYS = ("admin_api_key", "client_token")  # never printed nor logged
 
-_SIZES = {"l2_size", "slab_size"}
+_SIZES = {"l2_size", "slab_size", "l3_load_chunk"}
 
 
 def parse_options(value: object, key: str = "l3_options") -> dict:

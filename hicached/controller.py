@@ -257,6 +257,7 @@ class Controller:
         if parked.jobs and not (msg.stream and present):
             self.parked[id(parked)] = parked
             return None
+        parked.answered = True  # answered now: the loads it joined must not answer it again
         return self._lease_present(s, msg)
 
     def _lease_present(self, s: Session, msg: P.Lease, final: bool = False) -> P.Leased:

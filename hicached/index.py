@@ -177,9 +177,9 @@ class PageIndex:
     def _oldest_slab(self, stride: int) -> Slab | None:
         best = None
         for slab in self.alloc.slabs:
-            if slab.stride and slab.stride != stride and slab.pinned == 0:
-                if best is None or slab.last_used < best.last_used:
-                    best = slab
+            if (slab.stride and slab.stride != stride and slab.pinned == 0
+                    and (best is None or slab.last_used < best.last_used)):
+                best = slab
         return best
 
     def _make_room(self, stride: int) -> int | None:

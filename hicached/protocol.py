@@ -24,7 +24,7 @@ the negative sentinels below.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -178,10 +178,8 @@ class Ping(_Msg, tag="ping"):
     req_id: int
 
 
-Request = Union[
-    Hello, RegisterPool, Exists, Reserve, Commit, Lease, Release, Bye, Flush, Attach, Detach,
-    GetBackend, GetStats, Ping
-]
+Request = (Hello | RegisterPool | Exists | Reserve | Commit | Lease | Release | Bye | Flush
+           | Attach | Detach | GetBackend | GetStats | Ping)
 
 # ---------------------------------------------------------------- answers
 
@@ -244,8 +242,8 @@ class Error(_Msg, tag="error"):
     message: str
 
 
-Answer = Union[Welcome, Ok, ExistsResult, Reserved, Committed, Leased, Stats, BackendStatus,
-               Error]
+Answer = (Welcome | Ok | ExistsResult | Reserved | Committed | Leased | Stats | BackendStatus
+          | Error)
 
 # Built once: encoders are stateless, decoders typed to the direction they read.
 encoder = msgspec.msgpack.Encoder()

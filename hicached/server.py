@@ -84,7 +84,8 @@ class Daemon:
             self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
             self.workers = IOWorkers(config.io_queue_depth)
             self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
-                               config.write_through_threshold, config.prefetch)
+                               config.write_through_threshold, config.prefetch,
+                               config.l3_load_chunk)
             if config.l3_backend != "none":
                 self.tier.attach(self._open_backend(config.l3_backend, None))
             self.controller = Controller(self.index, self.leases, self.tier, time.monotonic,

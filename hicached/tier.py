@@ -39,7 +39,6 @@ from hicached.workers import IOJob, IOWorkers
 
 log = logging.getLogger(__name__)
 
-LOAD_CHUNK_BYTES = 8 << 20  # one L3 load job moves at most this much (and at least one page)
 DIRTY_HIGH = 0.5  # write_back: start writing when dirty pages fill this share of the arena
 DIRTY_TARGET = 0.4  # ... and write the oldest until they are below this share
 
@@ -48,11 +47,13 @@ class L3Tier:
     """See the module docstring."""
 
     def __init__(self, index: PageIndex, workers: IOWorkers, backend: L3Backend | None = None,
-                 write_policy: str = "write_through", threshold: int = 2, prefetch: bool = True):
+                 write_policy: str = "write_through", threshold: int = 2, prefetch: bool = True,
+                 load_chunk_bytes: int = 64 << 20):
         self.index = index
         self.workers = workers
         self.backend: L3Backend = backend or NullBackend()
         self.set_policies(write_policy, threshold, prefetch)
+        self.load_chunk_bytes = load_chunk_bytes
         self.loading: dict[tuple[TableId, str], IOJob] = {}
         self.dirty: dict[Entry, None] = {}  # write_back: committed pages L3 lacks (pinned)
         self.drop_when_written: set[Entry] = set()  # flushed from L2 once in L3
@@ -252,7 +253,7 @@ class L3Tier:
     def load(self, table: TableId, keys: Sequence[str], page_bytes: int, stride: int,
              waiter: Any = None, known_in_l3: bool = False, start: bool = True) -> set[int]:
         """Start loading ``keys`` (missing from L2) into the arena, in jobs of at most
-        LOAD_CHUNK_BYTES so a streaming get can copy the first pages while the rest load; join
+        ``load_chunk_bytes`` so a streaming get can copy the first pages while the rest load; join
         loads already in flight (only that with ``start=False``). Returns the ids of the jobs
         ``waiter`` (if any) now waits for."""
         if not self.attached or not keys:
@@ -277,7 +278,7 @@ class L3Tier:
                 e = self.index.reserve(table, key, page_bytes, stride)
                 if e is not None:
                     new.append(e)
-        per_job = max(1, LOAD_CHUNK_BYTES // page_bytes)
+        per_job = max(1, self.load_chunk_bytes // page_bytes)
         for i in range(0, len(new), per_job):
             chunk = new[i:i + per_job]
             job = IOJob("get", ns, pool, [e.key for e in chunk], [e.offset for e in chunk],

@@ -37,15 +37,15 @@ class IOJob:
 class IOWorkers:
     """A writer and a reader thread calling ``job.backend.batch_put`` / ``batch_get``."""
 
-    def __init__(self, queue_depth: int = 256):
+    def __init__(self, queue_depth: int = 256, get_threads: int = 1):
         self.done: queue.SimpleQueue[IOJob] = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         self._queues = {"put": queue.Queue(queue_depth), "get": queue.Queue(queue_depth)}
         self._threads = [
-            threading.Thread(target=self._run, args=(kind,), name=f"hicached-l3-{kind}",
+            threading.Thread(target=self._run, args=(kind,), name=f"hicached-l3-{kind}{i}",
                              daemon=True)
-            for kind in self._queues
+            for kind, n in (("put", 1), ("get", get_threads)) for i in range(n)
         ]
         self.in_flight = 0  # submitted and not yet collected (control loop only)
         self.bytes_done = {"put": 0, "get": 0}  # page bytes moved by successful jobs (metrics)
@@ -104,9 +104,10 @@ class IOWorkers:
 
     def close(self, timeout_s: float = 10.0) -> bool:
         """Let queued jobs finish (up to ``timeout_s``), stop the threads; True if they ended."""
-        for kind, q in self._queues.items():
+        for t in self._threads:
+            kind = "put" if t.name.startswith("hicached-l3-put") else "get"
             try:
-                q.put(None, timeout=timeout_s)
+                self._queues[kind].put(None, timeout=timeout_s)
             except queue.Full:
                 log.warning("L3 %s queue still full at shutdown", kind)
         for t in self._threads:

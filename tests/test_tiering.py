@@ -105,7 +105,7 @@ def test_large_l3_get_streams_chunks_while_the_rest_loads(make_daemon, tmp_path)
     # 40 pages of 512 KiB load as 3 jobs of <= 8 MiB; the client copies the first while the
     # others load (each job takes >= 0.2 s here), then asks again for the rest
     d = make_daemon(l2_size="32MiB", extra=[*_l3_backend(tmp_path, get_delay_s=0.2),
-                                            "--no-prefetch"])
+                                            "--no-prefetch", "--l3-load-chunk", "8MiB"])
     src, dst = big_pool(40, seed=61), big_pool(40, seed=0)
     keys = [f"c{i}" for i in range(40)]
     with d.client() as c:

@@ -206,7 +206,8 @@ def bench_mooncake(reps: int) -> dict:
                 direct.remove_by_regex("^bench-direct/", True)
 
                 c.flush("l2")
-                assert c.stats()["l2_pages"] == 0
+                st0 = c.stats()
+                assert st0["l2_pages"] == 0, {k: st0[k] for k in ("l2_pages", "leases", "parked_gets", "l3_tier")}
                 t = time.perf_counter()
                 rcs = direct.batch_get_into(names, get_ptrs, sizes)
                 get_s = time.perf_counter() - t
