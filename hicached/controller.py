@@ -334,16 +334,9 @@ class Controller:
 
     # ------------------------------------------------------------ maintenance
 
-    def flush(self, tier: str) -> int:
-        """Drop unpinned L2 pages (``l2``), every L3 page (``l3``) or both (``all``)."""
-        if tier not in ("l2", "l3", "all"):
-            raise ProtocolError(f"unknown tier {tier!r}; valid: ['l2', 'l3', 'all']")
-        n = 0
-        if tier in ("l2", "all"):
-            n += self.tier.flush_l2()
-        if tier in ("l3", "all"):
-            n += self.tier.clear()
-        return n
+    def flush_l2(self) -> int:
+        """Drop unpinned L2 pages (dirty ones under write_back are written first)."""
+        return self.tier.flush_l2()
 
     def stats(self) -> dict:
         pools: dict[str, int] = {}

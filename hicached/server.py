@@ -232,16 +232,25 @@ class Daemon:
                     self._drain_socket()
                     busy_until = time.monotonic() + busy_s
                 if self.workers.wake_r in events:
-                    self.controller.on_io_done()
+                    self._guarded(self.controller.on_io_done)
                 if self._call_r in events:
                     self._run_calls()
                 now = time.monotonic()
                 if self.controller.parked:
-                    self.controller.expire_parked(now)
-                self._tick(now)
+                    self._guarded(self.controller.expire_parked, now)
+                self._guarded(self._tick, now)
             self._drain_for_shutdown()
         finally:
             self.close()
+
+    @staticmethod
+    def _guarded(fn: Callable[..., Any], *args: Any) -> None:
+        """One step of the loop; a bug in it is logged, never the end of the daemon."""
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("internal error in the control loop (%s); carrying on",
+                          getattr(fn, "__name__", fn))
 
     def _drain_socket(self) -> None:
         for _ in range(MAX_BATCH):
@@ -337,9 +346,13 @@ class Daemon:
                 c.close_session(msg.session)
                 return None
             case P.Flush():
-                n = c.flush(msg.tier)
-                log.info("flushed %d pages (tier %s)", n, msg.tier)
-                return P.Ok(msg.req_id)
+                if msg.tier == "l2":
+                    n = c.flush_l2()
+                    log.info("flushed %d pages (tier l2)", n)
+                    return P.Ok(msg.req_id)
+                self._off_loop(identity, msg.req_id, lambda: self.flush(msg.tier),
+                               lambda n: P.Ok(msg.req_id))
+                return None
             case P.Attach():
                 self._attach_for(identity, msg)
                 return None
@@ -453,26 +466,27 @@ class Daemon:
     def backend_status(self) -> dict:
         return self.call(lambda: {**self.tier.status(), "backend_stats": self.tier.backend_stats()})
 
-    def flush(self, tier: str = "l2") -> int:
+    def flush(self, tier: str = "l2", timeout_s: float = 600.0) -> int:
         """Drop unpinned L2 pages (``l2``), every L3 page (``l3``) or both (``all``); returns how
-        many. Thread-safe. L3 is cleared off the control loop: a large store takes a while, and
-        the loop must keep serving (and feeding the watchdog) meanwhile."""
+        many. Thread-safe; blocks the caller, never the loop: L3 is cleared on the writer thread
+        behind the writes queued before it (a large store takes a while, and no page written
+        before the flush may survive it)."""
         if tier not in FLUSH_TIERS:
             raise ProtocolError(f"unknown tier {tier!r}; valid: {list(FLUSH_TIERS)}")
-        n = self.call(lambda: self.controller.flush("l2")) if tier in ("l2", "all") else 0
+        n = self.call(self.controller.flush_l2) if tier in ("l2", "all") else 0
         if tier in ("l3", "all"):
-            backend = self.call(lambda: self.tier.backend)
+            fut: Future = Future()
+            self.call(lambda: self.tier.clear(fut.set_result))
             try:
-                n += backend.clear()
-            except Exception as e:  # noqa: BLE001 - any store failure becomes a BackendError
-                def count() -> None:
-                    self.tier.counters["l3_errors"] += 1
-
-                self.call(count)
-                raise BackendError(f"L3 {backend.name} clear failed: "
-                                   f"{type(e).__name__}: {e}") from None
-            finally:  # copies marked in L3 may be gone: let write policies send them again
-                self.call(self.tier._forget_l3_copies)
+                got = fut.result(timeout_s)
+            except FutureTimeout:
+                raise BackendError(f"L3 clear did not finish within {timeout_s} s") from None
+            if isinstance(got, HicachedError):
+                raise got
+            if isinstance(got, Exception):
+                raise BackendError(f"L3 {self.tier.backend.name} clear failed: "
+                                   f"{type(got).__name__}: {got}")
+            n += got
         return n
 
     def stats(self) -> dict:
@@ -480,21 +494,28 @@ class Daemon:
 
     def _attach_for(self, identity: bytes, msg: P.Attach) -> None:
         """A client's Attach: connect off the loop, answer from the loop."""
+        self._off_loop(
+            identity, msg.req_id,
+            lambda: self.attach_backend(msg.backend, msg.options,
+                                        write_policy=msg.write_policy or None,
+                                        prefetch=msg.prefetch),
+            lambda status: P.BackendStatus(msg.req_id, status))
 
-        def work() -> None:
+    def _off_loop(self, identity: bytes, req_id: int, work: Callable[[], Any],
+                  answer: Callable[[Any], Any]) -> None:
+        """Run a slow request (attach, L3 flush) on its own thread; answer from the loop."""
+
+        def run() -> None:
             try:
-                status = self.attach_backend(msg.backend, msg.options,
-                                             write_policy=msg.write_policy or None,
-                                             prefetch=msg.prefetch)
-                answer = P.BackendStatus(msg.req_id, status)
+                reply = answer(work())
             except HicachedError as e:
-                answer = P.Error(msg.req_id, e.code, str(e))
+                reply = P.Error(req_id, e.code, str(e))
             except Exception as e:  # a bug costs this request only
-                log.exception("attach failed")
-                answer = P.Error(msg.req_id, "internal", f"{type(e).__name__}: {e}")
-            self.call_soon(lambda: self._send(identity, answer))
+                log.exception("request failed")
+                reply = P.Error(req_id, "internal", f"{type(e).__name__}: {e}")
+            self.call_soon(lambda: self._send(identity, reply))
 
-        threading.Thread(target=work, name="hicached-attach", daemon=True).start()
+        threading.Thread(target=run, name="hicached-slow-request", daemon=True).start()
 
     # ------------------------------------------------------------ shutdown
 

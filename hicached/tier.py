@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hicached.backends.base import L3Backend, NullBackend
 from hicached.config import WRITE_POLICIES
-from hicached.errors import ProtocolError
+from hicached.errors import HicachedError, ProtocolError
 from hicached.index import Entry, PageIndex, TableId
 from hicached.workers import IOJob, IOWorkers
 
@@ -89,7 +89,7 @@ class L3Tier:
     def attach(self, backend: L3Backend) -> None:
         """Install an opened backend (the previous one must have been detached)."""
         assert not self.attached, "detach first"
-        self._forget_l3_copies()
+        self.forget_l3_copies()
         self.backend = backend
         self._exists_failing = False
         log.info("L3 backend %s attached (write policy %s)", backend.name, self.write_policy)
@@ -104,13 +104,13 @@ class L3Tier:
             self.index.unpin(e)
         self.dirty.clear()
         self.drop_when_written.clear()
-        self._forget_l3_copies()
+        self.forget_l3_copies()
         self._retired.append(old)
         self._close_idle_retired()
         log.info("L3 backend %s detached", old.name)
         return True
 
-    def _forget_l3_copies(self) -> None:
+    def forget_l3_copies(self) -> None:
         for table in self.index.tables.values():
             for e in table.values():
                 e.in_l3 = False
@@ -237,7 +237,11 @@ class L3Tier:
         e.in_l3 = True
         if self.dirty.pop(e, 0) is None:
             self.index.unpin(e)
-        if e in self.drop_when_written:
+        self._maybe_drop(e)
+
+    def _maybe_drop(self, e: Entry) -> None:
+        """A page flushed from L2 while an L3 write pinned it goes once nothing pins it."""
+        if e in self.drop_when_written and not e.writing and e not in self.dirty:
             self.drop_when_written.discard(e)
             if e.committed and e.pins == 0:
                 self.index.drop([e])
@@ -304,6 +308,9 @@ class L3Tier:
         for job in self.workers.collect():
             self._jobs_of[id(job.backend)] = self._jobs_of.get(id(job.backend), 1) - 1
             current = job.backend is self.backend
+            if job.kind == "clear":
+                self._clear_done(job)
+                continue
             if job.kind == "put":
                 self._put_done(job, current)
                 continue
@@ -332,30 +339,41 @@ class L3Tier:
                 # a failing L3 must not pin the arena full: the page stays in L2, evictable
                 del self.dirty[e]
                 self.index.unpin(e)
-                self.drop_when_written.discard(e)
+            self._maybe_drop(e)
         self.counters["l3_writes"] += ok_n
         self.counters["l3_write_failures"] += len(job.result) - ok_n
 
     def flush_l2(self) -> int:
-        """Drop every unpinned L2 page. Under write_back, dirty pages are written first and
-        dropped once written (counted here as dropped)."""
-        pending = 0
+        """Drop every unpinned L2 page. Pages an L3 write pins (under write_back, every dirty
+        page is written first) are dropped once written; they are counted here as dropped."""
         if self.dirty and self.attached:
             self.drop_when_written.update(self.dirty)
             self.write_back_all()
-            pending = len(self.dirty)
         n = 0
         for table in list(self.index.tables.values()):
-            n += self.index.drop(list(table.values()))
-        return n + pending
+            entries = list(table.values())
+            self.drop_when_written.update(e for e in entries if e.writing)
+            n += self.index.drop(entries)
+        return n + len(self.drop_when_written)
 
-    def clear(self) -> int:
-        try:
-            return self.backend.clear()
-        except Exception as e:  # noqa: BLE001 - a failing L3 is logged and counted
+    def clear(self, done: Callable[[int | Exception], None]) -> None:
+        """Delete every L3 page, after the writes already queued (a clear on the writer thread,
+        so no page written before it survives). ``done(count or exception)`` runs on the control
+        loop; pages are then no longer known to be in L3, so write policies send them again."""
+        if not self.attached:
+            done(0)
+            return
+        job = IOJob("clear", "", "", [], [], 0, [], backend=self.backend, done=done)
+        if not self._submit(job):
+            done(HicachedError("L3 writer queue is full; try the clear again"))
+
+    def _clear_done(self, job: IOJob) -> None:
+        self.forget_l3_copies()
+        n = job.result[0] if job.result else 0
+        if isinstance(n, Exception):
             self.counters["l3_errors"] += 1
-            log.warning("L3 %s clear failed: %s", self.backend.name, e)
-            return 0
+            log.warning("L3 %s clear failed: %s", job.backend.name, n)
+        job.done(n)
 
     def close(self) -> None:
         """Detach and close every backend (daemon shutdown, after the workers stopped)."""

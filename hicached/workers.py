@@ -32,6 +32,7 @@ class IOJob:
     result: list[bool] = field(default_factory=list)
     waiters: list[Any] = field(default_factory=list)  # parked requests (owned by the controller)
     backend: Any = None  # the L3Backend the job was queued for (attach/detach may swap it)
+    done: Any = None  # "clear": called on the control loop with the count or the exception
 
 
 class IOWorkers:
@@ -54,8 +55,8 @@ class IOWorkers:
 
     def submit(self, job: IOJob) -> bool:
         """Queue a job; False if that direction's queue is full."""
-        try:
-            self._queues[job.kind].put_nowait(job)
+        try:  # a clear goes behind the writes queued before it
+            self._queues["put" if job.kind == "clear" else job.kind].put_nowait(job)
         except queue.Full:
             return False
         self.in_flight += 1
@@ -68,6 +69,13 @@ class IOWorkers:
             if job is None:
                 return
             backend = job.backend
+            if job.kind == "clear":
+                try:
+                    job.result = [backend.clear()]
+                except Exception as e:  # noqa: BLE001 - handed to the job's caller
+                    job.result = [e]
+                self._finished(job)
+                continue
             try:
                 fn = backend.batch_put if kind == "put" else backend.batch_get
                 job.result = list(fn(job.ns, job.pool, job.keys, job.offsets, job.page_bytes))
@@ -79,11 +87,14 @@ class IOWorkers:
             except Exception:
                 log.exception("L3 %s of %d pages failed; treated as misses", kind, len(job.keys))
                 job.result = [False] * len(job.keys)
-            self.done.put(job)
-            try:
-                os.write(self.wake_w, b"x")
-            except OSError:
-                pass
+            self._finished(job)
+
+    def _finished(self, job: IOJob) -> None:
+        self.done.put(job)
+        try:
+            os.write(self.wake_w, b"x")
+        except OSError:
+            pass
 
     def collect(self) -> list[IOJob]:
         """Finished jobs (control loop)."""
@@ -99,7 +110,8 @@ class IOWorkers:
                 break
         self.in_flight -= len(jobs)
         for job in jobs:
-            self.bytes_done[job.kind] += job.page_bytes * sum(map(bool, job.result))
+            if job.kind in self.bytes_done:
+                self.bytes_done[job.kind] += job.page_bytes * sum(map(bool, job.result))
         return jobs
 
     def close(self, timeout_s: float = 10.0) -> bool:

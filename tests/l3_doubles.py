@@ -11,13 +11,16 @@ from hicached.backends.file import FileBackend
 
 
 class SlowFileBackend(FileBackend):
-    """``get_delay_s``: each batch_get sleeps first; ``fail_puts``: every put fails."""
+    """``get_delay_s`` / ``put_delay_s``: each batch_get / batch_put sleeps first;
+    ``fail_puts``: every put fails."""
 
     name = "slow-file"
 
-    def __init__(self, root: str, get_delay_s: float = 0.0, fail_puts: bool = False):
+    def __init__(self, root: str, get_delay_s: float = 0.0, fail_puts: bool = False,
+                 put_delay_s: float = 0.0):
         super().__init__(root)
         self.get_delay_s = get_delay_s
+        self.put_delay_s = put_delay_s
         self.fail_puts = fail_puts
 
     def batch_get(self, ns, pool, keys, offsets, page_bytes):
@@ -25,6 +28,7 @@ class SlowFileBackend(FileBackend):
         return super().batch_get(ns, pool, keys, offsets, page_bytes)
 
     def batch_put(self, ns, pool, keys, offsets, page_bytes):
+        time.sleep(self.put_delay_s)
         if self.fail_puts:
             raise OSError("injected: store unreachable")
         return super().batch_put(ns, pool, keys, offsets, page_bytes)

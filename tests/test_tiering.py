@@ -205,6 +205,20 @@ def test_failing_l3_under_write_back_never_pins_the_arena(make_daemon, tmp_path)
         assert st["l3_tier"]["dirty_pages"] <= 8
 
 
+def test_l3_flush_leaves_no_page_written_before_it(make_daemon, tmp_path):
+    d = make_daemon(extra=_l3_backend(tmp_path, put_delay_s=0.3))
+    with d.client() as c:
+        c.register_mem_host_pool_v2(kv_pool(seed=62), "kv")
+        for i in range(4):  # four write-through jobs queued behind each other
+            assert c.batch_set_v1([f"q{i}"], pages(i, 1)) == [True]
+        assert c.stats()["l3_writes"] < 4
+        c.flush("all")  # the L3 clear runs behind the queued writes
+        assert c.stats()["l3_writes"] == 4
+        assert c.batch_exists([f"q{i}" for i in range(4)]) == 0
+        assert c.batch_set_v1(["q0"], pages(0, 1)) == [True]  # a new write is stored again
+        assert wait_until(lambda: c.stats()["l3_writes"] == 5)
+
+
 # ---------------------------------------------------------------- attach / detach
 
 
