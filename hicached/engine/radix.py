@@ -85,12 +85,13 @@ class TreeNode:
 
 class MatchResult(NamedTuple):
     """``pages``: KV pages of the usable prefix (ending at ``node``, which holds a state);
-    ``kv_node`` / ``kv_len``: deepest node and tokens of the raw KV match (>= usable);
-    ``branching_len``: page-aligned length of KV matched past ``node``, or None."""
+    ``kv_node`` / ``kv_pages`` / ``kv_len``: deepest node, pages and tokens of the raw KV match
+    (through tombstones, >= usable); ``branching_len``: tokens matched past ``node``, or None."""
 
     pages: list[int]
     node: TreeNode
     kv_node: TreeNode
+    kv_pages: list[int]
     kv_len: int
     branching_len: int | None
 
@@ -196,7 +197,7 @@ class HybridRadixCache:
                     n.hit_count += 1
         kv_len = len(pages) * self.page_size
         branching = kv_len if len(pages) > best_pages else None
-        return MatchResult(pages[:best_pages], best, node, kv_len, branching)
+        return MatchResult(pages[:best_pages], best, node, pages, kv_len, branching)
 
     # ------------------------------------------------------------ insert
 
