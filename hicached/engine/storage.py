@@ -183,6 +183,8 @@ class HicachedStorage(Storage):
         if c is None or not keys:
             return MISS
         try:
+            # exists already starts pulling L3-only pages into L2: count L3 loads from here
+            before = c.stats().get("l3_loads", 0)
             hit = c.batch_exists_v2(list(keys), self._sidecars_query())
         except HicachedError as e:
             self._degraded("exists", e)
@@ -197,7 +199,6 @@ class HicachedStorage(Storage):
         if room is None:
             return MISS
         try:
-            before = c.stats().get("l3_loads", 0)
             got = c.batch_get_v2(self._transfers(keys[first:end], room.kv_pages,
                                                  [keys[end - 1]] if room.state is not None
                                                  else [], [room.state]))
