@@ -183,6 +183,15 @@ class LoadedModel:
         return out.logits[0].float()
 
 
+    def warmup(self, page_size: int = 16) -> None:
+        """Run every kernel path once (chunked prefill, continuation, decode) so the first
+        timed request does not pay for lazy initialisation."""
+        cache = self.new_cache()
+        for start in (0, page_size):
+            self.forward(range(start, start + page_size), cache)
+        self.forward([1], cache)
+
+
 def tiny_config(arch: str, **overrides):
     """The tiny config of ``arch`` with ``overrides`` applied (no hub access)."""
     if arch not in ARCHS:
