@@ -58,9 +58,10 @@ class Engine:
         self.kv = KVPool(g.kind, cfg.kv_pages, ps, len(g.attn_layers), g.kv_heads, g.k_dim,
                          g.v_dim, g.kv_dtype, lm.device, debug=cfg.debug_pools)
         self.indexer = IndexerPool(cfg.kv_pages, ps, len(g.attn_layers), g.indexer_dim,
-                                   g.kv_dtype, lm.device) if g.has_indexer else None
+                                   g.indexer_dtype, lm.device) if g.has_indexer else None
         self.states = StatePool(cfg.state_slots, len(g.linear_layers), g.conv_shape,
                                 g.recurrent_shape, g.state_dtype, lm.device,
+                                conv_dtype=g.conv_dtype,
                                 debug=cfg.debug_pools) if g.hybrid else None
         self.io = CacheIO(g, lm.new_cache, self.kv, self.indexer, self.states)
         self.namespace = namespace(
@@ -276,6 +277,7 @@ class Engine:
             req.output_ids.append(int(logits[-1].argmax()))
             req.first_token_s = time.perf_counter()
             req.status = Status.DECODE
+            self.hicache.flush_pending()  # write-through after the first token
 
     def _decode(self, req: Request) -> None:
         pos = req.computed
@@ -323,6 +325,7 @@ class Engine:
                     self._cache_unfinished(req, end)
                 except OutOfMemory:
                     pass  # no slot for one more snapshot: the request still finishes
+        self.hicache.flush_pending()  # while this request's nodes are still locked
         own = req.pages[req.protected_len // self.page_size :]
         self.kv.allocator.free(own)
         req.pages = req.pages[: req.protected_len // self.page_size]

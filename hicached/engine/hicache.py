@@ -9,6 +9,9 @@ Write policy (device -> daemon L2; the daemon's own policy then moves pages to L
 A node is always stored together with the unstored part of its path (keys are a chain: a page
 is reachable only if every earlier page is), with its state and the states of its ancestors.
 ``kv_stored`` / ``state_stored`` on the node remember what the daemon already received.
+Write-through is off the time-to-first-token path, as SGLang's backup thread is: inserts queue
+their node, and the engine drains the queue (``flush_pending``) once a request has its first
+token, and before it unlocks its nodes (so a queued node cannot be evicted first).
 
 Load-back (on a request's arrival): match the device radix cache, ask hicached for the longest
 prefix every pool can restore past the device's usable match, reserve device room (evicting),
@@ -53,14 +56,22 @@ class HiCache:
         self.free_pages, self.free_state = free_pages, free_state
         self.stored_pages = 0
         self.stored_states = 0
+        self.pending: list[TreeNode] = []
 
     # ------------------------------------------------------------ write
 
     def on_insert(self, node: TreeNode) -> None:
-        """A node just entered (or got a state in) the radix cache."""
+        """A node just entered (or got a state in) the radix cache: queue its backup."""
         if self.storage.enabled and self.policy != "write_back" \
                 and node.hit_count >= self.threshold:
-            self.backup(node)
+            self.pending.append(node)
+
+    def flush_pending(self) -> None:
+        """Store the queued nodes that are still in the radix cache."""
+        pending, self.pending = self.pending, []
+        for node in pending:
+            if node.id in self.tree.kv_lru:
+                self.backup(node)
 
     def on_match(self, node: TreeNode) -> None:
         """A request matched up to ``node`` (hit counts already incremented)."""

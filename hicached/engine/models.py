@@ -91,8 +91,10 @@ class CacheGeometry:
     linear_layers: tuple[int, ...] = ()
     conv_shape: tuple[int, ...] = ()
     recurrent_shape: tuple[int, ...] = ()
-    state_dtype: torch.dtype = torch.float32
+    state_dtype: torch.dtype = torch.float32  # recurrent state
+    conv_dtype: torch.dtype = torch.float32
     indexer_dim: int = 0
+    indexer_dtype: torch.dtype = torch.float32
 
     @property
     def hybrid(self) -> bool:
@@ -118,7 +120,7 @@ def _probe_geometry(model, config) -> CacheGeometry:
     with torch.no_grad():
         model(torch.zeros(1, 2, dtype=torch.long, device=device), past_key_values=cache,
               use_cache=True)
-    attn, linear, k, v, conv, rec, idx = [], [], None, None, None, None, 0
+    attn, linear, k, v, conv, rec, idx = [], [], None, None, None, None, None
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, LinearAttentionLayer):
             linear.append(i)
@@ -127,7 +129,7 @@ def _probe_geometry(model, config) -> CacheGeometry:
             attn.append(i)
             k, v = layer.keys, layer.values
             if isinstance(layer, DynamicIndexedLayer):
-                idx = int(layer.indexer_keys.shape[-1])
+                idx = layer.indexer_keys
     if k is None:
         raise ValueError(f"{type(model).__name__} has no attention layer with a KV cache")
     kind = "mla" if getattr(config, "kv_lora_rank", None) else "mha"
@@ -139,7 +141,10 @@ def _probe_geometry(model, config) -> CacheGeometry:
         v_dim=int(v.shape[-1]), kv_dtype=k.dtype, linear_layers=tuple(linear),
         conv_shape=tuple(conv.shape) if conv is not None else (),
         recurrent_shape=tuple(rec.shape) if rec is not None else (),
-        state_dtype=rec.dtype if rec is not None else torch.float32, indexer_dim=idx)
+        state_dtype=rec.dtype if rec is not None else torch.float32,
+        conv_dtype=conv.dtype if conv is not None else torch.float32,
+        indexer_dim=int(idx.shape[-1]) if idx is not None else 0,
+        indexer_dtype=idx.dtype if idx is not None else torch.float32)
 
 
 def _digest(path: str) -> str:

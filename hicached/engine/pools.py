@@ -240,9 +240,10 @@ class StatePool(DevicePool):
 
     def __init__(self, num_slots: int, layers: int, conv_shape: Sequence[int],
                  recurrent_shape: Sequence[int], dtype: torch.dtype, device: torch.device,
-                 *, debug: bool = False):
+                 *, conv_dtype: torch.dtype | None = None, debug: bool = False):
         temporal = torch.zeros((num_slots, layers, *recurrent_shape), dtype=dtype, device=device)
-        conv = torch.zeros((num_slots, layers, *conv_shape), dtype=dtype, device=device)
+        conv = torch.zeros((num_slots, layers, *conv_shape), dtype=conv_dtype or dtype,
+                           device=device)
         super().__init__("mamba", "page_first", 1, [temporal, conv], [0, 0])
         self.temporal, self.conv = temporal, conv
         self.allocator = IdAllocator(num_slots, "state slots", debug=debug)
