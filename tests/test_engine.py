@@ -13,14 +13,21 @@ from hicached.engine.engine import Engine
 from hicached.engine.models import live_logits, load_model, recompute_logits
 from hicached.engine.request import Status
 
+pytest.importorskip("transformers", reason="the reference engine needs the engine extra")
+
 TOL = 1e-5
 PS = 8
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return {arch: load_model(arch, seed=0, path=str(tmp_path_factory.mktemp(arch)))
-            for arch in ("qwen3_next", "deepseek_v32")}
+    # one torch thread: tiny models gain nothing from more, and on a shared 2-vCPU machine
+    # spinning OpenMP threads make every forward several times slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield {arch: load_model(arch, seed=0, path=str(tmp_path_factory.mktemp(arch)))
+           for arch in ("qwen3_next", "deepseek_v32")}
+    torch.set_num_threads(threads)
 
 
 def toks(n, seed):

@@ -1,6 +1,10 @@
 """``hicached demo`` end to end: its own daemon, both models, every phase's hit sources."""
 
+import pytest
+
 from hicached.cli import main
+
+pytest.importorskip("transformers", reason="the reference engine needs the engine extra")
 
 
 def rows(out, arch, phase):

@@ -16,13 +16,20 @@ from hicached.engine.models import live_logits, load_model, recompute_logits
 from hicached.engine.pools import IndexerPool, KVPool, StatePool
 from hicached.keys import KeyChain, namespace, page_hash, page_keys
 
+pytest.importorskip("transformers", reason="the reference engine needs the engine extra")
+
 TOL = 1e-5  # CPU fp32
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return {arch: load_model(arch, seed=0, path=str(tmp_path_factory.mktemp(arch)))
-            for arch in ("qwen3_next", "deepseek_v32")}
+    # one torch thread: tiny models gain nothing from more, and on a shared 2-vCPU machine
+    # spinning OpenMP threads make every forward several times slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield {arch: load_model(arch, seed=0, path=str(tmp_path_factory.mktemp(arch)))
+           for arch in ("qwen3_next", "deepseek_v32")}
+    torch.set_num_threads(threads)
 
 
 def tokens(n, seed):

@@ -42,6 +42,7 @@ class EngineConfig:
     prefetch_policy: str = "wait_complete"
     tenant: str = ""
     storage_timeout_s: float = 5.0
+    storage_retry_s: float = 1.0  # after a daemon failure, storage calls miss this long
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:

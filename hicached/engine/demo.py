@@ -173,6 +173,8 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user-tokens", type=int, default=40)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="weights seed")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (tiny models gain nothing from more)")
     p.add_argument("--flush-daemon-l2", action="store_true",
                    help="with --hicached-endpoint: run the L3 phase, which flushes that "
                         "daemon's L2 (skipped otherwise; always run on the demo's own daemon)")
@@ -196,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
     from hicached.engine.models import load_model
 
     archs = [a.strip() for a in args.models.split(",") if a.strip()]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
     daemon = None
     endpoint = args.hicached_endpoint
     if args.storage_backend == "hicached":
@@ -230,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
                 results[phase] = run_phase(lm, cfg, args, progress, phase)
             print(report(arch, results), flush=True)
     finally:
+        torch.set_num_threads(threads)
         if daemon is not None:
             daemon.close()
     return 0

@@ -69,7 +69,8 @@ class Engine:
             f"{g.kind}-paged", ps, salt=cfg.tenant)
         self.storage = storage or make_storage(
             cfg.storage_backend, cfg.hicached_endpoint, self.namespace, self.kv, self.indexer,
-            self.states, prefetch_policy=cfg.prefetch_policy, timeout_s=cfg.storage_timeout_s)
+            self.states, prefetch_policy=cfg.prefetch_policy, timeout_s=cfg.storage_timeout_s,
+            retry_s=cfg.storage_retry_s)
         self.tree = HybridRadixCache(ps, self.kv.allocator,
                                      self.states.allocator if self.states else None,
                                      hybrid=g.hybrid)
@@ -301,7 +302,10 @@ class Engine:
         keys = req.keys.extend(tokens)[: length // ps]
         state = None
         if self.states is not None:
-            state = self._alloc_state()
+            try:
+                state = self._alloc_state()
+            except OutOfMemory:
+                return  # every slot is locked: skip this snapshot, the request goes on
             self.states.copy(req.slot, state)
         res = self.tree.insert(tokens, req.pages[: length // ps], keys, state,
                                prev_prefix_len=req.protected_len)
@@ -321,10 +325,7 @@ class Engine:
             # the state at a page-aligned end is at hand; a KV-only model caches every page
             end = req.computed // self.page_size * self.page_size
             if end == req.computed or not self.tree.hybrid:
-                try:
-                    self._cache_unfinished(req, end)
-                except OutOfMemory:
-                    pass  # no slot for one more snapshot: the request still finishes
+                self._cache_unfinished(req, end)
         self.hicache.flush_pending()  # while this request's nodes are still locked
         own = req.pages[req.protected_len // self.page_size :]
         self.kv.allocator.free(own)

@@ -74,10 +74,11 @@ class HiCache:
                 self.backup(node)
 
     def on_match(self, node: TreeNode) -> None:
-        """A request matched up to ``node`` (hit counts already incremented)."""
+        """A request matched (and locked) up to ``node``, hit counts already incremented:
+        queue its backup once it is hot enough."""
         if self.storage.enabled and self.policy == "write_through_selective" \
                 and node.hit_count >= self.threshold:
-            self.backup(node)
+            self.pending.append(node)
 
     def on_evict(self, node: TreeNode, state_only: bool) -> None:
         """The device is about to free ``node``'s KV and state (or only its state)."""

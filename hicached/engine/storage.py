@@ -109,15 +109,17 @@ class HicachedStorage(Storage):
     """The engine's pools in a hicached daemon, through ``hicached.Client``."""
 
     name = "hicached"
-    retry_s = 1.0  # after a failed connect, try again at most this often
 
     def __init__(self, endpoint: str, namespace: str, kv: KVPool, indexer: IndexerPool | None,
                  states: StatePool | None, *, prefetch_policy: str = "wait_complete",
-                 timeout_s: float = 5.0):
+                 timeout_s: float = 5.0, retry_s: float = 1.0):
+        """``timeout_s``: deadline of one daemon call; ``retry_s``: after a failure, calls
+        miss at once for this long (a dead daemon costs one timeout, not one per call)."""
         if prefetch_policy != "wait_complete":
             raise ValueError(f"unknown prefetch policy {prefetch_policy!r}; "
                              f"valid: ['wait_complete']")
         self.endpoint, self.namespace, self.timeout_s = endpoint, namespace, timeout_s
+        self.retry_s = retry_s
         self.prefetch_policy = prefetch_policy
         self.kv, self.indexer, self.states = kv, indexer, states
         self.page_size = kv.page_size
@@ -132,10 +134,10 @@ class HicachedStorage(Storage):
     def _connect(self):
         from hicached.client import Client
 
-        if self._client is not None:
-            return self._client
         if time.monotonic() < self._next_try:
             return None
+        if self._client is not None:
+            return self._client
         try:
             c = Client(self.endpoint, self.namespace, timeout_s=self.timeout_s,
                        client_name="hicached-engine")
@@ -146,13 +148,13 @@ class HicachedStorage(Storage):
                 c.register_mem_host_pool_v2(self.states.host, PoolName.MAMBA)
         except HicachedError as e:
             self._degraded("connect", e)
-            self._next_try = time.monotonic() + self.retry_s
             return None
         self._client = c
         return c
 
     def _degraded(self, what: str, e: Exception) -> None:
         self.errors += 1
+        self._next_try = time.monotonic() + self.retry_s
         if not self._failing:
             log.warning("hicached %s failed (%s): serving from the device cache only", what, e)
             self._failing = True
@@ -259,7 +261,8 @@ class HicachedStorage(Storage):
 
 def make_storage(backend: str, endpoint: str, namespace: str, kv: KVPool,
                  indexer: IndexerPool | None, states: StatePool | None, *,
-                 prefetch_policy: str = "wait_complete", timeout_s: float = 5.0) -> Storage:
+                 prefetch_policy: str = "wait_complete", timeout_s: float = 5.0,
+                 retry_s: float = 1.0) -> Storage:
     """The storage named by ``--hicache-storage-backend``."""
     if backend == "none":
         return NullStorage()
@@ -267,5 +270,6 @@ def make_storage(backend: str, endpoint: str, namespace: str, kv: KVPool,
         if not endpoint:
             raise ValueError("the hicached storage backend needs an endpoint")
         return HicachedStorage(endpoint, namespace, kv, indexer, states,
-                               prefetch_policy=prefetch_policy, timeout_s=timeout_s)
+                               prefetch_policy=prefetch_policy, timeout_s=timeout_s,
+                               retry_s=retry_s)
     raise ValueError(f"unknown storage backend {backend!r}; valid: ['hicached', 'none']")
