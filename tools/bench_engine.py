@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -70,9 +69,8 @@ def main(argv=None) -> int:
     pages = 4 * (n // ps + 2) * (args.repeats + 2)
     daemon = DaemonLauncher(l2_size="2GiB", slab_size="16MiB")
     try:
-        with tempfile.TemporaryDirectory() as path:
-            lm = load_model("qwen3_next", path=path, device=args.device,
-                            hidden_size=args.hidden, num_hidden_layers=args.layers)
+        lm = load_model("qwen3_next", device=args.device, hidden_size=args.hidden,
+                        num_hidden_layers=args.layers)
         lm.warmup(ps)
 
         def config(**kw) -> EngineConfig:

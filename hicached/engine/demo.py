@@ -219,8 +219,7 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress(len(archs) * len(phases) * per_model)
     try:
         for arch in archs:
-            with tempfile.TemporaryDirectory(prefix=f"hicached-{arch}-") as path:
-                lm = load_model(arch, seed=args.seed, device=args.device, path=path)
+            lm = load_model(arch, seed=args.seed, device=args.device)
             lm.warmup(args.page_size)
             cfg = config_from_args(args, hicached_endpoint=endpoint)
             results = {"no cache": run_phase(

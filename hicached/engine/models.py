@@ -160,7 +160,8 @@ def _digest(path: str) -> str:
 class LoadedModel:
     """A causal LM plus what the engine needs to cache it: geometry, identity, forward."""
 
-    def __init__(self, arch: str, model, path: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, arch: str, model, path: str | None, device: torch.device,
+                 dtype: torch.dtype):
         self.arch, self.model, self.path = arch, model, path
         self.device, self.dtype = device, dtype
         self.config = model.config
@@ -222,13 +223,17 @@ def tiny_config(arch: str, **overrides):
 def load_model(arch: str, *, seed: int = 0, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, path: str | None = None,
                **overrides) -> LoadedModel:
-    """Build ``arch`` tiny with seeded weights, save it to ``path`` (a new temp dir when None)
-    and load it back with ``from_pretrained``. A ``path`` that already holds weights is loaded
-    as is (a second process reusing the first one's checkpoint)."""
+    """Build ``arch`` tiny with seeded weights, save it to ``path`` and load it back with
+    ``from_pretrained``. A ``path`` that already holds weights is loaded as is (a second process
+    reusing the first one's checkpoint). Without ``path`` the checkpoint lives in a temporary
+    directory that is gone when this returns (``LoadedModel.path`` is then None)."""
+    if path is None:
+        with tempfile.TemporaryDirectory(prefix=f"hicached-{arch}-") as tmp:
+            lm = load_model(arch, seed=seed, device=device, dtype=dtype, path=tmp, **overrides)
+        lm.path = None
+        return lm
     transformers = _transformers()
     device = torch.device(device)
-    if path is None:
-        path = tempfile.mkdtemp(prefix=f"hicached-{arch}-")
     if not os.path.exists(os.path.join(path, "config.json")):
         config = tiny_config(arch, **overrides)
         torch.manual_seed(seed)
