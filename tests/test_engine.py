@@ -138,6 +138,7 @@ def test_concurrent_duplicates_and_aborts_keep_the_identity(models):
         eng.check_busy()
     assert reqs[0].output_ids == reqs[1].output_ids
     assert reqs[2].status is Status.ABORTED and reqs[0].status is Status.FINISHED
+    assert not eng.abort(reqs[0].rid) and not eng.requests  # ended requests are forgotten
     assert_exact(lm, reqs[1])
     eng.check_idle()
     too_big = eng.generate(toks(400, 34), 2)  # 50 pages > 40: can never fit

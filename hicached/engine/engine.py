@@ -80,7 +80,7 @@ class Engine:
         self.tree.on_evict = self.hicache.on_evict
         self.waiting: deque[Request] = deque()
         self.running: deque[Request] = deque()
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
         self._rids = itertools.count()
 
     # ------------------------------------------------------------ allocation
@@ -140,15 +140,19 @@ class Engine:
         n = (len(prompt) - 1) // self.page_size * self.page_size
         return list(prompt[:n])
 
-    def abort(self, rid: str) -> None:
-        """Stop a request wherever it is; everything it holds is given back."""
-        req = self.requests[rid]
+    def abort(self, rid: str) -> bool:
+        """Stop a live request wherever it is; everything it holds is given back. False when
+        no live request has that id (unknown, or already ended)."""
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return False
         if req.status is Status.WAITING:
             self.waiting.remove(req)
             req.status = Status.ABORTED
-        elif not req.done:
+        else:
             self.running.remove(req)
             self._release(req, Status.ABORTED)
+        return True
 
     def step(self) -> list[Request]:
         """Admit what fits, then run one prefill chunk or decode step of the next running
@@ -196,6 +200,7 @@ class Engine:
             self.waiting.popleft()
             if not ok:
                 req.status = Status.ABORTED
+                self.requests.pop(req.rid, None)
                 ended.append(req)
             else:
                 self.running.append(req)
@@ -338,6 +343,7 @@ class Engine:
             req.lock = None
         req.cache = None
         req.status = status
+        self.requests.pop(req.rid, None)
 
     # ------------------------------------------------------------ admin
 
