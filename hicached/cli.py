@@ -1,13 +1,14 @@
-"""``hicached`` command line: ``hicached serve`` runs the daemon in the foreground."""
+"""``hicached`` command line: ``hicached serve`` runs the daemon in the foreground;
+``hicached status | flush | attach | detach`` talk to a running daemon's admin API."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
 
+from hicached import adminctl
 from hicached.config import load_config
 from hicached.errors import HicachedError
 
@@ -31,6 +32,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--arena-path", dest="arena_path", help="shared-memory file of the arena")
     p.add_argument("--reservation-ttl-s", dest="reservation_ttl_s", type=float)
     p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=float)
+    p.add_argument("--l3-load-chunk", dest="l3_load_chunk",
+                   help="bytes one L3 load job moves at most, e.g. 64MiB")
     p.add_argument("--get-wait-s", dest="get_wait_s", type=float,
                    help="longest a get waits for L3 loads of its keys")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_const", const=False,
@@ -38,13 +41,30 @@ def _serve_parser(sub) -> None:
     p.add_argument("--busy-poll-ms", dest="busy_poll_ms", type=float,
                    help="spin this long after a request before sleeping in poll (0: never)")
     p.add_argument("--log-level", dest="log_level")
+    p.add_argument("--admin-host", dest="admin_host", help="admin HTTP API address")
+    p.add_argument("--admin-port", dest="admin_port", type=int,
+                   help="admin HTTP API port (0: no admin API)")
+    p.add_argument("--admin-api-key", dest="admin_api_key",
+                   help="Bearer key of the mutating admin endpoints (visible in ps: prefer "
+                   "HICACHED_ADMIN_API_KEY or the config file)")
+    p.add_argument("--drain-timeout-s", dest="drain_timeout_s", type=float,
+                   help="SIGTERM: longest wait for work in flight")
+    p.add_argument("--socket-group", dest="socket_group",
+                   help="group of the socket and arena (mode 0660)")
+    p.add_argument("--client-token", dest="client_token",
+                   help="clients must present this token (prefer HICACHED_CLIENT_TOKEN)")
+    p.add_argument("--allow-tcp", dest="allow_tcp", action="store_const", const=True,
+                   help="accept a tcp:// endpoint (needs a client token)")
+    p.add_argument("--namespace-quotas", dest="namespace_quotas",
+                   help='per-namespace L2 quotas as JSON, e.g. \'{"tenant-a": "8GiB"}\'')
     p.add_argument("--print-config", action="store_true", help="print the effective config")
 
 
 OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l3_dir",
                "l3_options", "write_policy", "write_through_threshold", "arena_path",
-               "reservation_ttl_s", "lease_ttl_s", "get_wait_s", "prefetch", "busy_poll_ms",
-               "log_level")
+               "reservation_ttl_s", "lease_ttl_s", "l3_load_chunk", "get_wait_s", "prefetch",
+               "busy_poll_ms", "log_level", "admin_host", "admin_port", "admin_api_key",
+               "drain_timeout_s", "socket_group", "client_token", "allow_tcp", "namespace_quotas")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,22 +76,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hicached", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    adminctl.add_parsers(sub)
     sub.add_parser("demo", help="multi-turn demo of the reference engine through hicached "
                                 "(hicached demo --help)")
     args = parser.parse_args(argv)
+    if args.command != "serve":
+        return adminctl.run(args)
     try:
         if args.command == "serve":
-            cfg = load_config(args.config, os.environ,
-                              {k: getattr(args, k) for k in OPTION_KEYS})
+            overrides = {k: getattr(args, k) for k in OPTION_KEYS}
+            cfg = load_config(args.config, os.environ, overrides)
             if args.print_config:
-                for key, value in dataclasses.asdict(cfg).items():
+                for key, value in cfg.redacted().items():
                     print(f"{key} = {value!r}")
                 return 0
             logging.basicConfig(level=cfg.log_level.upper(),
                                 format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-            from hicached.server import run
+            from hicached.sdnotify import SystemdNotifier
+            from hicached.service import serve
 
-            run(cfg)
+            serve(cfg, SystemdNotifier.from_env(os.environ),
+                  reload=lambda: load_config(args.config, os.environ, overrides))
             return 0
     except HicachedError as e:
         print(f"hicached: error: {e}", file=sys.stderr)

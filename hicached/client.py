@@ -23,8 +23,9 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
+import torch
 import zmq
 
 from hicached import protocol as P
@@ -33,12 +34,17 @@ from hicached.errors import (
     DaemonUnavailable,
     LengthMismatch,
     ProtocolError,
+    Unauthorized,
     UnknownPool,
     UnknownSession,
     error_from_code,
 )
 from hicached.hostpool import PageIO, make_page_io
+from hicached.kernels.cpu import check_arena, check_disjoint, check_slots
 from hicached.types import PoolTransfer, PoolTransferResult, policy_value, pool_value
+
+if TYPE_CHECKING:
+    from hicached.prefetch import PrefetchOperation, StopPolicy
 
 log = logging.getLogger(__name__)
 KV = "kv"
@@ -56,11 +62,52 @@ def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str) -
     return starts.tolist() if hasattr(starts, "tolist") else list(starts)
 
 
+class TensorPages(PageIO):
+    """Flat page tensors standing in for a host pool: item i is ``pages[i]``.
+
+    SGLang's generic (v0) path hands the backend one flat CPU tensor per page
+    (``get_data_page`` to store, ``get_dummy_flat_data_page`` to fill) instead of host indices.
+    Each tensor must hold exactly ``page_bytes`` bytes; tensors filled by ``from_arena`` must be
+    contiguous (their bytes are written in place).
+    """
+
+    path = "tensors"
+
+    def __init__(self, pages: Sequence[torch.Tensor], page_bytes: int):
+        self.page_size, self.page_bytes, self.capacity_tokens = 1, page_bytes, len(pages)
+        self._bytes: list[torch.Tensor] = []
+        for i, page in enumerate(pages):
+            if not isinstance(page, torch.Tensor) or page.device.type != "cpu":
+                raise ValueError(f"page {i} must be a CPU tensor, got {type(page).__name__}")
+            if not page.is_contiguous():
+                raise ValueError(f"page {i} is not contiguous (strides {page.stride()})")
+            data = page.reshape(-1).view(torch.uint8)
+            if data.numel() != page_bytes:
+                raise ValueError(f"page {i} has {data.numel()} bytes, pages of this pool have "
+                                 f"{page_bytes}")
+            self._bytes.append(data)
+
+    def to_arena(self, token_starts, arena, offsets) -> None:
+        starts, offs = self._check(token_starts, offsets)
+        check_arena(arena)
+        check_slots(offs, self.page_bytes, arena.numel())
+        check_disjoint(offs, self.page_bytes)
+        for i, o in zip(starts.tolist(), offs.tolist(), strict=True):
+            arena[o : o + self.page_bytes].copy_(self._bytes[i])
+
+    def from_arena(self, token_starts, arena, offsets) -> None:
+        starts, offs = self._check(token_starts, offsets)
+        check_arena(arena)
+        check_slots(offs, self.page_bytes, arena.numel())
+        for i, o in zip(starts.tolist(), offs.tolist(), strict=True):
+            self._bytes[i].copy_(arena[o : o + self.page_bytes])
+
+
 class Client:
     """A connection to one hicached daemon, in one namespace. Thread-safe; a context manager."""
 
     def __init__(self, endpoint: str, namespace: str, *, timeout_s: float = 5.0,
-                 client_name: str = "", spin_s: float = 0.002):
+                 client_name: str = "", spin_s: float = 0.002, token: str = ""):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
         self.endpoint = endpoint
@@ -68,6 +115,7 @@ class Client:
         self.timeout_s = timeout_s
         self.spin_s = spin_s  # busy-wait this long for an answer before sleeping in poll
         self.client_name = client_name
+        self._token = token  # the daemon's client_token, if it has one (never logged)
         self._ctx = zmq.Context()
         self._lock = threading.RLock()
         self._req_ids = itertools.count(1)
@@ -100,7 +148,7 @@ class Client:
     def _handshake(self) -> None:
         self._new_socket()
         hello = P.Hello(next(self._req_ids), P.PROTOCOL_VERSION, self.namespace, os.getpid(),
-                        self.client_name)
+                        self.client_name, self._token)
         w = self._roundtrip(hello)
         if not isinstance(w, P.Welcome):
             raise ProtocolError(f"expected Welcome, got {type(w).__name__}")
@@ -152,7 +200,7 @@ class Client:
         with self._lock:
             try:
                 return self._roundtrip(build(self.session, next(self._req_ids)), timeout_s)
-            except UnknownSession:
+            except (UnknownSession, Unauthorized):  # Unauthorized: a fresh socket, not yet joined
                 log.warning("hicached session lost (daemon restarted?): joining again")
                 self._handshake()
                 return self._roundtrip(build(self.session, next(self._req_ids)), timeout_s)
@@ -222,6 +270,15 @@ class Client:
                                                        io.page_size, name)))
         return plan
 
+    def _pages_plan(self, pool_name: Any, keys: Sequence[str], pages: Sequence[torch.Tensor]
+                    ) -> tuple[str, list[tuple[str, PageIO, list[str], list[int]]]]:
+        name = pool_value(pool_name)
+        keys = list(keys)
+        if len(keys) != len(pages):
+            raise LengthMismatch(f"pool {name!r}: {len(keys)} keys but {len(pages)} pages")
+        io = TensorPages(pages, self._io(name).page_bytes)
+        return name, [(name, io, keys, list(range(len(keys))))]
+
     def batch_set_v2(self, transfers: Sequence[Any], extra_info: Any = None
                      ) -> dict[str, list[bool]]:
         """Store every pool's pages of the call atomically (reserve -> copy -> commit).
@@ -229,7 +286,17 @@ class Client:
         One round trip (Reserve); the Commit is sent without waiting. Per key: True when the
         page was copied (or was already there / being written by another client), False when
         the arena had no evictable room."""
-        plan = self._plan(transfers)
+        return self._store(self._plan(transfers))
+
+    def batch_set_pages(self, pool_name: Any, keys: Sequence[str],
+                        pages: Sequence[torch.Tensor]) -> list[bool]:
+        """Store flat page tensors (SGLang's generic v0 path): ``pages[i]`` under ``keys[i]``
+        in the registered pool ``pool_name`` (whose page size they must have)."""
+        name, plan = self._pages_plan(pool_name, keys, [p.contiguous() for p in pages])
+        return self._store(plan)[name]
+
+    def _store(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
+               ) -> dict[str, list[bool]]:
         sent = time.monotonic()
         res = self._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys(n, k) for n, _, k, _ in plan]))
         arena = self.arena
@@ -267,29 +334,77 @@ class Client:
     def batch_get_v2(self, transfers: Sequence[Any], extra_info: Any = None
                      ) -> dict[str, list[bool]]:
         """Load every pool's pages into their host pools; one bool per key."""
-        plan = self._plan(transfers)
+        return self._load(self._plan(transfers))
+
+    def batch_get_pages(self, pool_name: Any, keys: Sequence[str],
+                        pages: Sequence[torch.Tensor]) -> list[bool]:
+        """Fill contiguous flat page tensors (SGLang's generic v0 path): ``pages[i]`` gets the
+        bytes of ``keys[i]`` of pool ``pool_name``; one bool per key (False: left untouched)."""
+        name, plan = self._pages_plan(pool_name, keys, pages)
+        return self._load(plan)[name]
+
+    def _load(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
+              ) -> dict[str, list[bool]]:
+        """Lease, copy out, release. Streamed: when pages must come from L3 the daemon answers
+        as soon as the first ones are in the arena (the rest ``SLOT_LOADING``); they are copied
+        while the others load, then the loading ones are asked for again (joining the loads in
+        flight, starting none), until none is loading or the call's deadline passes."""
         sent = time.monotonic()
-        res = self._call(lambda s, r: P.Lease(r, s, [P.PoolKeys(n, k) for n, _, k, _ in plan]))
-        arena = self.arena
-        out = {}
-        try:
-            for (name, io, _, starts), row in zip(plan, res.offsets):
-                sel = [i for i, off in enumerate(row) if off >= 0]
-                if sel:
-                    io.from_arena([starts[i] for i in sel], arena.tensor, [row[i] for i in sel])
-                out[name] = [off >= 0 for off in row]
-        finally:
-            if res.lease_id:
-                self._send_only(P.Release(0, self.session, [res.lease_id]))
-        if time.monotonic() - sent > self.lease_ttl_s / 2:
-            log.warning("get took longer than half the lease TTL: results discarded")
-            return {name: [False] * len(row) for name, row in out.items()}
+        out = {name: [False] * len(keys) for name, _, keys, _ in plan}
+        todo = [(name, io, list(range(len(keys)))) for name, io, keys, _ in plan]
+        keys_of = {name: keys for name, _, keys, _ in plan}
+        starts_of = {name: starts for name, _, _, starts in plan}
+        first = True
+        while todo:
+            req = [P.PoolKeys(name, [keys_of[name][i] for i in idx]) for name, _, idx in todo]
+            load = first
+            res = self._call(lambda s, r, req=req, load=load: P.Lease(r, s, req, stream=True,
+                                                                      load=load))
+            first = False
+            again = []
+            try:
+                for (name, io, idx), row in zip(todo, res.offsets):
+                    sel = [j for j, off in enumerate(row) if off >= 0]
+                    if sel:
+                        io.from_arena([starts_of[name][idx[j]] for j in sel], self.arena.tensor,
+                                      [row[j] for j in sel])
+                        for j in sel:
+                            out[name][idx[j]] = True
+                    wait = [idx[j] for j, off in enumerate(row) if off == P.SLOT_LOADING]
+                    if wait:
+                        again.append((name, io, wait))
+            finally:
+                if res.lease_id:
+                    self._send_only(P.Release(0, self.session, [res.lease_id]))
+            if time.monotonic() - sent > self.lease_ttl_s / 2:
+                log.warning("get took longer than half the lease TTL: results discarded")
+                return {name: [False] * len(row) for name, row in out.items()}
+            if again and time.monotonic() - sent > self.timeout_s:
+                break  # what is still loading is a miss for this call
+            todo = again
         return out
 
     def batch_get_v1(self, keys: Sequence[str], host_indices: Any, extra_info: Any = None
                      ) -> list[bool]:
         """v1: load KV pages into the registered KV host pool."""
         return self.batch_get_v2([PoolTransfer(KV, host_indices, keys=list(keys))])[KV]
+
+    # ------------------------------------------------------------ prefetch
+
+    def prefetch(self, keys: Sequence[str], host_indices: Any, sidecars: Sequence[Any] = (), *,
+                 policy: str | StopPolicy = "best_effort", chunk_pages: int = 128,
+                 on_progress: Any = None) -> PrefetchOperation:
+        """Start exists + chunked get of ``keys`` into the registered KV pool at
+        ``host_indices`` (and the ``sidecars`` transfers' pools) on a background thread.
+
+        ``policy``: when the caller may stop waiting (``hicached.prefetch``: "best_effort",
+        "wait_complete", "timeout", or a ``StopPolicy``). Returns the running operation."""
+        from hicached.prefetch import PrefetchOperation, make_policy
+
+        op = PrefetchOperation(self, keys, host_indices, sidecars, make_policy(policy),
+                               chunk_pages=chunk_pages, on_progress=on_progress)
+        op.start()
+        return op
 
     # ------------------------------------------------------------ admin and lifecycle
 
@@ -331,10 +446,14 @@ class Client:
                 self._sock.close(linger=100)  # give Bye a moment to leave
                 self._sock = None
             self._ctx.term()
+            for io in self._pools.values():  # CUDA registrations of the arena go first
+                release = getattr(io, "release_arena", None)
+                if release is not None:
+                    release()
             if self.arena is not None:
                 self.arena.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -9,6 +9,7 @@ default, in ``configs/hicached.toml``.
 from __future__ import annotations
 
 import dataclasses
+import grp
 import hashlib
 import json
 import os
@@ -68,6 +69,7 @@ class DaemonConfig:
     write_policy: str = "write_through"  # | write_through_selective | write_back
     write_through_threshold: int = 2  # write_through_selective: hits before a page goes to L3
     prefetch: bool = True  # exists that finds pages only in L3 starts pulling them into L2
+    l3_load_chunk: int = 64 * 1024**2  # bytes an L3 load job moves at most (streamed gets)
     get_wait_s: float = 2.0  # longest a get waits for L3 loads of its keys before missing
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 30.0
@@ -75,6 +77,15 @@ class DaemonConfig:
     busy_poll_ms: float = 0.0  # after a request, poll without sleeping this long (0: never)
     socket_mode: int = 0o600
     log_level: str = "info"
+    # operations (README, "Operating hicached")
+    admin_host: str = "127.0.0.1"  # admin HTTP API address
+    admin_port: int = 0  # admin HTTP API port (0: no admin API)
+    admin_api_key: str = field(default="", repr=False)  # Bearer key of mutating admin endpoints
+    drain_timeout_s: float = 10.0  # SIGTERM: longest wait for in-flight work before exiting
+    socket_group: str = ""  # group of the ipc socket and the arena (mode 0660 then)
+    client_token: str = field(default="", repr=False)  # clients must present it in the handshake
+    allow_tcp: bool = False  # tcp:// endpoints need this and a client_token
+    namespace_quotas: Mapping = field(default_factory=dict)  # namespace -> max L2 bytes
 
     def resolved(self) -> DaemonConfig:
         """Fill the derived defaults (paths) and check values."""
@@ -114,11 +125,65 @@ class DaemonConfig:
         for key in ("reservation_ttl_s", "lease_ttl_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be > 0, got {getattr(self, key)}")
+        self._check_operations()
+
+    def _check_operations(self) -> None:
+        """Admin API, drain, permissions and quotas."""
+        if not 0 <= self.admin_port <= 65535:
+            raise ConfigError(f"admin_port: must be 0 (off) or a TCP port, got {self.admin_port}")
+        if self.admin_port and not self.admin_host:
+            raise ConfigError("admin_host: must be set when admin_port is")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ConfigError(f"socket_mode: must be a permission mode like 0o600, "
+                              f"got {self.socket_mode:#o}")
+        self.socket_gid  # noqa: B018 - raises ConfigError naming socket_group if unknown
+        if self.endpoint.startswith("tcp://") and not (self.allow_tcp and self.client_token):
+            raise ConfigError(
+                f"endpoint: {self.endpoint} is a tcp endpoint; anyone who can reach it could use "
+                "the cache, so tcp is refused unless allow_tcp = true and a client_token is set")
+        for ns, size in self.namespace_quotas.items():
+            if not isinstance(ns, str) or not ns:
+                raise ConfigError(f"namespace_quotas: namespace must be a non-empty string, "
+                                  f"got {ns!r}")
+            if not isinstance(size, int) or size <= 0:
+                raise ConfigError(f"namespace_quotas.{ns}: must be a size > 0, got {size!r}")
+
+    @property
+    def socket_gid(self) -> int | None:
+        """Group id of ``socket_group`` (None when unset)."""
+        if not self.socket_group:
+            return None
+        try:
+            if self.socket_group.isdigit():
+                return grp.getgrgid(int(self.socket_group)).gr_gid
+            return grp.getgrnam(self.socket_group).gr_gid
+        except KeyError:
+            raise ConfigError(
+                f"socket_group: no group {self.socket_group!r} on this host") from None
+
+    @property
+    def access_mode(self) -> int:
+        """Mode of the ipc socket and the arena: ``socket_mode``, group read/write added when a
+        ``socket_group`` is set (0600 -> 0660)."""
+        return self.socket_mode | 0o060 if self.socket_group else self.socket_mode
+
+    def redacted(self) -> dict:
+        """The config as a dict with secrets masked (``--print-config``, logs)."""
+        out = dataclasses.asdict(self)
+        out["socket_mode"] = f"{self.socket_mode:#o}"
+        for key in SECRET_KEYS:
+            if out[key]:
+                out[key] = "<set>"
+        return out
 
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
-_SIZES = {"l2_size", "slab_size"}
+SECRET_KEYS = ("admin_api_key", "client_token")  # never printed nor logged
+
+_SIZES = {"l2_size", "slab_size", "l3_load_chunk"}
 
 
 def parse_options(value: object, key: str = "l3_options") -> dict:
@@ -153,6 +218,9 @@ def _coerce(key: str, value: object) -> object:
         return parse_size(value, key)
     if key == "l3_options":
         return parse_options(value, key)
+    if key == "namespace_quotas":
+        return {ns: parse_size(size, f"{key}.{ns}")
+                for ns, size in parse_options(value, key).items()}
     try:
         if field_type == "bool":
             if isinstance(value, bool):

@@ -27,6 +27,7 @@ from hicached.errors import PageSizeMismatch, ProtocolError, UnknownPool
 from hicached.hits import TRAILING, intersect_endpoints, leading_run
 from hicached.index import Entry, PageIndex, TableId
 from hicached.leases import LeaseTable
+from hicached.quotas import NoQuotas
 from hicached.tier import L3Tier
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,9 @@ class Controller:
         self.geometry: dict[TableId, int] = {}  # (ns, pool) -> page_bytes, fixed once seen
         self.parked: dict[int, ParkedGet] = {}  # id -> get waiting for loads
         self._session_ids = itertools.count(1)
-        self.counters = {"hits": 0, "misses": 0, "no_space": 0, "get_wait_timeouts": 0}
+        self.counters = {"hits": 0, "misses": 0, "no_space": 0, "get_wait_timeouts": 0,
+                         "partial_answers": 0}
+        self.quotas = NoQuotas()  # per-namespace L2 quotas (quotas.py); the daemon installs them
 
     # ------------------------------------------------------------ sessions and pools
 
@@ -199,7 +202,8 @@ class Controller:
                 elif self.index.get_pending(table, key) is not None:
                     row.append(P.SLOT_INFLIGHT)
                 else:
-                    e = self.index.reserve(table, key, spec.page_bytes, spec.stride)
+                    e = (self.index.reserve(table, key, spec.page_bytes, spec.stride)
+                         if self.quotas.admit(s.ns, spec.stride) else None)
                     if e is None:
                         self.counters["no_space"] += 1
                         row.append(P.SLOT_NO_SPACE)
@@ -240,46 +244,58 @@ class Controller:
         for t in msg.transfers:
             s.spec(t.pool)
         parked = ParkedGet(s, msg, reply, self.clock() + self.get_wait_s)
+        present = False
         for t in msg.transfers:
             committed = self.index.tables.get((s.ns, t.pool)) or {}
             missing = [k for k in t.keys if k not in committed]
+            present = present or len(missing) < len(t.keys)
             if missing:
                 spec = s.spec(t.pool)
                 parked.jobs |= self.tier.load((s.ns, t.pool), missing, spec.page_bytes,
-                                              spec.stride, waiter=parked)
-        if parked.jobs:
+                                              spec.stride, waiter=parked,
+                                              start=msg.load)
+        if parked.jobs and not (msg.stream and present):
             self.parked[id(parked)] = parked
             return None
+        parked.answered = True  # answered now: the loads it joined must not answer it again
         return self._lease_present(s, msg)
 
-    def _lease_present(self, s: Session, msg: P.Lease) -> P.Leased:
-        """Lease the pages of ``msg`` that are in L2 now; the others are misses."""
+    def _lease_present(self, s: Session, msg: P.Lease, final: bool = False) -> P.Leased:
+        """Lease the pages of ``msg`` that are in L2 now; the others are misses (or, for a
+        stream not answered at its deadline, ``SLOT_LOADING`` while their load is in flight)."""
         offsets: list[list[int]] = []
         entries: list[Entry] = []
+        loading = self.tier.loading if msg.stream and not final else {}
+        partial = False
         for t in msg.transfers:
-            committed = self.index.tables.get((s.ns, t.pool)) or {}
+            table = (s.ns, t.pool)
+            committed = self.index.tables.get(table) or {}
             row = []
             for key in t.keys:
                 e = committed.get(key)
                 if e is not None:
                     entries.append(e)
                     row.append(e.offset)
+                elif (table, key) in loading:
+                    row.append(P.SLOT_LOADING)
+                    partial = True
                 else:
                     row.append(P.SLOT_MISS)
             offsets.append(row)
+        self.counters["partial_answers"] += partial
         return self._grant(s, msg.req_id, entries, offsets)
 
-    def _answer_parked(self, parked: ParkedGet) -> None:
+    def _answer_parked(self, parked: ParkedGet, final: bool = False) -> None:
         parked.answered = True
         self.parked.pop(id(parked), None)
         if parked.session.id in self.sessions:
-            parked.reply(self._lease_present(parked.session, parked.msg))
+            parked.reply(self._lease_present(parked.session, parked.msg, final))
 
     def expire_parked(self, now: float) -> None:
         """Answer gets that waited ``get_wait_s`` for loads: what is loaded now is served."""
         for parked in [p for p in self.parked.values() if p.deadline <= now]:
             self.counters["get_wait_timeouts"] += 1
-            self._answer_parked(parked)
+            self._answer_parked(parked, final=True)
 
     def next_parked_deadline(self) -> float | None:
         return min((p.deadline for p in self.parked.values()), default=None)
@@ -290,7 +306,7 @@ class Controller:
         is served from L2 too; ``l3_loads`` counts the loads)."""
         hits = len(entries)
         self.counters["hits"] += hits
-        self.counters["misses"] += sum(len(row) for row in offsets) - hits
+        self.counters["misses"] += sum(off == P.SLOT_MISS for row in offsets for off in row)
         if not entries:
             return P.Leased(req_id, 0, offsets)
         for e in entries:
@@ -313,7 +329,7 @@ class Controller:
             if parked.answered:
                 continue
             parked.jobs.discard(job_id)
-            if not parked.jobs:
+            if not parked.jobs or parked.msg.stream:
                 self._answer_parked(parked)
 
     # ------------------------------------------------------------ maintenance

@@ -67,6 +67,13 @@ class ShuttingDown(HicachedError):
     code = "shutting_down"
 
 
+class Unauthorized(HicachedError):
+    """The handshake lacked the daemon's client token (or had a wrong one), or a request came on
+    a connection that never completed an authorized handshake."""
+
+    code = "unauthorized"
+
+
 class ConfigError(HicachedError, ValueError):
     """A configuration key or value is invalid; the message names the key."""
 
@@ -77,6 +84,12 @@ class BackendError(HicachedError):
     """An L3 backend could not be attached or used (bad options, unreachable store)."""
 
     code = "backend"
+
+
+class BackendUnavailable(BackendError):
+    """An L3 backend was created but could not be opened (store unreachable, mount missing)."""
+
+    code = "backend_unavailable"
 
 
 class BackendConflict(BackendError):
@@ -98,8 +111,10 @@ _BY_CODE = {
         LengthMismatch,
         ArenaError,
         ShuttingDown,
+        Unauthorized,
         ConfigError,
         BackendError,
+        BackendUnavailable,
         BackendConflict,
     )
 }

@@ -445,6 +445,8 @@ def make_page_io(host_pool: Any, *, path: str | None = None) -> PageIO:
 
     Raises TypeError naming the missing methods when the object offers no path.
     """
+    if isinstance(host_pool, PageIO) and path is None:
+        return host_pool  # already a page path (e.g. kernels.cuda.DevicePageIO)
     if path is not None:
         if path not in PATHS:
             raise ValueError(f"unknown page path {path!r}; valid: {list(PATHS)}")

@@ -78,6 +78,7 @@ class PageIndex:
         self._by_offset: dict[int, Entry] = {}
         self._tick = 0
         self.evictions = 0
+        self.ns_bytes: dict[str, int] = {}  # namespace digest -> slot bytes held (quotas.py)
 
     # ------------------------------------------------------------ lookups
 
@@ -113,6 +114,7 @@ class PageIndex:
             if offset is None:
                 return None
         entry = Entry(table, key, offset, page_bytes, stride)
+        self.ns_bytes[table[0]] = self.ns_bytes.get(table[0], 0) + stride
         self._by_offset[offset] = entry
         self.pending.setdefault(table, {})[key] = entry
         self.pin(entry)
@@ -175,9 +177,9 @@ class PageIndex:
     def _oldest_slab(self, stride: int) -> Slab | None:
         best = None
         for slab in self.alloc.slabs:
-            if slab.stride and slab.stride != stride and slab.pinned == 0:
-                if best is None or slab.last_used < best.last_used:
-                    best = slab
+            if (slab.stride and slab.stride != stride and slab.pinned == 0
+                    and (best is None or slab.last_used < best.last_used)):
+                best = slab
         return best
 
     def _make_room(self, stride: int) -> int | None:
@@ -221,6 +223,7 @@ class PageIndex:
         self._free_slot(entry)
 
     def _free_slot(self, entry: Entry) -> None:
+        self.ns_bytes[entry.table[0]] -= entry.stride
         del self._by_offset[entry.offset]
         self.alloc.free(entry.offset)
         entry.offset = -1

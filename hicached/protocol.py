@@ -24,7 +24,7 @@ the negative sentinels below.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -35,6 +35,7 @@ SLOT_PRESENT = -1  # Reserve: already committed (nothing to copy; counts as stor
 SLOT_NO_SPACE = -2  # Reserve: arena full and nothing evictable
 SLOT_INFLIGHT = -3  # Reserve: another client is writing this key right now
 SLOT_MISS = -4  # Lease: not in L2 nor L3
+SLOT_LOADING = -5  # Lease(stream): being loaded from L3; ask again (with load=False) for it
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="op"):
@@ -60,11 +61,14 @@ class PoolQuery(msgspec.Struct, array_like=True, gc=False):
 
 
 class Hello(_Msg, tag="hello"):
+    """Handshake. ``token``: the daemon's ``client_token`` when it has one (``auth.py``)."""
+
     req_id: int
     version: int
     namespace: str
     pid: int
     client_name: str = ""
+    token: str = ""
 
 
 class RegisterPool(_Msg, tag="register_pool"):
@@ -116,9 +120,15 @@ class Commit(_Msg, tag="commit"):
 
 
 class Lease(_Msg, tag="lease"):
+    """Pin pages for a get. ``stream``: answer as soon as some pages are in L2, marking pages
+    still loading from L3 ``SLOT_LOADING`` (the client copies what is there while the rest
+    loads, then asks again). ``load=False``: start no new L3 loads (a stream's follow-up)."""
+
     req_id: int
     session: int
     transfers: list[PoolKeys]
+    stream: bool = False
+    load: bool = True
 
 
 class Release(_Msg, tag="release"):
@@ -168,10 +178,8 @@ class Ping(_Msg, tag="ping"):
     req_id: int
 
 
-Request = Union[
-    Hello, RegisterPool, Exists, Reserve, Commit, Lease, Release, Bye, Flush, Attach, Detach,
-    GetBackend, GetStats, Ping
-]
+Request = (Hello | RegisterPool | Exists | Reserve | Commit | Lease | Release | Bye | Flush
+           | Attach | Detach | GetBackend | GetStats | Ping)
 
 # ---------------------------------------------------------------- answers
 
@@ -234,8 +242,8 @@ class Error(_Msg, tag="error"):
     message: str
 
 
-Answer = Union[Welcome, Ok, ExistsResult, Reserved, Committed, Leased, Stats, BackendStatus,
-               Error]
+Answer = (Welcome | Ok | ExistsResult | Reserved | Committed | Leased | Stats | BackendStatus
+          | Error)
 
 # Built once: encoders are stateless, decoders typed to the direction they read.
 encoder = msgspec.msgpack.Encoder()

@@ -12,7 +12,6 @@ import fcntl
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -25,12 +24,14 @@ import zmq
 
 from hicached import protocol as P
 from hicached.arena import Arena
+from hicached.auth import make_auth
 from hicached.backends.base import L3Backend, create_backend
 from hicached.config import WRITE_POLICIES, DaemonConfig
 from hicached.controller import Controller, Session
 from hicached.errors import (
     BackendConflict,
     BackendError,
+    BackendUnavailable,
     HicachedError,
     ProtocolError,
     ShuttingDown,
@@ -39,6 +40,9 @@ from hicached.errors import (
 )
 from hicached.index import PageIndex
 from hicached.leases import LeaseTable
+from hicached.metrics import make_metrics
+from hicached.quotas import make_quotas
+from hicached.sdnotify import NullNotifier
 from hicached.slabs import SlabAllocator
 from hicached.tier import L3Tier, close_quietly
 from hicached.workers import IOWorkers
@@ -47,6 +51,9 @@ log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 0.5
 MAX_BATCH = 256  # requests handled before the loop looks at I/O completions and timers
+FLUSH_TIERS = ("l2", "l3", "all")
+# answered while draining (they finish work in flight); everything else gets ShuttingDown
+_DRAIN_OK = (P.Commit, P.Release, P.Bye)
 
 
 def backend_options(name: str, config: DaemonConfig, options: dict | None = None) -> dict:
@@ -66,7 +73,8 @@ class Daemon:
         self._stop = threading.Event()
         self._lock_fd = self._take_state_lock(config.state_dir)
         try:
-            self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.socket_mode)
+            self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.access_mode)
+            self._set_group(config.arena_path)
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -76,11 +84,13 @@ class Daemon:
             self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
             self.workers = IOWorkers(config.io_queue_depth)
             self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
-                               config.write_through_threshold, config.prefetch)
+                               config.write_through_threshold, config.prefetch,
+                               config.l3_load_chunk)
             if config.l3_backend != "none":
                 self.tier.attach(self._open_backend(config.l3_backend, None))
             self.controller = Controller(self.index, self.leases, self.tier, time.monotonic,
                                          config.get_wait_s)
+            self.controller.quotas = make_quotas(self.index, config.namespace_quotas)
             self.ctx = zmq.Context()
             self.sock = self._bind(config.endpoint)
         except BaseException:
@@ -97,6 +107,9 @@ class Daemon:
         self._attaching = False
         self._closed = False
         self._loop_thread: int | None = None
+        self.auth = make_auth(config.client_token)
+        self.metrics = make_metrics(self, enabled=bool(config.admin_port))
+        self.notifier = NullNotifier()  # systemd: set by service.serve before serve_forever
 
     # ------------------------------------------------------------ setup
 
@@ -122,14 +135,22 @@ class Daemon:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             if os.path.exists(path):
                 os.unlink(path)  # we hold the state lock: a leftover of a dead daemon
-            old = os.umask(0o777 & ~self.config.socket_mode)
+            old = os.umask(0o777 & ~self.config.access_mode)
             try:
                 sock.bind(endpoint)
             finally:
                 os.umask(old)
+            self._set_group(path)
         else:
             sock.bind(endpoint)
         return sock
+
+    def _set_group(self, path: str) -> None:
+        """``socket_group``: hand ``path`` to the group, mode 0660 (clients of other users)."""
+        gid = self.config.socket_gid
+        if gid is not None:
+            os.chown(path, -1, gid)
+            os.chmod(path, self.config.access_mode)
 
     def _open_backend(self, name: str, options: dict | None) -> L3Backend:
         """Create and open a backend (blocking: never on the control loop once it runs)."""
@@ -139,14 +160,16 @@ class Daemon:
             raise
         except (ValueError, TypeError) as e:
             raise BackendError(f"L3 backend {name!r}: {e}") from None
+        except OSError as e:  # its directory / device cannot be made or opened
+            raise BackendUnavailable(f"L3 backend {name!r}: {e}") from None
         try:
             backend.open(self.arena)
         except Exception as e:
             close_quietly(backend)
             if isinstance(e, HicachedError):
                 raise
-            raise BackendError(f"L3 backend {name!r} failed to open: "
-                               f"{type(e).__name__}: {e}") from None
+            raise BackendUnavailable(f"L3 backend {name!r} failed to open: "
+                                     f"{type(e).__name__}: {e}") from None
         return backend
 
     def describe(self) -> str:
@@ -163,12 +186,33 @@ class Daemon:
         """Ask the loop to finish (thread- and signal-safe)."""
         self._stop.set()
 
+    @property
+    def draining(self) -> bool:
+        """True from SIGTERM / ``stop()`` on: new work is refused with ``ShuttingDown``."""
+        return self._stop.is_set()
+
+    def _tick(self, now: float) -> None:
+        """Every ``SWEEP_INTERVAL_S``: expire reservations and leases, drop dead clients, relieve
+        write-back pressure; and feed the systemd watchdog (only a running loop does)."""
+        if now >= self._next_watchdog:
+            interval = self.notifier.watchdog_interval_s
+            if interval:
+                self.notifier.watchdog()
+            self._next_watchdog = now + (interval or float("inf"))
+        if now >= self._next_sweep:
+            self.leases.sweep(now)
+            self.controller.reap_dead_sessions()
+            self.auth.prune(self.controller.sessions)
+            self.tier.relieve_pressure()
+            self._next_sweep = now + SWEEP_INTERVAL_S
+
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.workers.wake_r, zmq.POLLIN)
         poller.register(self._call_r, zmq.POLLIN)
-        next_sweep = time.monotonic() + SWEEP_INTERVAL_S
+        self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
+        self._next_watchdog = 0.0
         busy_until = 0.0  # spin (non-blocking polls) until then: see busy_poll_ms in the config
         busy_s = self.config.busy_poll_ms / 1000
         self._loop_thread = threading.get_ident()
@@ -178,7 +222,7 @@ class Daemon:
                 if now < busy_until:
                     timeout_ms = 0
                 else:
-                    wake = next_sweep
+                    wake = min(self._next_sweep, self._next_watchdog)
                     parked = self.controller.next_parked_deadline()
                     if parked is not None:
                         wake = min(wake, parked)
@@ -194,11 +238,7 @@ class Daemon:
                 now = time.monotonic()
                 if self.controller.parked:
                     self.controller.expire_parked(now)
-                if now >= next_sweep:
-                    self.leases.sweep(now)
-                    self.controller.reap_dead_sessions()
-                    self.tier.relieve_pressure()
-                    next_sweep = now + SWEEP_INTERVAL_S
+                self._tick(now)
             self._drain_for_shutdown()
         finally:
             self.close()
@@ -226,21 +266,30 @@ class Daemon:
             log.debug("answer to a client dropped: %s", e)
 
     def _handle(self, identity: bytes, payload: bytes) -> None:
+        t0 = time.perf_counter()
         req_id = 0
+        msg = None
         try:
             try:
                 msg = P.request_decoder.decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 raise ProtocolError(f"malformed request ({len(payload)} bytes): {e}") from None
             req_id = msg.req_id
+            self.auth.admit(identity, msg)
             answer = self._dispatch(identity, msg)
         except HicachedError as e:
             answer = P.Error(req_id, e.code, str(e))
         except Exception as e:  # a bug must cost one request, never the daemon
             log.exception("internal error handling a request")
             answer = P.Error(req_id, "internal", f"{type(e).__name__}: {e}")
+        self.metrics.on_request(msg, answer, t0)
         if answer is not None:
             self._send(identity, answer)
+
+    def _send_parked(self, identity: bytes, msg: P.Lease, answer) -> None:
+        """The late answer of a get that waited for L3 loads."""
+        self.metrics.on_parked_answer(msg, answer)
+        self._send(identity, answer)
 
     def _session(self, sid: int) -> Session:
         s = self.controller.sessions.get(sid)
@@ -250,12 +299,14 @@ class Daemon:
 
     def _dispatch(self, identity: bytes, msg):
         c = self.controller
+        if self._stop.is_set() and not isinstance(msg, _DRAIN_OK):
+            raise ShuttingDown("hicached is shutting down; not accepting new requests")
         match msg:
             case P.Exists():
                 return c.exists(self._session(msg.session), msg)
             case P.Lease():
                 return c.lease(self._session(msg.session), msg,
-                               lambda answer: self._send(identity, answer))
+                               lambda answer: self._send_parked(identity, msg, answer))
             case P.Release():
                 s = c.sessions.get(msg.session)
                 if s is not None:
@@ -272,7 +323,9 @@ class Daemon:
                 if msg.version != P.PROTOCOL_VERSION:
                     raise VersionMismatch(
                         f"client speaks protocol {msg.version}, daemon {P.PROTOCOL_VERSION}")
+                self.auth.check_hello(identity, msg)
                 s = c.open_session(msg)
+                self.auth.bind(identity, s.id)
                 log.info("session %d: pid %d %s namespace %r", s.id, s.pid, s.name, s.namespace)
                 return P.Welcome(msg.req_id, s.id, self.arena.path, self.arena.size_bytes,
                                  os.getpid(), self.config.reservation_ttl_s,
@@ -401,7 +454,26 @@ class Daemon:
         return self.call(lambda: {**self.tier.status(), "backend_stats": self.tier.backend_stats()})
 
     def flush(self, tier: str = "l2") -> int:
-        return self.call(lambda: self.controller.flush(tier))
+        """Drop unpinned L2 pages (``l2``), every L3 page (``l3``) or both (``all``); returns how
+        many. Thread-safe. L3 is cleared off the control loop: a large store takes a while, and
+        the loop must keep serving (and feeding the watchdog) meanwhile."""
+        if tier not in FLUSH_TIERS:
+            raise ProtocolError(f"unknown tier {tier!r}; valid: {list(FLUSH_TIERS)}")
+        n = self.call(lambda: self.controller.flush("l2")) if tier in ("l2", "all") else 0
+        if tier in ("l3", "all"):
+            backend = self.call(lambda: self.tier.backend)
+            try:
+                n += backend.clear()
+            except Exception as e:  # noqa: BLE001 - any store failure becomes a BackendError
+                def count() -> None:
+                    self.tier.counters["l3_errors"] += 1
+
+                self.call(count)
+                raise BackendError(f"L3 {backend.name} clear failed: "
+                                   f"{type(e).__name__}: {e}") from None
+            finally:  # copies marked in L3 may be gone: let write policies send them again
+                self.call(self.tier._forget_l3_copies)
+        return n
 
     def stats(self) -> dict:
         return self.call(lambda: {**self.controller.stats(), "requests": self.requests})
@@ -426,17 +498,40 @@ class Daemon:
 
     # ------------------------------------------------------------ shutdown
 
-    def _drain_for_shutdown(self, timeout_s: float = 10.0) -> None:
-        """Answer waiting gets, write back dirty pages and finish queued L3 writes (bounded)
-        before the arena goes away."""
-        self.controller.expire_parked(float("inf"))
-        self.tier.write_back_all()
+    def _drain_for_shutdown(self, timeout_s: float | None = None) -> None:
+        """Finish the work in flight before the arena goes away, within ``drain_timeout_s``.
+
+        The loop keeps running: new requests are answered ``ShuttingDown``; commits, releases
+        and byes are applied (a client copying into reserved slots gets its pages published,
+        and written through); gets waiting for L3 loads are answered when their loads land;
+        dirty write-back pages are written. It ends when no reservation, parked get or L3 job
+        is left, or at the deadline (what is left then is logged)."""
+        self.notifier.stopping()
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        while self.workers.in_flight and time.monotonic() < deadline:
-            time.sleep(0.01)
-            self.controller.on_io_done()
-        if self.workers.in_flight:
-            log.warning("%d L3 jobs unfinished at shutdown", self.workers.in_flight)
+        log.info("draining (at most %.1f s)", timeout_s)
+        poller = zmq.Poller()
+        for fd in (self.sock, self.workers.wake_r, self._call_r):
+            poller.register(fd, zmq.POLLIN)
+        while True:
+            self.tier.write_back_all()
+            c = self.controller
+            busy = (len(self.leases.reservations), len(c.parked), self.workers.in_flight)
+            now = time.monotonic()
+            if not any(busy) or now >= deadline:
+                break
+            events = dict(poller.poll(min(50, int((deadline - now) * 1000) + 1)))
+            if self.sock in events:
+                self._drain_socket()
+            if self.workers.wake_r in events:
+                c.on_io_done()
+            if self._call_r in events:
+                self._run_calls()
+            self._tick(time.monotonic())
+        self.controller.expire_parked(float("inf"))
+        if any(busy):
+            log.warning("drain deadline: %d reservations, %d waiting gets, %d L3 jobs "
+                        "unfinished", *busy)
         self._run_calls(ShuttingDown("daemon is shutting down"))
 
     def close(self) -> None:
@@ -461,12 +556,8 @@ class Daemon:
 
 
 def run(config: DaemonConfig, ready=None) -> None:
-    """Run a daemon in the foreground until SIGTERM / SIGINT; print where it listens."""
-    daemon = Daemon(config)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: daemon.stop())
-    print(daemon.describe(), flush=True)
-    if ready is not None:
-        ready(daemon)
-    daemon.serve_forever()
-    print("hicached stopped", flush=True)
+    """Run a daemon in the foreground until SIGTERM / SIGINT (``service.serve``, without
+    systemd notifications or SIGHUP reloads)."""
+    from hicached.service import serve  # service builds on this module
+
+    serve(config, ready=ready)

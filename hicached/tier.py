@@ -5,9 +5,11 @@ the arena (L2) and the backend (L3).
     write_through             at commit
     write_through_selective   when its gets reach ``threshold`` hits
     write_back                when L2 needs its room: a dirty page (L2 holds the only copy) is
-                              pinned, so eviction passes over it; under pressure (no free slab
-                              left, or a reservation found no space) the least recently used dirty
-                              pages are written, and once written they are clean and evictable
+                              pinned, so eviction passes over it; under pressure (dirty pages
+                              above half the arena, or a reservation found no space) the least
+                              recently used dirty pages are written until dirty pages are below
+                              DIRTY_TARGET of the arena, and once written they are clean and
+                              evictable
 
     loads                     a get for pages only L3 has reserves slots and queues one batched
                               load; the get waits (parked by the controller) for it
@@ -37,18 +39,21 @@ from hicached.workers import IOJob, IOWorkers
 
 log = logging.getLogger(__name__)
 
-WRITE_BACK_BATCH = 64  # dirty pages written per pressure event
+DIRTY_HIGH = 0.5  # write_back: start writing when dirty pages fill this share of the arena
+DIRTY_TARGET = 0.4  # ... and write the oldest until they are below this share
 
 
 class L3Tier:
     """See the module docstring."""
 
     def __init__(self, index: PageIndex, workers: IOWorkers, backend: L3Backend | None = None,
-                 write_policy: str = "write_through", threshold: int = 2, prefetch: bool = True):
+                 write_policy: str = "write_through", threshold: int = 2, prefetch: bool = True,
+                 load_chunk_bytes: int = 64 << 20):
         self.index = index
         self.workers = workers
         self.backend: L3Backend = backend or NullBackend()
         self.set_policies(write_policy, threshold, prefetch)
+        self.load_chunk_bytes = load_chunk_bytes
         self.loading: dict[tuple[TableId, str], IOJob] = {}
         self.dirty: dict[Entry, None] = {}  # write_back: committed pages L3 lacks (pinned)
         self.drop_when_written: set[Entry] = set()  # flushed from L2 once in L3
@@ -172,15 +177,24 @@ class L3Tier:
             self.write([e])
 
     def relieve_pressure(self, force: bool = False) -> int:
-        """write_back: write the least recently used dirty pages when the arena is short of
-        room (no free slab) or ``force``; returns how many were queued."""
+        """write_back: write the least recently used dirty pages when they fill more than
+        DIRTY_HIGH of the arena, or at least one when ``force`` (a reservation found no room),
+        until the dirty pages not being written are below DIRTY_TARGET; returns how many."""
         if not self.dirty or not self.attached:
             return 0
-        if not force and self.index.alloc.free_slab_count > 0:
-            return 0
+        arena = self.index.alloc.slab_bytes * len(self.index.alloc.slabs)
         todo = [e for e in self.dirty if not e.writing]
+        dirty = sum(e.stride for e in todo)
+        if not force and dirty <= DIRTY_HIGH * arena:
+            return 0
         todo.sort(key=lambda e: e.last_used)
-        n = self.write(todo[:WRITE_BACK_BATCH])
+        pick = []
+        for e in todo:
+            if pick and dirty <= DIRTY_TARGET * arena:
+                break
+            pick.append(e)
+            dirty -= e.stride
+        n = self.write(pick)
         self.counters["write_backs"] += n
         return n
 
@@ -237,40 +251,49 @@ class L3Tier:
     # ------------------------------------------------------------ loads
 
     def load(self, table: TableId, keys: Sequence[str], page_bytes: int, stride: int,
-             waiter: Any = None, known_in_l3: bool = False) -> set[int]:
-        """Start loading ``keys`` (missing from L2) into the arena; join loads already in flight.
-        Returns the ids of the jobs ``waiter`` (if any) now waits for."""
+             waiter: Any = None, known_in_l3: bool = False, start: bool = True) -> set[int]:
+        """Start loading ``keys`` (missing from L2) into the arena, in jobs of at most
+        ``load_chunk_bytes`` so a streaming get can copy the first pages while the rest load; join
+        loads already in flight (only that with ``start=False``). Returns the ids of the jobs
+        ``waiter`` (if any) now waits for."""
         if not self.attached or not keys:
             return set()
         ns, pool = table
-        there = [True] * len(keys) if known_in_l3 else self.exists(ns, pool, keys)
         waits: set[int] = set()
-        new: list[Entry] = []
-        for key, have in zip(keys, there):
+        for key in keys:
             job = self.loading.get((table, key))
-            if job is not None:
-                if waiter is not None:
-                    job.waiters.append(waiter)
-                    waits.add(id(job))
-            elif (have and self.index.get(table, key) is None
-                  and self.index.get_pending(table, key) is None):
+            if job is not None and waiter is not None and id(job) not in waits:
+                job.waiters.append(waiter)
+                waits.add(id(job))
+        if not start:
+            return waits
+        todo = [k for k in keys if (table, k) not in self.loading
+                and self.index.get(table, k) is None and self.index.get_pending(table, k) is None]
+        if not todo:
+            return waits
+        there = [True] * len(todo) if known_in_l3 else self.exists(ns, pool, todo)
+        new: list[Entry] = []
+        for key, have in zip(todo, there):
+            if have:
                 e = self.index.reserve(table, key, page_bytes, stride)
                 if e is not None:
                     new.append(e)
-        if not new:
-            return waits
-        job = IOJob("get", ns, pool, [e.key for e in new], [e.offset for e in new], page_bytes,
-                    new, waiters=[waiter] if waiter is not None else [], backend=self.backend)
-        if not self._submit(job):
-            for e in new:
-                self.index.abort(e)
-            return waits
-        for e in new:
-            self.loading[(table, e.key)] = job
-        if waiter is None:
-            self.counters["prefetched_pages"] += len(new)
-        else:
-            waits.add(id(job))
+        per_job = max(1, self.load_chunk_bytes // page_bytes)
+        for i in range(0, len(new), per_job):
+            chunk = new[i:i + per_job]
+            job = IOJob("get", ns, pool, [e.key for e in chunk], [e.offset for e in chunk],
+                        page_bytes, chunk, waiters=[waiter] if waiter is not None else [],
+                        backend=self.backend)
+            if not self._submit(job):
+                for e in new[i:]:
+                    self.index.abort(e)
+                break
+            for e in chunk:
+                self.loading[(table, e.key)] = job
+            if waiter is None:
+                self.counters["prefetched_pages"] += len(chunk)
+            else:
+                waits.add(id(job))
         return waits
 
     # ------------------------------------------------------------ completions

@@ -37,17 +37,18 @@ class IOJob:
 class IOWorkers:
     """A writer and a reader thread calling ``job.backend.batch_put`` / ``batch_get``."""
 
-    def __init__(self, queue_depth: int = 256):
+    def __init__(self, queue_depth: int = 256, get_threads: int = 1):
         self.done: queue.SimpleQueue[IOJob] = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         self._queues = {"put": queue.Queue(queue_depth), "get": queue.Queue(queue_depth)}
         self._threads = [
-            threading.Thread(target=self._run, args=(kind,), name=f"hicached-l3-{kind}",
+            threading.Thread(target=self._run, args=(kind,), name=f"hicached-l3-{kind}{i}",
                              daemon=True)
-            for kind in self._queues
+            for kind, n in (("put", 1), ("get", get_threads)) for i in range(n)
         ]
         self.in_flight = 0  # submitted and not yet collected (control loop only)
+        self.bytes_done = {"put": 0, "get": 0}  # page bytes moved by successful jobs (metrics)
         for t in self._threads:
             t.start()
 
@@ -97,13 +98,16 @@ class IOWorkers:
             except queue.Empty:
                 break
         self.in_flight -= len(jobs)
+        for job in jobs:
+            self.bytes_done[job.kind] += job.page_bytes * sum(map(bool, job.result))
         return jobs
 
     def close(self, timeout_s: float = 10.0) -> bool:
         """Let queued jobs finish (up to ``timeout_s``), stop the threads; True if they ended."""
-        for kind, q in self._queues.items():
+        for t in self._threads:
+            kind = "put" if t.name.startswith("hicached-l3-put") else "get"
             try:
-                q.put(None, timeout=timeout_s)
+                self._queues[kind].put(None, timeout=timeout_s)
             except queue.Full:
                 log.warning("L3 %s queue still full at shutdown", kind)
         for t in self._threads:

@@ -41,8 +41,9 @@ class DaemonProc:
     """A real ``hicached serve`` process on an ipc:// socket in a temp dir."""
 
     def __init__(self, tmp, name="d", l2_size="16MiB", slab_size="1MiB", extra=(), state=None,
-                 env=None):
+                 env=None, token=""):
         self.tmp = tmp
+        self.token = token  # the daemon's client_token, for the probe and client()
         self.endpoint = f"ipc://{tmp}/{name}.sock"
         self.state_dir = str(state or tmp / f"{name}-state")
         self.args = ["--endpoint", self.endpoint, "--l2-size", l2_size, "--state-dir",
@@ -53,7 +54,7 @@ class DaemonProc:
         # tests/ on the path: daemons can load test backends such as l3_doubles:SlowFileBackend
         tests_dir = os.path.dirname(os.path.abspath(__file__))
         path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
-        self.env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+        self.env = {**os.environ, "PYTHONPATH": path, **(env or {})}  # env: extra variables
 
     def start(self, timeout_s=30.0):
         self.proc = subprocess.Popen(
@@ -64,7 +65,7 @@ class DaemonProc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.output()}")
             try:
-                with Client(self.endpoint, "probe", timeout_s=1.0) as c:
+                with Client(self.endpoint, "probe", timeout_s=1.0, token=self.token) as c:
                     c.ping()
                 return self
             except DaemonUnavailable:
@@ -77,6 +78,7 @@ class DaemonProc:
             return f.read().decode(errors="replace")
 
     def client(self, namespace="model-a", **kw):
+        kw.setdefault("token", self.token)
         return Client(self.endpoint, namespace, **kw)
 
     def stop(self, sig=signal.SIGTERM, timeout_s=20.0):

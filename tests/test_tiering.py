@@ -101,6 +101,26 @@ def test_get_waits_for_slow_l3_at_most_get_wait_s(make_daemon, tmp_path):
         assert torch.equal(kv_tokens(dst, 8, 4), kv_tokens(src, 0, 4))
 
 
+def test_large_l3_get_streams_chunks_while_the_rest_loads(make_daemon, tmp_path):
+    # 40 pages of 512 KiB load as 3 jobs of <= 8 MiB; the client copies the first while the
+    # others load (each job takes >= 0.2 s here), then asks again for the rest
+    d = make_daemon(l2_size="32MiB", extra=[*_l3_backend(tmp_path, get_delay_s=0.2),
+                                            "--no-prefetch", "--l3-load-chunk", "8MiB"])
+    src, dst = big_pool(40, seed=61), big_pool(40, seed=0)
+    keys = [f"c{i}" for i in range(40)]
+    with d.client() as c:
+        c.register_mem_host_pool_v2(src, "kv")
+        assert c.batch_set_v1(keys, big_pages(0, 40)) == [True] * 40
+        assert wait_until(lambda: c.stats()["l3_writes"] == 40)
+        c.flush("l2")
+        c.register_mem_host_pool_v2(dst, "kv")
+        assert c.batch_get_v1(keys, big_pages(0, 40)) == [True] * 40
+        assert torch.equal(dst.kv_buffer, src.kv_buffer)
+        st = c.stats()
+        assert st["l3_loads"] == 40 and st["partial_answers"] >= 1
+        assert st["hits"] == 40 and st["misses"] == 0
+
+
 # ---------------------------------------------------------------- write policies
 
 

@@ -6,6 +6,10 @@ and each copy path (native torch views, SGLang pointer meta, SGLang flat pages) 
 the same bytes, and prints GB/s and the ratio to memcpy. Patterns: ``consecutive`` (host pages and
 arena slots both consecutive: the common case, one copy per part) and ``scattered`` (random host
 pages into consecutive slots). Run: ``python tools/bench_kernels.py [--json] [--pages 64]``.
+
+Where CUDA is available a second table times ``kernels/cuda.py``: the same geometries held on the
+GPU, copied to and from a CUDA-registered arena, against one plain pinned D2H / H2D copy of the
+same bytes (``--no-cuda`` skips it).
 """
 
 from __future__ import annotations
@@ -99,6 +103,55 @@ def run(pages: int, repeat: int, paths: list[str], patterns: list[str]) -> list[
     return rows
 
 
+def _cuda_time(fn: Callable[[], None], repeat: int) -> float:
+    """Fastest of ``repeat`` timed calls of ``fn``, each followed by a device synchronize."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_cuda(pages: int, repeat: int, patterns: list[str]) -> list[dict]:
+    """Rows for ``kernels/cuda.py``: device pool <-> registered arena vs a plain DMA copy."""
+    from hicached.kernels.cuda import DeviceCopier, HostRegistration
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for name, build in _pools(2 * pages):
+        pool = build()
+        buffers = [b.to("cuda") for b in pool.buffers]
+        copier = DeviceCopier(pool.kind, pool.layout, pool.page_size, buffers)
+        nbytes = pages * copier.page_bytes
+        arena = torch.empty(nbytes, dtype=torch.uint8)
+        device_flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        offsets = [i * copier.page_bytes for i in range(pages)]
+        reg = HostRegistration(arena)
+        try:
+            d2h = _cuda_time(lambda a=arena, d=device_flat: a.copy_(d, non_blocking=True), repeat)
+            h2d = _cuda_time(lambda a=arena, d=device_flat: d.copy_(a, non_blocking=True), repeat)
+            for pattern in patterns:
+                host_pages = (list(range(pages)) if pattern == "consecutive" else
+                              torch.randperm(copier.num_pages, generator=gen)[:pages].tolist())
+                to_s = _cuda_time(lambda c=copier, p=host_pages, a=arena, o=offsets:
+                                  c.to_arena(p, a, o), repeat)
+                from_s = _cuda_time(lambda c=copier, p=host_pages, a=arena, o=offsets:
+                                    c.from_arena(p, a, o), repeat)
+                rows.append({
+                    "pool": name, "pattern": pattern, "path": "cuda",
+                    "page_mib": copier.page_bytes / MIB, "to_gbps": nbytes / to_s / 1e9,
+                    "from_gbps": nbytes / from_s / 1e9, "memcpy_gbps": nbytes / d2h / 1e9,
+                    "to_ratio": d2h / to_s, "from_ratio": h2d / from_s,
+                })
+        finally:
+            reg.close()
+    return rows
+
+
 def _print_table(rows: list[dict], pages: int) -> None:
     print(f"{pages} pages per call, torch threads={torch.get_num_threads()}; "
           "ratio = path GB/s / memcpy GB/s")
@@ -124,14 +177,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma list of consecutive, scattered")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    parser.add_argument("--no-cuda", action="store_true",
+                        help="skip the CUDA table even where a GPU is available")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run(args.pages, args.repeat, args.paths.split(","), args.patterns.split(","))
+    cuda_rows = []
+    if torch.cuda.is_available() and not args.no_cuda:
+        cuda_rows = run_cuda(args.pages, args.repeat, args.patterns.split(","))
     if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        _print_table(rows, args.pages)
+        print(json.dumps(rows + cuda_rows, indent=1))
+        return
+    _print_table(rows, args.pages)
+    if cuda_rows:
+        print("\nCUDA: device pool <-> registered arena; ratio = path GB/s / plain pinned "
+              "copy GB/s (memcpy column: D2H)")
+        _print_table(cuda_rows, args.pages)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,8 @@ class NullBackend(L3Backend):
 BACKENDS = {
     "none": "hicached.backends.base:NullBackend",
     "file": "hicached.backends.file:FileBackend",
+    "hf3fs": "hicached.backends.hf3fs:Hf3fsBackend",
+    "mooncake": "hicached.backends.mooncake:MooncakeBackend",
 }
 
 
@@ -104,5 +106,5 @@ def create_backend(name: str, **options) -> L3Backend:
     except (ImportError, AttributeError) as e:
         raise ValueError(f"L3 backend {name!r} cannot be loaded: {e}") from None
     if not (isinstance(factory, type) and issubclass(factory, L3Backend)):
-        raise ValueError(f"L3 backend {name!r} is not an L3Backend subclass")
+        raise TypeError(f"L3 backend {name!r} is not an L3Backend subclass")
     return factory(**options)

@@ -1,0 +1,498 @@
+"""This node's share of a 3FS root: its identity, its segment files and the slots in them.
+
+A node owns the segment files under ``segments/<uuid>/`` and is their only writer; readers on
+any node find its pages through pointer records. ``NodeSpace`` keeps, in memory, what the
+directory regions of its segments say on disk:
+
+    live      key hash -> Slot, one LRU per slot class (slot_bytes)
+    free      per class, a FIFO of (ready_at, segment, slot): a slot freed by eviction becomes
+              reusable only ``grace_s`` after its pointer was removed (quarantine)
+    segments  name -> Segment; ``used_bytes`` = sum of their file sizes <= ``capacity``
+
+Allocation takes a ready free slot, else grows a new segment while the capacity allows, else
+evicts: the least recently used live slot of the class, or (a class with no live slot) retires
+the whole segment of another class that holds the oldest page, deleting it after the grace.
+
+Eviction order on disk: remove the pointer (only if it still names this slot), then mark the
+directory entry free, then quarantine. Commit order: slot data, directory entry, pointer. A
+crash between two steps leaves a page only this node can see, never a pointer to a reused slot.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+
+from hicached.backends.hf3fs_format import (
+    BLOCK,
+    DIR_ENTRY_BYTES,
+    DirEntry,
+    Pointer,
+    SegmentHeader,
+    pointer_relpath,
+    safe_name,
+    segment_tag,
+)
+from hicached.backends.hf3fs_io import FdTable
+from hicached.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class Segment:
+    """One segment file of this node: a header, a directory and ``num_slots`` slots."""
+
+    __slots__ = ("head", "key", "name", "path", "ready_at", "retiring", "tag")
+
+    def __init__(self, name: str, path: str, head: SegmentHeader, node_uuid: bytes):
+        self.name, self.path, self.head = name, path, head
+        self.key = (node_uuid, name)  # FdTable key
+        self.tag = segment_tag(node_uuid, name)
+        self.retiring = False
+        self.ready_at = 0.0  # retiring: deleted once the clock passes this
+
+
+class Slot:
+    """A live page of this node: where it is and what its pointer says."""
+
+    __slots__ = ("gen", "index", "kh", "ns_name", "page_bytes", "pool_name", "seg", "used")
+
+    def __init__(self, seg: Segment, index: int, gen: int, page_bytes: int, kh: bytes,
+                 ns_name: str, pool_name: str, used: float):
+        self.seg, self.index, self.gen, self.page_bytes = seg, index, gen, page_bytes
+        self.kh, self.ns_name, self.pool_name, self.used = kh, ns_name, pool_name, used
+
+    def pointer(self, node_uuid: bytes) -> Pointer:
+        return Pointer(node_uuid, self.seg.name, self.index, self.seg.head.slot_off(self.index),
+                       self.gen, self.page_bytes, self.kh)
+
+    def pointer_rel(self) -> str:
+        return pointer_relpath(self.ns_name, self.pool_name, self.kh)
+
+
+# ---------------------------------------------------------------- pointer records (small POSIX I/O)
+
+
+def read_pointer(path: str) -> Pointer | None:
+    """The pointer record at ``path``; None if there is none (or it is not a valid record)."""
+    try:
+        with open(path, "rb") as f:
+            return Pointer.unpack(f.read(4096))
+    except FileNotFoundError:
+        return None
+
+
+def publish_pointer(path: str, ptr: Pointer, mode: int) -> None:
+    """Write ``ptr`` to a temp file and rename it over ``path``: readers see the old record,
+    the new one, or none, never a partial one (rename atomicity). Raises OSError."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.write(fd, ptr.pack())
+    finally:
+        os.close(fd)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        os.unlink(tmp)
+        raise
+
+
+def remove_pointer_if(path: str, want: Pointer) -> bool:
+    """Unlink ``path`` if it still names ``want``'s slot and generation (another node may have
+    republished the key meanwhile; its pointer stays). True if removed."""
+    try:
+        if read_pointer(path) != want:
+            return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- node identity
+
+
+def lock_node(root: str, node: str, mode: int, wait_s: float = 5.0) -> int:
+    """flock ``nodes/<node>.lock``: two daemons of one host never share a node (3FS's FUSE
+    client keeps flocks local to the host; across hosts the host check of ``bump_epoch``
+    catches a name given twice). Waits up to ``wait_s`` for a holder that is closing (a
+    detached backend of this daemon, closed once its last job is collected). Returns the fd."""
+    nodes = os.path.join(root, "nodes")
+    os.makedirs(nodes, exist_ok=True)
+    lock_fd = os.open(os.path.join(nodes, f"{node}.lock"), os.O_RDWR | os.O_CREAT, mode)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock_fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(lock_fd)
+                raise ConfigError(
+                    f"hf3fs: node {node!r} under {root} is in use by another daemon on this "
+                    f"host; give each daemon its own l3_options 'node'") from None
+            time.sleep(0.05)
+
+
+def bump_epoch(root: str, node: str) -> tuple[bytes, int]:
+    """(uuid, epoch) of ``node``: the uuid survives restarts in ``nodes/<node>.json``; the
+    epoch grows by one per call (it prefixes generations, so a restarted node never reuses
+    one). The file is replaced by rename, so a crash leaves the old or the new one."""
+    path = os.path.join(root, "nodes", f"{node}.json")
+    host = socket.gethostname()
+    try:
+        with open(path) as f:
+            info = json.load(f)
+        node_uuid = bytes.fromhex(info["uuid"])
+        epoch = int(info["epoch"]) + 1
+    except FileNotFoundError:
+        node_uuid, epoch = uuid.uuid4().bytes, 1
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"hf3fs: cannot read node file {path}: {e}") from None
+    else:
+        if info.get("host") != host:
+            raise ConfigError(
+                f"hf3fs: node {node!r} under {root} belongs to host {info.get('host')!r} "
+                f"({path}), this is {host!r}; set l3_options 'node' to a name of its own")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"node": node, "uuid": node_uuid.hex(), "host": host, "epoch": epoch}, f)
+    os.rename(tmp, path)
+    return node_uuid, epoch
+
+
+# ---------------------------------------------------------------- the slot space
+
+
+class NodeSpace:
+    """Slots of this node (see the module docstring). ``allocate`` / ``commit`` / ``release``
+    / eviction run on the writer thread only; ``lookup`` / ``touch`` from any thread."""
+
+    def __init__(self, root: str, node: str, capacity: int, segment_bytes: int, grace_s: float,
+                 fds: FdTable, file_mode: int = 0o600, clock=time.monotonic,
+                 lock_wait_s: float = 5.0):
+        self.root, self.node, self.capacity = root, node, capacity
+        self.segment_bytes, self.grace_s, self.fds = segment_bytes, grace_s, fds
+        self.file_mode, self.clock = file_mode, clock
+        self.lock = threading.Lock()  # guards live / lru against the reader and loop threads
+        self._lock_fd = lock_node(root, node, file_mode, lock_wait_s)
+        try:
+            self.uuid, self.epoch = bump_epoch(root, node)
+        except BaseException:
+            self.close()
+            raise
+        self.evictions = 0
+        self.waits = 0  # allocations that waited out a grace period
+        self._reset_state()
+        self._load()
+
+    def _reset_state(self) -> None:
+        self.dir = os.path.join(self.root, "segments", self.uuid.hex())
+        os.makedirs(self.dir, exist_ok=True)
+        self.segments: dict[str, Segment] = {}
+        self.live: dict[bytes, Slot] = {}
+        self.lru: dict[int, OrderedDict[bytes, Slot]] = {}
+        self.free: dict[int, deque[tuple[float, Segment, int]]] = {}
+        self.used_bytes = 0
+        self._seq = 0  # segments created in this epoch
+        self._counter = 0  # generations handed out in this epoch
+
+    # ------------------------------------------------------------ restart
+
+    def _load(self) -> None:
+        """Rebuild live and free slots from the segment directories (one read per segment)."""
+        now, found = self.clock(), []
+        free: dict[int, list] = {}
+        for name in sorted(os.listdir(self.dir)):
+            if not name.endswith(".seg"):
+                continue
+            path = os.path.join(self.dir, name)
+            seg = self._open_existing(name[:-4], path)
+            if seg is None:
+                continue
+            sb, n = seg.head.slot_bytes, seg.head.num_slots
+            fd = self.fds.acquire(seg.key, path, writable=True)
+            try:
+                raw = os.pread(fd.fd, n * DIR_ENTRY_BYTES, seg.head.dir_off)
+            finally:
+                self.fds.release(fd)
+            for i in range(n):
+                e = DirEntry.unpack(raw[i * DIR_ENTRY_BYTES:(i + 1) * DIR_ENTRY_BYTES])
+                if e is not None and e.state == 1:
+                    found.append((e.written_ns, seg, i, e))
+                else:
+                    free.setdefault(sb, []).append((now + self.grace_s if e else now, seg, i))
+        for _, seg, i, e in sorted(found, key=lambda t: t[0]):
+            old = self.live.get(e.key_hash)
+            if old is not None:  # a key twice (a crash between two writes): keep the newer
+                self._drop_live(old)
+                free.setdefault(old.seg.head.slot_bytes, []).append(
+                    (now + self.grace_s, old.seg, old.index))
+            self._add_live(Slot(seg, i, e.gen, e.page_bytes, e.key_hash, e.ns_name, e.pool_name,
+                                now))
+        for sb, items in free.items():
+            self.free[sb] = deque(sorted(items, key=lambda t: t[0]))
+        if self.segments:
+            log.info("hf3fs node %s: %d segments, %d pages found", self.node,
+                     len(self.segments), len(self.live))
+
+    def _open_existing(self, name: str, path: str) -> Segment | None:
+        try:
+            with open(path, "rb") as f:
+                head = SegmentHeader.unpack(f.read(BLOCK))
+        except OSError:
+            head = None
+        if head is None or head.node_uuid != self.uuid:
+            log.warning("hf3fs: removing unreadable segment %s (crash while creating it?)", path)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return None
+        seg = self.segments[name] = Segment(name, path, head, self.uuid)
+        self.used_bytes += head.file_bytes
+        return seg
+
+    # ------------------------------------------------------------ lookups (any thread)
+
+    def lookup(self, kh: bytes) -> Slot | None:
+        return self.live.get(kh)
+
+    def touch(self, slots: list[Slot]) -> None:
+        """Mark ``slots`` as just used (LRU order)."""
+        now = self.clock()
+        with self.lock:
+            for slot in slots:
+                od = self.lru.get(slot.seg.head.slot_bytes)
+                if od is not None and od.get(slot.kh) is slot:
+                    od.move_to_end(slot.kh)
+                    slot.used = now
+
+    def _add_live(self, slot: Slot) -> None:
+        with self.lock:
+            self.live[slot.kh] = slot
+            self.lru.setdefault(slot.seg.head.slot_bytes, OrderedDict())[slot.kh] = slot
+
+    def _drop_live(self, slot: Slot) -> None:
+        with self.lock:
+            if self.live.get(slot.kh) is slot:
+                del self.live[slot.kh]
+                del self.lru[slot.seg.head.slot_bytes][slot.kh]
+
+    # ------------------------------------------------------------ allocation (writer thread)
+
+    def next_gen(self) -> int:
+        self._counter += 1
+        if self._counter >= 1 << 32:
+            raise OverflowError("hf3fs: 2**32 writes in one epoch; restart the daemon")
+        return self.epoch << 32 | self._counter
+
+    def allocate(self, slot_bytes: int, n: int) -> list[tuple[Segment, int]]:
+        """Up to ``n`` free slots of class ``slot_bytes``; evicts (and waits out the grace of
+        evicted slots) at capacity. Fewer than ``n`` when even eviction cannot make room."""
+        if SegmentHeader.layout(slot_bytes, 1, self.uuid, 0).file_bytes > self.capacity:
+            return []
+        out: list[tuple[Segment, int]] = []
+        while len(out) < n:
+            self._mature_retired()
+            got = self._take_free(slot_bytes)
+            if got is not None:
+                out.append(got)
+            elif not self._grow(slot_bytes):
+                soonest = self._soonest(slot_bytes)
+                if soonest is None:
+                    if not self._evict_for(slot_bytes, n - len(out)):
+                        break
+                else:
+                    self.waits += 1
+                    time.sleep(max(0.0, soonest - self.clock()))
+        return out
+
+    def _take_free(self, sb: int) -> tuple[Segment, int] | None:
+        q = self.free.get(sb)
+        now = self.clock()
+        while q and q[0][0] <= now:
+            _, seg, i = q.popleft()
+            if not seg.retiring:
+                return seg, i
+        return None
+
+    def _soonest(self, sb: int) -> float | None:
+        """When a quarantined slot of ``sb`` or a retiring segment becomes usable, if any."""
+        times = [t for t, seg, _ in self.free.get(sb, ()) if not seg.retiring][:1]
+        times += [s.ready_at for s in self.segments.values() if s.retiring]
+        return min(times) if times else None
+
+    def _grow(self, sb: int) -> bool:
+        room = self.capacity - self.used_bytes
+        limit = min(room, max(self.segment_bytes,
+                              SegmentHeader.layout(sb, 1, self.uuid, 0).file_bytes))
+        n = max(0, (limit - BLOCK) // (sb + DIR_ENTRY_BYTES))
+        while n and SegmentHeader.layout(sb, n, self.uuid, 0).file_bytes > limit:
+            n -= 1
+        if n == 0:
+            return False
+        self._seq += 1
+        name = f"{sb}-{self.epoch}-{self._seq}"
+        head = SegmentHeader.layout(sb, n, self.uuid, time.time_ns())
+        path = os.path.join(self.dir, name + ".seg")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | self.fds.open_flags,
+                     self.file_mode)
+        try:
+            os.ftruncate(fd, head.file_bytes)  # sparse; 3FS sets the length now, not lazily
+            os.pwrite(fd, head.pack(), 0)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        seg = self.segments[name] = Segment(name, path, head, self.uuid)
+        self.fds.release(self.fds.acquire(seg.key, path, writable=True, fd=fd))
+        self.used_bytes += head.file_bytes
+        now = self.clock()
+        q = self.free.setdefault(sb, deque())
+        q.extendleft((now, seg, i) for i in reversed(range(n)))  # ready now: ahead of quarantine
+        return True
+
+    def _evict_for(self, sb: int, k: int) -> bool:
+        """Make room for class ``sb``: evict its ``k`` oldest pages, or retire the segment of
+        another class that holds the oldest page. False when nothing can be evicted."""
+        victims = self._oldest(sb, k)
+        if victims:
+            self.evict(victims)
+            return True
+        with self.lock:  # the reader thread reorders the LRUs (touch)
+            heads = [next(iter(o.values())) for c, o in self.lru.items() if o and c != sb]
+        if heads:
+            victim_seg = min(heads, key=lambda s: s.used).seg
+        else:  # no live page of another class either: retire a segment holding only free slots
+            victim_seg = next((s for s in self.segments.values()
+                               if not s.retiring and s.head.slot_bytes != sb), None)
+            if victim_seg is None:
+                return False
+        self._retire(victim_seg)
+        return True
+
+    def _retire(self, seg: Segment) -> None:
+        with self.lock:
+            victims = [s for s in self.live.values() if s.seg is seg]
+        self.evict(victims, quarantine=False)
+        seg.retiring = True
+        seg.ready_at = self.clock() + self.grace_s
+        log.info("hf3fs node %s: retiring segment %s (%d pages) for another page size",
+                 self.node, seg.name, len(victims))
+
+    def _mature_retired(self) -> None:
+        now = self.clock()
+        for seg in [s for s in self.segments.values() if s.retiring and s.ready_at <= now]:
+            del self.segments[seg.name]
+            self.used_bytes -= seg.head.file_bytes
+            self.fds.drop(seg.key)
+            try:
+                os.unlink(seg.path)
+            except OSError as e:
+                log.warning("hf3fs: cannot delete retired segment %s: %s", seg.path, e)
+
+    def evict(self, victims: list[Slot], quarantine: bool = True) -> None:
+        """Make ``victims`` unreachable (pointer, then directory entry), then quarantine them."""
+        for slot in victims:
+            self._drop_live(slot)
+            remove_pointer_if(os.path.join(self.root, slot.pointer_rel()),
+                              slot.pointer(self.uuid))
+            try:
+                self.write_dir(slot.seg, slot.index,
+                               DirEntry(0, slot.gen, 0, 0, b"\0" * 16, "", ""))
+            except OSError as e:  # left "live" on disk: a restart sees a page only we can read
+                log.warning("hf3fs: cannot free slot %d of %s: %s", slot.index, slot.seg.name, e)
+            if quarantine:
+                self.release(slot.seg, slot.index)
+        self.evictions += len(victims)
+
+    def top_up(self, sb: int) -> None:
+        """At capacity, keep a few slots of ``sb`` in quarantine ahead of demand, so writes at
+        capacity rarely wait out the grace period themselves."""
+        if self.grace_s <= 0 or self._could_grow(sb):
+            return
+        short = max(1, len(self.lru.get(sb, ())) // 32) - len(self.free.get(sb, ()))
+        if short > 0:
+            self.evict(self._oldest(sb, short))
+
+    def _oldest(self, sb: int, k: int) -> list[Slot]:
+        """The ``k`` least recently used live slots of class ``sb``."""
+        with self.lock:
+            od = self.lru.get(sb)
+            return [od[kh] for kh, _ in zip(od, range(k))] if od else []
+
+    def _could_grow(self, sb: int) -> bool:
+        return SegmentHeader.layout(sb, 1, self.uuid, 0).file_bytes <= (
+            self.capacity - self.used_bytes)
+
+    def release(self, seg: Segment, index: int) -> None:
+        """Return a slot to its class after the grace period (an abandoned or evicted write)."""
+        q = self.free.setdefault(seg.head.slot_bytes, deque())
+        q.append((self.clock() + self.grace_s, seg, index))
+
+    # ------------------------------------------------------------ commit (writer thread)
+
+    def write_dir(self, seg: Segment, index: int, entry: DirEntry) -> None:
+        """Write slot ``index``'s directory entry (raises OSError)."""
+        h = self.fds.acquire(seg.key, seg.path, writable=True)
+        try:
+            os.pwrite(h.fd, entry.pack(), seg.head.dir_entry_off(index))
+        finally:
+            self.fds.release(h)
+
+    def commit(self, slot: Slot) -> None:
+        """Record ``slot`` as live on disk (directory) and in memory. Call after the slot's
+        data is written and before its pointer is published."""
+        self.write_dir(slot.seg, slot.index, DirEntry(1, slot.gen, slot.page_bytes,
+                                                      time.time_ns(), slot.kh, slot.ns_name,
+                                                      slot.pool_name))
+        slot.used = self.clock()
+        old = self.live.get(slot.kh)
+        if old is not None:
+            self.evict([old])
+        self._add_live(slot)
+
+    # ------------------------------------------------------------ reset, stats, close
+
+    def wiped(self) -> bool:
+        """True when this node's segment directory vanished (another node ran ``clear``)."""
+        return not os.path.isdir(self.dir)
+
+    def reset(self) -> None:
+        """Forget every slot (after the files were deleted) and start a fresh epoch."""
+        for seg in self.segments.values():
+            self.fds.drop(seg.key)
+        self.uuid, self.epoch = bump_epoch(self.root, self.node)
+        with self.lock:
+            self._reset_state()
+
+    def stats(self) -> dict:
+        with self.lock:
+            pages = len(self.live)
+            page_bytes = sum(s.page_bytes for s in self.live.values())
+        return {"node": self.node, "pages": pages, "page_bytes": page_bytes,
+                "bytes": self.used_bytes, "capacity": self.capacity,
+                "segments": len(self.segments), "evictions": self.evictions,
+                "alloc_waits": self.waits}
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    @staticmethod
+    def default_node() -> str:
+        return safe_name(socket.gethostname())

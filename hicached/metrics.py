@@ -1,0 +1,329 @@
+"""Prometheus metrics and the ``/stats`` JSON of one daemon.
+
+Two sources, one registry per daemon (a ``CollectorRegistry`` of its own, never the global one):
+
+- the dispatch hook (``Daemon._handle`` calls ``on_request`` for every request, and
+  ``on_parked_answer`` when a get that waited for L3 loads is answered) counts what the
+  controller does not: requests and latency per op, page hits / misses per tier and pool,
+  bytes handed to and from clients. Runs on the control loop: plain dict increments, plus one
+  histogram observation.
+- a collector that, at scrape time, takes one ``snapshot()`` on the control loop
+  (``Daemon.call``) of the controller's, tier's, quotas' and I/O workers' counters.
+
+Hit accounting of a get (pages):
+
+    served from L2 right away                  l2 hit
+    not in L2, loaded from L3 while it waited  l2 miss + l3 hit
+    streamed get: still loading (SLOT_LOADING) l2 miss; served by the follow-up: l3 hit
+    not served                                 l2 miss (+ l3 miss when an L3 backend is attached)
+
+Every metric name starts with ``hicached_``. A daemon without an admin API uses ``NullMetrics``.
+"""
+
+from __future__ import annotations
+
+import time
+import typing
+from collections import OrderedDict
+
+from hicached import protocol as P
+from hicached.errors import HicachedError
+
+OPS = {cls: cls.__struct_config__.tag for cls in typing.get_args(P.Request)}
+LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+MAX_PARKED = 4096  # gets waiting for L3 remembered for accounting (the oldest are forgotten)
+SCRAPE_TIMEOUT_S = 5.0
+
+
+class NullMetrics:
+    """Metrics off (no admin API): the hooks do nothing."""
+
+    def on_request(self, msg, answer, t0: float) -> None:
+        pass
+
+    def on_parked_answer(self, msg, answer) -> None:
+        pass
+
+
+class Metrics(NullMetrics):
+    """See the module docstring. ``daemon`` is the ``server.Daemon`` measured."""
+
+    def __init__(self, daemon):
+        from prometheus_client import CollectorRegistry, Histogram
+
+        self.daemon = daemon
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._latency = Histogram("hicached_request_duration_seconds",
+                                  "Time from reading a request to sending its answer, per op",
+                                  ["op"], registry=self.registry, buckets=LATENCY_BUCKETS_S)
+        self._latency_of: dict = {}  # op -> histogram child (created at the op's first use)
+        self.requests: dict[tuple[str, str], int] = {}  # (op, outcome) -> count
+        self.hits: dict[tuple[str, str], int] = {}  # (tier, pool) -> pages
+        self.misses: dict[tuple[str, str], int] = {}
+        self.client_bytes = {"client_to_l2": 0, "l2_to_client": 0}
+        self.exists_keys: dict[str, int] = {}  # anchor pool -> keys asked
+        self.exists_hits: dict[str, int] = {}  # pool -> pages answered as restorable hits
+        self._parked: OrderedDict[int, tuple[float, list[set[str]]]] = OrderedDict()
+        self.registry.register(_Collector(self))
+
+    # ------------------------------------------------------------ dispatch hook (control loop)
+
+    def on_request(self, msg, answer, t0: float) -> None:
+        """A request was handled: ``answer`` sent now, or None (fire and forget, or parked)."""
+        op = OPS.get(type(msg), "invalid")
+        if answer is None:
+            if op == "lease":
+                self._park(msg, t0)
+                return
+            outcome = "ok"
+        else:
+            outcome = answer.code if type(answer) is P.Error else "ok"
+        self._finish(op, outcome, t0)
+        match answer:
+            case P.Leased():
+                self._count_get(msg, answer, None)
+            case P.Reserved():
+                self._count_reserved(msg, answer)
+            case P.ExistsResult():
+                n = msg.packed.count(0) + 1 if msg.packed else len(msg.keys)  # NUL-joined keys
+                self.exists_keys[msg.anchor] = self.exists_keys.get(msg.anchor, 0) + n
+                for pool, n in answer.pool_hits.items():
+                    self.exists_hits[pool] = self.exists_hits.get(pool, 0) + n
+
+    def on_parked_answer(self, msg, answer) -> None:
+        """A get that waited for L3 loads is answered now."""
+        t0, in_l2 = self._parked.pop(id(msg), (None, None))
+        if t0 is None:
+            return
+        self._finish("lease", "ok" if type(answer) is P.Leased else answer.code, t0)
+        if type(answer) is P.Leased:
+            self._count_get(msg, answer, in_l2)
+
+    def _finish(self, op: str, outcome: str, t0: float) -> None:
+        child = self._latency_of.get(op)
+        if child is None:
+            child = self._latency_of[op] = self._latency.labels(op)
+        child.observe(time.perf_counter() - t0)
+        key = (op, outcome)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    def _park(self, msg: P.Lease, t0: float) -> None:
+        sess = self.daemon.controller.sessions.get(msg.session)
+        tables = self.daemon.index.tables
+        in_l2 = []
+        for t in msg.transfers:
+            committed = tables.get((sess.ns, t.pool), {}) if sess else {}
+            in_l2.append({k for k in t.keys if k in committed})
+        self._parked[id(msg)] = (t0, in_l2)
+        while len(self._parked) > MAX_PARKED:
+            self._parked.popitem(last=False)
+
+    def _page_bytes(self, session: int, pool: str) -> int:
+        sess = self.daemon.controller.sessions.get(session)
+        spec = sess.pools.get(pool) if sess else None
+        return spec.page_bytes if spec else 0
+
+    def _count_get(self, msg: P.Lease, answer: P.Leased, in_l2: list[set[str]] | None) -> None:
+        """``in_l2``: per transfer, the keys in L2 when a parked get was asked (None: answered
+        at once, so every page served was in L2). A streamed get's ``SLOT_LOADING`` pages are
+        counted by its follow-up (``load=False``), whose served pages came from L3."""
+        l3 = self.daemon.tier.attached
+        for i, (t, row) in enumerate(zip(msg.transfers, answer.offsets)):
+            missed = row.count(P.SLOT_MISS)
+            served = len(row) - missed - row.count(P.SLOT_LOADING)
+            if not msg.load:  # a stream's follow-up: its pages were L2 misses when first asked
+                l2_hits, l2_misses = 0, 0
+            elif in_l2 is None:
+                l2_hits, l2_misses = served, len(row) - served
+            else:
+                l2_hits = sum(1 for k, off in zip(t.keys, row) if off >= 0 and k in in_l2[i])
+                l2_misses = len(row) - l2_hits
+            self._add(self.hits, "l2", t.pool, l2_hits)
+            self._add(self.misses, "l2", t.pool, l2_misses)
+            self._add(self.hits, "l3", t.pool, served - l2_hits)
+            if l3:
+                self._add(self.misses, "l3", t.pool, missed)
+            self.client_bytes["l2_to_client"] += served * self._page_bytes(msg.session, t.pool)
+
+    def _count_reserved(self, msg: P.Reserve, answer: P.Reserved) -> None:
+        for t, row in zip(msg.transfers, answer.offsets):
+            granted = (len(row) - row.count(P.SLOT_PRESENT) - row.count(P.SLOT_NO_SPACE)
+                       - row.count(P.SLOT_INFLIGHT))
+            self.client_bytes["client_to_l2"] += granted * self._page_bytes(msg.session, t.pool)
+
+    @staticmethod
+    def _add(counts: dict, tier: str, pool: str, n: int) -> None:
+        if n:
+            counts[(tier, pool)] = counts.get((tier, pool), 0) + n
+
+    # ------------------------------------------------------------ views
+
+    def snapshot(self) -> dict:
+        """Every counter the views need, taken at once (call on the control loop)."""
+        d = self.daemon
+        pools: dict[str, dict[str, int]] = {}
+        for (ns, pool), table in d.index.tables.items():
+            p = pools.setdefault(pool, {"pages": 0, "bytes": 0})
+            p["pages"] += len(table)
+            p["bytes"] += len(table) * d.controller.geometry.get((ns, pool), 0)
+        return {
+            "stats": {**d.controller.stats(), "requests": d.requests},
+            "pools": pools,
+            "arena_bytes": d.arena.size_bytes,
+            "l3_bytes": {"l2_to_l3": d.workers.bytes_done["put"],
+                         "l3_to_l2": d.workers.bytes_done["get"]},
+            "quotas": d.controller.quotas.snapshot(),
+            "draining": d.draining,
+            "requests": dict(self.requests),
+            "hits": dict(self.hits),
+            "misses": dict(self.misses),
+            "client_bytes": dict(self.client_bytes),
+            "exists_keys": dict(self.exists_keys),
+            "exists_hits": dict(self.exists_hits),
+        }
+
+    def render(self) -> bytes:
+        """Prometheus text exposition (blocks until the control loop answers the snapshot)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+def stats_json(snap: dict) -> dict:
+    """``GET /stats``: per tier and pool, from one ``Metrics.snapshot()``."""
+    st, tier = snap["stats"], snap["stats"]["l3_tier"]
+    hits, misses = snap["hits"], snap["misses"]
+
+    def total(counts: dict, tier_name: str) -> int:
+        return sum(n for (t, _), n in counts.items() if t == tier_name)
+
+    pools = {}
+    for pool in sorted({p for _, p in (*hits, *misses)} | set(snap["pools"])):
+        held = snap["pools"].get(pool, {"pages": 0, "bytes": 0})
+        pools[pool] = {"l2_pages": held["pages"], "l2_bytes": held["bytes"],
+                       **{f"{t}_{what}": counts.get((t, pool), 0)
+                          for t in ("l2", "l3") for what, counts in (("hits", hits),
+                                                                     ("misses", misses))}}
+    return {
+        "status": "draining" if snap["draining"] else "serving",
+        "requests": st["requests"],
+        "sessions": st["sessions"],
+        "tiers": {
+            "l2": {"pages": st["l2_pages"], "used_bytes": st["l2_used_bytes"],
+                   "capacity_bytes": snap["arena_bytes"], "free_slabs": st["arena_free_slabs"],
+                   "hits": total(hits, "l2"), "misses": total(misses, "l2"),
+                   "evictions": st["evictions"], "no_space": st["no_space"],
+                   "leases": st["leases"], "reservations": st["reservations"],
+                   "expired_leases": st["expired_leases"],
+                   "expired_reservations": st["expired_reservations"],
+                   "parked_gets": st["parked_gets"]},
+            "l3": {**tier, "hits": total(hits, "l3"), "misses": total(misses, "l3"),
+                   "backend_stats": st["l3"], **snap["l3_bytes"]},
+        },
+        "pools": pools,
+        "bytes_moved": {**snap["client_bytes"], **snap["l3_bytes"]},
+        "namespaces": snap["quotas"],
+    }
+
+
+class _Collector:
+    """Reads one snapshot per scrape and turns it into metric families."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily as C
+        from prometheus_client.core import GaugeMetricFamily as G
+
+        try:
+            snap = self.metrics.daemon.call(self.metrics.snapshot, SCRAPE_TIMEOUT_S)
+        except HicachedError:  # stuck or stopping: say so instead of failing the scrape
+            yield G("hicached_up", "1 when the control loop answered this scrape", value=0)
+            return
+        st, tier = snap["stats"], snap["stats"]["l3_tier"]
+        yield G("hicached_up", "1 when the control loop answered this scrape", value=1)
+        yield G("hicached_draining", "1 while shutting down", value=int(snap["draining"]))
+
+        def labeled(cls, name, doc, labels, items):
+            fam = cls(name, doc, labels=labels)
+            for key, value in items:
+                fam.add_metric(list(key) if isinstance(key, tuple) else [key], value)
+            return fam
+
+        yield labeled(C, "hicached_requests", "Requests answered, per op and outcome "
+                      "(ok or the error code)", ["op", "outcome"], snap["requests"].items())
+        yield C("hicached_frames", "Frames read from the control socket", value=st["requests"])
+        yield labeled(C, "hicached_hits", "Pages served by gets, per tier and pool",
+                      ["tier", "pool"], snap["hits"].items())
+        yield labeled(C, "hicached_misses", "Pages gets asked for that a tier did not have",
+                      ["tier", "pool"], snap["misses"].items())
+        yield labeled(C, "hicached_exists_keys", "Keys asked by exists calls, per anchor pool",
+                      ["pool"], snap["exists_keys"].items())
+        yield labeled(C, "hicached_exists_hit_pages", "Pages exists answered as hits, per pool",
+                      ["pool"], snap["exists_hits"].items())
+        yield labeled(C, "hicached_bytes_moved", "Page bytes moved, per direction",
+                      ["direction"], [*snap["client_bytes"].items(), *snap["l3_bytes"].items()])
+        yield G("hicached_arena_bytes", "Size of the shared-memory arena",
+                value=snap["arena_bytes"])
+        yield G("hicached_arena_used_bytes", "Arena bytes held by pages", value=st["l2_used_bytes"])
+        yield G("hicached_arena_free_slabs", "Arena slabs not given to any page size",
+                value=st["arena_free_slabs"])
+        yield labeled(G, "hicached_l2_pages", "Pages in L2, per pool", ["pool"],
+                      [(p, v["pages"]) for p, v in snap["pools"].items()])
+        yield labeled(G, "hicached_l2_bytes", "Page bytes in L2, per pool", ["pool"],
+                      [(p, v["bytes"]) for p, v in snap["pools"].items()])
+        for key, doc in (("evictions", "L2 pages evicted"),
+                         ("no_space", "Keys a set could not store (arena or quota full)"),
+                         ("expired_leases", "Leases released by their TTL"),
+                         ("expired_reservations", "Reservations freed by their TTL"),
+                         ("get_wait_timeouts", "Gets answered before their L3 loads finished")):
+            yield C(f"hicached_{key}", doc, value=st[key])
+        for key, doc in (("sessions", "Connected clients"), ("leases", "Leases held"),
+                         ("reservations", "Reservations open"),
+                         ("parked_gets", "Gets waiting for L3 loads")):
+            yield G(f"hicached_{key}", doc, value=st[key])
+        yield from self._l3(tier, C, G)
+        yield from self._quotas(snap["quotas"], C, G)
+
+    @staticmethod
+    def _l3(tier: dict, C, G):
+        info = G("hicached_l3_backend_info", "The L3 backend and write policy",
+                 labels=["backend", "write_policy"])
+        info.add_metric([tier["backend"], tier["write_policy"]], 1)
+        yield info
+        yield G("hicached_l3_attached", "1 when an L3 backend is attached",
+                value=int(tier["attached"]))
+        yield G("hicached_l3_degraded", "1 while the L3 backend fails (answered as misses)",
+                value=int(tier["degraded"]))
+        for key in ("dirty_pages", "loading_pages", "jobs_in_flight"):
+            yield G(f"hicached_l3_{key}", f"L3 tier: {key.replace('_', ' ')}", value=tier[key])
+        skip = {"backend", "attached", "degraded", "write_policy", "write_through_threshold",
+                "prefetch", "dirty_pages", "loading_pages", "jobs_in_flight"}
+        for key, value in tier.items():  # the tier's counters (l3_errors, l3_loads, ...)
+            if key not in skip and isinstance(value, int) and not isinstance(value, bool):
+                name = key if key.startswith("l3_") else f"l3_{key}"
+                yield C(f"hicached_{name}", f"L3 tier counter {key}", value=value)
+
+    @staticmethod
+    def _quotas(quotas: list[dict], C, G):
+        fams = {
+            "used_bytes": G("hicached_namespace_l2_bytes", "L2 bytes a namespace with a quota "
+                            "holds", labels=["namespace"]),
+            "quota_bytes": G("hicached_namespace_l2_quota_bytes", "L2 quota of a namespace",
+                             labels=["namespace"]),
+            "evictions": C("hicached_namespace_quota_evictions", "Pages a namespace evicted "
+                           "from its own LRU to stay within its quota", labels=["namespace"]),
+            "rejections": C("hicached_namespace_quota_rejections", "Keys refused (no space) "
+                            "because a namespace's quota was full of pinned pages",
+                            labels=["namespace"]),
+        }
+        for q in quotas:
+            for key, fam in fams.items():
+                fam.add_metric([q["namespace"]], q[key])
+        yield from fams.values()
+
+
+def make_metrics(daemon, enabled: bool) -> NullMetrics:
+    return Metrics(daemon) if enabled else NullMetrics()

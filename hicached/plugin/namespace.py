@@ -1,0 +1,127 @@
+"""The daemon namespace of one SGLang rank, and which pools it shares with other TP ranks.
+
+SGLang hands a storage backend bare page hashes (SHA-256 chains over token ids). Scoping them is
+the backend's job: two engines must share a page exactly when its bytes would be identical. The
+namespace (fixed at the handshake; the daemon keys every table by it) therefore names everything
+that shapes a page's bytes and nothing else:
+
+    sglang|model=<served name>|rev=<revision>|kv=<dtype>|page=<tokens>|layout=<host layout>
+          |tp=<rank>of<size> (or tp=replicated)|pp=<rank>of<size>|cp=<rank>of<size>[|salt=<salt>]
+
+  model    ``HiCacheStorageConfig.model_name`` (SGLang appends the host pool's storage-format tag),
+           or extra_config ``model_name``
+  rev      extra_config ``model_revision`` (SGLang does not know the weights revision)
+  kv       dtype of the KV host pool; page: tokens per page; layout: the KV host pool's layout
+           (layer_first / page_first / page_first_direct lay a page's bytes out differently)
+  tp       rank-sharded KV (MHA heads split across TP): one namespace per TP rank.
+           Rank-replicated KV (``is_mla_model``: MLA, DeepSeek V4): ``replicated``, shared by every
+           TP rank (and every TP size), as in SGLang's file backend; under decode context
+           parallelism (dcp_size > 1) the DCP shard, TP size and logical page size are added
+  pp, cp   pipeline stage and attention context-parallel rank: disjoint layers / token slices
+  salt     extra_config ``namespace_salt``: a deployment-wide tenant boundary
+           (per-request ``cache_salt`` / ``extra_key`` need nothing here: since SGLang's
+           namespace-seed change (PR #38577) the first page hash of such a chain is seeded with
+           ``storage_namespace_seed(extra_key, cache_salt)``, so their keys already differ)
+
+DP-attention ranks are left out on purpose: the same prefix has the same KV on every DP replica.
+
+Rank-sharded pools inside a replicated namespace: with MLA the KV (and the DSA indexer, SWA) are
+identical on every TP rank, but Mamba states are split across TP ranks. Those pools get the rank
+in their wire name (``mamba@tp0of2``), so one namespace and one daemon session hold both and a
+multi-pool commit stays atomic. ``is_writer`` (SGLang's ``is_storage_writer``: TP rank 0, or the
+DCP rank's writer) is the only rank that writes the replicated pools; every rank writes its own
+rank-sharded pools, as SGLang's ``HybridCacheController.should_backup`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Pools whose contents differ per TP rank even when the KV is rank-replicated (SGLang's
+# should_backup and HiCacheFile's tp_config_suffix agree: only Mamba).
+RANK_SHARDED_POOLS = frozenset({"mamba"})
+
+
+@dataclass(frozen=True)
+class RankNamespace:
+    """What one rank's plugin sends to the daemon. See the module docstring."""
+
+    namespace: str
+    rank_tag: str  # "@tp0of2" in replicated namespaces, "" otherwise
+    replicated: bool
+    is_writer: bool
+
+    def wire_pool(self, pool: str) -> str:
+        """Pool name as the daemon sees it (rank-sharded pools carry the rank if replicated)."""
+        if self.replicated and pool in RANK_SHARDED_POOLS:
+            return pool + self.rank_tag
+        return pool
+
+    def writes(self, pool: str) -> bool:
+        """Whether this rank stores ``pool`` (non-writers skip the replicated pools)."""
+        return self.is_writer or (self.replicated and pool in RANK_SHARDED_POOLS)
+
+
+def _clean(value: Any) -> str:
+    """A namespace component: no separators, no surrounding space."""
+    return str(value).strip().replace("|", "/").replace("=", ":")
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``bfloat16``; anything else as its string."""
+    return str(dtype).removeprefix("torch.") if dtype is not None else "unknown"
+
+
+def build_namespace(storage_config: Any, kv_pool: Any, *, model_name: str = "",
+                    model_revision: str = "", namespace_salt: str = "") -> RankNamespace:
+    """The namespace of this rank from SGLang's ``HiCacheStorageConfig`` and its KV host pool.
+
+    Fields newer SGLang added (dcp_*, logical_page_size, is_storage_writer, attn_cp_*) are read
+    with defaults, so older configs work too.
+    """
+    cfg = storage_config
+    model = model_name or getattr(cfg, "model_name", None) or ""
+    if not model:
+        log.warning("hicached: SGLang gave no model name and extra_config has no model_name; "
+                    "pages are only separated from other unnamed models by their geometry")
+        model = "unnamed"
+    tp_rank, tp_size = int(getattr(cfg, "tp_rank", 0)), int(getattr(cfg, "tp_size", 1))
+    pp_rank, pp_size = int(getattr(cfg, "pp_rank", 0)), int(getattr(cfg, "pp_size", 1))
+    cp_rank = int(getattr(cfg, "attn_cp_rank", 0) or 0)
+    cp_size = int(getattr(cfg, "attn_cp_size", 1) or 1)
+    dcp_rank = int(getattr(cfg, "dcp_rank", 0) or 0)
+    dcp_size = int(getattr(cfg, "dcp_size", 1) or 1)
+    replicated = bool(getattr(cfg, "is_mla_model", False))
+    writer = getattr(cfg, "is_storage_writer", None)
+    if not isinstance(writer, bool):  # older SGLang: TP rank 0 writes MLA
+        writer = not replicated or tp_rank == 0
+    if getattr(cfg, "should_split_heads", False):
+        log.warning("hicached: heterogeneous-TP head splitting (tp_lcm_size) is not supported; "
+                    "pages stay per TP rank, so ranks of different TP sizes share nothing")
+
+    rank = f"tp{tp_rank}of{tp_size}"
+    if replicated:
+        tp_part = "replicated"
+        if dcp_size > 1:
+            page = getattr(cfg, "logical_page_size", None)
+            tp_part += f",dcp{dcp_rank}of{dcp_size},tp{tp_size},lp{page}"
+    else:
+        tp_part = rank
+    parts = [
+        "sglang",
+        f"model={_clean(model)}",
+        f"rev={_clean(model_revision)}",
+        f"kv={dtype_name(getattr(kv_pool, 'dtype', None))}",
+        f"page={int(getattr(kv_pool, 'page_size', 1))}",
+        f"layout={_clean(getattr(kv_pool, 'layout', 'unknown'))}",
+        f"tp={tp_part}",
+        f"pp={pp_rank}of{pp_size}",
+        f"cp={cp_rank}of{cp_size}",
+    ]
+    if namespace_salt:
+        parts.append(f"salt={_clean(namespace_salt)}")
+    return RankNamespace("|".join(parts), f"@{rank}" if replicated else "", replicated, writer)

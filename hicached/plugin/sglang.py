@@ -1,0 +1,487 @@
+"""SGLang HiCache L3 storage backend backed by the node's hicached daemon.
+
+Enable it with SGLang's dynamic backend loader (``cls(storage_config, {})`` is how it is built):
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "hicached",
+        "module_path": "hicached.plugin.sglang", "class_name": "HicachedStorage",
+        "endpoint": "ipc:///run/hicached/hicached.sock", "interface_v1": 1}'
+
+(or ``'@/path/conf.json|.toml|.yaml'``). extra_config keys read here (``PluginSettings``):
+``endpoint`` (default ``ipc://<runtime dir>/hicached.sock``; ``socket`` = a path also works),
+``timeout_s`` (6.0: a daemon slower than this is a miss; a little over the daemon's own bound on
+waiting for L3 loads, ``get_wait_s`` = 5 s, so that answer comes first), ``retry_interval_s`` (1.0:
+how long a failed connect is not retried), ``model_name``, ``model_revision``, ``namespace_salt`` (see
+``namespace.py``), ``clear_tier`` ("all" | "l2" | "none": what ``clear()`` flushes, node-wide).
+SGLang itself reads ``interface_v1`` (1: KV through ``batch_get_v1``/``batch_set_v1``, one copy
+per page; otherwise the generic ``batch_get``/``batch_set`` with a staging page, two copies) and
+``allocator``.
+
+Which SGLang call does what (every call goes to one thread-safe ``hicached.Client``):
+
+    register_mem_pool_host / register_mem_host_pool_v2   remember the pool; KV fixes the namespace
+    on_host_pools_registered                             connect + register the pools (eager)
+    exists / batch_exists                                KV prefix length
+    batch_exists_v2                                      restorable prefix over every pool
+    batch_get_v1 / batch_set_v1                          KV pages <-> the registered KV host pool
+    get / batch_get / set / batch_set                    KV pages <-> flat page tensors (v0)
+    batch_get_v2 / batch_set_v2                          kv, mamba, indexer (DSA), swa pools
+    clear / get_stats / close                            flush, counters + metrics, disconnect
+
+Failure behaviour: the I/O methods never raise. A daemon that is down, restarting or slower than
+``timeout_s`` answers a miss (False / 0 / None); the first failure of an episode is logged, every
+one counted (``get_stats().counters``); the client reconnects on its own (a restarted daemon is
+re-joined, pools registered again). Pools other than kv/mamba/indexer/swa, pools whose
+registration failed and ``BLOCK_GROUPS`` queries answer misses. Writes of replicated pools on a
+non-writer MLA rank are skipped and reported stored (the writer rank stores them).
+
+``"allocator": "shm"``: SGLang then allocates the host pools as memfd shared memory. hicached has
+no use for that: this plugin runs inside the engine process and already copies straight between
+the host pool's own memory (its tensors or ``get_page_buffer_meta`` pointers) and the daemon's
+arena, one memcpy per page. Mapping the engine's pool into the daemon would save a copy only if
+the daemon read/wrote L3 from engine memory, bypassing the node-wide L2 that lets other engines
+and restarts hit; and SGLang's memfds have no path, so the daemon could only get them by fd
+passing, which the ZeroMQ control socket cannot do. The setting is accepted and logged.
+
+Without SGLang installed the module still imports and ``HicachedStorage`` is a plain class with
+the same methods (for engines that mimic SGLang's calls); with SGLang installed it subclasses
+SGLang's ``HiCacheStorage`` ABC (imported through ``_sglang_compat`` when SGLang is not loaded),
+which SGLang's factory requires. Result types are SGLang's (``PoolTransferResult``) when present.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from hicached.client import Client
+from hicached.config import default_runtime_dir
+from hicached.errors import DaemonUnavailable, HicachedError, UnknownPool
+from hicached.plugin._sglang_compat import import_sglang
+from hicached.plugin.health import PluginHealth
+from hicached.plugin.namespace import RankNamespace, build_namespace
+from hicached.types import PoolTransfer
+from hicached.types import PoolTransferResult as _OwnResult
+
+_hs = import_sglang()
+_Base: type = _hs.HiCacheStorage if _hs is not None else object
+_Result: type = _hs.PoolTransferResult if _hs is not None else _OwnResult
+_RESULT_HAS_RESTORABLE = any(f.name == "restorable_prefix_pages"
+                             for f in dataclasses.fields(_Result))
+
+SUPPORTED_POOLS = ("kv", "mamba", "indexer", "swa")
+POLICIES = ("all_pages", "trailing_pages")
+CLEAR_TIERS = ("all", "l2", "none")
+T = TypeVar("T")
+
+
+def _value(x: Any) -> str:
+    """The plain string of a pool name / hit policy (SGLang's str enums or strings)."""
+    return str(getattr(x, "value", x))
+
+
+def _result(kv_hit_pages: int, hits: dict[str, int], restorable: list[int]) -> Any:
+    """SGLang's ``PoolTransferResult`` (``restorable_prefix_pages`` only where it exists)."""
+    if _RESULT_HAS_RESTORABLE:
+        return _Result(kv_hit_pages, hits, restorable)
+    return _Result(kv_hit_pages, hits)
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The extra_config keys this plugin reads (see the module docstring)."""
+
+    endpoint: str
+    timeout_s: float = 6.0
+    retry_interval_s: float = 1.0
+    model_name: str = ""
+    model_revision: str = ""
+    namespace_salt: str = ""
+    clear_tier: str = "all"
+    allocator: str = ""
+
+    @classmethod
+    def from_extra_config(cls, extra: dict | None) -> PluginSettings:
+        """Validated settings; raises ValueError naming the bad key (SGLang fails the attach)."""
+        extra = dict(extra or {})
+        endpoint = extra.get("endpoint") or ""
+        if not endpoint and extra.get("socket"):
+            endpoint = f"ipc://{extra['socket']}"
+        endpoint = endpoint or f"ipc://{default_runtime_dir()}/hicached.sock"
+        if not isinstance(endpoint, str) or not endpoint.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"hicached extra_config endpoint must start with ipc:// or tcp://, "
+                             f"got {endpoint!r}")
+        out: dict[str, Any] = {"endpoint": endpoint}
+        for key in ("timeout_s", "retry_interval_s"):
+            if key in extra:
+                value = extra[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                    raise ValueError(f"hicached extra_config {key} must be a number > 0, "
+                                     f"got {value!r}")
+                out[key] = float(value)
+        for key in ("model_name", "model_revision", "namespace_salt", "allocator"):
+            if extra.get(key) is not None:
+                out[key] = str(extra[key])
+        tier = extra.get("clear_tier", "all")
+        if tier not in CLEAR_TIERS:
+            raise ValueError(f"hicached extra_config clear_tier must be one of {CLEAR_TIERS}, "
+                             f"got {tier!r}")
+        out["clear_tier"] = tier
+        return cls(**out)
+
+
+class HicachedStorage(_Base):
+    """SGLang ``HiCacheStorage`` over a hicached daemon. Thread-safe; I/O methods never raise."""
+
+    def __init__(self, storage_config: Any, kwargs: dict | None = None):
+        self.storage_config = storage_config
+        self.settings = PluginSettings.from_extra_config(getattr(storage_config, "extra_config",
+                                                                 None))
+        tp_rank = getattr(storage_config, "tp_rank", 0)
+        self.name = f"hicached plugin (tp{tp_rank})"
+        self._health = PluginHealth(self.name, bool(getattr(storage_config,
+                                                            "enable_storage_metrics", False)))
+        self.mem_pool_host: Any = None
+        self.registered_pools: dict[Any, Any] = {}
+        self.namespace: RankNamespace | None = None
+        self._pools: dict[str, Any] = {}  # SGLang pool value -> host pool
+        self._pending: set[str] = set()  # pools not registered with the current client yet
+        self._broken: dict[str, str] = {}  # pools whose registration failed -> why
+        self._client: Client | None = None
+        self._retry_at = 0.0
+        self._closed = False
+        self._lock = threading.Lock()  # pools, namespace, client creation and registration
+        if self.settings.allocator == "shm":
+            self._health.warn_once("shm", f"{self.name}: allocator 'shm' accepted; hicached "
+                                   "copies from the host pool in-process either way (see "
+                                   "hicached.plugin.sglang)", level=logging.INFO)
+
+    # ------------------------------------------------------------ registration
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The anchor KV host pool (called first, right after construction)."""
+        self.mem_pool_host = mem_pool_host
+        self._add_pool("kv", mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Every pool of the host pool group (KV again, then sidecars; later dynamic ones)."""
+        self.registered_pools[host_pool_name] = host_pool
+        self._add_pool(_value(host_pool_name), host_pool)
+
+    def _add_pool(self, name: str, pool: Any) -> None:
+        if name not in SUPPORTED_POOLS:
+            self._health.warn_once(f"pool:{name}", f"{self.name}: pool {name!r} is not served "
+                                   f"by hicached (served: {SUPPORTED_POOLS}); its pages miss",
+                                   level=logging.INFO)
+            return
+        with self._lock:
+            if self._pools.get(name) is pool:
+                return
+            self._pools[name] = pool
+            self._broken.pop(name, None)
+            self._pending.add(name)
+            if name == "kv":
+                ns = build_namespace(self.storage_config, pool,
+                                     model_name=self.settings.model_name,
+                                     model_revision=self.settings.model_revision,
+                                     namespace_salt=self.settings.namespace_salt)
+                if self.namespace is not None and ns != self.namespace and self._client:
+                    self._client.close()  # the namespace is fixed per session: start over
+                    self._client = None
+                    self._pending.update(self._pools)
+                self.namespace = ns
+
+    def on_host_pools_registered(self) -> None:
+        """Connect now (not on the first request) so problems show at attach. Never raises."""
+        try:
+            self._ensure_client()
+        except DaemonUnavailable as e:  # a down daemon must not fail the attach
+            self._health.unavailable("on_host_pools_registered", e)
+        except Exception as e:  # noqa: BLE001 - nor anything else: I/O answers misses
+            self._health.error("on_host_pools_registered", e)
+        else:
+            self._health.warn_once("connected", f"{self.name}: namespace "
+                                   f"{self.namespace.namespace!r} at {self.settings.endpoint}",
+                                   level=logging.INFO)
+
+    # ------------------------------------------------------------ connection
+
+    def _ensure_client(self) -> Client:
+        """The connected client with every pool registered; raises DaemonUnavailable / typed
+        errors (which ``_guard`` turns into misses)."""
+        client = self._client
+        if client is not None and not self._pending:
+            return client
+        with self._lock:
+            if self._closed:
+                raise DaemonUnavailable("the plugin is closed")
+            if self.namespace is None:
+                raise UnknownPool("no KV host pool registered (register_mem_pool_host)")
+            if self._client is None:
+                now = time.monotonic()
+                if now < self._retry_at:
+                    raise DaemonUnavailable(f"not retrying {self.settings.endpoint} for "
+                                            f"{self._retry_at - now:.1f} s")
+                self._retry_at = now + self.settings.retry_interval_s
+                self._client = Client(self.settings.endpoint, self.namespace.namespace,
+                                      timeout_s=self.settings.timeout_s, client_name=self.name)
+                self._pending.update(self._pools)
+            for name in sorted(self._pending):
+                try:
+                    self._client.register_mem_host_pool_v2(self._pools[name],
+                                                           self.namespace.wire_pool(name))
+                except DaemonUnavailable:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a pool hicached cannot take: it misses
+                    self._broken[name] = f"{type(e).__name__}: {e}"
+                    self._health.warn_once(f"register:{name}", f"{self.name}: pool {name!r} "
+                                           f"cannot be registered ({self._broken[name]}); its "
+                                           "pages miss")
+                self._pending.discard(name)
+            return self._client
+
+    def _usable(self, name: str) -> bool:
+        """Registered (with a KV pool, so a namespace) and accepted by the daemon."""
+        return self.namespace is not None and name in self._pools and name not in self._broken
+
+    def _guard(self, op: str, miss: Callable[[], T], fn: Callable[[Client], T]) -> T:
+        """Run ``fn(client)``; any failure is counted and answered with ``miss()``."""
+        try:
+            result = fn(self._ensure_client())
+        except DaemonUnavailable as e:
+            self._health.unavailable(op, e)
+            return miss()
+        except Exception as e:  # noqa: BLE001 - I/O methods answer misses, never raise
+            self._health.error(op, e)
+            return miss()
+        self._health.ok()
+        return result
+
+    def _sample(self, client: Client, kind: str, wire: str, pages: int, t0: float) -> None:
+        if self._health.record_metrics and pages:
+            nbytes = pages * client._io(wire).page_bytes
+            self._health.sample(kind, pages, nbytes, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------ exists
+
+    def exists(self, key: str) -> bool:
+        """Whether the KV page of ``key`` is stored."""
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """Number of leading keys whose KV page is stored (0 when the daemon is unavailable)."""
+        keys = list(keys)
+        if not keys:
+            return 0
+
+        def run(client: Client) -> int:
+            n = client.batch_exists(keys)
+            self._health.add(calls=1, exists_pages=len(keys), hit_pages=n)
+            return n
+
+        return self._guard("batch_exists", lambda: 0, run)
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None,
+                        extra_info: Any = None) -> Any:
+        """SGLang's hit semantics over every pool (hicached.hits): ``kv_hit_pages`` = the
+        largest prefix all pools can restore, per-pool hits, ``restorable_prefix_pages``."""
+        keys = list(keys)
+        if not keys:
+            return _result(0, {}, [])
+        transfers = list(pool_transfers or ())
+
+        def run(client: Client) -> Any:
+            queries, miss_all = [], False
+            for t in transfers:
+                name, policy = _value(t.name), _value(t.hit_policy)
+                if name == "kv":
+                    continue  # the anchor itself: an ALL_PAGES KV query adds nothing
+                if not self._usable(name) or policy not in POLICIES:
+                    miss_all = True  # this pool restores nothing, so no prefix is restorable
+                    self._health.warn_once(f"exists:{name}:{policy}", f"{self.name}: exists "
+                                           f"query for pool {name!r} ({policy}) answers a miss")
+                    continue
+                queries.append(PoolTransfer(self.namespace.wire_pool(name),
+                                            keys=list(t.keys or ()), hit_policy=policy))
+            res = client.batch_exists_v2(keys, queries)
+            hits = {wire.split("@")[0]: n for wire, n in res.extra_pool_hit_pages.items()}
+            final, restorable = res.kv_hit_pages, list(res.restorable_prefix_pages or [])
+            if miss_all:
+                final, restorable = 0, []
+            self._health.add(calls=1, exists_pages=len(keys), hit_pages=final)
+            return _result(final, hits, restorable)
+
+        return self._guard("batch_exists_v2", lambda: _result(0, {}, []), run)
+
+    # ------------------------------------------------------------ KV: v1 (zero-copy) path
+
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None
+                     ) -> list[bool]:
+        """Load KV pages into the registered KV host pool at ``host_indices``."""
+        return self.batch_get_v2([PoolTransfer("kv", host_indices, keys=list(keys))])["kv"]
+
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None
+                     ) -> list[bool]:
+        """Store KV pages from the registered KV host pool at ``host_indices``."""
+        return self.batch_set_v2([PoolTransfer("kv", host_indices, keys=list(keys))])["kv"]
+
+    # ------------------------------------------------------------ KV: generic (v0) path
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        """One KV page into ``target_location`` (a flat page tensor); None on a miss."""
+        targets = None if target_location is None else [target_location]
+        return self.batch_get([key], targets)[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[Any]:
+        """KV pages into flat page tensors (SGLang passes ``get_dummy_flat_data_page()`` each);
+        the filled tensor per hit, None per miss."""
+        keys = list(keys)
+        if not keys:
+            return []
+        misses = [None] * len(keys)
+        if not self._usable("kv"):
+            self._health.add(calls=1, unsupported_pool_pages=len(keys))
+            return misses
+
+        def run(client: Client) -> list[Any]:
+            targets = (list(target_locations) if target_locations is not None else
+                       [self._pools["kv"].get_dummy_flat_data_page() for _ in keys])
+            t0 = time.perf_counter()
+            ok = client.batch_get_pages("kv", keys, targets)
+            self._sample(client, "prefetch", "kv", sum(ok), t0)
+            self._health.add(calls=1, read_pages=len(keys), read_hit_pages=sum(ok))
+            return [t if hit else None for t, hit in zip(targets, ok, strict=True)]
+
+        return self._guard("batch_get", lambda: misses, run)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        """Store one flat KV page."""
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Store flat KV pages (``get_data_page(i)`` each); True when all are stored."""
+        keys = list(keys)
+        if not keys:
+            return True
+        if self.namespace is not None and not self.namespace.writes("kv"):
+            self._health.add(calls=1, skipped_write_pages=len(keys))
+            return True
+        if not self._usable("kv") or values is None:
+            self._health.add(calls=1, unsupported_pool_pages=len(keys))
+            return False
+
+        def run(client: Client) -> bool:
+            t0 = time.perf_counter()
+            ok = client.batch_set_pages("kv", keys, list(values))
+            self._sample(client, "backup", "kv", sum(ok), t0)
+            self._health.add(calls=1, write_pages=len(keys), written_pages=sum(ok))
+            return all(ok)
+
+        return self._guard("batch_set", lambda: False, run)
+
+    # ------------------------------------------------------------ v2: every pool
+
+    def _split(self, transfers: list[Any], writing: bool
+               ) -> tuple[dict[Any, list[bool]], list[tuple[Any, PoolTransfer]]]:
+        """Answer what needs no daemon (unknown pools, bad indices, skipped writes) and build
+        the daemon transfers (wire pool names) for the rest."""
+        done: dict[Any, list[bool]] = {}
+        todo: list[tuple[Any, PoolTransfer]] = []
+        for t in transfers:
+            name, keys = _value(t.name), list(t.keys or ())
+            if not keys:
+                done[t.name] = []
+            elif writing and self.namespace is not None and not self.namespace.writes(name):
+                done[t.name] = [True] * len(keys)
+                self._health.add(skipped_write_pages=len(keys))
+            elif not self._usable(name):
+                done[t.name] = [False] * len(keys)
+                self._health.add(unsupported_pool_pages=len(keys))
+            else:
+                page_size = int(getattr(self._pools[name], "page_size", 1) or 1)
+                n = 0 if t.host_indices is None else len(t.host_indices)
+                if n != len(keys) * page_size:
+                    self._health.warn_once(f"indices:{name}", f"{self.name}: pool {name!r}: "
+                                           f"{len(keys)} keys need {len(keys) * page_size} host "
+                                           f"indices, got {n}; answering misses")
+                    done[t.name] = [False] * len(keys)
+                else:
+                    wire = self.namespace.wire_pool(name)
+                    todo.append((t.name, PoolTransfer(wire, t.host_indices, keys=keys)))
+        return done, todo
+
+    def _batch_v2(self, transfers: list[Any], writing: bool) -> dict[Any, list[bool]]:
+        done, todo = self._split(list(transfers), writing)
+        if not todo:
+            if transfers:
+                self._health.add(calls=1)
+            return done
+        op, kind = ("batch_set_v2", "backup") if writing else ("batch_get_v2", "prefetch")
+
+        def run(client: Client) -> dict[str, list[bool]]:
+            t0 = time.perf_counter()
+            calls = [pt for _, pt in todo]
+            got = client.batch_set_v2(calls) if writing else client.batch_get_v2(calls)
+            pages = sum(len(pt.keys) for pt in calls)
+            ok = sum(sum(row) for row in got.values())
+            for pt in calls:
+                self._sample(client, kind, pt.name, sum(got[pt.name]), t0)
+            if writing:
+                self._health.add(calls=1, write_pages=pages, written_pages=ok)
+            else:
+                self._health.add(calls=1, read_pages=pages, read_hit_pages=ok)
+            return got
+
+        got = self._guard(op, lambda: {pt.name: [False] * len(pt.keys) for _, pt in todo}, run)
+        for key, pt in todo:
+            done[key] = got[pt.name]
+        return done
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None
+                     ) -> dict[Any, list[bool]]:
+        """Load each transfer's pages into its registered host pool; one bool per key."""
+        return self._batch_v2(transfers, writing=False)
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None
+                     ) -> dict[Any, list[bool]]:
+        """Store each transfer's pages, all pools of the call published at once."""
+        return self._batch_v2(transfers, writing=True)
+
+    # ------------------------------------------------------------ admin
+
+    def clear(self) -> bool:
+        """SGLang's "clear storage": flush ``clear_tier`` of the daemon (node-wide, like
+        HiCacheFile's clear of its whole directory). Never raises; False when not done."""
+        if self.settings.clear_tier == "none":
+            self._health.warn_once("clear", f"{self.name}: clear() ignored (clear_tier none)")
+            return False
+
+        def run(client: Client) -> bool:
+            client.flush(self.settings.clear_tier)
+            return True
+
+        return self._guard("clear", lambda: False, run)
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` (or ``PluginStats``): read/write pages and GB/s per call
+        since the last call (recorded when SGLang enables storage metrics), plus ``counters``."""
+        return self._health.get_stats()
+
+    def close(self) -> None:
+        """Disconnect (idempotent); later calls answer misses."""
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except HicachedError as e:  # already gone: nothing left to release
+                self._health.warn_once("close", f"{self.name}: close: {e}")

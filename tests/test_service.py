@@ -1,0 +1,202 @@
+"""The daemon as a service: the systemd unit, sd_notify (READY / WATCHDOG / STOPPING under a
+test NOTIFY_SOCKET), SIGHUP reload, the SIGTERM drain, and --print-config."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from conftest import wait_until
+from test_daemon import kv_pool, pages
+
+from hicached import protocol as P
+from hicached.errors import ShuttingDown
+from hicached.sdnotify import NullNotifier, SystemdNotifier
+
+UNIT = os.path.join(os.path.dirname(__file__), "..", "configs", "hicached.service")
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is not installed (Debian: apt-get install systemd; "
+                    ".ci/run installs it)")
+def test_systemd_unit_verifies(tmp_path):
+    with open(UNIT) as f:
+        text = f.read()
+    for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "RuntimeDirectory=hicached",
+                 "LimitMEMLOCK=infinity", "NoNewPrivileges=yes", "ProtectSystem=strict",
+                 "PrivateTmp=no", "ExecReload=/bin/kill -HUP $MAINPID"):
+        assert line in text, line
+    # systemd-analyze checks that ExecStart's binary exists: point it at this venv's hicached
+    exe = shutil.which("hicached") or os.path.join(os.path.dirname(sys.executable), "hicached")
+    if not os.access(exe, os.X_OK):
+        exe = sys.executable
+    unit = tmp_path / "hicached.service"
+    unit.write_text(text.replace("/usr/local/bin/hicached", exe))
+    out = subprocess.run(["systemd-analyze", "verify", str(unit)], check=False, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip() == "", out.stderr  # unknown keys / bad values only warn
+
+
+class NotifyListener:
+    """A test NOTIFY_SOCKET: collects the datagrams a daemon sends."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind("\0" + address[1:] if address.startswith("@") else address)
+        self.sock.settimeout(0.1)
+        self.messages: list[str] = []
+
+    def pump(self) -> list[str]:
+        while True:
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except TimeoutError:
+                return self.messages
+
+    def states(self) -> list[str]:
+        """The first line of every message (READY=1, WATCHDOG=1, ...)."""
+        return [m.split("\n")[0] for m in self.pump()]
+
+    def close(self):
+        self.sock.close()
+
+
+def _env(**extra):
+    return {**os.environ, **extra}
+
+
+@pytest.mark.parametrize("abstract", [False, True])
+def test_notify_ready_watchdog_stopping_in_order(make_daemon, tmp_path, abstract):
+    address = f"@hicached-test-{uuid.uuid4().hex[:8]}" if abstract else str(tmp_path / "n.sock")
+    listener = NotifyListener(address)
+    try:
+        d = make_daemon(env=_env(NOTIFY_SOCKET=address, WATCHDOG_USEC="400000"))
+        assert wait_until(lambda: listener.states().count("WATCHDOG=1") >= 3, 10)
+        assert d.stop() == 0
+        states = listener.states()
+        assert states[0] == "READY=1"
+        assert "STATUS=serving" in listener.messages[0]
+        assert states[-1] == "STOPPING=1"
+        assert set(states[1:-1]) == {"WATCHDOG=1"}  # nothing else in between
+        assert len(states) >= 5
+    finally:
+        listener.close()
+
+
+def test_watchdog_only_when_asked(make_daemon, tmp_path):
+    listener = NotifyListener(str(tmp_path / "n.sock"))
+    try:  # WATCHDOG_PID names another process: the watchdog is not ours to feed
+        d = make_daemon(env=_env(NOTIFY_SOCKET=listener.address, WATCHDOG_USEC="200000",
+                                 WATCHDOG_PID="1"))
+        time.sleep(0.6)
+        assert d.stop() == 0
+        assert listener.states() == ["READY=1", "STOPPING=1"]
+    finally:
+        listener.close()
+    assert type(SystemdNotifier.from_env({})) is NullNotifier
+    n = SystemdNotifier.from_env({"NOTIFY_SOCKET": "/nonexistent/sock", "WATCHDOG_USEC": "3e"})
+    assert n.watchdog_interval_s is None and n.ready() is False  # a lost message never raises
+    n.close()
+
+
+def _backend_status(c):
+    return c._call(lambda s, r: P.GetBackend(r)).status
+
+
+def test_sighup_reloads_policy_keys(make_daemon, tmp_path):
+    conf = tmp_path / "h.toml"
+    conf.write_text('write_policy = "write_through"\nget_wait_s = 5.0\n')
+    listener = NotifyListener(str(tmp_path / "n.sock"))
+    try:
+        d = make_daemon(extra=["--config", str(conf)],
+                        env=_env(NOTIFY_SOCKET=listener.address))
+        with d.client() as c:
+            assert _backend_status(c)["write_policy"] == "write_through"
+            conf.write_text('write_policy = "write_through_selective"\n'
+                            'write_through_threshold = 3\nprefetch = false\nget_wait_s = 1.5\n'
+                            'log_level = "debug"\nl2_size = "32MiB"\nio_queue_depth = 8\n'
+                            'namespace_quotas = { "model-a" = "1MiB" }\n')
+            d.proc.send_signal(signal.SIGHUP)
+            assert wait_until(lambda: _backend_status(c)["write_policy"]
+                              == "write_through_selective")
+            st = _backend_status(c)
+            assert st["write_through_threshold"] == 3 and st["prefetch"] is False
+            assert wait_until(lambda: "reloaded:" in d.output())
+            out = d.output()
+            assert "get_wait_s=1.5" in out and "log_level='debug'" in out
+            # l2_size comes from the command line (flags beat the file): unchanged
+            assert "reload: io_queue_depth changed; restart hicached to apply" in out
+            conf.write_text('write_policy = "sometimes"\n')
+            d.proc.send_signal(signal.SIGHUP)
+            assert wait_until(lambda: "reload failed; the running config stays" in d.output())
+            assert "write_policy" in d.output().split("reload failed")[-1]
+            assert _backend_status(c)["write_policy"] == "write_through_selective"
+            c.ping()
+        assert d.stop() == 0
+        assert listener.states() == ["READY=1", "RELOADING=1", "READY=1", "RELOADING=1",
+                                     "READY=1", "STOPPING=1"]
+    finally:
+        listener.close()
+
+
+def test_sigterm_drains_work_in_flight(make_daemon):
+    d = make_daemon()
+    keys = ["drain0", "drain1"]
+    writer, other = d.client(), d.client()
+    try:
+        writer.register_mem_host_pool_v2(kv_pool(seed=4), "kv")
+        res = writer._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", keys)]))
+        assert all(off >= 0 for off in res.offsets[0])
+        d.proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: "draining" in d.output())
+        # new work during the drain: a clean "shutting down", not a timeout
+        with pytest.raises(ShuttingDown, match="shutting down"):
+            other.ping()
+        with pytest.raises(ShuttingDown):
+            other.batch_exists(keys)
+        assert d.proc.poll() is None  # still draining: a reservation is open
+        done = writer._call(lambda s, r: P.Commit(r, s, res.reservation_id, [[True, True]]))
+        assert done.stored == [[True, True]]  # work in flight finishes
+        assert d.proc.wait(20) == 0
+    finally:
+        writer.close()
+        other.close()
+    assert "unfinished" not in d.output()
+    d.start()  # same state dir: the committed pages were written through before exit
+    with d.client() as c:
+        c.register_mem_host_pool_v2(kv_pool(), "kv")
+        assert c.batch_exists(keys) == 2
+        assert c.batch_get_v1(keys, pages(0, 2)) == [True, True]
+
+
+def test_drain_deadline_bounds_a_stalled_client(make_daemon):
+    d = make_daemon(extra=["--drain-timeout-s", "1"])
+    with d.client() as c:
+        c.register_mem_host_pool_v2(kv_pool(), "kv")
+        c._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["stall"])]))  # never committed
+        t = time.monotonic()
+        assert d.stop() == 0
+        assert time.monotonic() - t < 8
+    assert "drain deadline: 1 reservations, 0 waiting gets, 0 L3 jobs unfinished" in d.output()
+
+
+def test_print_config_hides_secrets(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
+    env["HICACHED_CLIENT_TOKEN"] = "token-from-env"
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached.cli", "serve", "--print-config", "--state-dir",
+         str(tmp_path), "--admin-port", "8470", "--admin-api-key", "key-from-flag",
+         "--namespace-quotas", '{"model-a": "1GiB"}'],
+        check=False, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "key-from-flag" not in out.stdout and "token-from-env" not in out.stdout
+    assert "admin_api_key = '<set>'" in out.stdout and "client_token = '<set>'" in out.stdout
+    assert "admin_port = 8470" in out.stdout and "socket_mode = '0o600'" in out.stdout
+    assert "namespace_quotas = {'model-a': 1073741824}" in out.stdout

@@ -1,0 +1,284 @@
+"""L3 benchmark: a store used directly vs the same pages through a daemon, in one run.
+
+Section ``mooncake`` starts its own ``mooncake_master`` and a segment provider process (so every
+page crosses Mooncake's TCP transport on loopback: the shape of a remote L3 tier), then a daemon
+with ``--l3-backend mooncake`` that contributes no memory itself. The daemon stores 64 pages of
+1 MiB (batch_set_v2, written through to Mooncake). Then, interleaved in every repetition (this
+VM's speed drifts by 2x within seconds, so the figures are taken side by side):
+  direct    a plain Mooncake client: batch_get_into of the *same objects* into a registered buffer
+  L2 cold   flush the daemon's L2, then batch_get_v2: Mooncake -> arena (zero-copy) -> host pool
+  L2 hit    batch_get_v2 again: arena -> host pool only
+plus batch_put_from of the same bytes under fresh keys (direct put). Target: L2 cold >= 0.95 x
+direct (the daemon adds one memcpy and two control round trips per call).
+
+    python tools/bench_l3.py [--reps 10] [--json]     (needs pip install 'hicached[mooncake]')
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+
+from hicached import Client, HostPool, PoolTransfer
+from hicached.arena import Arena
+from hicached.backends.mooncake import object_key
+from hicached.controller import namespace_digest
+from hicached.errors import DaemonUnavailable
+
+PAGES, PAGE_SIZE, LAYERS, KV_DIM = 64, 64, 16, 512  # MLA bf16: 64*16*512*2 = 1 MiB a page
+NAMESPACE = "bench-l3-mla-1mib"
+SEGMENT = 512 * 2**20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gbps(nbytes: int, seconds: list[float]) -> dict:
+    rates = [nbytes / s / 1e9 for s in seconds]
+    return {"median": statistics.median(rates), "best": max(rates)}
+
+
+def wait_for(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class Procs:
+    """Background processes of one section, stopped by PID (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, logdir: str):
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        with open(os.path.join(self.logdir, f"{name}.log"), "ab") as log:
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+# ---------------------------------------------------------------- mooncake
+
+
+def mooncake_store(master: str, segment: int):
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", segment, 16 * 2**20, "tcp", "", master)
+    if rc != 0:
+        raise SystemExit(f"Mooncake setup() returned {rc}")
+    return s
+
+
+# The segment provider, run as ``python -c PROVIDER master segment_bytes`` (no torch import):
+# mount the segment, say ready, close on SIGTERM.
+PROVIDER = """
+import os, signal, sys, time
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+rc = s.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "", sys.argv[1])
+if rc != 0:
+    sys.exit(f"setup() returned {rc}")
+signal.signal(signal.SIGTERM, lambda *_: (s.close(), os._exit(0)))
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def start_master_and_provider(procs: Procs) -> str:
+    import mooncake
+
+    port = free_port()
+    procs.start("master", [os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master"),
+                           f"--rpc_port={port}", "--rpc_address=127.0.0.1",
+                           f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1"])
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return True
+        except OSError:
+            return False
+
+    wait_for(listening, 30, "mooncake_master")
+    master = f"127.0.0.1:{port}"
+    procs.start("provider", [sys.executable, "-c", PROVIDER, master, str(SEGMENT)])
+    log = pathlib.Path(procs.logdir, "provider.log")
+    wait_for(lambda: b"ready" in log.read_bytes(), 60, "the segment provider")
+    return master
+
+
+def start_daemon(procs: Procs, master: str) -> str:
+    endpoint = f"ipc://{procs.logdir}/bench.sock"
+    opts = {"master_server_address": master, "global_segment_size": 0,
+            "local_buffer_size": "16MiB", "local_hostname": "127.0.0.1", "timeout_s": 10}
+    procs.start("daemon", [sys.executable, "-m", "hicached.cli", "serve", "--endpoint", endpoint,
+                           "--l2-size", "512MiB", "--state-dir", f"{procs.logdir}/state",
+                           "--l3-backend", "mooncake", "--l3-options", json.dumps(opts),
+                           "--log-level", "warning"])
+
+    def up() -> bool:
+        try:
+            with Client(endpoint, "probe", timeout_s=1.0) as c:
+                c.ping()
+            return True
+        except DaemonUnavailable:
+            return False
+
+    wait_for(up, 60, "the daemon")
+    return endpoint
+
+
+def bench_mooncake(reps: int) -> dict:
+    """Direct Mooncake vs the same pages through a daemon (L2 cold) vs an L2 hit."""
+    logdir = tempfile.mkdtemp(prefix="bench-l3-")
+    procs = Procs(logdir)
+    direct = buf = None
+    try:
+        master = start_master_and_provider(procs)
+        endpoint = start_daemon(procs, master)
+        with Client(endpoint, NAMESPACE) as c:
+            src = HostPool.allocate_mla(PAGES, PAGE_SIZE, LAYERS, KV_DIM, dtype=torch.bfloat16)
+            src.kv_buffer.normal_()
+            dst = HostPool.allocate_mla(PAGES, PAGE_SIZE, LAYERS, KV_DIM, dtype=torch.bfloat16)
+            dst.kv_buffer.fill_(1)  # fault in
+            page_bytes = src.page_bytes
+            nbytes = PAGES * page_bytes
+            keys = [f"page-{i}" for i in range(PAGES)]
+            idx = torch.arange(PAGES * PAGE_SIZE)
+            c.register_mem_host_pool_v2(src, "kv")
+            t = time.perf_counter()
+            assert all(c.batch_set_v2([PoolTransfer("kv", idx, keys=keys)])["kv"])
+            wait_for(lambda: c.stats()["l3_writes"] >= PAGES, 120, "the write-through")
+            write_through_s = time.perf_counter() - t
+            c.register_mem_host_pool_v2(dst, "kv")
+
+            # the direct client reads the very objects the daemon wrote
+            direct = mooncake_store(master, 0)
+            buf = Arena.create(f"/dev/shm/bench-l3-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                               2 * nbytes)
+            buf.tensor.fill_(0)
+            base = buf.tensor.data_ptr()
+            assert direct.register_buffer(base, buf.size_bytes) == 0
+            ns = namespace_digest(NAMESPACE)
+            names = [object_key("hicached", ns, "kv", k) for k in keys]
+            get_ptrs = [base + i * page_bytes for i in range(PAGES)]
+            put_ptrs = [base + nbytes + i * page_bytes for i in range(PAGES)]
+            sizes = [page_bytes] * PAGES
+
+            times: dict[str, list[float]] = {"direct_put": [], "direct_get": [], "l2_cold": [],
+                                             "l2_hit": []}
+            for rep in range(reps + 1):  # rep 0 warms up
+                fresh = [f"bench-direct/{rep}/{i}" for i in range(PAGES)]
+                t = time.perf_counter()
+                rcs = direct.batch_put_from(fresh, put_ptrs, sizes)
+                put_s = time.perf_counter() - t
+                assert rcs == [0] * PAGES, rcs
+                direct.remove_by_regex("^bench-direct/", True)
+
+                c.flush("l2")
+                st0 = c.stats()
+                assert st0["l2_pages"] == 0, {k: st0[k] for k in ("l2_pages", "leases", "parked_gets", "l3_tier")}
+                t = time.perf_counter()
+                rcs = direct.batch_get_into(names, get_ptrs, sizes)
+                get_s = time.perf_counter() - t
+                assert rcs == sizes, rcs
+
+                t = time.perf_counter()
+                res = c.batch_get_v2([PoolTransfer("kv", idx, keys=keys)])
+                cold_s = time.perf_counter() - t
+                assert all(res["kv"]), res
+
+                t = time.perf_counter()
+                res = c.batch_get_v2([PoolTransfer("kv", idx, keys=keys)])
+                hit_s = time.perf_counter() - t
+                assert all(res["kv"]), res
+                if rep:
+                    for k, v in zip(times, (put_s, get_s, cold_s, hit_s)):
+                        times[k].append(v)
+            assert torch.equal(dst.kv_buffer, src.kv_buffer), "the daemon returned other bytes"
+            flat = src.kv_buffer.view(torch.uint8).reshape(-1)
+            assert torch.equal(buf.tensor[:nbytes], flat), "the direct get returned other bytes"
+            st = c.stats()
+            # the backend's own time in batch_get_into, over the same loads (warm-up included)
+            l3 = st["l3"]
+            backend_get = l3["get_bytes"] / l3["get_s"] / 1e9 if l3["get_s"] else 0.0
+        out = {k: gbps(nbytes, v) for k, v in times.items()}
+        out.update(bytes_per_call=nbytes, page_bytes=page_bytes, reps=reps,
+                   write_through_s=write_through_s, l3_loads=st["l3_loads"],
+                   daemon_l3_stats=l3, logs=logdir, backend_get_gbps_mean=backend_get,
+                   cold_over_direct=out["l2_cold"]["median"] / out["direct_get"]["median"])
+        return out
+    finally:
+        if direct is not None:
+            direct.close()
+        if buf is not None:
+            buf.close()
+        procs.stop()
+
+
+SECTIONS = {"mooncake": bench_mooncake}
+
+
+def print_mooncake(r: dict, reps: int) -> None:
+    print(f"Mooncake (TCP over loopback, segment in another process): {PAGES} pages x "
+          f"{r['page_bytes'] // 1024} KiB = {r['bytes_per_call'] / 2**20:.0f} MiB per call, "
+          f"{reps} reps (median / best GB/s)")
+    rows = [("direct batch_put_from", "direct_put", ""),
+            ("direct batch_get_into", "direct_get", "(registered buffer)"),
+            ("daemon get, L2 cold", "l2_cold",
+             f"ratio {r['cold_over_direct']:.2f} x direct (target >= 0.95)"),
+            ("daemon get, L2 hit", "l2_hit", "(arena -> host pool only)")]
+    for label, key, note in rows:
+        print(f"  {label:22s} {r[key]['median']:6.2f} / {r[key]['best']:6.2f}   {note}")
+    print(f"  (inside the daemon, batch_get_into alone averaged {r['backend_get_gbps_mean']:.2f} "
+          "GB/s over the same loads)")
+    print(f"  write-through of the {PAGES} pages after batch_set_v2: {r['write_through_s']:.2f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--section", choices=sorted(SECTIONS), action="append",
+                    help="run only these sections (default: all)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    results = {name: SECTIONS[name](args.reps) for name in (args.section or SECTIONS)}
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    for name, r in results.items():
+        {"mooncake": print_mooncake}[name](r, args.reps)
+
+
+if __name__ == "__main__":
+    main()
