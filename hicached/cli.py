@@ -68,10 +68,17 @@ OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:  # the reference engine's demo parses its own flags
+        from hicached.engine.demo import main as demo_main
+
+        return demo_main(argv[1:])
     parser = argparse.ArgumentParser(prog="hicached", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     adminctl.add_parsers(sub)
+    sub.add_parser("demo", help="multi-turn demo of the reference engine through hicached "
+                                "(hicached demo --help)")
     args = parser.parse_args(argv)
     if args.command != "serve":
         return adminctl.run(args)

@@ -1,0 +1,275 @@
+"""The one place the engine calls hicached (L2 = the daemon's arena, L3 = its backends).
+
+Everything else in the engine speaks two methods, so moving to the SGLang plugin path later
+(``hicached/plugin``, ``hicached/prefetch.py``) only changes this module:
+
+    prefetch(keys, usable_pages, kv_pages_have, reserve)   exists + get of the longest prefix
+                                                           every pool can restore
+    store(kv_keys, kv_pages, state_keys, state_slots)      one atomic multi-pool batch_set_v2
+
+Pools registered with the daemon (the device pools' host geometry, ``pools.py``):
+
+    kv       one page per key (MHA K/V or the MLA latent)            ALL_PAGES
+    indexer  DSA indexer keys, same keys and page ids as kv          ALL_PAGES
+    mamba    one state per key: the state after that page            TRAILING_PAGES, window 1
+
+The stop policy seam: ``prefetch_policy`` names SGLang's stop policy. Today the only one is
+``wait_complete``, done synchronously (the get waits for every page the exists answer named).
+A ``hicached.prefetch`` ``StopPolicy`` object plugs in at the same parameter: the get then runs
+as a ``PrefetchOperation`` and ``prefetch`` keeps what arrived when the policy says stop.
+
+A daemon that is down, restarting or failing never fails a request: calls turn into misses (or
+unstored pages), logged once per outage and counted in ``errors``; the client re-joins a
+restarted daemon by itself.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from hicached.engine.pools import IndexerPool, KVPool, StatePool
+from hicached.errors import HicachedError
+from hicached.types import PoolHitPolicy, PoolName, PoolTransfer
+
+log = logging.getLogger(__name__)
+
+
+class Reservation(NamedTuple):
+    """Device room for a load: KV (and indexer) pages, and a state slot (hybrid models)."""
+
+    kv_pages: list[int]
+    state: int | None
+
+
+class Fetched(NamedTuple):
+    """``end_pages``: the prefix (pages) restorable on the device after the load (0: nothing
+    loaded; the caller frees ``reservation``); keys ``[first_page, end_pages)`` were loaded into
+    ``reservation.kv_pages``; ``l3_fraction`` estimates how much came from L3 (daemon counters,
+    exact when the engine is the daemon's only client)."""
+
+    end_pages: int
+    first_page: int
+    reservation: Reservation | None
+    l3_fraction: float
+
+
+MISS = Fetched(0, 0, None, 0.0)
+
+
+class Storage(abc.ABC):
+    """L2/L3 as the engine sees it. Calls never raise for a storage failure: they miss."""
+
+    name = "abstract"
+    enabled = True
+
+    @abc.abstractmethod
+    def prefetch(self, keys: Sequence[str], usable_pages: int, kv_pages_have: int,
+                 reserve: Callable[[int], Reservation | None]) -> Fetched:
+        """Load the longest prefix of ``keys`` that every pool can restore, if it is longer
+        than ``usable_pages`` (what the device can already resume from). The device holds KV
+        for keys ``[0, kv_pages_have)``: only later KV pages are loaded (plus the state at the
+        end). ``reserve(n)`` allocates n device pages (and a slot), or None when it cannot."""
+
+    @abc.abstractmethod
+    def store(self, kv_keys: Sequence[str], kv_pages: Sequence[int], state_keys: Sequence[str],
+              state_slots: Sequence[int]) -> tuple[bool, bool]:
+        """Write KV (and indexer) pages and states in one call; (all KV stored, all states
+        stored)."""
+
+    def close(self) -> None:
+        """Release connections (idempotent)."""
+
+
+class NullStorage(Storage):
+    """``--hicache-storage-backend none``: every lookup misses, nothing is stored."""
+
+    name = "none"
+    enabled = False
+
+    def prefetch(self, keys, usable_pages, kv_pages_have, reserve) -> Fetched:
+        return MISS
+
+    def store(self, kv_keys, kv_pages, state_keys, state_slots) -> tuple[bool, bool]:
+        return False, False
+
+
+def _token_indices(pages: Sequence[int], page_size: int) -> torch.Tensor:
+    """Token-granular host indices of whole pages (page i starts at ``idx[i * page_size]``)."""
+    p = torch.as_tensor(list(pages), dtype=torch.long)
+    return (p[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+
+class HicachedStorage(Storage):
+    """The engine's pools in a hicached daemon, through ``hicached.Client``."""
+
+    name = "hicached"
+
+    def __init__(self, endpoint: str, namespace: str, kv: KVPool, indexer: IndexerPool | None,
+                 states: StatePool | None, *, prefetch_policy: str = "wait_complete",
+                 timeout_s: float = 5.0, retry_s: float = 1.0):
+        """``timeout_s``: deadline of one daemon call; ``retry_s``: after a failure, calls
+        miss at once for this long (a dead daemon costs one timeout, not one per call)."""
+        if prefetch_policy != "wait_complete":
+            raise ValueError(f"unknown prefetch policy {prefetch_policy!r}; "
+                             f"valid: ['wait_complete']")
+        self.endpoint, self.namespace, self.timeout_s = endpoint, namespace, timeout_s
+        self.retry_s = retry_s
+        self.prefetch_policy = prefetch_policy
+        self.kv, self.indexer, self.states = kv, indexer, states
+        self.page_size = kv.page_size
+        self._client = None
+        self._next_try = 0.0
+        self._failing = False
+        self.errors = 0
+        self._connect()
+
+    # ------------------------------------------------------------ connection
+
+    def _connect(self):
+        from hicached.client import Client
+
+        if time.monotonic() < self._next_try:
+            return None
+        if self._client is not None:
+            return self._client
+        try:
+            c = Client(self.endpoint, self.namespace, timeout_s=self.timeout_s,
+                       client_name="hicached-engine")
+            c.register_mem_host_pool_v2(self.kv.host, PoolName.KV)
+            if self.indexer is not None:
+                c.register_mem_host_pool_v2(self.indexer.host, PoolName.INDEXER)
+            if self.states is not None:
+                c.register_mem_host_pool_v2(self.states.host, PoolName.MAMBA)
+        except HicachedError as e:
+            self._degraded("connect", e)
+            return None
+        self._client = c
+        return c
+
+    def _degraded(self, what: str, e: Exception) -> None:
+        self.errors += 1
+        self._next_try = time.monotonic() + self.retry_s
+        if not self._failing:
+            log.warning("hicached %s failed (%s): serving from the device cache only", what, e)
+            self._failing = True
+
+    def _ok(self) -> None:
+        if self._failing:
+            log.info("hicached at %s is answering again", self.endpoint)
+            self._failing = False
+
+    @property
+    def client(self):
+        """The connected client, or None (for admin calls: stats, flush)."""
+        return self._connect()
+
+    # ------------------------------------------------------------ read
+
+    def _sidecars_query(self) -> list[PoolTransfer]:
+        out = []
+        if self.states is not None:
+            out.append(PoolTransfer(PoolName.MAMBA, keys=["_"],
+                                    hit_policy=PoolHitPolicy.TRAILING_PAGES))
+        if self.indexer is not None:
+            out.append(PoolTransfer(PoolName.INDEXER, hit_policy=PoolHitPolicy.ALL_PAGES))
+        return out
+
+    def prefetch(self, keys, usable_pages, kv_pages_have, reserve) -> Fetched:
+        c = self._connect()
+        if c is None or not keys:
+            return MISS
+        try:
+            # exists already starts pulling L3-only pages into L2: count L3 loads from here
+            before = c.stats().get("l3_loads", 0)
+            hit = c.batch_exists_v2(list(keys), self._sidecars_query())
+        except HicachedError as e:
+            self._degraded("exists", e)
+            return MISS
+        ends = [e for e in (hit.restorable_prefix_pages or ()) if e > usable_pages]
+        if not ends:
+            self._ok()
+            return MISS
+        end = max(ends)
+        first = min(kv_pages_have, end)
+        room = reserve(end - first)
+        if room is None:
+            return MISS
+        try:
+            got = c.batch_get_v2(self._transfers(keys[first:end], room.kv_pages,
+                                                 [keys[end - 1]] if room.state is not None
+                                                 else [], [room.state]))
+            loaded = c.stats().get("l3_loads", 0) - before
+        except HicachedError as e:
+            self._degraded("get", e)
+            return Fetched(0, first, room, 0.0)
+        self._ok()
+        if not all(all(row) for row in got.values()):
+            return Fetched(0, first, room, 0.0)
+        self.kv.to_device(room.kv_pages)
+        if self.indexer is not None:
+            self.indexer.to_device(room.kv_pages)
+        if room.state is not None:
+            self.states.to_device([room.state])
+        asked = sum(len(row) for row in got.values())
+        return Fetched(end, first, room, min(1.0, loaded / asked) if asked else 0.0)
+
+    def _transfers(self, kv_keys, kv_pages, state_keys, state_slots) -> list[PoolTransfer]:
+        out = []
+        if kv_keys:
+            idx = _token_indices(kv_pages, self.page_size)
+            out.append(PoolTransfer(PoolName.KV, idx, keys=list(kv_keys)))
+            if self.indexer is not None:
+                out.append(PoolTransfer(PoolName.INDEXER, idx, keys=list(kv_keys)))
+        if state_keys:
+            out.append(PoolTransfer(PoolName.MAMBA, torch.as_tensor(list(state_slots)),
+                                    keys=list(state_keys),
+                                    hit_policy=PoolHitPolicy.TRAILING_PAGES))
+        return out
+
+    # ------------------------------------------------------------ write
+
+    def store(self, kv_keys, kv_pages, state_keys, state_slots) -> tuple[bool, bool]:
+        c = self._connect()
+        if c is None or not (kv_keys or state_keys):
+            return False, False
+        self.kv.to_host(kv_pages)
+        if self.indexer is not None:
+            self.indexer.to_host(kv_pages)
+        if state_keys:
+            self.states.to_host(state_slots)
+        try:
+            res = c.batch_set_v2(self._transfers(kv_keys, kv_pages, state_keys, state_slots))
+        except HicachedError as e:
+            self._degraded("set", e)
+            return False, False
+        self._ok()
+        kv_ok = all(res.get(PoolName.KV.value, [])) and all(res.get(PoolName.INDEXER.value, []))
+        return kv_ok, all(res.get(PoolName.MAMBA.value, []))
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        self._next_try = float("inf")
+
+
+def make_storage(backend: str, endpoint: str, namespace: str, kv: KVPool,
+                 indexer: IndexerPool | None, states: StatePool | None, *,
+                 prefetch_policy: str = "wait_complete", timeout_s: float = 5.0,
+                 retry_s: float = 1.0) -> Storage:
+    """The storage named by ``--hicache-storage-backend``."""
+    if backend == "none":
+        return NullStorage()
+    if backend == "hicached":
+        if not endpoint:
+            raise ValueError("the hicached storage backend needs an endpoint")
+        return HicachedStorage(endpoint, namespace, kv, indexer, states,
+                               prefetch_policy=prefetch_policy, timeout_s=timeout_s,
+                               retry_s=retry_s)
+    raise ValueError(f"unknown storage backend {backend!r}; valid: ['hicached', 'none']")

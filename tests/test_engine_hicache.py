@@ -1,0 +1,204 @@
+"""The engine with hicached as L2/L3, on real daemons: every hit source continues exactly.
+
+Request A (a 40-token system prompt + 13 tokens) keeps states at 16, 32 and 48 and writes them
+through to the daemon. A later prompt sharing the 40 system tokens can restore, from storage,
+32 tokens on the hybrid model (the deepest stored state within the shared pages) and 40 on the
+KV-only DSA model. Sources: L2 after the engine's own cache is flushed; L3 after the daemon's L2
+is flushed; a new engine process; a restarted daemon. Each continuation must equal a live one
+(and a full recompute for the gated-delta-net model); the leak identity holds after each.
+"""
+
+import json
+import time
+
+import pytest
+import torch
+from conftest import run_client_proc, wait_until
+
+from hicached.engine.config import EngineConfig
+from hicached.engine.engine import Engine
+from hicached.engine.models import live_logits, load_model, recompute_logits
+
+pytest.importorskip("transformers", reason="the reference engine needs the engine extra")
+
+TOL = 1e-5
+PS = 8
+ARCHS = ["qwen3_next", "deepseek_v32"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    # one torch thread: tiny models gain nothing from more, and on a shared 2-vCPU machine
+    # spinning OpenMP threads make every forward several times slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield {arch: load_model(arch, seed=0, path=str(tmp_path_factory.mktemp(arch)))
+           for arch in ARCHS}
+    torch.set_num_threads(threads)
+
+
+def toks(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SYS = toks(40, 100)
+A = SYS + toks(13, 1)
+
+
+def prompt(seed):
+    return SYS + toks(21, seed)
+
+
+@pytest.fixture
+def engine():
+    """``engine(lm, daemon, **config)``; every engine made is closed after the test."""
+    made = []
+
+    def make(lm, daemon, **kw):
+        kw = {"page_size": PS, "kv_pages": 64, "state_slots": 24, "track_interval": 16,
+              "debug_pools": True, "storage_backend": "hicached",
+              "hicached_endpoint": daemon.endpoint, **kw}
+        made.append(Engine(lm, EngineConfig(**kw)))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def storage_hit(lm):
+    return 32 if lm.geometry.hybrid else 40
+
+
+def assert_exact(lm, prompt_ids, output_ids, logits):
+    want = live_logits(lm, prompt_ids, PS, output_ids[:-1])
+    assert len(want) == len(logits)
+    for got, ref in zip(logits, want):
+        assert (got - ref).abs().max().item() <= TOL
+    if lm.geometry.hybrid:
+        full = recompute_logits(lm, prompt_ids)
+        assert (logits[0] - full).abs().max().item() <= TOL
+
+
+def check(lm, req, **hits):
+    assert {k: req.hit_sources()[k] for k in hits} == hits
+    assert_exact(lm, req.prompt, req.output_ids, req.logits)
+
+
+def settle_l3(client):
+    """Wait until the daemon's write-through to L3 has caught up with L2."""
+    def done():
+        s = client.stats()
+        return s["l3_tier"]["jobs_in_flight"] == 0 and s["l3_writes"] >= s["l2_pages"]
+    assert wait_until(done, 20)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_l2_l1_l3_hits_continue_exactly(models, make_daemon, engine, arch):
+    lm = models[arch]
+    daemon = make_daemon()
+    eng = engine(lm, daemon)
+    a = eng.generate(A, 3)
+    assert a.cached_tokens == 0 and eng.hicache.stored_pages == 6  # pages [0, 48)
+    eng.flush_cache()
+    assert eng.tree.cached_pages == 0
+    check(lm, eng.generate(prompt(3), 3), l1=0, l2=storage_hit(lm), l3=0)
+    eng.check_idle()
+    # L1: the device holds [0, 32) (+ prompt 3's own pages): the hybrid model matches its KV
+    # to 40 but resumes at 32, and keeps (and writes through) a state at the branch point 40
+    check(lm, eng.generate(prompt(2), 3), l1=storage_hit(lm), l2=0, l3=0)
+
+    with daemon.client() as admin:
+        settle_l3(admin)
+        admin.flush("l2")
+        assert admin.stats()["l2_pages"] == 0
+    eng.flush_cache()
+    check(lm, eng.generate(prompt(4), 3), l1=0, l2=0, l3=40)
+    eng.check_idle()
+
+
+ENGINE_PROC = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+from hicached.engine.config import EngineConfig
+from hicached.engine.engine import Engine
+from hicached.engine.models import load_model
+out = {}
+for arch, path, endpoint, ids in json.loads(sys.argv[1]):
+    lm = load_model(arch, path=path)
+    eng = Engine(lm, EngineConfig(page_size=8, kv_pages=64, state_slots=24, track_interval=16,
+                                  debug_pools=True, storage_backend="hicached",
+                                  hicached_endpoint=endpoint))
+    r = eng.generate(ids, 3)
+    eng.check_idle()
+    eng.close()
+    out[arch] = {"hits": r.hit_sources(), "out": r.output_ids,
+                 "logits": [x.tolist() for x in r.logits]}
+print(json.dumps(out))
+"""
+
+
+def test_new_engine_process_hits_l2(models, make_daemon, engine):
+    daemon = make_daemon()
+    jobs = []
+    for arch in ARCHS:
+        lm = models[arch]
+        engine(lm, daemon).generate(A, 3)
+        jobs.append((arch, lm.path, daemon.endpoint, prompt(5)))
+    got = json.loads(run_client_proc(ENGINE_PROC, json.dumps(jobs), timeout_s=110))
+    for arch in ARCHS:
+        lm, res = models[arch], got[arch]
+        assert res["hits"] == {"l1": 0, "l2": storage_hit(lm), "l3": 0,
+                               "computed": 61 - storage_hit(lm)}
+        assert_exact(lm, prompt(5), res["out"], [torch.tensor(x) for x in res["logits"]])
+
+
+def test_restarted_daemon_serves_from_l3(models, make_daemon, engine):
+    daemon = make_daemon()
+    engines = {arch: engine(models[arch], daemon, storage_timeout_s=1.0, storage_retry_s=0.2)
+               for arch in ARCHS}
+    for eng in engines.values():
+        eng.generate(A, 3)
+    with daemon.client() as admin:
+        settle_l3(admin)
+    daemon.stop()
+    eng, lm = engines["qwen3_next"], models["qwen3_next"]
+    eng.flush_cache()
+    down = eng.generate(prompt(6), 3)  # the daemon is gone: computed, never failed
+    check(lm, down, l1=0, l2=0, l3=0)
+    assert eng.storage.errors >= 1
+    daemon.start()  # same state dir: the new daemon rescans its L3 directory
+    time.sleep(0.2)  # past the engines' retry_s after the outage
+    for arch, eng in engines.items():
+        eng.flush_cache()
+        r = eng.generate(prompt(7), 3)  # each engine's client re-joins the new daemon
+        check(models[arch], r, l1=0, l2=0, l3=storage_hit(models[arch]))
+        eng.check_idle()
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through_selective"])
+def test_write_policies(models, make_daemon, engine, policy):
+    lm = models["qwen3_next"]
+    daemon = make_daemon()
+    eng = engine(lm, daemon, write_policy=policy, write_through_threshold=2)
+    eng.generate(A, 3)
+    with daemon.client() as admin:
+        assert admin.stats()["l2_pages"] == 0  # neither policy stores on first insert
+        if policy == "write_back":
+            eng.flush_cache()  # eviction writes the nodes back before freeing them
+        else:
+            eng.generate(prompt(8), 3)  # a second hit on [0, 32) stores that path
+            eng.flush_cache()
+        assert admin.stats()["l2_pages"] > 0
+    r = eng.generate(prompt(9), 3)
+    check(lm, r, l1=0, l2=32, l3=0)
+    eng.check_idle()
+
+
+def test_tenants_do_not_share_pages(models, make_daemon, engine):
+    lm = models["deepseek_v32"]
+    daemon = make_daemon()
+    engine(lm, daemon, tenant="a").generate(A, 2)
+    assert engine(lm, daemon, tenant="b").generate(prompt(10), 2).cached_tokens == 0
+    assert engine(lm, daemon, tenant="a").generate(prompt(11), 2).l2_tokens == 40

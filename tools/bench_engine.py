@@ -1,0 +1,139 @@
+"""Reference-engine benchmark: TTFT of a prompt whose prefix is cached in each tier vs recompute.
+
+One run, one daemon (started here), one Qwen3-Next model (attention KV + gated-delta-net states):
+
+    recompute   radix cache off, no storage: the whole prompt is computed
+    L1          the engine that computed the base prompt serves the prefix from its device cache
+    L2          a fresh engine (empty device) loads the prefix from the daemon's arena
+    L3          the daemon's L2 flushed before each request: the prefix comes from its L3 (file)
+
+Each request shares ``--hit`` of its ``--prompt-tokens`` with a base prompt computed once (the
+cached prefix ends at the deepest kept state, so the hit rate printed is what was really served);
+TTFT is the median over ``--repeats`` requests with different tails; "load ms" is the part spent
+at arrival bringing the prefix from the tier onto the device. Target: L2 hit TTFT <= 0.2 x
+recompute at 4k-token prompts.
+
+    python tools/bench_engine.py --prompt-tokens 4096 --hit 0.9
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from hicached.client import Client
+from hicached.engine.config import EngineConfig
+from hicached.engine.demo import DaemonLauncher, settle_l3
+from hicached.engine.engine import Engine
+from hicached.engine.models import load_model
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt-tokens", type=int, default=4096)
+    p.add_argument("--hit", type=float, default=0.9, help="shared prefix fraction")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--track-interval", type=int, default=64)
+    p.add_argument("--prefill-chunk-pages", type=int, default=1,
+                   help="pages per prefill forward (1: the engine's page-chunked default)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--target", type=float, default=0.2, help="L2 TTFT / recompute goal")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (tiny models gain nothing from more, and on a "
+                        "shared machine spinning OpenMP threads make timings erratic)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    n, ps = args.prompt_tokens, args.page_size
+    shared = int(n * args.hit)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 256, (n,), generator=g).tolist()
+
+    def prompts() -> list[list[int]]:
+        """``repeats`` prompts sharing ``shared`` tokens with ``base``; fresh tails per tier,
+        so no tier finds a prompt an earlier tier stored."""
+        return [base[:shared] + torch.randint(0, 256, (n - shared,), generator=g).tolist()
+                for _ in range(args.repeats)]
+
+    pages = 4 * (n // ps + 2) * (args.repeats + 2)
+    daemon = DaemonLauncher(l2_size="2GiB", slab_size="16MiB")
+    try:
+        lm = load_model("qwen3_next", device=args.device, hidden_size=args.hidden,
+                        num_hidden_layers=args.layers)
+        lm.warmup(ps)
+
+        def config(**kw) -> EngineConfig:
+            kw = {"page_size": ps, "kv_pages": pages, "state_slots": 256,
+                  "track_interval": args.track_interval,
+                  "prefill_chunk_pages": args.prefill_chunk_pages, "device": args.device,
+                  "storage_backend": "hicached", "hicached_endpoint": daemon.endpoint, **kw}
+            return EngineConfig(**kw)
+
+        results: dict[str, list] = {}
+
+        def measure(tier: str, engine_for, before=None) -> None:
+            runs = []
+            for p in prompts():
+                if before is not None:
+                    before()
+                eng = engine_for()
+                t0 = time.perf_counter()
+                req = eng.add_request(p, 1)  # arrival: the load-back from hicached
+                load_s = time.perf_counter() - t0
+                while not req.done:
+                    eng.step()
+                runs.append((req.ttft_s, req.cached_tokens, req.hit_sources(), load_s))
+                if eng is not warm:
+                    eng.close()
+            results[tier] = runs
+
+        cold = Engine(lm, config(disable_radix_cache=True, storage_backend="none"))
+        warm = cold
+        measure("recompute", lambda: cold)
+        warm = Engine(lm, config())  # computes the base prompt, writes it through
+        warm.generate(base, 1)
+        measure("L1", lambda: warm)
+        measure("L2", lambda: Engine(lm, config()))
+        with Client(daemon.endpoint, "admin") as admin:
+            settle_l3(admin)
+            measure("L3", lambda: Engine(lm, config()), before=lambda: admin.flush("l2"))
+        warm.close()
+    finally:
+        daemon.close()
+
+    ref = statistics.median(r[0] for r in results["recompute"])
+    print(f"qwen3_next hidden {args.hidden}, {args.layers} layers, {n}-token prompts, "
+          f"{args.hit:.0%} shared, page {ps}, track {args.track_interval}, "
+          f"chunk {args.prefill_chunk_pages} pages, {args.device}, median of {args.repeats}")
+    print(f"{'tier':<10} {'hit rate':>8} {'from tier':>9} {'ttft ms':>9} {'load ms':>8} "
+          f"{'vs recompute':>13}")
+    for tier, runs in results.items():
+        ttft = statistics.median(r[0] for r in runs)
+        hit = statistics.median(r[1] for r in runs) / n
+        key = tier.lower() if tier in ("L1", "L2", "L3") else None
+        own = statistics.median(r[2][key] for r in runs) / n if key else 0.0
+        load = statistics.median(r[3] for r in runs)
+        print(f"{tier:<10} {hit:>8.1%} {own:>9.1%} {ttft * 1e3:>9.1f} {load * 1e3:>8.1f} "
+              f"{ttft / ref:>12.3f}x")
+    l2 = statistics.median(r[0] for r in results["L2"]) / ref
+    verdict = "met" if l2 <= args.target else "NOT met"
+    print(f"target L2 TTFT <= {args.target} x recompute: {l2:.3f} ({verdict})")
+    return 0
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    rc = main()
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    sys.exit(rc)
