@@ -11,7 +11,11 @@ VM's speed drifts by 2x within seconds, so the figures are taken side by side):
 plus batch_put_from of the same bytes under fresh keys (direct put). Target: L2 cold >= 0.95 x
 direct (the daemon adds one memcpy and two control round trips per call).
 
-    python tools/bench_l3.py [--reps 10] [--json]     (needs pip install 'hicached[mooncake]')
+Section ``3fs``: the hf3fs backend's batch_get vs plain preadv of the same bytes
+(``tools/bench_hf3fs.py``) on /var/tmp, or on $HICACHED_BENCH_3FS_DIR (a 3FS mount).
+
+    python tools/bench_l3.py [--reps 10] [--section mooncake|3fs] [--json]
+    (the mooncake section needs pip install 'hicached[mooncake]')
 """
 
 from __future__ import annotations
@@ -246,7 +250,25 @@ def bench_mooncake(reps: int) -> dict:
         procs.stop()
 
 
-SECTIONS = {"mooncake": bench_mooncake}
+def bench_3fs(reps: int) -> dict:
+    """The 3FS backend's POSIX path vs a plain file read of the same bytes (tools/bench_hf3fs.py),
+    on /var/tmp (or $HICACHED_BENCH_3FS_DIR, e.g. a 3FS mount)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from bench_hf3fs import bench_hf3fs
+
+    return bench_hf3fs(os.environ.get("HICACHED_BENCH_3FS_DIR", "/var/tmp"), 1 << 20, 256,
+                       reps=reps)
+
+
+def print_3fs(r: dict, reps: int) -> None:
+    print(f"3FS backend ({r.get('io', 'posix')} path) vs plain file read: {r['n_pages']} pages of "
+          f"{r['page_bytes'] // 1024} KiB, {reps} reps (median GB/s)")
+    print(f"  plain preadv          {r['plain_preadv_gbps']['median']:6.2f}")
+    print(f"  hf3fs batch_get       {r['hf3fs_get_gbps']['median']:6.2f}   "
+          f"ratio {r['ratio']:.2f} x plain")
+
+
+SECTIONS = {"mooncake": bench_mooncake, "3fs": bench_3fs}
 
 
 def print_mooncake(r: dict, reps: int) -> None:
@@ -277,7 +299,7 @@ def main() -> None:
         print(json.dumps(results, indent=2))
         return
     for name, r in results.items():
-        {"mooncake": print_mooncake}[name](r, args.reps)
+        {"mooncake": print_mooncake, "3fs": print_3fs}[name](r, args.reps)
 
 
 if __name__ == "__main__":
