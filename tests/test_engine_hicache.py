@@ -202,3 +202,22 @@ def test_tenants_do_not_share_pages(models, make_daemon, engine):
     engine(lm, daemon, tenant="a").generate(A, 2)
     assert engine(lm, daemon, tenant="b").generate(prompt(10), 2).cached_tokens == 0
     assert engine(lm, daemon, tenant="a").generate(prompt(11), 2).l2_tokens == 40
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefetch_stop_policies(models, make_daemon, engine, arch):
+    """``timeout`` waits for the pages within its budget (here: all of them, exactly as
+    wait_complete); ``best_effort`` keeps what arrived when the request runs, which may be
+    nothing: either way the continuation is exact and nothing leaks."""
+    lm = models[arch]
+    daemon = make_daemon()
+    writer = engine(lm, daemon)
+    writer.generate(A, 3)
+    timeout = engine(lm, daemon, prefetch_policy="timeout")
+    check(lm, timeout.generate(prompt(10), 3), l1=0, l2=storage_hit(lm), l3=0)
+    timeout.check_idle()
+    best = engine(lm, daemon, prefetch_policy="best_effort")
+    r = best.generate(prompt(11), 3)
+    assert r.hit_sources()["l2"] in range(storage_hit(lm) + 1)
+    assert_exact(lm, r.prompt, r.output_ids, r.logits)
+    best.check_idle()

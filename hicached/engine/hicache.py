@@ -117,12 +117,22 @@ class HiCache:
         have = match.kv_len // ps
         lock = self.tree.inc_lock(match.kv_node)  # keep the device KV we build on
         try:
-            fetched = self.storage.prefetch(keys, usable, have, self._reserve)
+            asked: list[Reservation] = []
+
+            def reserve(n: int) -> Reservation | None:
+                room = self._reserve(n)
+                if room is not None:
+                    asked.append(room)
+                return room
+
+            fetched = self.storage.prefetch(keys, usable, have, reserve)
             room = fetched.reservation
             if fetched.end_pages == 0:
-                if room is not None:
-                    self._release(room)
+                if asked:
+                    self._release(asked[0])
                 return NO_LOAD
+            if asked and len(asked[0].kv_pages) > len(room.kv_pages):  # a partial prefetch
+                self.free_pages(asked[0].kv_pages[len(room.kv_pages):])
             end, first = fetched.end_pages, fetched.first_page
             pages = list(match.kv_pages[:first]) + room.kv_pages
             res = self.tree.insert(tokens[: end * ps], pages, keys[:end], room.state,

@@ -13,10 +13,12 @@ Pools registered with the daemon (the device pools' host geometry, ``pools.py``)
     indexer  DSA indexer keys, same keys and page ids as kv          ALL_PAGES
     mamba    one state per key: the state after that page            TRAILING_PAGES, window 1
 
-The stop policy seam: ``prefetch_policy`` names SGLang's stop policy. Today the only one is
-``wait_complete``, done synchronously (the get waits for every page the exists answer named).
-A ``hicached.prefetch`` ``StopPolicy`` object plugs in at the same parameter: the get then runs
-as a ``PrefetchOperation`` and ``prefetch`` keeps what arrived when the policy says stop.
+Stop policies (``prefetch_policy``, SGLang's names, ``hicached.prefetch``): ``wait_complete``
+gets every page the exists answer named in one call. ``timeout`` and ``best_effort`` run the get
+as a ``PrefetchOperation`` (chunks on a background thread) and keep what arrived when the policy
+says stop: up to the timeout (base + per 1024 tokens, capped), or nothing more than is there at
+once. A partial KV prefix is usable only for pools without trailing state; a hybrid model's
+prefix needs its Mamba state, which arrives after all its KV pages.
 
 A daemon that is down, restarting or failing never fails a request: calls turn into misses (or
 unstored pages), logged once per outage and counted in ``errors``; the client re-joins a
@@ -115,9 +117,9 @@ class HicachedStorage(Storage):
                  timeout_s: float = 5.0, retry_s: float = 1.0):
         """``timeout_s``: deadline of one daemon call; ``retry_s``: after a failure, calls
         miss at once for this long (a dead daemon costs one timeout, not one per call)."""
-        if prefetch_policy != "wait_complete":
-            raise ValueError(f"unknown prefetch policy {prefetch_policy!r}; "
-                             f"valid: ['wait_complete']")
+        from hicached.prefetch import make_policy
+
+        self.policy = make_policy(prefetch_policy)  # ValueError names the valid ones
         self.endpoint, self.namespace, self.timeout_s = endpoint, namespace, timeout_s
         self.retry_s = retry_s
         self.prefetch_policy = prefetch_policy
@@ -200,6 +202,8 @@ class HicachedStorage(Storage):
         room = reserve(end - first)
         if room is None:
             return MISS
+        if self.policy.name != "wait_complete":
+            return self._prefetch_op(c, keys, first, end, room, before)
         try:
             got = c.batch_get_v2(self._transfers(keys[first:end], room.kv_pages,
                                                  [keys[end - 1]] if room.state is not None
@@ -211,12 +215,42 @@ class HicachedStorage(Storage):
         self._ok()
         if not all(all(row) for row in got.values()):
             return Fetched(0, first, room, 0.0)
+        return self._arrived(c, end, first, room, loaded, sum(len(r) for r in got.values()))
+
+    def _prefetch_op(self, c, keys, first: int, end: int, room: Reservation, before: int
+                     ) -> Fetched:
+        """Get pages ``first..end-1`` as a ``PrefetchOperation`` and stop when the policy says
+        so; keep the restorable prefix that arrived (the caller frees the rest of ``room``)."""
+        idx = _token_indices(room.kv_pages, self.page_size)
+        sidecars = []
+        if self.indexer is not None:
+            sidecars.append(PoolTransfer(PoolName.INDEXER, idx, keys=["_"],
+                                         hit_policy=PoolHitPolicy.ALL_PAGES))
+        if room.state is not None:
+            sidecars.append(PoolTransfer(PoolName.MAMBA, torch.as_tensor([room.state]),
+                                         keys=["_"], hit_policy=PoolHitPolicy.TRAILING_PAGES))
+        op = c.prefetch(list(keys[first:end]), idx, sidecars, policy=self.policy)
+        while not op.should_stop():
+            op.wait(0.001)
+        pages = op.terminate()
+        if op.error is not None:
+            self._degraded("prefetch", op.error)
+            return Fetched(0, first, room, 0.0)
+        self._ok()
+        if pages == 0:
+            return Fetched(0, first, room, 0.0)
+        loaded = c.stats().get("l3_loads", 0) - before
+        return self._arrived(c, first + pages, first, room, loaded, pages)
+
+    def _arrived(self, c, end: int, first: int, room: Reservation, loaded: int, asked: int
+                 ) -> Fetched:
+        """Pages ``first..end-1`` (and the state, if any) are in the host view: to the device."""
+        room = room._replace(kv_pages=room.kv_pages[:end - first])
         self.kv.to_device(room.kv_pages)
         if self.indexer is not None:
             self.indexer.to_device(room.kv_pages)
         if room.state is not None:
             self.states.to_device([room.state])
-        asked = sum(len(row) for row in got.values())
         return Fetched(end, first, room, min(1.0, loaded / asked) if asked else 0.0)
 
     def _transfers(self, kv_keys, kv_pages, state_keys, state_slots) -> list[PoolTransfer]:
