@@ -1,7 +1,8 @@
 """The one place the engine calls hicached (L2 = the daemon's arena, L3 = its backends).
 
-Everything else in the engine speaks two methods, so moving to the SGLang plugin path later
-(``hicached/plugin``, ``hicached/prefetch.py``) only changes this module:
+It goes through the SGLang plugin (``hicached/plugin/sglang.py``), the same path an SGLang
+deployment uses, and ``hicached/prefetch.py`` for the stop policies. Everything else in the
+engine speaks two methods:
 
     prefetch(keys, usable_pages, kv_pages_have, reserve)   exists + get of the longest prefix
                                                            every pool can restore
@@ -20,8 +21,8 @@ says stop: up to the timeout (base + per 1024 tokens, capped), or nothing more t
 once. A partial KV prefix is usable only for pools without trailing state; a hybrid model's
 prefix needs its Mamba state, which arrives after all its KV pages.
 
-A daemon that is down, restarting or failing never fails a request: calls turn into misses (or
-unstored pages), logged once per outage and counted in ``errors``; the client re-joins a
+A daemon that is down, restarting or failing never fails a request: the plugin answers misses
+(or unstored pages), logs once per outage and counts them (``errors``); its client re-joins a
 restarted daemon by itself.
 """
 
@@ -29,8 +30,8 @@ from __future__ import annotations
 
 import abc
 import logging
-import time
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -108,70 +109,57 @@ def _token_indices(pages: Sequence[int], page_size: int) -> torch.Tensor:
 
 
 class HicachedStorage(Storage):
-    """The engine's pools in a hicached daemon, through ``hicached.Client``."""
+    """The engine's pools in a hicached daemon, through the SGLang plugin
+    (``hicached.plugin.sglang.HicachedStorage``: the path an SGLang deployment uses; it never
+    raises, a daemon that is down or slow is a miss)."""
 
     name = "hicached"
 
     def __init__(self, endpoint: str, namespace: str, kv: KVPool, indexer: IndexerPool | None,
                  states: StatePool | None, *, prefetch_policy: str = "wait_complete",
                  timeout_s: float = 5.0, retry_s: float = 1.0):
-        """``timeout_s``: deadline of one daemon call; ``retry_s``: after a failure, calls
-        miss at once for this long (a dead daemon costs one timeout, not one per call)."""
+        """``timeout_s``: deadline of one daemon call; ``retry_s``: after a failed connect,
+        calls miss at once for this long (a dead daemon costs one timeout, not one per call).
+        ``namespace`` (model, weights, dtype, layout, slice, tenant: ``hicached.keys``) is the
+        plugin's model name, so the plugin's namespace carries all of it."""
+        from hicached.plugin.sglang import HicachedStorage as Plugin
         from hicached.prefetch import make_policy
 
         self.policy = make_policy(prefetch_policy)  # ValueError names the valid ones
         self.endpoint, self.namespace, self.timeout_s = endpoint, namespace, timeout_s
-        self.retry_s = retry_s
         self.prefetch_policy = prefetch_policy
         self.kv, self.indexer, self.states = kv, indexer, states
         self.page_size = kv.page_size
-        self._client = None
-        self._next_try = 0.0
-        self._failing = False
-        self.errors = 0
-        self._connect()
+        config = SimpleNamespace(
+            model_name=namespace, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+            is_mla_model=False, enable_storage_metrics=False,
+            extra_config={"endpoint": endpoint, "timeout_s": timeout_s,
+                          "retry_interval_s": retry_s, "clear_tier": "none"})
+        self.plugin = Plugin(config, {})
+        self.plugin.register_mem_pool_host(kv.host)
+        self.plugin.register_mem_host_pool_v2(kv.host, PoolName.KV)
+        if indexer is not None:
+            self.plugin.register_mem_host_pool_v2(indexer.host, PoolName.INDEXER)
+        if states is not None:
+            self.plugin.register_mem_host_pool_v2(states.host, PoolName.MAMBA)
+        self.plugin.on_host_pools_registered()
 
-    # ------------------------------------------------------------ connection
-
-    def _connect(self):
-        from hicached.client import Client
-
-        if time.monotonic() < self._next_try:
-            return None
-        if self._client is not None:
-            return self._client
-        try:
-            c = Client(self.endpoint, self.namespace, timeout_s=self.timeout_s,
-                       client_name="hicached-engine")
-            c.register_mem_host_pool_v2(self.kv.host, PoolName.KV)
-            if self.indexer is not None:
-                c.register_mem_host_pool_v2(self.indexer.host, PoolName.INDEXER)
-            if self.states is not None:
-                c.register_mem_host_pool_v2(self.states.host, PoolName.MAMBA)
-        except HicachedError as e:
-            self._degraded("connect", e)
-            return None
-        self._client = c
-        return c
-
-    def _degraded(self, what: str, e: Exception) -> None:
-        self.errors += 1
-        self._next_try = time.monotonic() + self.retry_s
-        if not self._failing:
-            log.warning("hicached %s failed (%s): serving from the device cache only", what, e)
-            self._failing = True
-
-    def _ok(self) -> None:
-        if self._failing:
-            log.info("hicached at %s is answering again", self.endpoint)
-            self._failing = False
+    @property
+    def errors(self) -> int:
+        """Daemon calls that were answered as misses (down, slow or failing)."""
+        return self.plugin.failures
 
     @property
     def client(self):
-        """The connected client, or None (for admin calls: stats, flush)."""
-        return self._connect()
+        """The plugin's connected client, or None (for stats, flush and prefetch)."""
+        return self.plugin.client()
 
-    # ------------------------------------------------------------ read
+    def _l3_loads(self) -> int:
+        c = self.plugin.client()
+        try:
+            return c.stats().get("l3_loads", 0) if c is not None else 0
+        except HicachedError:
+            return 0
 
     def _sidecars_query(self) -> list[PoolTransfer]:
         out = []
@@ -183,19 +171,14 @@ class HicachedStorage(Storage):
         return out
 
     def prefetch(self, keys, usable_pages, kv_pages_have, reserve) -> Fetched:
-        c = self._connect()
-        if c is None or not keys:
+        if not keys:
             return MISS
-        try:
-            # exists already starts pulling L3-only pages into L2: count L3 loads from here
-            before = c.stats().get("l3_loads", 0)
-            hit = c.batch_exists_v2(list(keys), self._sidecars_query())
-        except HicachedError as e:
-            self._degraded("exists", e)
-            return MISS
-        ends = [e for e in (hit.restorable_prefix_pages or ()) if e > usable_pages]
+        # exists already starts pulling L3-only pages into L2: count L3 loads from here
+        before = self._l3_loads()
+        hit = self.plugin.batch_exists_v2(list(keys), self._sidecars_query())
+        ends = [e for e in (getattr(hit, "restorable_prefix_pages", None) or ())
+                if e > usable_pages]
         if not ends:
-            self._ok()
             return MISS
         end = max(ends)
         first = min(kv_pages_have, end)
@@ -203,19 +186,17 @@ class HicachedStorage(Storage):
         if room is None:
             return MISS
         if self.policy.name != "wait_complete":
+            c = self.plugin.client()
+            if c is None:
+                return Fetched(0, first, room, 0.0)
             return self._prefetch_op(c, keys, first, end, room, before)
-        try:
-            got = c.batch_get_v2(self._transfers(keys[first:end], room.kv_pages,
-                                                 [keys[end - 1]] if room.state is not None
-                                                 else [], [room.state]))
-            loaded = c.stats().get("l3_loads", 0) - before
-        except HicachedError as e:
-            self._degraded("get", e)
-            return Fetched(0, first, room, 0.0)
-        self._ok()
+        got = self.plugin.batch_get_v2(self._transfers(keys[first:end], room.kv_pages,
+                                                       [keys[end - 1]] if room.state is not None
+                                                       else [], [room.state]))
         if not all(all(row) for row in got.values()):
             return Fetched(0, first, room, 0.0)
-        return self._arrived(c, end, first, room, loaded, sum(len(r) for r in got.values()))
+        loaded = self._l3_loads() - before
+        return self._arrived(end, first, room, loaded, sum(len(r) for r in got.values()))
 
     def _prefetch_op(self, c, keys, first: int, end: int, room: Reservation, before: int
                      ) -> Fetched:
@@ -234,15 +215,14 @@ class HicachedStorage(Storage):
             op.wait(0.001)
         pages = op.terminate()
         if op.error is not None:
-            self._degraded("prefetch", op.error)
+            log.warning("hicached prefetch failed (%s): computing instead", op.error)
             return Fetched(0, first, room, 0.0)
-        self._ok()
         if pages == 0:
             return Fetched(0, first, room, 0.0)
-        loaded = c.stats().get("l3_loads", 0) - before
-        return self._arrived(c, first + pages, first, room, loaded, pages)
+        loaded = self._l3_loads() - before
+        return self._arrived(first + pages, first, room, loaded, pages)
 
-    def _arrived(self, c, end: int, first: int, room: Reservation, loaded: int, asked: int
+    def _arrived(self, end: int, first: int, room: Reservation, loaded: int, asked: int
                  ) -> Fetched:
         """Pages ``first..end-1`` (and the state, if any) are in the host view: to the device."""
         room = room._replace(kv_pages=room.kv_pages[:end - first])
@@ -269,28 +249,24 @@ class HicachedStorage(Storage):
     # ------------------------------------------------------------ write
 
     def store(self, kv_keys, kv_pages, state_keys, state_slots) -> tuple[bool, bool]:
-        c = self._connect()
-        if c is None or not (kv_keys or state_keys):
+        if not (kv_keys or state_keys):
             return False, False
         self.kv.to_host(kv_pages)
         if self.indexer is not None:
             self.indexer.to_host(kv_pages)
         if state_keys:
             self.states.to_host(state_slots)
-        try:
-            res = c.batch_set_v2(self._transfers(kv_keys, kv_pages, state_keys, state_slots))
-        except HicachedError as e:
-            self._degraded("set", e)
-            return False, False
-        self._ok()
+        res = {_pool(k): v for k, v in self.plugin.batch_set_v2(
+            self._transfers(kv_keys, kv_pages, state_keys, state_slots)).items()}
         kv_ok = all(res.get(PoolName.KV.value, [])) and all(res.get(PoolName.INDEXER.value, []))
         return kv_ok, all(res.get(PoolName.MAMBA.value, []))
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-        self._next_try = float("inf")
+        self.plugin.close()
+
+
+def _pool(name) -> str:
+    return getattr(name, "value", name)
 
 
 def make_storage(backend: str, endpoint: str, namespace: str, kv: KVPool,

@@ -470,6 +470,21 @@ class HicachedStorage(_Base):
 
         return self._guard("clear", lambda: False, run)
 
+    def client(self) -> Client | None:
+        """The connected ``hicached.Client`` (pools registered), or None while the daemon is
+        unavailable: for engines that drive hicached through this plugin and also want daemon
+        stats or ``Client.prefetch`` with a stop policy. Never raises."""
+        try:
+            return self._ensure_client()
+        except Exception as e:  # noqa: BLE001 - unavailable is an answer here
+            self._health.unavailable("client", e)
+            return None
+
+    @property
+    def failures(self) -> int:
+        """Calls answered as misses because the daemon was unavailable or failing."""
+        return self._health.counters["unavailable"] + self._health.counters["errors"]
+
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` (or ``PluginStats``): read/write pages and GB/s per call
         since the last call (recorded when SGLang enables storage metrics), plus ``counters``."""
