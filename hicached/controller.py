@@ -66,8 +66,9 @@ class Session:
 
 @dataclass
 class ParkedGet:
-    """A Lease waiting for L3 loads; answered through ``reply`` once ``jobs`` is empty or at
-    ``deadline`` (pages still loading are then misses)."""
+    """A Lease waiting for L3 loads, or for pages another client is writing (reserved, not yet
+    committed); answered through ``reply`` once ``jobs`` is empty or at ``deadline`` (pages still
+    loading or pending are then misses)."""
 
     session: Session
     msg: P.Lease
@@ -75,6 +76,7 @@ class ParkedGet:
     deadline: float
     jobs: set[int] = field(default_factory=set)
     answered: bool = False
+    pending: list[Entry] = field(default_factory=list)  # the uncommitted pages it waits for
 
 
 class Controller:
@@ -90,6 +92,7 @@ class Controller:
         self.sessions: dict[int, Session] = {}
         self.geometry: dict[TableId, int] = {}  # (ns, pool) -> page_bytes, fixed once seen
         self.parked: dict[int, ParkedGet] = {}  # id -> get waiting for loads
+        self.pending_waiters: dict[Entry, list[ParkedGet]] = {}  # uncommitted page -> its gets
         self._session_ids = itertools.count(1)
         self.counters = {"hits": 0, "misses": 0, "no_space": 0, "get_wait_timeouts": 0,
                          "partial_answers": 0}
@@ -232,8 +235,19 @@ class Controller:
                 done.append(e)
             else:
                 self.index.abort(e)
+            if self.pending_waiters:
+                self._wake_pending(e)
         self.tier.on_commit(done)
         return P.Committed(msg.req_id, stored)
+
+    def _wake_pending(self, e: Entry) -> None:
+        """``e`` was committed or aborted: the gets that waited for it may be answered."""
+        for parked in self.pending_waiters.pop(e, ()):
+            if parked.answered:
+                continue
+            parked.jobs.discard(id(e))
+            if not parked.jobs or parked.msg.stream:
+                self._answer_parked(parked)
 
     # ------------------------------------------------------------ get: lease, release
 
@@ -249,6 +263,8 @@ class Controller:
             committed = self.index.tables.get((s.ns, t.pool)) or {}
             missing = [k for k in t.keys if k not in committed]
             present = present or len(missing) < len(t.keys)
+            if missing and msg.load:  # a page another client is writing: wait for its commit
+                self._wait_for_writers(parked, (s.ns, t.pool), missing)
             if missing:
                 spec = s.spec(t.pool)
                 parked.jobs |= self.tier.load((s.ns, t.pool), missing, spec.page_bytes,
@@ -257,8 +273,19 @@ class Controller:
         if parked.jobs and not (msg.stream and present):
             self.parked[id(parked)] = parked
             return None
-        parked.answered = True  # answered now: the loads it joined must not answer it again
+        self._settle(parked)  # answered now: the loads it joined must not answer it again
         return self._lease_present(s, msg)
+
+    def _wait_for_writers(self, parked: ParkedGet, table: TableId, keys: list[str]) -> None:
+        pend = self.index.pending.get(table)
+        if not pend:
+            return
+        for key in keys:
+            e = pend.get(key)
+            if e is not None and (table, key) not in self.tier.loading:
+                self.pending_waiters.setdefault(e, []).append(parked)
+                parked.pending.append(e)
+                parked.jobs.add(id(e))
 
     def _lease_present(self, s: Session, msg: P.Lease, final: bool = False) -> P.Leased:
         """Lease the pages of ``msg`` that are in L2 now; the others are misses (or, for a
@@ -285,9 +312,19 @@ class Controller:
         self.counters["partial_answers"] += partial
         return self._grant(s, msg.req_id, entries, offsets)
 
-    def _answer_parked(self, parked: ParkedGet, final: bool = False) -> None:
+    def _settle(self, parked: ParkedGet) -> None:
+        """``parked`` is answered: nothing it waited for may answer it again."""
         parked.answered = True
         self.parked.pop(id(parked), None)
+        for e in parked.pending:  # e.g. pages whose reservation expired uncommitted
+            waiting = self.pending_waiters.get(e)
+            if waiting is not None:
+                waiting[:] = [p for p in waiting if p is not parked]
+                if not waiting:
+                    del self.pending_waiters[e]
+
+    def _answer_parked(self, parked: ParkedGet, final: bool = False) -> None:
+        self._settle(parked)
         if parked.session.id in self.sessions:
             parked.reply(self._lease_present(parked.session, parked.msg, final))
 

@@ -311,3 +311,32 @@ def test_attach_detach_while_clients_read_and_write(make_daemon, tmp_path):
             t.join(30)
     assert not errors, errors
     assert len(rounds) == 2 and all(r > 0 for r in rounds)
+
+
+def test_get_waits_for_a_page_another_client_is_writing(daemon):
+    from hicached import protocol as P
+
+    src, dst = kv_pool(seed=63), kv_pool()
+    with daemon.client() as w, daemon.client() as r:
+        w.register_mem_host_pool_v2(src, "kv")
+        r.register_mem_host_pool_v2(dst, "kv")
+        res = w._call(lambda s, q: P.Reserve(q, s, [P.PoolKeys("kv", ["x"])]))
+        off = res.offsets[0][0]
+        page = kv_tokens(src, 0, 1).contiguous().view(torch.uint8).reshape(-1)
+        w.arena.tensor[off:off + page.numel()].copy_(page)  # page_first: one contiguous page
+        got = {}
+        t = threading.Thread(target=lambda: got.update(ok=r.batch_get_v1(["x"], pages(5, 1)),
+                                                       t=time.monotonic()))
+        t.start()
+        time.sleep(0.3)  # the reader is parked on the uncommitted page
+        assert t.is_alive()
+        committed_at = time.monotonic()
+        w._call(lambda s, q: P.Commit(q, s, res.reservation_id, [[True]]))
+        t.join(10)
+        assert got["ok"] == [True] and got["t"] >= committed_at
+        assert torch.equal(kv_tokens(dst, 5, 1), kv_tokens(src, 0, 1))
+        # an uncommitted page that is never committed: the get answers a miss at get_wait_s
+        res = w._call(lambda s, q: P.Reserve(q, s, [P.PoolKeys("kv", ["y"])]))
+        t0 = time.monotonic()
+        assert r.batch_get_v1(["y"], pages(6, 1)) == [False]
+        assert 1.5 < time.monotonic() - t0 < 4.5  # get_wait_s = 2 s
