@@ -26,10 +26,9 @@ from hicached import protocol as P
 from hicached.arena import Arena
 from hicached.auth import make_auth
 from hicached.backends.base import L3Backend, create_backend
-from hicached.config import WRITE_POLICIES, DaemonConfig
+from hicached.config import DaemonConfig
 from hicached.controller import Controller, Session
 from hicached.errors import (
-    BackendConflict,
     BackendError,
     BackendUnavailable,
     HicachedError,
@@ -41,6 +40,7 @@ from hicached.errors import (
 from hicached.index import PageIndex
 from hicached.leases import LeaseTable
 from hicached.metrics import make_metrics
+from hicached.operations import DaemonOperations
 from hicached.quotas import make_quotas
 from hicached.sdnotify import NullNotifier
 from hicached.slabs import SlabAllocator
@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 0.5
 MAX_BATCH = 256  # requests handled before the loop looks at I/O completions and timers
-FLUSH_TIERS = ("l2", "l3", "all")
 # answered while draining (they finish work in flight); everything else gets ShuttingDown
 _DRAIN_OK = (P.Commit, P.Release, P.Bye)
 
@@ -65,7 +64,7 @@ def backend_options(name: str, config: DaemonConfig, options: dict | None = None
     return opts
 
 
-class Daemon:
+class Daemon(DaemonOperations):
     """``Daemon(config).serve_forever()`` runs until ``stop()`` (or SIGTERM/SIGINT via ``run``)."""
 
     def __init__(self, config: DaemonConfig):
@@ -411,111 +410,6 @@ class Daemon:
                 fut.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
-
-    # ------------------------------------------------------------ L3 attach / detach
-
-    def attach_backend(self, name: str, options: dict | None = None, *,
-                       write_policy: str | None = None, threshold: int | None = None,
-                       prefetch: bool | None = None, timeout_s: float = 120.0) -> dict:
-        """Attach L3 backend ``name`` while clients run (thread-safe; blocks the caller, never
-        the loop, while the backend connects). The backend already attached: only the policies
-        given change. Another one attached (or attaching): ``BackendConflict``."""
-
-        def begin() -> bool:
-            if self._stop.is_set():
-                raise ShuttingDown("daemon is shutting down")
-            if write_policy and write_policy not in WRITE_POLICIES:
-                raise ProtocolError(f"unknown write policy {write_policy!r}; "
-                                    f"valid: {list(WRITE_POLICIES)}")
-            t = self.tier
-            if t.attached and t.backend.name == name:
-                t.set_policies(write_policy, threshold, prefetch)
-                return False
-            if t.attached or self._attaching:
-                busy = t.backend.name if t.attached else "another backend"
-                raise BackendConflict(f"L3 backend {busy!r} is attached (or attaching); "
-                                      f"detach it before attaching {name!r}")
-            self._attaching = True
-            return True
-
-        if self.call(begin):
-            try:
-                backend = self._open_backend(name, options)
-            except BaseException:
-                self.call(lambda: setattr(self, "_attaching", False))
-                raise
-
-            def install() -> None:
-                self._attaching = False
-                self.tier.set_policies(write_policy, threshold, prefetch)
-                self.tier.attach(backend)
-
-            try:
-                self.call(install, timeout_s)
-            except BaseException:
-                close_quietly(backend)
-                raise
-        return self.backend_status()
-
-    def detach_backend(self) -> dict:
-        """Detach the L3 backend (idempotent; thread-safe). L2 keeps its pages; L3 I/O in
-        flight finishes against the old backend, which is then closed."""
-        detached = self.call(self.tier.detach)
-        return {**self.backend_status(), "detached": detached}
-
-    def backend_status(self) -> dict:
-        return self.call(lambda: {**self.tier.status(), "backend_stats": self.tier.backend_stats()})
-
-    def flush(self, tier: str = "l2", timeout_s: float = 600.0) -> int:
-        """Drop unpinned L2 pages (``l2``), every L3 page (``l3``) or both (``all``); returns how
-        many. Thread-safe; blocks the caller, never the loop: L3 is cleared on the writer thread
-        behind the writes queued before it (a large store takes a while, and no page written
-        before the flush may survive it)."""
-        if tier not in FLUSH_TIERS:
-            raise ProtocolError(f"unknown tier {tier!r}; valid: {list(FLUSH_TIERS)}")
-        n = self.call(self.controller.flush_l2) if tier in ("l2", "all") else 0
-        if tier in ("l3", "all"):
-            fut: Future = Future()
-            self.call(lambda: self.tier.clear(fut.set_result))
-            try:
-                got = fut.result(timeout_s)
-            except FutureTimeout:
-                raise BackendError(f"L3 clear did not finish within {timeout_s} s") from None
-            if isinstance(got, HicachedError):
-                raise got
-            if isinstance(got, Exception):
-                raise BackendError(f"L3 {self.tier.backend.name} clear failed: "
-                                   f"{type(got).__name__}: {got}")
-            n += got
-        return n
-
-    def stats(self) -> dict:
-        return self.call(lambda: {**self.controller.stats(), "requests": self.requests})
-
-    def _attach_for(self, identity: bytes, msg: P.Attach) -> None:
-        """A client's Attach: connect off the loop, answer from the loop."""
-        self._off_loop(
-            identity, msg.req_id,
-            lambda: self.attach_backend(msg.backend, msg.options,
-                                        write_policy=msg.write_policy or None,
-                                        prefetch=msg.prefetch),
-            lambda status: P.BackendStatus(msg.req_id, status))
-
-    def _off_loop(self, identity: bytes, req_id: int, work: Callable[[], Any],
-                  answer: Callable[[Any], Any]) -> None:
-        """Run a slow request (attach, L3 flush) on its own thread; answer from the loop."""
-
-        def run() -> None:
-            try:
-                reply = answer(work())
-            except HicachedError as e:
-                reply = P.Error(req_id, e.code, str(e))
-            except Exception as e:  # a bug costs this request only
-                log.exception("request failed")
-                reply = P.Error(req_id, "internal", f"{type(e).__name__}: {e}")
-            self.call_soon(lambda: self._send(identity, reply))
-
-        threading.Thread(target=run, name="hicached-slow-request", daemon=True).start()
 
     # ------------------------------------------------------------ shutdown
 
