@@ -2,10 +2,10 @@
 
 import os
 
+import pytest
+
 from hicached.backends import create_backend
 from hicached.backends.file import FileBackend, file_name
-
-import pytest
 
 
 def fill(arena, offset, n, value):

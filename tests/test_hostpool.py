@@ -174,7 +174,7 @@ def test_sglang_surface_page_layouts():
     assert mla.get_data_page(4).data_ptr() == mla.kv_buffer[4].data_ptr()  # a view, as SGLang's
     mha = make_pool("mha", "page_first", 4)
     assert _same(mha.get_data_page(4), mha.kv_buffer[:, 4:8].flatten())  # K and V: a copy
-    ptrs, sizes = mha.get_page_buffer_meta(list(range(12, 16)) + list(range(0, 4)))
+    ptrs, sizes = mha.get_page_buffer_meta(list(range(12, 16)) + list(range(4)))
     kv = mha.kv_buffer
     assert ptrs == [kv[0, 12].data_ptr(), kv[1, 12].data_ptr(), kv[0, 0].data_ptr(),
                     kv[1, 0].data_ptr()]

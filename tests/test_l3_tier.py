@@ -9,7 +9,6 @@ from test_daemon import kv_pool, kv_tokens, mamba_pool, pages
 from hicached import PoolTransfer
 
 
-
 def _page_files(state_dir):
     return [f for _, _, fs in os.walk(os.path.join(state_dir, "l3")) for f in fs]
 
