@@ -211,6 +211,7 @@ class Controller:
                         self.counters["no_space"] += 1
                         row.append(P.SLOT_NO_SPACE)
                     else:
+                        e.owner = s.id
                         r.slots.append((p, i, e))
                         row.append(e.offset)
             offsets.append(row)
@@ -282,7 +283,10 @@ class Controller:
             return
         for key in keys:
             e = pend.get(key)
-            if e is not None and (table, key) not in self.tier.loading:
+            # not its own pages: the same client's commit cannot overtake its get (one socket,
+            # and a client holds its lock while it waits for an answer)
+            if (e is not None and e.owner != parked.session.id
+                    and (table, key) not in self.tier.loading):
                 self.pending_waiters.setdefault(e, []).append(parked)
                 parked.pending.append(e)
                 parked.jobs.add(id(e))

@@ -37,6 +37,7 @@ class Entry:
         "key",
         "last_used",
         "offset",
+        "owner",
         "page_bytes",
         "pins",
         "stride",
@@ -56,6 +57,7 @@ class Entry:
         self.in_l3 = False  # a copy is known to be in the L3 backend
         self.hits = 0
         self.writing = False  # an L3 write of this page is in flight
+        self.owner = 0  # pending: the session that reserved it (0: the daemon, an L3 load)
 
     def __repr__(self) -> str:
         state = "committed" if self.committed else "pending"

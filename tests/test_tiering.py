@@ -340,3 +340,18 @@ def test_get_waits_for_a_page_another_client_is_writing(daemon):
         t0 = time.monotonic()
         assert r.batch_get_v1(["y"], pages(6, 1)) == [False]
         assert 1.5 < time.monotonic() - t0 < 4.5  # get_wait_s = 2 s
+
+
+def test_a_client_never_waits_for_its_own_uncommitted_page(daemon):
+    # one Client shared by threads: a set's commit goes out after its copy, unlocked; a get of
+    # the same key from another thread in between must not wait for a commit queued behind it
+    from hicached import protocol as P
+
+    with daemon.client() as c:
+        c.register_mem_host_pool_v2(kv_pool(seed=64), "kv")
+        res = c._call(lambda s, q: P.Reserve(q, s, [P.PoolKeys("kv", ["own"])]))
+        t0 = time.monotonic()
+        assert c.batch_get_v1(["own"], pages(3, 1)) == [False]
+        assert time.monotonic() - t0 < 1.0  # a miss at once, not after get_wait_s
+        c._call(lambda s, q: P.Commit(q, s, res.reservation_id, [[True]]))
+        assert c.batch_get_v1(["own"], pages(3, 1)) == [True]
