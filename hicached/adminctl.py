@@ -24,13 +24,13 @@ import os
 import sys
 import threading
 import time
-import tomllib
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from typing import Any, Self
 
-from hicached.config import parse_options
+from hicached.config import parse_options, read_config_table
 from hicached.errors import ConfigError, HicachedError
 
 DEFAULT_DAEMON_CONFIG = "/etc/hicached/hicached.toml"
@@ -223,12 +223,7 @@ def admin_settings(path: str | None, env) -> dict:
     so this stays fast (no torch) and works with a config this node's daemon rejects."""
     values = {"admin_host": "127.0.0.1", "admin_port": 0, "admin_api_key": ""}
     if path:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"config file {path}: {e}") from None
-        data = data.get("hicached", data)
+        data = read_config_table(path)
         values.update({k: data[k] for k in values if k in data})
     values.update({k: env[f"HICACHED_{k.upper()}"] for k in values
                    if f"HICACHED_{k.upper()}" in env})
@@ -239,7 +234,7 @@ def admin_settings(path: str | None, env) -> dict:
     return values
 
 
-def client_from_args(args: argparse.Namespace, env=os.environ) -> AdminClient:
+def client_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> AdminClient:
     """Resolve the admin address and key (see the module docstring)."""
     path = args.daemon_config
     if path is None and os.access(DEFAULT_DAEMON_CONFIG, os.R_OK):
@@ -263,11 +258,12 @@ def _l3_pages_left(client: AdminClient) -> str:
     return f"{pages} pages in L3" if pages is not None else ""
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run one admin subcommand; returns the exit status."""
+def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    """Run one admin subcommand (``env``: the process environment, read by the entry point);
+    returns the exit status."""
     out = sys.stdout
     try:
-        client = client_from_args(args)
+        client = client_from_args(args, env)
     except ConfigError as e:
         print(f"hicached: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -80,12 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="multi-turn demo of the reference engine through hicached "
                                 "(hicached demo --help)")
     args = parser.parse_args(argv)
+    env = os.environ  # the one read of the environment: everything below gets it passed
     if args.command != "serve":
-        return adminctl.run(args)
+        return adminctl.run(args, env)
     try:
         if args.command == "serve":
             overrides = {k: getattr(args, k) for k in OPTION_KEYS}
-            cfg = load_config(args.config, os.environ, overrides)
+            cfg = load_config(args.config, env, overrides)
             if args.print_config:
                 for key, value in cfg.redacted().items():
                     print(f"{key} = {value!r}")
@@ -95,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             from hicached.sdnotify import SystemdNotifier
             from hicached.service import serve
 
-            serve(cfg, SystemdNotifier.from_env(os.environ),
-                  reload=lambda: load_config(args.config, os.environ, overrides))
+            serve(cfg, SystemdNotifier.from_env(env),
+                  reload=lambda: load_config(args.config, env, overrides))
             return 0
     except HicachedError as e:
         print(f"hicached: error: {e}", file=sys.stderr)

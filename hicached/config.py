@@ -66,6 +66,7 @@ class DaemonConfig:
     l3_backend: str = "file"  # a name of hicached.backends.base.BACKENDS
     l3_dir: str = ""  # "" -> <state_dir>/l3
     l3_options: Mapping = field(default_factory=dict)  # keyword options of the backend
+    store_env: Mapping = field(default_factory=dict)  # MOONCAKE_* etc. from the environment
     write_policy: str = "write_through"  # | write_through_selective | write_back
     write_through_threshold: int = 2  # write_through_selective: hits before a page goes to L3
     prefetch: bool = True  # exists that finds pages only in L3 starts pulling them into L2
@@ -245,22 +246,35 @@ def _coerce(key: str, value: object) -> object:
     return value
 
 
+def read_config_table(path: str) -> dict:
+    """The ``[hicached]`` table of a TOML config file (or its top level); ConfigError if the
+    file cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    return data.get("hicached", data)
+
+
+# Environment variables L3 stores read as their own settings (SGLang's Mooncake variables), kept
+# in the config object so no backend reads the process environment.
+STORE_ENV_PREFIXES = ("MOONCAKE_", "SGLANG_MOONCAKE_")
+STORE_ENV_NAMES = ("LOCAL_HOSTNAME",)
+
+
 def load_config(path: str | None = None, env: Mapping[str, str] | None = None,
                 overrides: Mapping[str, object] | None = None) -> DaemonConfig:
     """Merge file < env < overrides over the defaults; returns a resolved, checked config."""
-    names = {f.name for f in fields(DaemonConfig)}
+    names = {f.name for f in fields(DaemonConfig)} - {"store_env"}
     values: dict[str, object] = {}
     if path:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"config file {path}: {e}") from None
-        data = data.get("hicached", data)
-        for key, value in data.items():
+        for key, value in read_config_table(path).items():
             if key not in names:
                 raise ConfigError(f"{path}: unknown key {key!r}; valid: {sorted(names)}")
             values[key] = _coerce(key, value)
+    values["store_env"] = {var: value for var, value in (env or {}).items()
+                           if var.startswith(STORE_ENV_PREFIXES) or var in STORE_ENV_NAMES}
     for var, value in (env or {}).items():
         if not var.startswith("HICACHED_"):
             continue

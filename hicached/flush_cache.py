@@ -9,6 +9,7 @@ daemon's config, prints the daemon's answer and exits non-zero if it did not suc
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hicached import adminctl
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args(argv)
     args.command, args.json = "flush", False
-    return adminctl.run(args)
+    return adminctl.run(args, os.environ)  # this entry point is the edge that reads it
 
 
 if __name__ == "__main__":

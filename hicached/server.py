@@ -57,10 +57,13 @@ _DRAIN_OK = (P.Commit, P.Release, P.Bye)
 
 def backend_options(name: str, config: DaemonConfig, options: dict | None = None) -> dict:
     """Keyword options for backend ``name``: ``options`` (or the config's ``l3_options``), with
-    the file backend's root defaulting to the config's ``l3_dir``."""
+    the file backend's root defaulting to the config's ``l3_dir``, and Mooncake's unset keys
+    looked up in the environment the config captured (SGLang's ``MOONCAKE_*`` variables)."""
     opts = dict(config.l3_options if options is None else options)
     if name == "file":
         opts.setdefault("root", config.l3_dir)
+    elif name == "mooncake":
+        opts.setdefault("env", dict(config.store_env))
     return opts
 
 

@@ -49,3 +49,16 @@ def test_bad_values_name_the_key(tmp_path):
 def test_shipped_config_file_loads(tmp_path):
     cfg = load_config("configs/hicached.toml", {}, {"state_dir": str(tmp_path)})
     assert cfg.l2_size == DaemonConfig.l2_size
+
+
+def test_store_environment_is_captured_at_the_edge(tmp_path):
+    from hicached.server import backend_options
+
+    env = {"MOONCAKE_MASTER": "10.0.0.1:50051", "LOCAL_HOSTNAME": "node-7", "HOME": "/root"}
+    cfg = load_config(None, env, {"state_dir": str(tmp_path)})
+    assert cfg.store_env == {"MOONCAKE_MASTER": "10.0.0.1:50051", "LOCAL_HOSTNAME": "node-7"}
+    opts = backend_options("mooncake", cfg, {"protocol": "tcp"})
+    assert opts == {"protocol": "tcp", "env": dict(cfg.store_env)}
+    assert "env" not in backend_options("file", cfg)
+    with pytest.raises(ConfigError, match="store_env"):
+        load_config(None, {}, {"state_dir": str(tmp_path), "store_env": {}})

@@ -10,10 +10,7 @@ import types
 
 import pytest
 import torch
-from conftest import wait_until
-from test_daemon import kv_pool, kv_tokens, pages
 
-from hicached import PoolTransfer
 from hicached.backends import create_backend
 from hicached.backends.hf3fs import Hf3fsBackend
 from hicached.backends.hf3fs_format import HEAD_OFF, SegmentHeader, slot_bytes_for
@@ -438,34 +435,6 @@ def test_usrbio_selected_when_importable_and_on_a_mount(arena, tmp_path, monkeyp
 # ---------------------------------------------------------------- two real daemons
 
 
-def test_two_daemons_share_pages_through_one_root(make_daemon, tmp_path):
-    root = tmp_path / "mnt"
-
-    def extra(node):
-        opts = {"root": str(root), "node": node, "io": "posix", "lookup_budget_ms": 2000}
-        return ["--l3-backend", "hf3fs", "--l3-options", json.dumps(opts)]
-
-    d1 = make_daemon(name="n1", extra=extra("n1"))
-    d2 = make_daemon(name="n2", extra=extra("n2"))
-    keys = [f"shared-{i}" for i in range(6)]
-    src = kv_pool(seed=61)
-    with d1.client() as c:
-        c.register_mem_host_pool_v2(src, "kv")
-        assert c.batch_set_v1(keys, pages(0, 6)) == [True] * 6
-        assert wait_until(lambda: c.stats()["l3_writes"] == 6)
-    with d2.client() as c:
-        dst = kv_pool()
-        c.register_mem_host_pool_v2(dst, "kv")
-        assert c.stats()["l2_pages"] == 0
-        assert c.batch_exists_v2(keys).kv_hit_pages == 6
-        got = c.batch_get_v2([PoolTransfer("kv", pages(10, 6), keys=keys)])
-        assert got == {"kv": [True] * 6}
-        assert torch.equal(kv_tokens(dst, 10, 6), kv_tokens(src, 0, 6))
-        st = c.stats()
-        assert st["l3_loads"] == 6 and st["l3"]["remote_hits"] == 6
-        assert st["l3_backend"] == "hf3fs" and st["l3"]["io"] == "posix"
-
-
 def test_direct_io_is_chosen_for_fuse_mounts():
     from hicached.backends.hf3fs_io import mount_fstype, wants_direct
 
@@ -506,22 +475,3 @@ def test_restart_after_eviction_keeps_free_slots_free(arena, tmp_path, backends)
     assert b2.exists("ns", "kv", ["b", "c", "d"]) == [False, True, True]
     got = b2.batch_get("ns", "kv", ["c", "d"], [8 * P, 9 * P], P)
     assert got == [True, True] and same(arena, 8 * P, 2 * P) and same(arena, 9 * P, 3 * P)
-
-
-def test_detach_and_attach_again_finds_the_pages(make_daemon, tmp_path):
-    opts = {"root": str(tmp_path / "mnt"), "node": "n1", "io": "posix"}
-    d = make_daemon(extra=["--l3-backend", "hf3fs", "--l3-options", json.dumps(opts)])
-    keys = [f"re-{i}" for i in range(3)]
-    src, dst = kv_pool(seed=71), kv_pool()
-    with d.client() as c:
-        c.register_mem_host_pool_v2(src, "kv")
-        assert c.batch_set_v1(keys, pages(0, 3)) == [True] * 3
-        assert wait_until(lambda: c.stats()["l3_writes"] == 3)
-        c.detach_backend()
-        c.flush("l2")
-        assert c.batch_exists(keys) == 0
-        c.attach_backend("hf3fs", opts)  # same node: the closed instance's lock is free again
-        assert c.batch_exists(keys) == 3
-        c.register_mem_host_pool_v2(dst, "kv")
-        assert c.batch_get_v1(keys, pages(4, 3)) == [True] * 3
-        assert torch.equal(kv_tokens(dst, 4, 3), kv_tokens(src, 0, 3))

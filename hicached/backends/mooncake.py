@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 import socket
 import threading
@@ -109,15 +108,15 @@ class MooncakeBackend(L3Backend):
     """Mooncake Store as L3. Thread-safe for the control loop plus the two I/O workers.
 
     ``MooncakeBackend(env=None, **options)``: options as in ``mooncake_options``; ``env`` is
-    where unset options are looked up (SGLang's ``MOONCAKE_*`` variables), ``os.environ`` when
-    None: the one place the daemon reads the environment outside its config edge, because that
-    is where SGLang operators already keep their Mooncake settings.
+    where unset options are looked up: SGLang's ``MOONCAKE_*`` variables, which the daemon's
+    config captures from the environment at its edge (``DaemonConfig.store_env``) and
+    ``backend_options`` passes here. None: no environment.
     """
 
     name = "mooncake"
 
     def __init__(self, env: Mapping[str, str] | None = None, **options: object):
-        self.opts = MooncakeOptions.resolve(options, os.environ if env is None else env)
+        self.opts = MooncakeOptions.resolve(options, env or {})
         self._store_cls = import_store_class()
         self.breaker = Breaker(f"Mooncake store at {redact(self.opts.master_server_address)}",
                                self.opts.backoff_s, self.opts.max_backoff_s)
@@ -311,23 +310,33 @@ class MooncakeBackend(L3Backend):
         self._settle("batch_is_exist", rcs)
         return [rc == 1 for rc in rcs]
 
-    def batch_put(self, ns, pool, keys, offsets, page_bytes):
-        if not keys:
-            return []
+    def _batch(self, method: str, kind: str, ns: str, pool: str, keys: Sequence[str],
+               offsets: Sequence[int], page_bytes: int) -> list[int] | None:
+        """One transfer (``batch_put_from`` / ``batch_get_into``) of arena slots: its return
+        codes, or None when the store is unavailable or the call failed (counted as failed
+        puts / missed gets of ``kind``)."""
+        failed = "put_failures" if kind == "put" else "get_misses"
         ptrs = self._ptrs(offsets, page_bytes)
         names = self._names(ns, pool, keys)
         store = self._admit(self.opts.timeout_s)
-        if store is None:
-            self.counters["put_failures"] += len(keys)
-            return [False] * len(keys)
-        t = time.perf_counter()
-        rcs = self._transfer(store.batch_put_from, names, ptrs, [page_bytes] * len(keys),
-                             nbytes=len(keys) * page_bytes)
-        self.counters["put_s"] += time.perf_counter() - t
+        rcs = None
+        if store is not None:
+            t = time.perf_counter()
+            rcs = self._transfer(getattr(store, method), names, ptrs, [page_bytes] * len(keys),
+                                 nbytes=len(keys) * page_bytes)
+            self.counters[f"{kind}_s"] += time.perf_counter() - t
         if rcs is None:
-            self.counters["put_failures"] += len(keys)
+            self.counters[failed] += len(keys)
+            return None
+        self._settle(method, rcs)
+        return rcs
+
+    def batch_put(self, ns, pool, keys, offsets, page_bytes):
+        if not keys:
+            return []
+        rcs = self._batch("batch_put_from", "put", ns, pool, keys, offsets, page_bytes)
+        if rcs is None:
             return [False] * len(keys)
-        self._settle("batch_put_from", rcs)
         out = [rc in (0, OBJECT_ALREADY_EXISTS) for rc in rcs]  # already stored: a success
         self.counters["puts"] += sum(out)
         self.counters["put_bytes"] += sum(out) * page_bytes
@@ -341,20 +350,9 @@ class MooncakeBackend(L3Backend):
     def batch_get(self, ns, pool, keys, offsets, page_bytes):
         if not keys:
             return []
-        ptrs = self._ptrs(offsets, page_bytes)
-        names = self._names(ns, pool, keys)
-        store = self._admit(self.opts.timeout_s)
-        if store is None:
-            self.counters["get_misses"] += len(keys)
-            return [False] * len(keys)
-        t = time.perf_counter()
-        rcs = self._transfer(store.batch_get_into, names, ptrs, [page_bytes] * len(keys),
-                             nbytes=len(keys) * page_bytes)
-        self.counters["get_s"] += time.perf_counter() - t
+        rcs = self._batch("batch_get_into", "get", ns, pool, keys, offsets, page_bytes)
         if rcs is None:
-            self.counters["get_misses"] += len(keys)
             return [False] * len(keys)
-        self._settle("batch_get_into", rcs)
         out = [rc == page_bytes for rc in rcs]
         mismatched = sum((rc >= 0 and rc != page_bytes) or rc == INVALID_PARAMS for rc in rcs)
         if mismatched:

@@ -1,0 +1,54 @@
+"""The SGLang plugin's settings: the ``extra_config`` keys it reads (``hicached.plugin.sglang``
+documents each), validated once when SGLang builds the backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hicached.config import default_runtime_dir
+
+CLEAR_TIERS = ("all", "l2", "none")
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The extra_config keys this plugin reads (see the module docstring)."""
+
+    endpoint: str
+    timeout_s: float = 6.0
+    retry_interval_s: float = 1.0
+    model_name: str = ""
+    model_revision: str = ""
+    namespace_salt: str = ""
+    clear_tier: str = "all"
+    allocator: str = ""
+
+    @classmethod
+    def from_extra_config(cls, extra: dict | None) -> PluginSettings:
+        """Validated settings; raises ValueError naming the bad key (SGLang fails the attach)."""
+        extra = dict(extra or {})
+        endpoint = extra.get("endpoint") or ""
+        if not endpoint and extra.get("socket"):
+            endpoint = f"ipc://{extra['socket']}"
+        endpoint = endpoint or f"ipc://{default_runtime_dir()}/hicached.sock"
+        if not isinstance(endpoint, str) or not endpoint.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"hicached extra_config endpoint must start with ipc:// or tcp://, "
+                             f"got {endpoint!r}")
+        out: dict[str, Any] = {"endpoint": endpoint}
+        for key in ("timeout_s", "retry_interval_s"):
+            if key in extra:
+                value = extra[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                    raise ValueError(f"hicached extra_config {key} must be a number > 0, "
+                                     f"got {value!r}")
+                out[key] = float(value)
+        for key in ("model_name", "model_revision", "namespace_salt", "allocator"):
+            if extra.get(key) is not None:
+                out[key] = str(extra[key])
+        tier = extra.get("clear_tier", "all")
+        if tier not in CLEAR_TIERS:
+            raise ValueError(f"hicached extra_config clear_tier must be one of {CLEAR_TIERS}, "
+                             f"got {tier!r}")
+        out["clear_tier"] = tier
+        return cls(**out)
