@@ -284,6 +284,7 @@ def test_namespaces_with_different_page_sizes_share_the_arena(make_daemon):
         assert all(a.batch_set_v1([f"s{i}" for i in range(256)], pages(0, 256)))  # fills it all
         a.ping()  # a's commit is fire-and-forget: make sure it landed before b's reserve
         assert all(b.batch_set_v1([f"b{i}" for i in range(16)], torch.arange(0, 256)))
+        b.ping()  # likewise b's commit, before a's stats on another socket
         st = a.stats()
         assert st["l2_pages_by_pool"]["kv"] == 256 - 64 + 16  # one 64 KiB slab reclaimed
         assert a.batch_exists([f"s{i}" for i in range(256)]) == 0  # oldest slab went first
