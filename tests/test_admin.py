@@ -50,7 +50,9 @@ def test_mutating_endpoints_refused_without_a_configured_key(make_daemon):
 
 
 def _write(c, keys, src_page=0):
-    return c.batch_set_v2([PoolTransfer("kv", pages(src_page, len(keys)), keys=keys)])["kv"]
+    got = c.batch_set_v2([PoolTransfer("kv", pages(src_page, len(keys)), keys=keys)])["kv"]
+    c.ping()  # the commit is fire-and-forget: land it before HTTP calls look at the daemon
+    return got
 
 
 def test_attach_detach_status_while_a_client_works(make_daemon, tmp_path):

@@ -115,6 +115,7 @@ def test_python_m_flush_cache(make_daemon):
     with d.client() as c:
         c.register_mem_host_pool_v2(kv_pool(seed=3), "kv")
         assert c.batch_set_v1(["q0"], pages(0, 1)) == [True]
+        c.ping()  # the commit is fire-and-forget: land it before the HTTP flush
         rc, out, err = cli("--url", url, module="hicached.flush_cache")
         assert (rc, out.strip()) == (0, "Cache flushed: 1 pages dropped from L2."), err
         assert c.stats()["l2_pages"] == 0
