@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 KV = "kv"
+# Pages at least this large are copied speculatively (``Client._load``): below it, the bookkeeping
+# per key costs more than the copy it would overlap with the round trip.
+SPECULATE_MIN_PAGE_BYTES = 64 * 1024
 
 
 def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str) -> list[int]:
@@ -107,7 +110,8 @@ class Client:
     """A connection to one hicached daemon, in one namespace. Thread-safe; a context manager."""
 
     def __init__(self, endpoint: str, namespace: str, *, timeout_s: float = 5.0,
-                 client_name: str = "", spin_s: float = 0.002, token: str = ""):
+                 client_name: str = "", spin_s: float = 0.002, token: str = "",
+                 remember_pages: int = 65536):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
         self.endpoint = endpoint
@@ -122,6 +126,11 @@ class Client:
         self._sock: zmq.Socket | None = None
         self._pools: dict[str, PageIO] = {}
         self._closed = False
+        # (pool, key) -> (offset, tag) of pages this client wrote or read (see _load); at most
+        # ``remember_pages`` entries (0: never copy speculatively). Only for large pages.
+        self._where: dict[tuple[str, str], tuple[int, int]] = {}
+        self._remember = remember_pages
+        self._epoch = 0  # handshakes so far: locations learnt before one are void
         self.session = 0
         self.arena: Arena | None = None
         try:
@@ -153,6 +162,8 @@ class Client:
         if not isinstance(w, P.Welcome):
             raise ProtocolError(f"expected Welcome, got {type(w).__name__}")
         self.session = w.session
+        self._epoch += 1
+        self._where.clear()
         self.reservation_ttl_s = w.reservation_ttl_s
         self.lease_ttl_s = w.lease_ttl_s
         if self.arena is None or self.arena.path != w.arena_path or \
@@ -163,11 +174,14 @@ class Client:
             self._roundtrip(P.RegisterPool(next(self._req_ids), self.session, name,
                                            io.page_bytes))
 
-    def _roundtrip(self, msg, timeout_s: float | None = None) -> Any:
-        """Send one request and wait (deadline) for its answer; daemon errors are raised."""
+    def _roundtrip(self, msg, timeout_s: float | None = None, while_waiting=None) -> Any:
+        """Send one request and wait (deadline) for its answer; daemon errors are raised.
+        ``while_waiting()`` runs once the request is sent (it must not raise)."""
         if self._sock is None:
             self._new_socket()
         self._sock.send(P.encode(msg))
+        if while_waiting is not None:
+            while_waiting()
         start = time.monotonic()
         timeout_s = timeout_s or self.timeout_s
         deadline = start + timeout_s
@@ -193,13 +207,15 @@ class Client:
                 raise error_from_code(answer.code, answer.message)
             return answer
 
-    def _call(self, build, timeout_s: float | None = None) -> Any:
-        """``build(session, req_id) -> request``; re-joins a restarted daemon once."""
+    def _call(self, build, timeout_s: float | None = None, while_waiting=None) -> Any:
+        """``build(session, req_id) -> request``; re-joins a restarted daemon once.
+        ``while_waiting``: see ``_roundtrip`` (first attempt only)."""
         if self._closed:
             raise DaemonUnavailable("client is closed")
         with self._lock:
             try:
-                return self._roundtrip(build(self.session, next(self._req_ids)), timeout_s)
+                return self._roundtrip(build(self.session, next(self._req_ids)), timeout_s,
+                                       while_waiting)
             except (UnknownSession, Unauthorized):  # Unauthorized: a fresh socket, not yet joined
                 log.warning("hicached session lost (daemon restarted?): joining again")
                 self._handshake()
@@ -317,6 +333,8 @@ class Client:
             # this; requests this client sends later are ordered after it (one socket). A commit
             # that never arrives (client killed now) only loses the pages: the slots expire.
             self._send_only(P.Commit(0, self.session, res.reservation_id, ok, reply=False))
+            for (name, io, keys, _), row, tags in zip(plan, res.offsets, res.tags):
+                self._learn(name, io, keys, row, tags)
         return {name: [off >= 0 or off in (P.SLOT_PRESENT, P.SLOT_INFLIGHT) for off in row]
                 for (name, _, _, _), row in zip(plan, res.offsets)}
 
@@ -343,39 +361,106 @@ class Client:
         name, plan = self._pages_plan(pool_name, keys, pages)
         return self._load(plan)[name]
 
+    def _speculates(self, io: PageIO) -> bool:
+        return (self._remember > 0 and io.page_bytes >= SPECULATE_MIN_PAGE_BYTES
+                and not isinstance(io, TensorPages))  # those promise to leave misses untouched
+
+    def _learn(self, name: str, io: PageIO, keys: Sequence[str], offsets: Sequence[int],
+               tags: Sequence[int]) -> None:
+        """Remember where the daemon placed or found the pages of ``keys`` (see ``_load``)."""
+        if not tags or not self._speculates(io):
+            return
+        where = self._where
+        for key, off, tag in zip(keys, offsets, tags):
+            if off >= 0 and tag:
+                where[(name, key)] = (off, tag)
+            else:
+                where.pop((name, key), None)
+        if len(where) > self._remember:  # forget the oldest eighth
+            for k in list(itertools.islice(where, len(where) - self._remember * 7 // 8)):
+                del where[k]
+
+    def _guess(self, todo: list[tuple[str, PageIO, list[int]]], keys_of: dict[str, list[str]],
+               starts_of: dict[str, list[int]]):
+        """Where this client saw the pages of ``todo`` before: per pool {position: (offset,
+        tag)}, and a function that copies them from there (run while the lease request is on its
+        way; the answer then says which copies hold the right bytes)."""
+        guesses: dict[str, dict[int, tuple[int, int]]] = {}
+        jobs = []
+        for name, io, idx in todo:
+            if not self._speculates(io):
+                continue
+            where, keys = self._where, keys_of[name]
+            g = {j: loc for j, i in enumerate(idx) if (loc := where.get((name, keys[i])))}
+            if g:
+                guesses[name] = g
+                jobs.append((name, io, [starts_of[name][idx[j]] for j in g],
+                             [off for off, _ in g.values()]))
+        if not jobs:
+            return guesses, None
+        arena = self.arena
+
+        def copy() -> None:
+            for name, io, starts, offsets in jobs:
+                try:
+                    io.from_arena(starts, arena.tensor, offsets)
+                except (ValueError, RuntimeError, TypeError, IndexError) as e:  # copy it later
+                    log.debug("speculative copy of pool %r failed: %s", name, e)
+                    guesses.pop(name, None)
+        return guesses, copy
+
     def _load(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
               ) -> dict[str, list[bool]]:
         """Lease, copy out, release. Streamed: when pages must come from L3 the daemon answers
         as soon as the first ones are in the arena (the rest ``SLOT_LOADING``); they are copied
         while the others load, then the loading ones are asked for again (joining the loads in
-        flight, starting none), until none is loading or the call's deadline passes."""
+        flight, starting none), until none is loading or the call's deadline passes.
+
+        Speculative copies: pages whose slot this client learnt from an earlier set or get
+        (``_learn``) are copied from there while the first lease request is on its way. The
+        answer names every page's (offset, tag); a tag is unique to one page's stay in one
+        slot, so a copy from the same (offset, tag) read that page's final bytes (the slot held
+        them from when this client learnt it until the lease pinned it), and any other page is
+        copied again from its leased slot. So a get of pages this client used before costs about
+        one copy instead of a round trip plus a copy. A miss may leave speculated bytes in its
+        host page (pools of ``batch_get_pages`` are never speculated into)."""
         sent = time.monotonic()
         out = {name: [False] * len(keys) for name, _, keys, _ in plan}
         todo = [(name, io, list(range(len(keys)))) for name, io, keys, _ in plan]
         keys_of = {name: keys for name, _, keys, _ in plan}
         starts_of = {name: starts for name, _, _, starts in plan}
+        guesses, copy = self._guess(todo, keys_of, starts_of)
+        epoch = self._epoch
         first = True
         while todo:
             req = [P.PoolKeys(name, [keys_of[name][i] for i in idx]) for name, _, idx in todo]
             load = first
             res = self._call(lambda s, r, req=req, load=load: P.Lease(r, s, req, stream=True,
-                                                                      load=load))
-            first = False
+                                                                      load=load),
+                             while_waiting=copy if first else None)
+            if first and self._epoch != epoch:
+                guesses = {}  # the daemon restarted under the speculative copies
             again = []
             try:
-                for (name, io, idx), row in zip(todo, res.offsets):
-                    sel = [j for j, off in enumerate(row) if off >= 0]
+                for p, ((name, io, idx), row) in enumerate(zip(todo, res.offsets)):
+                    tags = res.tags[p] if p < len(res.tags) else []
+                    g = guesses.get(name, {}) if first and tags else {}
+                    sel = [j for j, off in enumerate(row)
+                           if off >= 0 and g.get(j) != (off, tags[j])]
                     if sel:
                         io.from_arena([starts_of[name][idx[j]] for j in sel], self.arena.tensor,
                                       [row[j] for j in sel])
-                        for j in sel:
+                    for j, off in enumerate(row):
+                        if off >= 0:
                             out[name][idx[j]] = True
+                    self._learn(name, io, [keys_of[name][i] for i in idx], row, tags)
                     wait = [idx[j] for j, off in enumerate(row) if off == P.SLOT_LOADING]
                     if wait:
                         again.append((name, io, wait))
             finally:
                 if res.lease_id:
                     self._send_only(P.Release(0, self.session, [res.lease_id]))
+            first = False
             if time.monotonic() - sent > self.lease_ttl_s / 2:
                 log.warning("get took longer than half the lease TTL: results discarded")
                 return {name: [False] * len(row) for name, row in out.items()}

@@ -192,11 +192,11 @@ class Controller:
     def reserve(self, s: Session, msg: P.Reserve) -> P.Reserved:
         specs = [s.spec(t.pool) for t in msg.transfers]
         r = self.leases.new_reservation(s.id, self.clock())
-        offsets = []
+        offsets, tags = [], []
         for p, (t, spec) in enumerate(zip(msg.transfers, specs)):
             table = (s.ns, t.pool)
             committed = self.index.table(table)
-            row = []
+            row, tag_row = [], [0] * len(t.keys)
             for i, key in enumerate(t.keys):
                 e = committed.get(key)
                 if e is not None:
@@ -214,13 +214,15 @@ class Controller:
                         e.owner = s.id
                         r.slots.append((p, i, e))
                         row.append(e.offset)
+                        tag_row[i] = e.gen
             offsets.append(row)
+            tags.append(tag_row)
         if self.tier.dirty:  # write_back: make dirty pages evictable before the arena fills
             self.tier.relieve_pressure(force=any(P.SLOT_NO_SPACE in row for row in offsets))
         if not r.slots:
             self.leases.take_reservation(r.id, s.id)
-            return P.Reserved(msg.req_id, 0, offsets)
-        return P.Reserved(msg.req_id, r.id, offsets)
+            return P.Reserved(msg.req_id, 0, offsets, tags)
+        return P.Reserved(msg.req_id, r.id, offsets, tags)
 
     def commit(self, s: Session, msg: P.Commit) -> P.Committed:
         stored = [[False] * len(row) for row in msg.ok]
@@ -295,26 +297,29 @@ class Controller:
         """Lease the pages of ``msg`` that are in L2 now; the others are misses (or, for a
         stream not answered at its deadline, ``SLOT_LOADING`` while their load is in flight)."""
         offsets: list[list[int]] = []
+        tags: list[list[int]] = []
         entries: list[Entry] = []
         loading = self.tier.loading if msg.stream and not final else {}
         partial = False
         for t in msg.transfers:
             table = (s.ns, t.pool)
             committed = self.index.tables.get(table) or {}
-            row = []
-            for key in t.keys:
+            row, tag_row = [], [0] * len(t.keys)
+            for i, key in enumerate(t.keys):
                 e = committed.get(key)
                 if e is not None:
                     entries.append(e)
                     row.append(e.offset)
+                    tag_row[i] = e.gen
                 elif (table, key) in loading:
                     row.append(P.SLOT_LOADING)
                     partial = True
                 else:
                     row.append(P.SLOT_MISS)
             offsets.append(row)
+            tags.append(tag_row)
         self.counters["partial_answers"] += partial
-        return self._grant(s, msg.req_id, entries, offsets)
+        return self._grant(s, msg.req_id, entries, offsets, tags)
 
     def _settle(self, parked: ParkedGet) -> None:
         """``parked`` is answered: nothing it waited for may answer it again."""
@@ -341,22 +346,22 @@ class Controller:
     def next_parked_deadline(self) -> float | None:
         return min((p.deadline for p in self.parked.values()), default=None)
 
-    def _grant(self, s: Session, req_id: int, entries: list[Entry], offsets: list[list[int]]
-               ) -> P.Leased:
+    def _grant(self, s: Session, req_id: int, entries: list[Entry], offsets: list[list[int]],
+               tags: list[list[int]]) -> P.Leased:
         """Lease ``entries``. Counts pages served from L2 (a page loaded from L3 for this request
         is served from L2 too; ``l3_loads`` counts the loads)."""
         hits = len(entries)
         self.counters["hits"] += hits
         self.counters["misses"] += sum(off == P.SLOT_MISS for row in offsets for off in row)
         if not entries:
-            return P.Leased(req_id, 0, offsets)
+            return P.Leased(req_id, 0, offsets, tags)
         for e in entries:
             self.index.touch(e)
             e.hits += 1
         g = self.leases.new_lease(s.id, entries, self.clock())
         for e in entries:  # after the lease pinned them: a selective write-through may start
             self.tier.on_hit(e)
-        return P.Leased(req_id, g.id, offsets)
+        return P.Leased(req_id, g.id, offsets, tags)
 
     def release(self, s: Session, lease_ids: list[int]) -> None:
         for lid in lease_ids:

@@ -19,6 +19,7 @@ so eviction order is exact and testable.
 
 from __future__ import annotations
 
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -32,6 +33,7 @@ class Entry:
 
     __slots__ = (
         "committed",
+        "gen",
         "hits",
         "in_l3",
         "key",
@@ -58,6 +60,7 @@ class Entry:
         self.hits = 0
         self.writing = False  # an L3 write of this page is in flight
         self.owner = 0  # pending: the session that reserved it (0: the daemon, an L3 load)
+        self.gen = 0  # the slot's generation for this page (PageIndex.reserve; Leased.tags)
 
     def __repr__(self) -> str:
         state = "committed" if self.committed else "pending"
@@ -79,6 +82,8 @@ class PageIndex:
         self._lru: dict[int, OrderedDict[Entry, None]] = {}
         self._by_offset: dict[int, Entry] = {}
         self._tick = 0
+        # Slot generations: a random start, so tags of an earlier daemon never match this one's.
+        self._gen = secrets.randbits(48) << 8
         self.evictions = 0
         self.ns_bytes: dict[str, int] = {}  # namespace digest -> slot bytes held (quotas.py)
 
@@ -116,6 +121,8 @@ class PageIndex:
             if offset is None:
                 return None
         entry = Entry(table, key, offset, page_bytes, stride)
+        self._gen += 1
+        entry.gen = self._gen
         self.ns_bytes[table[0]] = self.ns_bytes.get(table[0], 0) + stride
         self._by_offset[offset] = entry
         self.pending.setdefault(table, {})[key] = entry

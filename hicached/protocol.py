@@ -208,9 +208,12 @@ class ExistsResult(_Msg, tag="exists_result"):
 
 
 class Reserved(_Msg, tag="reserved"):
+    """``tags``: per reserved slot its generation (``Leased.tags``), 0 where no slot."""
+
     req_id: int
     reservation_id: int
     offsets: list[list[int]]
+    tags: list[list[int]] = []
 
 
 class Committed(_Msg, tag="committed"):
@@ -219,9 +222,16 @@ class Committed(_Msg, tag="committed"):
 
 
 class Leased(_Msg, tag="leased"):
+    """``tags``: per leased page the generation of its slot (0 where no page): a slot gets a
+    new generation, unique for the daemon's life, every time it is given to a page. A client
+    that saw (offset, tag) for a key before may copy from there before this answer arrives,
+    and keeps the copy only if the answer names the same (offset, tag): the slot then held that
+    page all along."""
+
     req_id: int
     lease_id: int
     offsets: list[list[int]]
+    tags: list[list[int]] = []
 
 
 class Stats(_Msg, tag="stats"):

@@ -27,7 +27,8 @@ def stride_for(page_bytes: int) -> int:
 class Slab:
     """One slab: its offset, its class (0 while free) and its free slot indices."""
 
-    __slots__ = ("free", "index", "last_used", "num_slots", "offset", "pinned", "stride")
+    __slots__ = ("free", "in_partial", "index", "last_used", "num_slots", "offset", "pinned",
+                 "stride")
 
     def __init__(self, index: int, offset: int):
         self.index = index
@@ -35,6 +36,7 @@ class Slab:
         self.stride = 0
         self.num_slots = 0
         self.free: list[int] = []  # stack of free slot indices, lowest on top
+        self.in_partial = False  # on its class's stack of slabs with free slots
         self.pinned = 0  # entries in this slab that may not be evicted (owned by index.py)
         self.last_used = 0.0  # newest access of any entry in this slab (owned by index.py)
 
@@ -57,7 +59,9 @@ class SlabAllocator:
         self.slab_bytes = slab_bytes
         self.slabs = [Slab(i, i * slab_bytes) for i in range(arena_bytes // slab_bytes)]
         self._free_slabs: list[Slab] = list(reversed(self.slabs))  # pop() -> lowest offset
-        self._partial: dict[int, dict[int, Slab]] = {}  # stride -> slabs with free slots
+        # stride -> stack of slabs with free slots (a list: a dict that sees many deletions
+        # makes ``next(iter(...))`` walk its tombstones)
+        self._partial: dict[int, list[Slab]] = {}
 
     def check_page_bytes(self, page_bytes: int) -> int:
         """Validate a page size; return its stride."""
@@ -79,7 +83,7 @@ class SlabAllocator:
     def alloc(self, stride: int) -> int | None:
         """A free slot's offset for class ``stride``, or None when the class and the free slab
         list are both empty (the caller evicts and retries)."""
-        partial = self._partial.setdefault(stride, {})
+        partial = self._partial.setdefault(stride, [])
         if not partial:
             if not self._free_slabs:
                 return None
@@ -87,11 +91,13 @@ class SlabAllocator:
             slab.stride = stride
             slab.num_slots = self.slab_bytes // stride
             slab.free = list(range(slab.num_slots - 1, -1, -1))
-            partial[slab.index] = slab
-        slab = next(iter(partial.values()))
+            slab.in_partial = True
+            partial.append(slab)
+        slab = partial[-1]
         slot = slab.free.pop()
         if not slab.free:
-            del partial[slab.index]
+            partial.pop()
+            slab.in_partial = False
         return slab.offset + slot * stride
 
     def free(self, offset: int) -> None:
@@ -103,14 +109,17 @@ class SlabAllocator:
         partial = self._partial[slab.stride]
         slab.free.append(rel // slab.stride)
         if len(slab.free) == slab.num_slots:
-            partial.pop(slab.index, None)
+            if slab.in_partial:
+                partial.remove(slab)
+                slab.in_partial = False
             slab.stride = slab.num_slots = 0
             slab.free = []
             slab.last_used = 0.0
             self._free_slabs.append(slab)
             self._free_slabs.sort(key=lambda s: -s.offset)
-        else:
-            partial[slab.index] = slab
+        elif not slab.in_partial:
+            slab.in_partial = True
+            partial.append(slab)
 
     def used_bytes(self) -> int:
         """Bytes in allocated slots (strides, not page bytes)."""

@@ -8,7 +8,11 @@ and measures side by side in one run:
   exists   batch_exists_v2 of 1024 keys over 3 pools (kv, mamba trailing, indexer), p50 / p99
 Targets (issue 2): get >= 0.85 x memcpy, set >= 0.80 x memcpy, exists p50 <= 0.3 ms.
 
-    python tools/bench_l2.py [--reps 20] [--json]
+This VM's speed drifts by 2x within seconds (and a neighbour's burst can halve one call), so a
+ratio is the median of per-call ratios: each call against the mean of the memcpy just before it
+and the one just after it. The GB/s columns are plain medians of each series.
+
+    python tools/bench_l2.py [--reps 30] [--json]
 """
 
 from __future__ import annotations
@@ -67,15 +71,27 @@ class Memcpy:
         self.times: dict[str, list[float]] = {"rotating": [], "fixed": []}
         self._next = 0
 
-    def run(self, rotating: bool) -> None:
+    def run(self, rotating: bool) -> float:
         dst = self.dst[self._next % len(self.dst)] if rotating else self.dst[0]
         self._next += rotating
         t = time.perf_counter()
         dst.copy_(self.src)
-        self.times["rotating" if rotating else "fixed"].append(time.perf_counter() - t)
+        dt = time.perf_counter() - t
+        self.times["rotating" if rotating else "fixed"].append(dt)
+        return dt
 
 
-def bench_set_get(endpoint: str, reps: int, mem: Memcpy) -> tuple[dict, dict, int]:
+def paired(mem: Memcpy, rotating: bool, call) -> tuple[float, float]:
+    """(seconds of ``call()``, memcpy seconds around it: the mean of one before and one after)."""
+    before = mem.run(rotating)
+    t = time.perf_counter()
+    call()
+    dt = time.perf_counter() - t
+    return dt, (before + mem.run(rotating)) / 2
+
+
+def bench_set_get(endpoint: str, reps: int, mem: Memcpy
+                  ) -> tuple[list[float], list[float], list[float], list[float], int]:
     with Client(endpoint, "bench-1mib") as c:
         src = HostPool.allocate_mla(PAGES, PAGE_SIZE, LAYERS, KV_DIM, dtype=torch.bfloat16)
         src.kv_buffer.normal_()
@@ -84,28 +100,31 @@ def bench_set_get(endpoint: str, reps: int, mem: Memcpy) -> tuple[dict, dict, in
         c.register_mem_host_pool_v2(src, "kv")
         idx = torch.arange(PAGES * PAGE_SIZE)
         nbytes = PAGES * src.page_bytes
-        set_t = []
-        for rep in range(reps + 1):
-            keys = [f"set-{rep}-{i}" for i in range(PAGES)]
-            mem.run(rotating=True)
-            t = time.perf_counter()
-            res = c.batch_set_v2([PoolTransfer("kv", idx, keys=keys)])
-            dt = time.perf_counter() - t
+        def run(op, rotating: bool) -> tuple[list[float], list[float]]:
+            calls, mems = [], []
+            for rep in range(reps + 1):
+                dt, mem_dt = paired(mem, rotating, lambda rep=rep: op(rep))
+                if rep:  # rep 0 warms up
+                    calls.append(dt)
+                    mems.append(mem_dt)
+            return calls, mems
+
+        keys = [f"set-{reps}-{i}" for i in range(PAGES)]
+
+        def put(rep: int) -> None:
+            res = c.batch_set_v2([PoolTransfer("kv", idx, keys=[f"set-{rep}-{i}"
+                                                                  for i in range(PAGES)])])
             assert all(res["kv"]), res
-            if rep:
-                set_t.append(dt)  # rep 0 warms up
-        c.register_mem_host_pool_v2(dst, "kv")
-        get_t = []
-        for rep in range(reps + 1):
-            mem.run(rotating=False)
-            t = time.perf_counter()
+
+        def get(rep: int) -> None:
             res = c.batch_get_v2([PoolTransfer("kv", idx, keys=keys)])
-            dt = time.perf_counter() - t
             assert all(res["kv"]), res
-            if rep:
-                get_t.append(dt)
+
+        set_t, set_mem = run(put, rotating=True)
+        c.register_mem_host_pool_v2(dst, "kv")
+        get_t, get_mem = run(get, rotating=False)
         assert torch.equal(dst.kv_buffer, src.kv_buffer), "get returned other bytes"
-        return gbps(nbytes, set_t), gbps(nbytes, get_t), nbytes
+        return set_t, set_mem, get_t, get_mem, nbytes
 
 
 def bench_exists(endpoint: str, samples: int) -> dict:
@@ -138,7 +157,7 @@ def bench_exists(endpoint: str, samples: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--exists-samples", type=int, default=500)
     ap.add_argument("--l2-size", default="1GiB")
     ap.add_argument("--json", action="store_true")
@@ -147,18 +166,18 @@ def main() -> None:
         proc, endpoint = start_daemon(tmp, args.l2_size)
         try:
             memcpy = Memcpy(PAGES * PAGE_SIZE * LAYERS * KV_DIM * 2, ring=8)
-            set_bw, get_bw, nbytes = bench_set_get(endpoint, args.reps, memcpy)
-            mem_set = gbps(nbytes, memcpy.times["rotating"][1:])
-            mem = gbps(nbytes, memcpy.times["fixed"][1:])
+            set_t, set_mem, get_t, get_mem, nbytes = bench_set_get(endpoint, args.reps, memcpy)
             exists = bench_exists(endpoint, args.exists_samples)
         finally:
             proc.terminate()
             proc.wait(30)
+    set_bw, get_bw = gbps(nbytes, set_t), gbps(nbytes, get_t)
+    mem_set, mem = gbps(nbytes, set_mem), gbps(nbytes, get_mem)
     out = {
         "bytes_per_call": nbytes, "memcpy_gbps": mem, "memcpy_rotating_gbps": mem_set,
         "set_gbps": set_bw, "get_gbps": get_bw,
-        "set_over_memcpy": set_bw["median"] / mem_set["median"],
-        "get_over_memcpy": get_bw["median"] / mem["median"],
+        "set_over_memcpy": statistics.median(m / t for t, m in zip(set_t, set_mem)),
+        "get_over_memcpy": statistics.median(m / t for t, m in zip(get_t, get_mem)),
         "exists_1024x3": exists, "cpus": os.cpu_count(),
     }
     if args.json:

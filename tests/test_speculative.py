@@ -1,0 +1,160 @@
+"""Speculative get copies: a client copies pages from slots it saw before while the lease request
+is on its way, and keeps a copy only when the answer names the same (offset, tag).
+
+Real daemons on ipc:// sockets; slots are made to change hands (flush, other writers, a daemon
+restart) so every stale guess must be caught by its tag."""
+
+import pytest
+import torch
+
+from hicached import HostPool, PoolTransfer
+from hicached.index import PageIndex
+from hicached.slabs import SlabAllocator
+
+TOKENS = 16  # tokens per page; 16 * 4 layers * 512 * 4 bytes = 128 KiB pages (speculated)
+
+
+@pytest.fixture
+def daemon(make_daemon):
+    """L2 only: a flushed page is gone, not reloaded from the embedded L3 directory."""
+    return make_daemon(extra=["--l3-backend", "none"])
+
+
+def pool(seed=None, num_pages=8):
+    p = HostPool.allocate_mla(num_pages, TOKENS, layers=4, kv_dim=512, dtype=torch.float32)
+    if seed is not None:
+        p.kv_buffer.copy_(torch.randn(p.kv_buffer.shape,
+                                      generator=torch.Generator().manual_seed(seed)))
+    return p
+
+
+def page(p, i):
+    return p.kv_buffer[i * TOKENS:(i + 1) * TOKENS]
+
+
+def tokens(i, n=1):
+    return torch.arange(i * TOKENS, (i + n) * TOKENS)
+
+
+def put(client, host, keys, first_page=0):
+    client.register_mem_host_pool_v2(host, "kv")
+    res = client.batch_set_v2([PoolTransfer("kv", tokens(first_page, len(keys)), keys=keys)])
+    assert all(res["kv"]), res
+    client.ping()  # the fire-and-forget commit has landed
+
+
+def get(client, host, keys):
+    client.register_mem_host_pool_v2(host, "kv")
+    return client.batch_get_v2([PoolTransfer("kv", tokens(0, len(keys)), keys=keys)])["kv"]
+
+
+def test_stale_guess_is_copied_again_from_the_leased_slot(daemon):
+    a1, b, a2 = pool(seed=1), pool(seed=2), pool(seed=3)
+    with daemon.client() as c1, daemon.client() as c2:
+        put(c1, a1, ["A"])
+        first = c1._where[("kv", "A")]
+        c1.flush("l2")
+        put(c2, b, ["B"])  # B takes A's old slot (lowest free), with a new tag
+        put(c2, a2, ["A"], first_page=1)  # A again, elsewhere, other bytes
+        with c2:
+            pass
+        dst = pool()
+        assert get(c1, dst, ["A"]) == [True]
+        assert torch.equal(page(dst, 0), page(a2, 1)), "copied from the stale slot"
+        assert c1._where[("kv", "A")] != first  # learnt the new place
+        dst.kv_buffer.zero_()
+        assert get(c1, dst, ["A"]) == [True]  # now the guess is right
+        assert torch.equal(page(dst, 0), page(a2, 1))
+
+
+def test_flushed_page_is_a_miss_even_though_it_was_guessed(daemon):
+    src = pool(seed=4)
+    with daemon.client() as c:
+        put(c, src, ["P0", "P1"])
+        assert ("kv", "P0") in c._where
+        c.flush("l2")
+        dst = pool()
+        assert get(c, dst, ["P0", "P1"]) == [False, False]
+        assert ("kv", "P0") not in c._where  # a miss forgets the place
+
+
+def test_guesses_of_a_restarted_daemon_are_void(make_daemon):
+    d = make_daemon(extra=["--l3-backend", "none"])
+    a, b = pool(seed=5), pool(seed=6)
+    with d.client() as c1:
+        put(c1, a, ["A"])
+        guess = c1._where[("kv", "A")]
+        d.stop()
+        d.start()
+        with d.client() as c2:
+            put(c2, b, ["A"])  # same key, same first slot of a fresh arena, other bytes
+        dst = pool()
+        assert get(c1, dst, ["A"]) == [True]  # c1 joins the new daemon on the way
+        assert torch.equal(page(dst, 0), page(b, 0))
+        assert c1._where[("kv", "A")][0] == guess[0]  # same offset ...
+        assert c1._where[("kv", "A")][1] != guess[1]  # ... another tag
+
+
+def test_speculation_can_be_turned_off(daemon):
+    src = pool(seed=7)
+    with daemon.client(remember_pages=0) as c:
+        put(c, src, ["X"])
+        assert c._where == {}
+        dst = pool()
+        assert get(c, dst, ["X"]) == [True]
+        assert torch.equal(page(dst, 0), page(src, 0))
+
+
+def test_small_pages_are_not_remembered(daemon):
+    small = HostPool.allocate_mla(4, 1, layers=1, kv_dim=32, dtype=torch.float32)  # 128 bytes
+    with daemon.client() as c:
+        c.register_mem_host_pool_v2(small, "kv")
+        assert all(c.batch_set_v2([PoolTransfer("kv", torch.arange(2), keys=["s0", "s1"])])["kv"])
+        assert c._where == {}
+
+
+def test_remembered_places_are_bounded(daemon):
+    src = pool(seed=8, num_pages=8)
+    with daemon.client(remember_pages=4) as c:
+        put(c, src, [f"K{i}" for i in range(8)])
+        assert 0 < len(c._where) <= 4
+        assert ("kv", "K7") in c._where  # the newest are kept
+
+
+def test_slot_tags_are_unique_and_differ_between_daemons():
+    def tags(index):
+        entries = [index.reserve(("ns", "kv"), f"k{i}", 64, 64) for i in range(50)]
+        return [e.gen for e in entries]
+
+    one = tags(PageIndex(SlabAllocator(1 << 20, 1 << 16)))
+    two = tags(PageIndex(SlabAllocator(1 << 20, 1 << 16)))
+    assert len(set(one)) == 50 and all(one)
+    assert not set(one) & set(two)
+
+
+def test_same_offset_with_another_tag_is_copied_again(daemon):
+    """The slot may have changed hands *during* the speculative copy (evicted, rewritten and
+    leased again at the same offset): only the tag tells. Counted copies show the recopy."""
+    src = pool(seed=9)
+    with daemon.client() as c:
+        put(c, src, ["T"])
+        off, tag = c._where[("kv", "T")]
+        dst = pool()
+        c.register_mem_host_pool_v2(dst, "kv")
+        io = c._pools["kv"]
+        copied = []
+        real = io.from_arena
+
+        def counting(starts, arena, offsets):
+            copied.append(list(offsets))
+            real(starts, arena, offsets)
+
+        io.from_arena = counting
+        keys = ["T"]
+        assert c.batch_get_v2([PoolTransfer("kv", tokens(0), keys=keys)])["kv"] == [True]
+        assert copied == [[off]]  # right guess: one copy, made while the lease was on its way
+        copied.clear()
+        c._where[("kv", "T")] = (off, tag + 1)  # same slot, another page's tag
+        assert c.batch_get_v2([PoolTransfer("kv", tokens(0), keys=keys)])["kv"] == [True]
+        assert copied == [[off], [off]]  # the guess, then again from the leased slot
+        assert torch.equal(page(dst, 0), page(src, 0))
