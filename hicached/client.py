@@ -254,9 +254,7 @@ class Client:
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Number of leading keys whose KV page is stored (L2 or L3)."""
         keys = list(keys)
-        packed = P.pack_keys(keys)
-        return self._call(lambda s, r: P.Exists(r, s, [] if packed else keys,
-                                                packed=packed)).kv_hit_pages
+        return self._call(lambda s, r: P.Exists(r, s, keys)).kv_hit_pages
 
     def batch_exists_v2(self, keys: Sequence[str], pool_transfers: Sequence[Any] | None = None,
                         extra_info: Any = None) -> PoolTransferResult:
@@ -269,9 +267,7 @@ class Client:
                 continue
             queries.append(P.PoolQuery(name, policy_value(t.hit_policy),
                                        max(1, len(t.keys or ()))))
-        packed = P.pack_keys(keys)
-        a = self._call(lambda s, r: P.Exists(r, s, [] if packed else keys, queries,
-                                             packed=packed))
+        a = self._call(lambda s, r: P.Exists(r, s, keys, queries))
         return PoolTransferResult(a.kv_hit_pages, dict(a.pool_hits), list(a.restorable))
 
     # ------------------------------------------------------------ set

@@ -22,9 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 from hicached import protocol as P
 from hicached.errors import PageSizeMismatch, ProtocolError, UnknownPool
-from hicached.hits import TRAILING, intersect_endpoints, leading_run
+from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
 from hicached.index import Entry, PageIndex, TableId
 from hicached.leases import LeaseTable
 from hicached.quotas import NoQuotas
@@ -133,6 +135,10 @@ class Controller:
             raise ProtocolError("pool name must be non-empty")
         stride = self.index.alloc.check_page_bytes(page_bytes)
         table = (s.ns, pool)
+        try:
+            self.index.pool_bit(table)  # its bit in the namespace's presence masks
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
         known = self.geometry.setdefault(table, page_bytes)
         if known != page_bytes:
             raise PageSizeMismatch(
@@ -143,16 +149,16 @@ class Controller:
 
     # ------------------------------------------------------------ exists
 
-    def _present(self, ns: str, pool: str, keys: list[str]) -> tuple[list[bool], list[bool]]:
-        """Per key: (in L2 committed, in L2 or L3)."""
-        table = self.index.tables.get((ns, pool))
-        in_l2 = list(map(table.__contains__, keys)) if table else [False] * len(keys)
+    def _present(self, ns: str, pool: str, keys: list[str], masks: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """Per key, as bool arrays: (in L2 committed, in L2 or L3). ``masks``: the keys'
+        ``PageIndex.presence``."""
+        in_l2 = (masks & self.index.pool_bit((ns, pool))) != 0
         have = in_l2
-        if self.tier.attached and not all(in_l2):
-            have = list(in_l2)
-            missing = [i for i, h in enumerate(in_l2) if not h]
-            for i, h in zip(missing, self.tier.exists(ns, pool, [keys[i] for i in missing])):
-                have[i] = h
+        if self.tier.attached and not in_l2.all():
+            missing = np.flatnonzero(~in_l2).tolist()
+            have = in_l2.copy()
+            have[missing] = self.tier.exists(ns, pool, [keys[i] for i in missing])
         return in_l2, have
 
     def exists(self, s: Session, msg: P.Exists) -> P.ExistsResult:
@@ -160,12 +166,13 @@ class Controller:
         for q in msg.pools:
             s.spec(q.pool)
         all_keys = msg.key_list()
-        kv_l2, kv_have = self._present(s.ns, msg.anchor, all_keys)
-        kv_pages = leading_run(kv_have)
-        keys = all_keys[:kv_pages]
-        found = [(q, *self._present(s.ns, q.pool, keys)) for q in msg.pools]
+        masks = self.index.presence(s.ns, all_keys)  # one lookup a key for every pool
+        kv_l2, kv_have = self._present(s.ns, msg.anchor, all_keys, masks)
+        kv_pages = leading_run_array(kv_have)
+        keys, masks = all_keys[:kv_pages], masks[:kv_pages]
+        found = [(q, *self._present(s.ns, q.pool, keys, masks)) for q in msg.pools]
         try:
-            final, hits, restorable = intersect_endpoints(
+            final, hits, restorable = intersect_endpoints_array(
                 kv_pages, [(q.pool, q.policy, q.window, have) for q, _, have in found])
         except ValueError as e:
             raise ProtocolError(str(e)) from None
@@ -178,11 +185,11 @@ class Controller:
                 self._prefetch(s, q.pool, keys, in_l2, start, final)
         return P.ExistsResult(msg.req_id, final, hits, restorable)
 
-    def _prefetch(self, s: Session, pool: str, keys: list[str], in_l2: list[bool], start: int,
+    def _prefetch(self, s: Session, pool: str, keys: list[str], in_l2: np.ndarray, start: int,
                   end: int) -> None:
         """Start pulling pages start..end-1 of ``pool`` that only L3 has (they are known to be
         there: ``exists`` just found them restorable)."""
-        todo = [keys[i] for i in range(start, end) if not in_l2[i]]
+        todo = [keys[start + i] for i in np.flatnonzero(~in_l2[start:end]).tolist()]
         if todo:
             spec = s.spec(pool)
             self.tier.load((s.ns, pool), todo, spec.page_bytes, spec.stride, known_in_l3=True)

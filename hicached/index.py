@@ -15,6 +15,10 @@ Eviction (``_make_room``): when a size class has no free slot, compare its least
 unpinned page with the least recently used unpinned slab of *another* class; evict whichever was
 used longer ago (a whole slab frees room for any page size). ``ticks`` are a counter, not a clock,
 so eviction order is exact and testable.
+
+Presence (``presence``): besides the per-pool tables, each namespace keeps one map key -> bitmask of
+the pools holding that key committed (``pool_bit``), kept by ``commit`` and ``_unpublish``, so an
+exists query looks every key up once for all its pools.
 """
 
 from __future__ import annotations
@@ -22,10 +26,14 @@ from __future__ import annotations
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import repeat
+
+import numpy as np
 
 from hicached.slabs import Slab, SlabAllocator
 
 TableId = tuple[str, str]  # (namespace digest, pool name)
+MAX_POOLS = 63  # pools a namespace may have: one bit each in an int64 presence mask
 
 
 class Entry:
@@ -86,6 +94,8 @@ class PageIndex:
         self._gen = secrets.randbits(48) << 8
         self.evictions = 0
         self.ns_bytes: dict[str, int] = {}  # namespace digest -> slot bytes held (quotas.py)
+        self._presence: dict[str, dict[str, int]] = {}  # ns -> key -> mask of pools committing it
+        self._bits: dict[str, dict[str, int]] = {}  # ns -> pool -> its bit in those masks
 
     # ------------------------------------------------------------ lookups
 
@@ -105,6 +115,25 @@ class PageIndex:
         p = self.pending.get(table)
         return p.get(key) if p else None
 
+    def pool_bit(self, table: TableId) -> int:
+        """The bit of ``table``'s pool in its namespace's presence masks (given on first use;
+        ValueError past ``MAX_POOLS`` pools in one namespace)."""
+        ns, pool = table
+        bits = self._bits.setdefault(ns, {})
+        bit = bits.get(pool)
+        if bit is None:
+            if len(bits) >= MAX_POOLS:
+                raise ValueError(f"a namespace holds at most {MAX_POOLS} pools")
+            bit = bits[pool] = 1 << len(bits)
+        return bit
+
+    def presence(self, ns: str, keys: Sequence[str]) -> np.ndarray:
+        """Per key (int64): the OR of ``pool_bit`` of every pool of ``ns`` holding it committed."""
+        masks = self._presence.get(ns)
+        if not masks:
+            return np.zeros(len(keys), np.int64)
+        return np.fromiter(map(masks.get, keys, repeat(0)), np.int64, count=len(keys))
+
     def __len__(self) -> int:
         return sum(len(t) for t in self.tables.values())
 
@@ -113,8 +142,10 @@ class PageIndex:
     def reserve(self, table: TableId, key: str, page_bytes: int, stride: int) -> Entry | None:
         """A pending, pinned entry with a fresh slot, or None when nothing can be evicted.
 
-        The caller checks first that the key is neither committed nor pending.
+        The caller checks first that the key is neither committed nor pending. ValueError (from
+        ``pool_bit``) when the table would be the namespace's pool past ``MAX_POOLS``.
         """
+        self.pool_bit(table)  # given now, so that commit cannot fail
         offset = self.alloc.alloc(stride)
         if offset is None:
             offset = self._make_room(stride)
@@ -135,6 +166,8 @@ class PageIndex:
         del self.pending[entry.table][entry.key]
         entry.committed = True
         self.table(entry.table)[entry.key] = entry
+        masks = self._presence.setdefault(entry.table[0], {})
+        masks[entry.key] = masks.get(entry.key, 0) | self.pool_bit(entry.table)
         self._lru.setdefault(entry.stride, OrderedDict())[entry] = None
         self.touch(entry)
         self.unpin(entry)
@@ -227,6 +260,12 @@ class PageIndex:
 
     def _unpublish(self, entry: Entry) -> None:
         del self.tables[entry.table][entry.key]
+        masks = self._presence[entry.table[0]]
+        left = masks[entry.key] & ~self.pool_bit(entry.table)
+        if left:
+            masks[entry.key] = left
+        else:
+            del masks[entry.key]
         del self._lru[entry.stride][entry]
         entry.committed = False
         self._free_slot(entry)

@@ -79,8 +79,9 @@ class RegisterPool(_Msg, tag="register_pool"):
 
 
 class Exists(_Msg, tag="exists"):
-    """``packed``: the keys NUL-joined in one UTF-8 blob (decodes ~20x faster than a list);
-    used instead of ``keys`` when non-empty (see ``pack_keys``)."""
+    """``packed``: the keys NUL-joined in one UTF-8 blob (``pack_keys``), used instead of ``keys``
+    when non-empty. Still accepted, but ``Client`` sends the plain list: msgspec builds the key
+    strings straight from it, which costs less on both ends than joining and splitting a blob."""
 
     req_id: int
     session: int

@@ -13,7 +13,15 @@ import torch
 from conftest import run_client_proc, wait_until
 
 from hicached import HostPool, PoolHitPolicy, PoolName, PoolTransfer
-from hicached.errors import DaemonUnavailable, LengthMismatch, PageSizeMismatch, UnknownPool
+from hicached import protocol as P
+from hicached.errors import (
+    DaemonUnavailable,
+    LengthMismatch,
+    PageSizeMismatch,
+    ProtocolError,
+    UnknownPool,
+)
+from hicached.index import MAX_POOLS
 
 PAGE = 4  # tokens per KV page
 
@@ -121,6 +129,21 @@ def test_exists_v2_trailing_holes_through_daemon(daemon):
         res2 = c.batch_exists_v2(keys, [PoolTransfer("mamba", keys=keys[:2],
                                                      hit_policy="trailing_pages")])
         assert res2.kv_hit_pages == 0 and res2.restorable_prefix_pages == []
+
+
+def test_exists_packed_keys_and_pool_limit(daemon):
+    keys = [f"q{i}" for i in range(5)]
+    with daemon.client() as c:
+        c.register_mem_host_pool_v2(kv_pool(seed=8), "kv")
+        c.batch_set_v2([PoolTransfer("kv", pages(0, 3), keys=keys[:3])])
+        # a client sending the keys NUL-joined in ``packed`` is answered the same
+        packed = c._call(lambda s, r: P.Exists(r, s, [], packed=P.pack_keys(keys)))
+        assert packed.kv_hit_pages == c.batch_exists(keys) == 3
+        for name in [f"p{i}" for i in range(MAX_POOLS - 1)]:  # "kv" has this namespace's bit 0
+            c._call(lambda s, r, name=name: P.RegisterPool(r, s, name, 4096))
+        with pytest.raises(ProtocolError, match="at most 63 pools"):
+            c._call(lambda s, r: P.RegisterPool(r, s, "one-too-many", 4096))
+        assert c.batch_exists(keys) == 3
 
 
 def _proc_script(body):

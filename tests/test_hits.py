@@ -1,8 +1,18 @@
 """Hit semantics: intersection of restorable endpoints (ARCHITECTURE.md)."""
 
+import random
+
+import numpy as np
 import pytest
 
-from hicached.hits import intersect_endpoints, leading_run, restorable_endpoints
+from hicached.hits import (
+    intersect_endpoints,
+    intersect_endpoints_array,
+    leading_run,
+    leading_run_array,
+    restorable_endpoints,
+    trailing_mask,
+)
 
 T, F = True, False
 
@@ -64,3 +74,35 @@ def test_no_common_endpoint():
 def test_no_extra_pools():
     assert intersect_endpoints(3, []) == (3, {}, [1, 2, 3])
     assert intersect_endpoints(0, []) == (0, {}, [])
+
+
+# ---------------------------------------------------------------- numpy twins = the reference
+
+
+def test_array_twins_match_the_reference_on_random_inputs():
+    rng = random.Random(11)
+    for _ in range(3000):
+        n = rng.randrange(0, 12)
+        kv_pages = rng.randrange(0, n + 1)
+        density = rng.random()
+        pools = []
+        for i in range(rng.randrange(0, 4)):
+            exists = [rng.random() < density for _ in range(n)]
+            policy = rng.choice(["all_pages", "trailing_pages"])
+            pools.append((f"p{i}", policy, rng.randrange(0, 5), exists))
+        arrays = [(name, pol, w, np.array(ex, bool)) for name, pol, w, ex in pools]
+        want = intersect_endpoints(kv_pages, pools)
+        got = intersect_endpoints_array(kv_pages, arrays)
+        assert got == want and list(got[1]) == list(want[1]), (kv_pages, pools)
+        assert all(type(x) is int for x in [got[0], *got[1].values(), *got[2]])
+        for _, _, w, ex in pools:
+            a = np.array(ex, bool)
+            assert leading_run_array(a) == leading_run(ex)
+            ends = trailing_mask(a, w)
+            assert (ends.nonzero()[0] + 1).tolist() == restorable_endpoints(
+                ex, "trailing_pages", w, n)
+
+
+def test_array_twin_rejects_unknown_policy():
+    with pytest.raises(ValueError, match="unknown hit policy"):
+        intersect_endpoints_array(0, [("x", "sometimes", 1, np.zeros(0, bool))])

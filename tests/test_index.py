@@ -1,6 +1,10 @@
 """PageIndex: visibility, pins, exact LRU eviction order, cross-class slab reclaim."""
 
-from hicached.index import PageIndex
+import random
+
+import pytest
+
+from hicached.index import MAX_POOLS, PageIndex
 from hicached.slabs import SlabAllocator
 
 T = ("ns", "kv")
@@ -90,3 +94,74 @@ def test_drop_skips_pinned():
     ix.pin(a)
     assert ix.drop(list(ix.table(T).values())) == 1
     assert ix.get(T, "a") is a and ix.get(T, "b") is None
+
+
+# ---------------------------------------------------------------- presence masks
+
+
+def expected_presence(ix, ns, keys):
+    """What ``presence`` must say, rebuilt from the committed tables."""
+    return [sum(bit for pool, bit in ix._bits.get(ns, {}).items()
+                if ix.get((ns, pool), k) is not None) for k in keys]
+
+
+def test_presence_follows_commit_abort_evict_and_drop():
+    ix = make(arena=1024, slab=1024)  # 4 slots of 256
+    kv, mb = ix.pool_bit(T), ix.pool_bit(M)
+    assert kv != mb and ix.pool_bit(T) == kv
+    a, b = ix.reserve(T, "a", 256, 256), ix.reserve(M, "a", 256, 256)
+    assert ix.presence("ns", ["a"]).tolist() == [0]  # pending pages are invisible
+    ix.commit(a)
+    assert ix.presence("ns", ["a"]).tolist() == [kv]
+    ix.commit(b)
+    c = ix.reserve(T, "c", 256, 256)
+    ix.abort(c)
+    assert ix.presence("ns", ["a", "c", "zz"]).tolist() == [kv | mb, 0, 0]
+    assert ix.presence("other", ["a"]).tolist() == [0]  # another namespace sees nothing
+    ix.commit(ix.reserve(T, "b", 256, 256))
+    ix.commit(ix.reserve(T, "d", 256, 256))
+    ix.reserve(T, "e", 256, 256)  # full: evicts the oldest unpinned page, kv "a"
+    assert ix.get(T, "a") is None
+    assert ix.presence("ns", ["a", "b"]).tolist() == [mb, kv]
+    ix.pin(ix.get(T, "b"))
+    assert ix.drop([ix.get(M, "a"), ix.get(T, "b"), ix.get(T, "d")]) == 2  # b is pinned
+    assert ix.presence("ns", ["a", "b", "d"]).tolist() == [0, kv, 0]
+    assert "a" not in ix._presence["ns"]  # no empty masks kept
+
+
+def test_presence_random_operations_match_the_tables():
+    rng = random.Random(7)
+    ix = make(arena=4096, slab=1024)  # 16 slots of 256: eviction happens often
+    tables = [(ns, pool) for ns in ("n1", "n2") for pool in ("kv", "mamba", "indexer")]
+    keys = [f"k{i}" for i in range(12)]
+    pending = []
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.5:
+            table, key = rng.choice(tables), rng.choice(keys)
+            if ix.get(table, key) is None and ix.get_pending(table, key) is None:
+                e = ix.reserve(table, key, 256, 256)
+                if e is not None:
+                    pending.append(e)
+        elif op < 0.8 and pending:
+            e = pending.pop(rng.randrange(len(pending)))
+            (ix.commit if rng.random() < 0.8 else ix.abort)(e)
+        elif op < 0.9:
+            table = rng.choice(tables)
+            ix.drop(rng.sample(list(ix.table(table).values()), len(ix.table(table)) // 2))
+        else:
+            lru = [e for e in ix.lru_order(256) if e.pins == 0]
+            if lru:
+                ix.evict(rng.choice(lru))
+        for ns in ("n1", "n2"):
+            assert ix.presence(ns, keys).tolist() == expected_presence(ix, ns, keys)
+
+
+def test_pool_bits_are_limited_per_namespace():
+    ix = make()
+    bits = {ix.pool_bit(("ns", f"p{i}")) for i in range(MAX_POOLS)}
+    assert len(bits) == MAX_POOLS and max(bits) < 2**63  # all fit an int64 mask
+    with pytest.raises(ValueError, match="at most"):
+        ix.reserve(("ns", "one-too-many"), "a", 256, 256)
+    assert ix.alloc.used_bytes() == 0 and not ix.pending  # nothing was reserved
+    assert ix.pool_bit(("other", "p0")) == 1  # each namespace has its own bits
