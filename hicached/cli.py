@@ -38,6 +38,8 @@ def _serve_parser(sub) -> None:
                    help="longest a get waits for L3 loads of its keys")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_const", const=False,
                    help="do not pull L3-only pages into L2 after an exists")
+    p.add_argument("--set-ahead-bytes", dest="set_ahead_bytes",
+                   help="set-ahead slots one client may hold, e.g. 128MiB (0: none)")
     p.add_argument("--busy-poll-ms", dest="busy_poll_ms", type=float,
                    help="spin this long after a request before sleeping in poll (0: never)")
     p.add_argument("--log-level", dest="log_level")
@@ -63,7 +65,8 @@ def _serve_parser(sub) -> None:
 OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l3_dir",
                "l3_options", "write_policy", "write_through_threshold", "arena_path",
                "reservation_ttl_s", "lease_ttl_s", "l3_load_chunk", "get_wait_s", "prefetch",
-               "busy_poll_ms", "log_level", "admin_host", "admin_port", "admin_api_key",
+               "set_ahead_bytes", "busy_poll_ms", "log_level", "admin_host", "admin_port",
+               "admin_api_key",
                "drain_timeout_s", "socket_group", "client_token", "allow_tcp", "namespace_quotas")
 
 

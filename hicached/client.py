@@ -41,6 +41,7 @@ from hicached.errors import (
 )
 from hicached.hostpool import PageIO, make_page_io
 from hicached.kernels.cpu import check_arena, check_disjoint, check_slots
+from hicached.setahead import SetAhead
 from hicached.types import PoolTransfer, PoolTransferResult, policy_value, pool_value
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class Client:
 
     def __init__(self, endpoint: str, namespace: str, *, timeout_s: float = 5.0,
                  client_name: str = "", spin_s: float = 0.002, token: str = "",
-                 remember_pages: int = 65536):
+                 remember_pages: int = 65536, set_ahead_bytes: int = 64 << 20):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
         self.endpoint = endpoint
@@ -131,6 +132,8 @@ class Client:
         self._where: dict[tuple[str, str], tuple[int, int]] = {}
         self._remember = remember_pages
         self._epoch = 0  # handshakes so far: locations learnt before one are void
+        # set-ahead slots (setahead.py): per pool at most ``set_ahead_bytes`` (0: off)
+        self._ahead = SetAhead(set_ahead_bytes, SPECULATE_MIN_PAGE_BYTES)
         self.session = 0
         self.arena: Arena | None = None
         try:
@@ -164,6 +167,7 @@ class Client:
         self.session = w.session
         self._epoch += 1
         self._where.clear()
+        self._ahead.void()
         self.reservation_ttl_s = w.reservation_ttl_s
         self.lease_ttl_s = w.lease_ttl_s
         if self.arena is None or self.arena.path != w.arena_path or \
@@ -310,13 +314,33 @@ class Client:
     def _store(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
                ) -> dict[str, list[bool]]:
         sent = time.monotonic()
-        res = self._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys(n, k) for n, _, k, _ in plan]))
+        epoch = self._epoch
+        claim = self._ahead.claim(plan, epoch, sent, self.reservation_ttl_s)
+        pool_keys = [P.PoolKeys(n, k) for n, _, k, _ in plan]
+
+        def build(s: int, r: int) -> P.Reserve:
+            if claim is None or self._epoch != epoch:  # joined again: those slots are void
+                return P.Reserve(r, s, pool_keys)
+            return P.Reserve(r, s, pool_keys, claim.ahead, claim.want)
+
+        arena = self.arena
+        failed = claim.failed if claim is not None else set()
+        try:
+            res = self._call(build, while_waiting=(lambda: claim.copy(arena)) if claim and
+                             claim.jobs else None)
+        except BaseException:
+            if claim is not None:
+                claim.settle((), (), -1)
+            raise
+        if claim is not None:
+            claim.settle([name for name, _, _, _ in plan], res.ahead, self._epoch)
         arena = self.arena
         ok = [[off >= 0 for off in row] for row in res.offsets]
         if res.reservation_id:
             try:
-                for (name, io, _, starts), row in zip(plan, res.offsets):
-                    sel = [i for i, off in enumerate(row) if off >= 0]
+                for p, ((name, io, _, starts), row) in enumerate(zip(plan, res.offsets)):
+                    done = res.bound[p] if p < len(res.bound) and p not in failed else ()
+                    sel = [i for i, off in enumerate(row) if off >= 0 and not (done and done[i])]
                     if not sel:
                         continue
                     if time.monotonic() - sent > self.reservation_ttl_s / 2:

@@ -74,6 +74,7 @@ class DaemonConfig:
     get_wait_s: float = 2.0  # longest a get waits for L3 loads of its keys before missing
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 30.0
+    set_ahead_bytes: int = 128 * 1024**2  # set-ahead slots one client may hold (0: none)
     io_queue_depth: int = 256
     busy_poll_ms: float = 0.0  # after a request, poll without sleeping this long (0: never)
     socket_mode: int = 0o600
@@ -121,6 +122,8 @@ class DaemonConfig:
                               f"{self.write_through_threshold}")
         if self.get_wait_s <= 0:
             raise ConfigError(f"get_wait_s: must be > 0, got {self.get_wait_s}")
+        if self.set_ahead_bytes < 0:
+            raise ConfigError(f"set_ahead_bytes: must be >= 0, got {self.set_ahead_bytes}")
         if self.busy_poll_ms < 0:
             raise ConfigError(f"busy_poll_ms: must be >= 0, got {self.busy_poll_ms}")
         for key in ("reservation_ttl_s", "lease_ttl_s"):
@@ -184,7 +187,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 SECRET_KEYS = ("admin_api_key", "client_token")  # never printed nor logged
 
-_SIZES = {"l2_size", "slab_size", "l3_load_chunk"}
+_SIZES = {"l2_size", "slab_size", "l3_load_chunk", "set_ahead_bytes"}
 
 
 def parse_options(value: object, key: str = "l3_options") -> dict:

@@ -15,9 +15,9 @@ calls and hand finished jobs back through ``IOWorkers.collect``.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import os
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -95,17 +95,22 @@ class Controller:
         self.geometry: dict[TableId, int] = {}  # (ns, pool) -> page_bytes, fixed once seen
         self.parked: dict[int, ParkedGet] = {}  # id -> get waiting for loads
         self.pending_waiters: dict[Entry, list[ParkedGet]] = {}  # uncommitted page -> its gets
-        self._session_ids = itertools.count(1)
         self.counters = {"hits": 0, "misses": 0, "no_space": 0, "get_wait_timeouts": 0,
                          "partial_answers": 0}
         self.quotas = NoQuotas()  # per-namespace L2 quotas (quotas.py); the daemon installs them
+        # set-ahead slots (leases.AheadSlots): bytes one session / all sessions may hold
+        self.ahead_session_bytes = 0
+        self.ahead_total_bytes = 0
 
     # ------------------------------------------------------------ sessions and pools
 
     def open_session(self, hello: P.Hello) -> Session:
         if not hello.namespace:
             raise ProtocolError("namespace must be a non-empty string")
-        s = Session(next(self._session_ids), hello.namespace, namespace_digest(hello.namespace),
+        sid = secrets.randbits(62)  # never one an earlier daemon gave: a stale client must not
+        while sid in self.sessions or not sid:  # act in another client's session after a restart
+            sid = secrets.randbits(62)
+        s = Session(sid, hello.namespace, namespace_digest(hello.namespace),
                     hello.pid, hello.client_name)
         self.sessions[s.id] = s
         return s
@@ -198,12 +203,15 @@ class Controller:
 
     def reserve(self, s: Session, msg: P.Reserve) -> P.Reserved:
         specs = [s.spec(t.pool) for t in msg.transfers]
-        r = self.leases.new_reservation(s.id, self.clock())
-        offsets, tags = [], []
+        now = self.clock()
+        r = self.leases.new_reservation(s.id, now)
+        ahead = self.leases.ahead_of(s.id, now) if msg.want_ahead or msg.ahead else None
+        offsets, tags, bound = [], [], []
         for p, (t, spec) in enumerate(zip(msg.transfers, specs)):
             table = (s.ns, t.pool)
             committed = self.index.table(table)
-            row, tag_row = [], [0] * len(t.keys)
+            claims = msg.ahead[p] if ahead is not None and p < len(msg.ahead) else ()
+            row, tag_row, bound_row = [], [0] * len(t.keys), [False] * len(t.keys)
             for i, key in enumerate(t.keys):
                 e = committed.get(key)
                 if e is not None:
@@ -212,8 +220,14 @@ class Controller:
                 elif self.index.get_pending(table, key) is not None:
                     row.append(P.SLOT_INFLIGHT)
                 else:
-                    e = (self.index.reserve(table, key, spec.page_bytes, spec.stride)
-                         if self.quotas.admit(s.ns, spec.stride) else None)
+                    e = None
+                    if i < len(claims) and claims[i] >= 0:  # its page is already in that slot
+                        e = self.leases.take_ahead(ahead, t.pool, claims[i])
+                        if e is not None:
+                            self.index.bind(e, table, key, spec.page_bytes)
+                            bound_row[i] = True
+                    if e is None and self.quotas.admit(s.ns, spec.stride):
+                        e = self.index.reserve(table, key, spec.page_bytes, spec.stride)
                     if e is None:
                         self.counters["no_space"] += 1
                         row.append(P.SLOT_NO_SPACE)
@@ -224,12 +238,41 @@ class Controller:
                         tag_row[i] = e.gen
             offsets.append(row)
             tags.append(tag_row)
+            bound.append(bound_row)
         if self.tier.dirty:  # write_back: make dirty pages evictable before the arena fills
             self.tier.relieve_pressure(force=any(P.SLOT_NO_SPACE in row for row in offsets))
+        granted = self._grant_ahead(s, ahead, msg, specs) if ahead is not None else []
+        if not any(map(any, bound)):
+            bound = []
         if not r.slots:
             self.leases.take_reservation(r.id, s.id)
-            return P.Reserved(msg.req_id, 0, offsets, tags)
-        return P.Reserved(msg.req_id, r.id, offsets, tags)
+            return P.Reserved(msg.req_id, 0, offsets, tags, granted, bound)
+        return P.Reserved(msg.req_id, r.id, offsets, tags, granted, bound)
+
+    def _grant_ahead(self, s: Session, ahead, msg: P.Reserve, specs: list[PoolSpec]
+                     ) -> list[list[int]]:
+        """Keep ``want_ahead[p]`` set-ahead slots of each pool of the request (within the
+        per-session and arena-wide bounds); per transfer, the offsets the session now holds."""
+        out = []
+        for p, (t, spec) in enumerate(zip(msg.transfers, specs)):
+            want = msg.want_ahead[p] if p < len(msg.want_ahead) else 0
+            want = max(0, min(want, self.ahead_session_bytes // spec.stride))
+            if len(ahead.pools.get(t.pool, ())) > want:
+                self.leases.free_ahead(ahead, t.pool, keep=want)
+            slots = ahead.pools.get(t.pool, {})
+            while (len(slots) < want
+                   and ahead.nbytes + spec.stride <= self.ahead_session_bytes
+                   and self.leases.ahead_bytes + spec.stride <= self.ahead_total_bytes
+                   and self.quotas.fits(s.ns, spec.stride)):  # idle slots evict no own page
+                e = self.index.reserve_unbound(s.ns, spec.stride)
+                if e is None:
+                    break
+                self.leases.add_ahead(ahead, t.pool, e)
+                slots = ahead.pools[t.pool]
+            out.append(list(slots))
+        if not ahead.nbytes:
+            self.leases.ahead.pop(s.id, None)
+        return out
 
     def commit(self, s: Session, msg: P.Commit) -> P.Committed:
         stored = [[False] * len(row) for row in msg.ok]
@@ -405,6 +448,9 @@ class Controller:
             "leases": len(self.leases.leases),
             "expired_reservations": self.leases.expired_reservations,
             "expired_leases": self.leases.expired_leases,
+            "set_ahead_slots": sum(len(slots) for a in self.leases.ahead.values()
+                                   for slots in a.pools.values()),
+            "set_ahead_bytes": self.leases.ahead_bytes,
             "sessions": len(self.sessions),
             "parked_gets": len(self.parked),
             "l3_backend": self.tier.backend.name,

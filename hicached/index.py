@@ -2,11 +2,14 @@
 
 A page is an ``Entry``. Its states:
 
-    reserve() ----> pending (pinned, invisible) ---commit()---> committed (visible, in LRU)
-                         |                                        |   ^
-                         +--abort()--> freed                 pin()|   |unpin()   (leases, L3 I/O)
-                                                                  v   |
-                                                     evicted when unpinned and least recently used
+    reserve_unbound() --> unbound (pinned, no key: a client's set-ahead slot)
+                               | bind(key)
+                               v
+    reserve() ----------> pending (pinned, invisible) ---commit()---> committed (visible, in LRU)
+                               |                                        |   ^
+                               +--abort()--> freed                 pin()|   |unpin()
+                                                                        v   |  (leases, L3 I/O)
+                                                           evicted when unpinned and least recently used
 
 Readers only ever look at committed tables, so a page becomes visible exactly when ``commit`` runs
 (the control loop is single-threaded: a multi-pool commit is atomic for every reader).
@@ -160,6 +163,33 @@ class PageIndex:
         self.pin(entry)
         return entry
 
+    def reserve_unbound(self, ns: str, stride: int) -> Entry | None:
+        """A pinned slot of ``stride`` bytes held for namespace ``ns`` without a key yet (a
+        client's set-ahead slot, ``leases.AheadSlots``), or None when nothing can be evicted.
+        It counts for the namespace's bytes; ``bind`` gives it a key, ``abort`` frees it."""
+        offset = self.alloc.alloc(stride)
+        if offset is None:
+            offset = self._make_room(stride)
+            if offset is None:
+                return None
+        entry = Entry((ns, ""), "", offset, 0, stride)
+        self.ns_bytes[ns] = self.ns_bytes.get(ns, 0) + stride
+        self._by_offset[offset] = entry
+        self.pin(entry)
+        return entry
+
+    def bind(self, entry: Entry, table: TableId, key: str, page_bytes: int) -> Entry:
+        """Turn an unbound slot of ``table``'s namespace into the pending entry of ``key`` (same
+        slot, a new generation). The caller checks first that the key is neither committed nor
+        pending; ValueError as ``reserve``."""
+        assert not entry.key and not entry.committed and entry.table[0] == table[0], entry
+        self.pool_bit(table)
+        entry.table, entry.key, entry.page_bytes = table, key, page_bytes
+        self._gen += 1
+        entry.gen = self._gen
+        self.pending.setdefault(table, {})[key] = entry
+        return entry
+
     def commit(self, entry: Entry) -> None:
         """Publish a pending entry: from now on every reader of its table sees it."""
         assert not entry.committed and self.pending[entry.table].get(entry.key) is entry
@@ -173,7 +203,7 @@ class PageIndex:
         self.unpin(entry)
 
     def abort(self, entry: Entry) -> None:
-        """Drop a pending entry and free its slot."""
+        """Drop a pending (or unbound) entry and free its slot."""
         assert not entry.committed
         p = self.pending.get(entry.table)
         if p is not None and p.get(entry.key) is entry:

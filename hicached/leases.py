@@ -7,6 +7,12 @@ them at once (``drop_session``).
 
     Reservation  id -> (session, deadline, [(pool position, key position, Entry)])   pending entries
     Lease        id -> (session, deadline, [Entry])                                   pinned entries
+    AheadSlots   session -> (deadline, pool -> {offset: Entry})                     unbound entries
+
+Set-ahead slots: a client's next ``batch_set`` copies its pages into slots it was granted in the
+answer to its previous one, while its ``Reserve`` travels; the ``Reserve`` names them and the
+daemon binds them to the keys (``PageIndex.bind``). Unused ones expire with the same TTL (each
+answer that lists them renews it) and die with their session.
 """
 
 from __future__ import annotations
@@ -26,6 +32,14 @@ class Reservation:
 
 
 @dataclass
+class AheadSlots:
+    session: int
+    deadline: float
+    pools: dict[str, dict[int, Entry]] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+@dataclass
 class LeaseGrant:
     id: int
     session: int
@@ -42,6 +56,8 @@ class LeaseTable:
         self.lease_ttl_s = lease_ttl_s
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, LeaseGrant] = {}
+        self.ahead: dict[int, AheadSlots] = {}  # session -> its set-ahead slots
+        self.ahead_bytes = 0  # of all sessions
         self._ids = itertools.count(1)
         self.expired_reservations = 0
         self.expired_leases = 0
@@ -65,6 +81,51 @@ class LeaseTable:
         for _, _, entry in r.slots:
             if not entry.committed:
                 self.index.abort(entry)
+
+    # ------------------------------------------------------------ set-ahead slots
+
+    def ahead_of(self, session: int, now: float) -> AheadSlots:
+        """The set-ahead slots of ``session`` (created empty), their deadline renewed."""
+        a = self.ahead.get(session)
+        if a is None:
+            a = self.ahead[session] = AheadSlots(session, 0.0)
+        a.deadline = now + self.reservation_ttl_s
+        return a
+
+    def add_ahead(self, a: AheadSlots, pool: str, entry: Entry) -> None:
+        a.pools.setdefault(pool, {})[entry.offset] = entry
+        a.nbytes += entry.stride
+        self.ahead_bytes += entry.stride
+
+    def take_ahead(self, a: AheadSlots, pool: str, offset: int) -> Entry | None:
+        """Remove and return the slot at ``offset`` (None if it is not one of ``a``'s)."""
+        slots = a.pools.get(pool)
+        entry = slots.pop(offset, None) if slots else None
+        if entry is not None:
+            a.nbytes -= entry.stride
+            self.ahead_bytes -= entry.stride
+        return entry
+
+    def free_ahead(self, a: AheadSlots, pool: str | None = None, keep: int = 0) -> int:
+        """Free ``a``'s slots of ``pool`` (all pools: None) but the first ``keep``; returns how
+        many were freed."""
+        n = 0
+        for name in [pool] if pool is not None else list(a.pools):
+            slots = a.pools.get(name, {})
+            for offset in list(slots)[keep:]:
+                entry = slots.pop(offset)
+                a.nbytes -= entry.stride
+                self.ahead_bytes -= entry.stride
+                self.index.abort(entry)
+                n += 1
+            if not slots:
+                a.pools.pop(name, None)
+        return n
+
+    def _drop_ahead(self, session: int) -> None:
+        a = self.ahead.pop(session, None)
+        if a is not None:
+            self.free_ahead(a)
 
     # ------------------------------------------------------------ leases
 
@@ -101,6 +162,8 @@ class LeaseTable:
         for g in dead_l:
             del self.leases[g.id]
             self._unpin_all(g)
+        for a in [a for a in self.ahead.values() if a.deadline <= now]:
+            self._drop_ahead(a.session)
         self.expired_reservations += len(dead_r)
         self.expired_leases += len(dead_l)
         return len(dead_r), len(dead_l)
@@ -113,3 +176,4 @@ class LeaseTable:
         for g in [g for g in self.leases.values() if g.session == session]:
             del self.leases[g.id]
             self._unpin_all(g)
+        self._drop_ahead(session)

@@ -217,6 +217,8 @@ def stats_json(snap: dict) -> dict:
                    "leases": st["leases"], "reservations": st["reservations"],
                    "expired_leases": st["expired_leases"],
                    "expired_reservations": st["expired_reservations"],
+                   "set_ahead_slots": st["set_ahead_slots"],
+                   "set_ahead_bytes": st["set_ahead_bytes"],
                    "parked_gets": st["parked_gets"]},
             "l3": {**tier, "hits": total(hits, "l3"), "misses": total(misses, "l3"),
                    "backend_stats": st["l3"], **snap["l3_bytes"]},
@@ -282,6 +284,7 @@ class _Collector:
             yield C(f"hicached_{key}", doc, value=st[key])
         for key, doc in (("sessions", "Connected clients"), ("leases", "Leases held"),
                          ("reservations", "Reservations open"),
+                         ("set_ahead_bytes", "Arena bytes held as clients' set-ahead slots"),
                          ("parked_gets", "Gets waiting for L3 loads")):
             yield G(f"hicached_{key}", doc, value=st[key])
         yield from self._l3(tier, C, G)

@@ -101,9 +101,19 @@ def pack_keys(keys: list[str]) -> bytes:
 
 
 class Reserve(_Msg, tag="reserve"):
+    """Reserve slots for the keys of each pool transfer.
+
+    Set-ahead (``leases.AheadSlots``): ``ahead[p][i]`` is the set-ahead slot (one the daemon
+    granted in an earlier ``Reserved.ahead``) into which the client has already copied key i's
+    page, -1 where none; ``want_ahead[p]`` is how many set-ahead slots of pool p the client wants
+    to hold after this request (empty: no change; slots not named are kept unless fewer wanted).
+    """
+
     req_id: int
     session: int
     transfers: list[PoolKeys]
+    ahead: list[list[int]] = []
+    want_ahead: list[int] = []
 
 
 class Commit(_Msg, tag="commit"):
@@ -209,12 +219,17 @@ class ExistsResult(_Msg, tag="exists_result"):
 
 
 class Reserved(_Msg, tag="reserved"):
-    """``tags``: per reserved slot its generation (``Leased.tags``), 0 where no slot."""
+    """``tags``: per reserved slot its generation (``Leased.tags``), 0 where no slot.
+    ``ahead[p]``: the set-ahead slots of pool p the session holds now (only when the request
+    named ``want_ahead`` or ``ahead``). ``bound[p][i]``: key i got the set-ahead slot the request
+    named for it, so its page is already in place (empty: none did)."""
 
     req_id: int
     reservation_id: int
     offsets: list[list[int]]
     tags: list[list[int]] = []
+    ahead: list[list[int]] = []
+    bound: list[list[bool]] = []
 
 
 class Committed(_Msg, tag="committed"):

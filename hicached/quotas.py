@@ -30,6 +30,10 @@ class NoQuotas:
     def admit(self, ns: str, stride: int) -> bool:
         return True
 
+    def fits(self, ns: str, stride: int) -> bool:
+        """``stride`` more bytes stay within ``ns``'s quota without evicting anything."""
+        return True
+
     def set_quotas(self, quotas: Mapping[str, int]) -> None:
         pass
 
@@ -61,6 +65,10 @@ class NamespaceQuotas(NoQuotas):
         self._limits = {namespace_digest(ns): (ns, int(size)) for ns, size in quotas.items()}
         for digest in self._limits:
             self._counts.setdefault(digest, {"evictions": 0, "rejections": 0})
+
+    def fits(self, ns: str, stride: int) -> bool:
+        limit = self._limits.get(ns)
+        return limit is None or self.index.ns_bytes.get(ns, 0) + stride <= limit[1]
 
     def admit(self, ns: str, stride: int) -> bool:
         limit = self._limits.get(ns)

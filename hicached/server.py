@@ -94,6 +94,8 @@ class Daemon(DaemonOperations):
             self.controller = Controller(self.index, self.leases, self.tier, time.monotonic,
                                          config.get_wait_s)
             self.controller.quotas = make_quotas(self.index, config.namespace_quotas)
+            self.controller.ahead_session_bytes = config.set_ahead_bytes
+            self.controller.ahead_total_bytes = config.l2_size // 8  # idle slots: at most 1/8
             self.ctx = zmq.Context()
             self.sock = self._bind(config.endpoint)
         except BaseException:

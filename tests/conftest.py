@@ -7,6 +7,10 @@ import pytest
 
 from hicached.arena import Arena
 
+# The reference engine's tests run their models here: `HICACHED_TEST_DEVICE=cuda pytest
+# tests/test_engine*.py` on a GPU machine (CPU by default; CI has no GPU).
+TEST_DEVICE = os.environ.get("HICACHED_TEST_DEVICE", "cpu")
+
 
 @pytest.fixture
 def shm_path():

@@ -434,3 +434,26 @@ def test_set_then_exists_reads_own_writes(daemon):
             keys = [f"ryw{rnd}-{i}" for i in range(8)]
             assert c.batch_set_v1(keys, pages(0, 8)) == [True] * 8
             assert c.batch_exists(keys) == 8
+
+
+def test_stale_client_of_a_restarted_daemon_never_acts_in_another_session(make_daemon):
+    """Session ids are random: after a restart, a client that still holds its old id must not
+    land in a session the new daemon gave to someone else (another namespace)."""
+    d = make_daemon(extra=["--l3-backend", "none"])
+    stale = d.client(namespace="tenant-a")
+    try:
+        old_session = stale.session
+        d.stop()
+        d.start()
+        with d.client(namespace="tenant-b") as other:
+            assert other.session != old_session
+            host = HostPool.allocate_mla(2, 1, 1, 32, dtype=torch.bfloat16)
+            other.register_mem_host_pool_v2(host, "kv")
+            stale.register_mem_host_pool_v2(host, "kv")  # joins again
+            assert stale.batch_set_v1(["k0", "k1"], torch.arange(2)) == [True, True]
+            assert stale.session != old_session
+            stale.ping()
+            assert other.batch_exists(["k0", "k1"]) == 0  # nothing leaked into tenant-b
+            assert stale.batch_exists(["k0", "k1"]) == 2
+    finally:
+        stale.close()

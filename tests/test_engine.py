@@ -7,6 +7,7 @@ the deepest node that holds a state, on the KV-only (DSA) model up to the deepes
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
 from hicached.engine.config import EngineConfig
 from hicached.engine.engine import Engine
@@ -25,7 +26,8 @@ def models(tmp_path_factory):
     # spinning OpenMP threads make every forward several times slower
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield {arch: load_model(arch, seed=0, path=str(tmp_path_factory.mktemp(arch)))
+    yield {arch: load_model(arch, seed=0, path=str(tmp_path_factory.mktemp(arch)),
+                             device=TEST_DEVICE)
            for arch in ("qwen3_next", "deepseek_v32")}
     torch.set_num_threads(threads)
 
@@ -35,8 +37,8 @@ def toks(n, seed):
 
 
 def engine(lm, **kw):
-    kw = {"page_size": PS, "kv_pages": 64, "state_slots": 24, "track_interval": 16,
-          "debug_pools": True, **kw}
+    kw = {"device": TEST_DEVICE, "page_size": PS, "kv_pages": 64, "state_slots": 24,
+          "track_interval": 16, "debug_pools": True, **kw}
     return Engine(lm, EngineConfig(**kw))
 
 

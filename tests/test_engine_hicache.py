@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import run_client_proc, wait_until
+from conftest import TEST_DEVICE, run_client_proc, wait_until
 
 from hicached.engine.config import EngineConfig
 from hicached.engine.engine import Engine
@@ -32,7 +32,8 @@ def models(tmp_path_factory):
     # spinning OpenMP threads make every forward several times slower
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield {arch: load_model(arch, seed=0, path=str(tmp_path_factory.mktemp(arch)))
+    yield {arch: load_model(arch, seed=0, path=str(tmp_path_factory.mktemp(arch)),
+                             device=TEST_DEVICE)
            for arch in ARCHS}
     torch.set_num_threads(threads)
 
@@ -55,8 +56,8 @@ def engine():
     made = []
 
     def make(lm, daemon, **kw):
-        kw = {"page_size": PS, "kv_pages": 64, "state_slots": 24, "track_interval": 16,
-              "debug_pools": True, "storage_backend": "hicached",
+        kw = {"device": TEST_DEVICE, "page_size": PS, "kv_pages": 64, "state_slots": 24,
+              "track_interval": 16, "debug_pools": True, "storage_backend": "hicached",
               "hicached_endpoint": daemon.endpoint, **kw}
         made.append(Engine(lm, EngineConfig(**kw)))
         return made[-1]

@@ -7,6 +7,7 @@ tail + decode) exactly like a live cache, and for the gated-delta-net model like
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
 from hicached.engine.cache_io import CacheIO
 from hicached.engine.models import live_logits, load_model, recompute_logits
@@ -23,7 +24,8 @@ def models(tmp_path_factory):
     # spinning OpenMP threads make every forward several times slower
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield {arch: load_model(arch, seed=0, path=str(tmp_path_factory.mktemp(arch)))
+    yield {arch: load_model(arch, seed=0, path=str(tmp_path_factory.mktemp(arch)),
+                             device=TEST_DEVICE)
            for arch in ("qwen3_next", "deepseek_v32")}
     torch.set_num_threads(threads)
 

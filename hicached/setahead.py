@@ -1,0 +1,104 @@
+"""Client side of set-ahead slots: a ``batch_set`` copies while its reservation travels.
+
+A set is reserve -> copy -> commit, and the copy cannot start before the daemon names the slots,
+so each set would cost a round trip plus the copy. With set-ahead the daemon's answer to a
+``Reserve`` also grants the client free slots for its *next* set (``Reserved.ahead``, held for it
+by ``leases.AheadSlots``). That next set sends its ``Reserve`` naming, per key, the set-ahead slot
+it copies the key's page into (``Reserve.ahead``) and makes the copies while the request is on its
+way. The daemon binds each named slot to its key when the key is new (``Reserved.bound``); a key
+that was already stored or in flight leaves its slot a set-ahead slot, and any key that did not
+get its named slot is copied again into the slot the answer gives it. So a set costs about one
+copy.
+
+Safety: a slot is written only while this client holds it. The daemon frees unused set-ahead
+slots ``reservation_ttl_s`` after the answer that listed them, so slots granted more than half
+that long ago are not used (as ``Client._store`` does for reservations); a handshake (daemon
+restarted) voids them, and only one set at a time may use them: a second thread's set meanwhile
+neither names nor renews any (two sets naming the same slot would write into each other's page).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from hicached.hostpool import PageIO
+
+log = logging.getLogger(__name__)
+
+
+class Claim:
+    """What one set names in its ``Reserve``: per transfer the slots its first keys are copied
+    into (``ahead``) and how many slots to hold afterwards (``want``)."""
+
+    def __init__(self, owner: SetAhead, epoch: int, sent: float):
+        self.owner = owner
+        self.epoch = epoch
+        self.sent = sent
+        self.ahead: list[list[int]] = []
+        self.want: list[int] = []
+        self.jobs: list[tuple[int, PageIO, list[int], list[int]]] = []  # (transfer, io, ...)
+        self.failed: set[int] = set()  # transfers whose copy failed: copied again after
+
+    def copy(self, arena: Any) -> None:
+        """Copy the named pages into their set-ahead slots (``Client._call``'s while_waiting:
+        never raises; a failed pool is copied again into its reserved slots afterwards)."""
+        for p, io, starts, offsets in self.jobs:
+            try:
+                io.to_arena(starts, arena.tensor, offsets)
+            except (ValueError, RuntimeError, TypeError, IndexError) as e:
+                log.debug("set-ahead copy of transfer %d failed: %s", p, e)
+                self.failed.add(p)
+
+    def settle(self, names: Sequence[str], granted: Sequence[Sequence[int]], epoch: int) -> None:
+        """Take the slots the answer lists (unless a handshake came between) and let the next
+        set use them."""
+        try:
+            if epoch == self.epoch:
+                for name, offsets in zip(names, granted):
+                    self.owner.slots[name] = (list(offsets), self.sent, epoch)
+        finally:
+            self.owner.busy.release()
+
+
+class SetAhead:
+    """Per client: the set-ahead slots it holds, per pool (offsets, when the request that listed
+    them was sent, the handshake epoch). ``max_bytes``: per pool, what it asks to hold at most."""
+
+    def __init__(self, max_bytes: int, min_page_bytes: int):
+        self.max_bytes = max_bytes
+        self.min_page_bytes = min_page_bytes
+        self.slots: dict[str, tuple[list[int], float, int]] = {}
+        self.busy = threading.Lock()
+
+    def void(self) -> None:
+        """A new handshake: slots of the earlier session are not this session's."""
+        self.slots.clear()
+
+    def uses(self, io: PageIO) -> bool:
+        return self.max_bytes > 0 and io.page_bytes >= self.min_page_bytes
+
+    def claim(self, plan: Sequence[tuple[str, PageIO, list[str], list[int]]], epoch: int,
+              sent: float, ttl_s: float) -> Claim | None:
+        """The claim of a set about to send its ``Reserve``, or None (set-ahead off for its
+        pools, or another set is using the slots). A claim must be ``settle``d."""
+        if not any(self.uses(io) for _, io, _, _ in plan) or not self.busy.acquire(False):
+            return None
+        c = Claim(self, epoch, sent)
+        for p, (name, io, keys, starts) in enumerate(plan):
+            held = self.slots.pop(name, None)
+            row: list[int] = []
+            if not self.uses(io):
+                c.want.append(0)
+            else:
+                cap = max(1, self.max_bytes // io.page_bytes)
+                c.want.append(min(cap, max(len(keys), len(held[0]) if held else 0)))
+                if held and held[2] == epoch and sent - held[1] < ttl_s / 2:
+                    n = min(len(keys), len(held[0]))
+                    row = held[0][:n]
+                    if n:
+                        c.jobs.append((p, io, starts[:n], row))
+            c.ahead.append(row)
+        return c
