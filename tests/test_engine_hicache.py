@@ -75,10 +75,10 @@ def assert_exact(lm, prompt_ids, output_ids, logits):
     want = live_logits(lm, prompt_ids, PS, output_ids[:-1])
     assert len(want) == len(logits)
     for got, ref in zip(logits, want):
-        assert (got - ref).abs().max().item() <= TOL
+        assert (got.to(ref.device) - ref).abs().max().item() <= TOL
     if lm.geometry.hybrid:
         full = recompute_logits(lm, prompt_ids)
-        assert (logits[0] - full).abs().max().item() <= TOL
+        assert (logits[0].to(full.device) - full).abs().max().item() <= TOL
 
 
 def check(lm, req, **hits):
@@ -126,11 +126,11 @@ from hicached.engine.config import EngineConfig
 from hicached.engine.engine import Engine
 from hicached.engine.models import load_model
 out = {}
-for arch, path, endpoint, ids in json.loads(sys.argv[1]):
-    lm = load_model(arch, path=path)
+for arch, path, endpoint, ids, device in json.loads(sys.argv[1]):
+    lm = load_model(arch, path=path, device=device)
     eng = Engine(lm, EngineConfig(page_size=8, kv_pages=64, state_slots=24, track_interval=16,
                                   debug_pools=True, storage_backend="hicached",
-                                  hicached_endpoint=endpoint))
+                                  hicached_endpoint=endpoint, device=device))
     r = eng.generate(ids, 3)
     eng.check_idle()
     eng.close()
@@ -146,7 +146,7 @@ def test_new_engine_process_hits_l2(models, make_daemon, engine):
     for arch in ARCHS:
         lm = models[arch]
         engine(lm, daemon).generate(A, 3)
-        jobs.append((arch, lm.path, daemon.endpoint, prompt(5)))
+        jobs.append((arch, lm.path, daemon.endpoint, prompt(5), TEST_DEVICE))
     got = json.loads(run_client_proc(ENGINE_PROC, json.dumps(jobs), timeout_s=110))
     for arch in ARCHS:
         lm, res = models[arch], got[arch]

@@ -47,7 +47,7 @@ def test_geometry_read_from_the_cache(models):
 
 def test_reload_is_bit_identical(models):
     lm = models["qwen3_next"]
-    again = load_model("qwen3_next", path=lm.path)
+    again = load_model("qwen3_next", path=lm.path, device=TEST_DEVICE)
     assert again.weights_digest == lm.weights_digest
     ids = tokens(20, 3)
     assert torch.equal(recompute_logits(again, ids), recompute_logits(lm, ids))
