@@ -25,8 +25,9 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "gib": 1024**3, "tib": 1024**4}
 
 
-def parse_size(value: object, key: str = "size") -> int:
-    """Bytes from an int or a string such as ``4GiB``, ``512MiB``, ``1e9``."""
+def parse_size(value: object, key: str = "size", allow_zero: bool = False) -> int:
+    """Bytes from an int or a string such as ``4GiB``, ``512MiB``, ``1e9`` (> 0, or >= 0 with
+    ``allow_zero``)."""
     if isinstance(value, bool):
         raise ConfigError(f"{key}: expected a size, got {value!r}")
     if isinstance(value, int):
@@ -39,8 +40,8 @@ def parse_size(value: object, key: str = "size") -> int:
             n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
         except ValueError:
             raise ConfigError(f"{key}: cannot read {value!r} as a size") from None
-    if n <= 0:
-        raise ConfigError(f"{key}: must be > 0 bytes, got {value!r}")
+    if n < 0 or (n == 0 and not allow_zero):
+        raise ConfigError(f"{key}: must be {'>=' if allow_zero else '>'} 0 bytes, got {value!r}")
     return n
 
 
@@ -188,6 +189,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 SECRET_KEYS = ("admin_api_key", "client_token")  # never printed nor logged
 
 _SIZES = {"l2_size", "slab_size", "l3_load_chunk", "set_ahead_bytes"}
+_ZERO_SIZES = {"set_ahead_bytes"}  # 0 turns the feature off
 
 
 def parse_options(value: object, key: str = "l3_options") -> dict:
@@ -219,7 +221,7 @@ _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
 def _coerce(key: str, value: object) -> object:
     field_type = {f.name: f.type for f in fields(DaemonConfig)}[key]
     if key in _SIZES:
-        return parse_size(value, key)
+        return parse_size(value, key, allow_zero=key in _ZERO_SIZES)
     if key == "l3_options":
         return parse_options(value, key)
     if key == "namespace_quotas":

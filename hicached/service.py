@@ -33,7 +33,7 @@ from hicached.server import Daemon
 log = logging.getLogger(__name__)
 
 RELOADABLE = ("write_policy", "write_through_threshold", "prefetch", "get_wait_s", "log_level",
-              "namespace_quotas")  # applied by SIGHUP; other keys need a restart
+              "namespace_quotas", "set_ahead_bytes")  # applied by SIGHUP; others need a restart
 
 
 def reload_policies(daemon: Daemon, new: DaemonConfig) -> dict[str, object]:
@@ -47,6 +47,7 @@ def reload_policies(daemon: Daemon, new: DaemonConfig) -> dict[str, object]:
     def apply() -> None:
         daemon.tier.set_policies(new.write_policy, new.write_through_threshold, new.prefetch)
         daemon.controller.get_wait_s = new.get_wait_s
+        daemon.controller.ahead_session_bytes = new.set_ahead_bytes  # applied at each next set
         if type(daemon.controller.quotas) is NoQuotas:
             daemon.controller.quotas = make_quotas(daemon.index, new.namespace_quotas)
         else:

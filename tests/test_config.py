@@ -44,6 +44,12 @@ def test_bad_values_name_the_key(tmp_path):
         load_config(None, {}, {"l2_size": "1MiB", "state_dir": str(tmp_path)})
     with pytest.raises(ConfigError, match="endpoint"):
         load_config(None, {}, {"endpoint": "http://x", "state_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="set_ahead_bytes: must be >= 0"):
+        load_config(None, {}, {"set_ahead_bytes": -1, "state_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="slab_size: must be > 0"):
+        load_config(None, {}, {"slab_size": "0", "state_dir": str(tmp_path)})
+    off = load_config(None, {}, {"set_ahead_bytes": "0", "state_dir": str(tmp_path)})
+    assert off.set_ahead_bytes == 0  # 0 turns set-ahead off
 
 
 def test_shipped_config_file_loads(tmp_path):

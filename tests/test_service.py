@@ -122,7 +122,7 @@ def test_sighup_reloads_policy_keys(make_daemon, tmp_path):
             conf.write_text('write_policy = "write_through_selective"\n'
                             'write_through_threshold = 3\nprefetch = false\nget_wait_s = 1.5\n'
                             'log_level = "debug"\nl2_size = "32MiB"\nio_queue_depth = 8\n'
-                            'namespace_quotas = { "model-a" = "1MiB" }\n')
+                            'namespace_quotas = { "model-a" = "1MiB" }\nset_ahead_bytes = 0\n')
             d.proc.send_signal(signal.SIGHUP)
             assert wait_until(lambda: _backend_status(c)["write_policy"]
                               == "write_through_selective")
@@ -131,6 +131,7 @@ def test_sighup_reloads_policy_keys(make_daemon, tmp_path):
             assert wait_until(lambda: "reloaded:" in d.output())
             out = d.output()
             assert "get_wait_s=1.5" in out and "log_level='debug'" in out
+            assert "set_ahead_bytes=0" in out
             # l2_size comes from the command line (flags beat the file): unchanged
             assert "reload: io_queue_depth changed; restart hicached to apply" in out
             conf.write_text('write_policy = "sometimes"\n')

@@ -332,3 +332,15 @@ def test_set_ahead_slots_count_for_the_quota_and_never_evict_for_it(make_daemon)
         assert hits == [True] * 8 and torch.equal(dst.kv_buffer, src.kv_buffer)
         assert put(c, src, ["x0"]) == [True]  # evicts its own oldest page, still no slot
         assert c.stats()["set_ahead_slots"] == 0
+
+
+def test_metrics_and_stats_show_the_held_slots(make_daemon):
+    from admin_helpers import admin_daemon, http, sample, scrape
+
+    d, url = admin_daemon(make_daemon, l2_size="32MiB", extra=["--l3-backend", "none"])
+    with d.client() as c:
+        put(c, pool(seed=10), ["s0", "s1", "s2"])
+        assert sample(scrape(url), "hicached_set_ahead_bytes") == 3 * PAGE
+        status, stats = http("GET", url + "/stats")
+        assert status == 200 and stats["tiers"]["l2"]["set_ahead_slots"] == 3
+    assert sample(scrape(url), "hicached_set_ahead_bytes") == 0  # the client left
