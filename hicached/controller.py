@@ -203,6 +203,9 @@ class Controller:
 
     def reserve(self, s: Session, msg: P.Reserve) -> P.Reserved:
         specs = [s.spec(t.pool) for t in msg.transfers]
+        named = [off for row in msg.ahead for off in row if off >= 0]
+        if len(named) != len(set(named)):  # two pages copied into one slot: neither is intact
+            raise ProtocolError("Reserve.ahead names a set-ahead slot twice")
         now = self.clock()
         r = self.leases.new_reservation(s.id, now)
         ahead = self.leases.ahead_of(s.id, now) if msg.want_ahead or msg.ahead else None

@@ -17,6 +17,7 @@ import torch
 
 from hicached import HostPool, PoolTransfer
 from hicached import protocol as P
+from hicached.errors import ProtocolError
 from hicached.index import PageIndex
 from hicached.leases import LeaseTable
 from hicached.slabs import SlabAllocator
@@ -207,6 +208,11 @@ def test_a_request_cannot_bind_slots_it_was_not_granted(daemon):
                                                  [stolen], [0]))
         assert not res.bound and all(off not in stolen for off in res.offsets[0])
         thief._abort(res.reservation_id)
+        # one slot named for two keys: refused whole (neither page would be intact)
+        mine = owner._ahead.slots["kv"][0]
+        with pytest.raises(ProtocolError, match="twice"):
+            owner._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["d0", "d1"])],
+                                               [[mine[0], mine[0]]], [2]))
         # the owner's next set still uses its slots
         answers = record(owner)
         put(owner, src, ["o2", "o3"], first_page=2)
