@@ -6,7 +6,8 @@
 
 Control messages go through one DEALER socket (guarded by a lock, so any thread may call);
 page bytes never do: the client copies them between its host pools and arena slots itself,
-outside the lock, so several threads copy at once. Every round trip has a deadline
+outside the lock, so several threads copy at once (except the copies that overlap a request in
+flight, ``overlap.py``: speculative gets and set-ahead slots). Every round trip has a deadline
 (``timeout_s``): a daemon that is gone or stuck raises ``DaemonUnavailable``, never hangs. A
 daemon that restarted is re-joined transparently (new handshake, pools registered again).
 
@@ -39,9 +40,9 @@ from hicached.errors import (
     UnknownSession,
     error_from_code,
 )
+from hicached.flatpages import TensorPages
 from hicached.hostpool import PageIO, make_page_io
-from hicached.kernels.cpu import check_arena, check_disjoint, check_slots
-from hicached.setahead import SetAhead
+from hicached.overlap import PageRecall, SetAhead
 from hicached.types import PoolTransfer, PoolTransferResult, policy_value, pool_value
 
 if TYPE_CHECKING:
@@ -49,9 +50,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 KV = "kv"
-# Pages at least this large are copied speculatively (``Client._load``): below it, the bookkeeping
-# per key costs more than the copy it would overlap with the round trip.
-SPECULATE_MIN_PAGE_BYTES = 64 * 1024
+# Pages at least this large are copied while a request travels (get: ``PageRecall``; set:
+# ``SetAhead``): below it, the bookkeeping per key costs more than the copy it would overlap.
+OVERLAP_MIN_PAGE_BYTES = 64 * 1024
 
 
 def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str) -> list[int]:
@@ -64,47 +65,6 @@ def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str) -
         )
     starts = host_indices[::page_size]
     return starts.tolist() if hasattr(starts, "tolist") else list(starts)
-
-
-class TensorPages(PageIO):
-    """Flat page tensors standing in for a host pool: item i is ``pages[i]``.
-
-    SGLang's generic (v0) path hands the backend one flat CPU tensor per page
-    (``get_data_page`` to store, ``get_dummy_flat_data_page`` to fill) instead of host indices.
-    Each tensor must hold exactly ``page_bytes`` bytes; tensors filled by ``from_arena`` must be
-    contiguous (their bytes are written in place).
-    """
-
-    path = "tensors"
-
-    def __init__(self, pages: Sequence[torch.Tensor], page_bytes: int):
-        self.page_size, self.page_bytes, self.capacity_tokens = 1, page_bytes, len(pages)
-        self._bytes: list[torch.Tensor] = []
-        for i, page in enumerate(pages):
-            if not isinstance(page, torch.Tensor) or page.device.type != "cpu":
-                raise ValueError(f"page {i} must be a CPU tensor, got {type(page).__name__}")
-            if not page.is_contiguous():
-                raise ValueError(f"page {i} is not contiguous (strides {page.stride()})")
-            data = page.reshape(-1).view(torch.uint8)
-            if data.numel() != page_bytes:
-                raise ValueError(f"page {i} has {data.numel()} bytes, pages of this pool have "
-                                 f"{page_bytes}")
-            self._bytes.append(data)
-
-    def to_arena(self, token_starts, arena, offsets) -> None:
-        starts, offs = self._check(token_starts, offsets)
-        check_arena(arena)
-        check_slots(offs, self.page_bytes, arena.numel())
-        check_disjoint(offs, self.page_bytes)
-        for i, o in zip(starts.tolist(), offs.tolist(), strict=True):
-            arena[o : o + self.page_bytes].copy_(self._bytes[i])
-
-    def from_arena(self, token_starts, arena, offsets) -> None:
-        starts, offs = self._check(token_starts, offsets)
-        check_arena(arena)
-        check_slots(offs, self.page_bytes, arena.numel())
-        for i, o in zip(starts.tolist(), offs.tolist(), strict=True):
-            self._bytes[i].copy_(arena[o : o + self.page_bytes])
 
 
 class Client:
@@ -129,11 +89,11 @@ class Client:
         self._closed = False
         # (pool, key) -> (offset, tag) of pages this client wrote or read (see _load); at most
         # ``remember_pages`` entries (0: never copy speculatively). Only for large pages.
-        self._where: dict[tuple[str, str], tuple[int, int]] = {}
-        self._remember = remember_pages
+        self._recall = PageRecall(remember_pages, OVERLAP_MIN_PAGE_BYTES)
+        self._where = self._recall.where  # (pool, key) -> (offset, tag)
         self._epoch = 0  # handshakes so far: locations learnt before one are void
         # set-ahead slots (setahead.py): per pool at most ``set_ahead_bytes`` (0: off)
-        self._ahead = SetAhead(set_ahead_bytes, SPECULATE_MIN_PAGE_BYTES)
+        self._ahead = SetAhead(set_ahead_bytes, OVERLAP_MIN_PAGE_BYTES)
         self.session = 0
         self.arena: Arena | None = None
         try:
@@ -354,7 +314,7 @@ class Client:
             # that never arrives (client killed now) only loses the pages: the slots expire.
             self._send_only(P.Commit(0, self.session, res.reservation_id, ok, reply=False))
             for (name, io, keys, _), row, tags in zip(plan, res.offsets, res.tags):
-                self._learn(name, io, keys, row, tags)
+                self._recall.learn(name, io, keys, row, tags)
         return {name: [off >= 0 or off in (P.SLOT_PRESENT, P.SLOT_INFLIGHT) for off in row]
                 for (name, _, _, _), row in zip(plan, res.offsets)}
 
@@ -381,54 +341,6 @@ class Client:
         name, plan = self._pages_plan(pool_name, keys, pages)
         return self._load(plan)[name]
 
-    def _speculates(self, io: PageIO) -> bool:
-        return (self._remember > 0 and io.page_bytes >= SPECULATE_MIN_PAGE_BYTES
-                and not isinstance(io, TensorPages))  # those promise to leave misses untouched
-
-    def _learn(self, name: str, io: PageIO, keys: Sequence[str], offsets: Sequence[int],
-               tags: Sequence[int]) -> None:
-        """Remember where the daemon placed or found the pages of ``keys`` (see ``_load``)."""
-        if not tags or not self._speculates(io):
-            return
-        where = self._where
-        for key, off, tag in zip(keys, offsets, tags):
-            if off >= 0 and tag:
-                where[(name, key)] = (off, tag)
-            else:
-                where.pop((name, key), None)
-        if len(where) > self._remember:  # forget the oldest eighth
-            for k in list(itertools.islice(where, len(where) - self._remember * 7 // 8)):
-                del where[k]
-
-    def _guess(self, todo: list[tuple[str, PageIO, list[int]]], keys_of: dict[str, list[str]],
-               starts_of: dict[str, list[int]]):
-        """Where this client saw the pages of ``todo`` before: per pool {position: (offset,
-        tag)}, and a function that copies them from there (run while the lease request is on its
-        way; the answer then says which copies hold the right bytes)."""
-        guesses: dict[str, dict[int, tuple[int, int]]] = {}
-        jobs = []
-        for name, io, idx in todo:
-            if not self._speculates(io):
-                continue
-            where, keys = self._where, keys_of[name]
-            g = {j: loc for j, i in enumerate(idx) if (loc := where.get((name, keys[i])))}
-            if g:
-                guesses[name] = g
-                jobs.append((name, io, [starts_of[name][idx[j]] for j in g],
-                             [off for off, _ in g.values()]))
-        if not jobs:
-            return guesses, None
-        arena = self.arena
-
-        def copy() -> None:
-            for name, io, starts, offsets in jobs:
-                try:
-                    io.from_arena(starts, arena.tensor, offsets)
-                except (ValueError, RuntimeError, TypeError, IndexError) as e:  # copy it later
-                    log.debug("speculative copy of pool %r failed: %s", name, e)
-                    guesses.pop(name, None)
-        return guesses, copy
-
     def _load(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
               ) -> dict[str, list[bool]]:
         """Lease, copy out, release. Streamed: when pages must come from L3 the daemon answers
@@ -437,7 +349,7 @@ class Client:
         flight, starting none), until none is loading or the call's deadline passes.
 
         Speculative copies: pages whose slot this client learnt from an earlier set or get
-        (``_learn``) are copied from there while the first lease request is on its way. The
+        (``PageRecall.learn``) are copied from there while the first lease request is on its way. The
         answer names every page's (offset, tag); a tag is unique to one page's stay in one
         slot, so a copy from the same (offset, tag) read that page's final bytes (the slot held
         them from when this client learnt it until the lease pinned it), and any other page is
@@ -449,7 +361,7 @@ class Client:
         todo = [(name, io, list(range(len(keys)))) for name, io, keys, _ in plan]
         keys_of = {name: keys for name, _, keys, _ in plan}
         starts_of = {name: starts for name, _, _, starts in plan}
-        guesses, copy = self._guess(todo, keys_of, starts_of)
+        guesses, copy = self._recall.guess(todo, keys_of, starts_of, self.arena)
         epoch = self._epoch
         first = True
         while todo:
@@ -473,7 +385,7 @@ class Client:
                     for j, off in enumerate(row):
                         if off >= 0:
                             out[name][idx[j]] = True
-                    self._learn(name, io, [keys_of[name][i] for i in idx], row, tags)
+                    self._recall.learn(name, io, [keys_of[name][i] for i in idx], row, tags)
                     wait = [idx[j] for j, off in enumerate(row) if off == P.SLOT_LOADING]
                     if wait:
                         again.append((name, io, wait))

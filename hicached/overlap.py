@@ -1,4 +1,14 @@
-"""Client side of set-ahead slots: a ``batch_set`` copies while its reservation travels.
+"""Copies that overlap a round trip: speculative gets (``PageRecall``) and set-ahead slots
+(``SetAhead``), the client side of both.
+
+Speculative gets: the client remembers where the daemon placed or found each page, with the
+slot's generation tag (``Reserved.tags`` / ``Leased.tags``). A get copies pages from there while
+its ``Lease`` request travels; the answer names every page's (offset, tag), and a tag is unique to
+one page's stay in one slot, so a copy from the same (offset, tag) read that page's final bytes
+(the slot held them from when this client learnt it until the lease pinned it); any other page is
+copied again from its leased slot (``Client._load``).
+
+Set-ahead slots: a ``batch_set`` copies while its reservation travels.
 
 A set is reserve -> copy -> commit, and the copy cannot start before the daemon names the slots,
 so each set would cost a round trip plus the copy. With set-ahead the daemon's answer to a
@@ -19,14 +29,75 @@ neither names nor renews any (two sets naming the same slot would write into eac
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+from hicached.flatpages import TensorPages
 from hicached.hostpool import PageIO
 
 log = logging.getLogger(__name__)
+
+
+class PageRecall:
+    """Where this client last saw pages: (pool, key) -> (offset, tag), at most ``limit`` entries
+    (the oldest eighth is forgotten past it; 0: never speculate), for pools of pages of at least
+    ``min_page_bytes``."""
+
+    def __init__(self, limit: int, min_page_bytes: int):
+        self.where: dict[tuple[str, str], tuple[int, int]] = {}
+        self.limit = limit
+        self.min_page_bytes = min_page_bytes
+
+    def uses(self, io: PageIO) -> bool:
+        return (self.limit > 0 and io.page_bytes >= self.min_page_bytes
+                and not isinstance(io, TensorPages))  # those promise to leave misses untouched
+
+    def learn(self, name: str, io: PageIO, keys: Sequence[str], offsets: Sequence[int],
+              tags: Sequence[int]) -> None:
+        """Remember where the daemon placed or found the pages of ``keys`` (an answer's offsets
+        and tags; a key without a slot is forgotten)."""
+        if not tags or not self.uses(io):
+            return
+        where = self.where
+        for key, off, tag in zip(keys, offsets, tags):
+            if off >= 0 and tag:
+                where[(name, key)] = (off, tag)
+            else:
+                where.pop((name, key), None)
+        if len(where) > self.limit:
+            for k in list(itertools.islice(where, len(where) - self.limit * 7 // 8)):
+                del where[k]
+
+    def guess(self, todo: Sequence[tuple[str, PageIO, list[int]]],
+              keys_of: dict[str, list[str]], starts_of: dict[str, list[int]], arena: Any):
+        """Where the pages of ``todo`` were seen: per pool {position: (offset, tag)}, and a
+        function that copies them from there (run while the lease request is on its way; it
+        never raises: a pool whose copy failed is dropped from the guesses, so copied again)."""
+        guesses: dict[str, dict[int, tuple[int, int]]] = {}
+        jobs = []
+        for name, io, idx in todo:
+            if not self.uses(io):
+                continue
+            where, keys = self.where, keys_of[name]
+            g = {j: loc for j, i in enumerate(idx) if (loc := where.get((name, keys[i])))}
+            if g:
+                guesses[name] = g
+                jobs.append((name, io, [starts_of[name][idx[j]] for j in g],
+                             [off for off, _ in g.values()]))
+        if not jobs:
+            return guesses, None
+
+        def copy() -> None:
+            for name, io, starts, offsets in jobs:
+                try:
+                    io.from_arena(starts, arena.tensor, offsets)
+                except (ValueError, RuntimeError, TypeError, IndexError) as e:  # copy it later
+                    log.debug("speculative copy of pool %r failed: %s", name, e)
+                    guesses.pop(name, None)
+        return guesses, copy
 
 
 class Claim:
