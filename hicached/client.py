@@ -92,7 +92,7 @@ class Client:
         self._recall = PageRecall(remember_pages, OVERLAP_MIN_PAGE_BYTES)
         self._where = self._recall.where  # (pool, key) -> (offset, tag)
         self._epoch = 0  # handshakes so far: locations learnt before one are void
-        # set-ahead slots (setahead.py): per pool at most ``set_ahead_bytes`` (0: off)
+        # set-ahead slots (overlap.py): per pool at most ``set_ahead_bytes`` (0: off)
         self._ahead = SetAhead(set_ahead_bytes, OVERLAP_MIN_PAGE_BYTES)
         self.session = 0
         self.arena: Arena | None = None
