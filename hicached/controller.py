@@ -258,9 +258,10 @@ class Controller:
         per-session and arena-wide bounds); per transfer, the offsets the session now holds."""
         out = []
         for p, (t, spec) in enumerate(zip(msg.transfers, specs)):
-            want = msg.want_ahead[p] if p < len(msg.want_ahead) else 0
+            held = len(ahead.pools.get(t.pool, ()))
+            want = msg.want_ahead[p] if p < len(msg.want_ahead) else held  # not said: keep
             want = max(0, min(want, self.ahead_session_bytes // spec.stride))
-            if len(ahead.pools.get(t.pool, ())) > want:
+            if held > want:
                 self.leases.free_ahead(ahead, t.pool, keep=want)
             slots = ahead.pools.get(t.pool, {})
             while (len(slots) < want

@@ -208,15 +208,21 @@ def test_a_request_cannot_bind_slots_it_was_not_granted(daemon):
                                                  [stolen], [0]))
         assert not res.bound and all(off not in stolen for off in res.offsets[0])
         thief._abort(res.reservation_id)
+        # naming slots without saying how many to hold keeps the rest
+        mine = owner._ahead.slots["kv"][0]
+        res = owner._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["n0"])], [mine[:1]]))
+        assert res.bound == [[True]] and res.ahead == [mine[1:]]
+        owner._abort(res.reservation_id)
+        owner._ahead.slots["kv"] = (mine[1:], *owner._ahead.slots["kv"][1:])
         # one slot named for two keys: refused whole (neither page would be intact)
         mine = owner._ahead.slots["kv"][0]
         with pytest.raises(ProtocolError, match="twice"):
             owner._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["d0", "d1"])],
                                                [[mine[0], mine[0]]], [2]))
-        # the owner's next set still uses its slots
+        # the owner's next set still uses the slot it holds (one left of two)
         answers = record(owner)
         put(owner, src, ["o2", "o3"], first_page=2)
-        assert answers[0][1].bound == [[True, True]]
+        assert answers[0][1].bound == [[True, False]] and len(answers[0][1].ahead[0]) == 2
         hits, dst = read(owner, ["o0", "o1", "o2", "o3"])
         assert hits == [True] * 4 and torch.equal(dst.kv_buffer[:4 * TOKENS],
                                                   src.kv_buffer[:4 * TOKENS])
