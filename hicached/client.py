@@ -285,9 +285,12 @@ class Client:
 
         arena = self.arena
         failed = claim.failed if claim is not None else set()
+
+        def copy_ahead() -> None:  # only into slots the request just sent named (same epoch)
+            if self._epoch == epoch:
+                claim.copy(arena)
         try:
-            res = self._call(build, while_waiting=(lambda: claim.copy(arena)) if claim and
-                             claim.jobs else None)
+            res = self._call(build, while_waiting=copy_ahead if claim and claim.jobs else None)
         except BaseException:
             if claim is not None:
                 claim.settle((), (), -1)
