@@ -1,7 +1,8 @@
 """The L3 tier: the attached backend, the I/O workers and the policies that move pages between
 the arena (L2) and the backend (L3).
 
-    write policy              when a committed L2 page is sent to L3 (only pages L3 lacks)
+    write policy              when a committed L2 page is sent to L3 (only pages L3 lacks: the
+                              writer thread asks L3 which it has, off the control loop)
     write_through             at commit
     write_through_selective   when its gets reach ``threshold`` hits
     write_back                when L2 needs its room: a dirty page (L2 holds the only copy) is
@@ -12,7 +13,8 @@ the arena (L2) and the backend (L3).
                               evictable
 
     loads                     a get for pages only L3 has reserves slots and queues one batched
-                              load; the get waits (parked by the controller) for it
+                              load; the get waits (parked by the controller) for it. Only keys
+                              not known to be in L3 (``known_in_l3``) are asked about first
     prefetch                  an exists that finds pages only in L3 starts the same loads with
                               nobody waiting; a get that follows joins the loads in flight
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 
 DIRTY_HIGH = 0.5  # write_back: start writing when dirty pages fill this share of the arena
 DIRTY_TARGET = 0.4  # ... and write the oldest until they are below this share
+KNOWN_IN_L3 = 65536  # keys remembered as stored in L3 (a load of one skips the exists call)
 
 
 class L3Tier:
@@ -60,6 +64,10 @@ class L3Tier:
         self._jobs_of: dict[int, int] = {}  # id(backend) -> jobs in flight
         self._retired: list[L3Backend] = []  # detached, closed when their jobs are collected
         self._exists_failing = False
+        # (table, key) of pages this daemon stored in or loaded from L3, newest last: a get
+        # that misses L2 loads them without asking the store first (a store round trip on the
+        # control loop); should L3 have dropped one since, the load is a miss like any other
+        self.known_in_l3: OrderedDict[tuple[TableId, str], None] = OrderedDict()
         self.counters = {"l3_loads": 0, "l3_load_failures": 0, "l3_writes": 0,
                          "l3_write_failures": 0, "l3_writes_dropped": 0, "l3_errors": 0,
                          "prefetched_pages": 0, "write_backs": 0}
@@ -111,6 +119,7 @@ class L3Tier:
         return True
 
     def forget_l3_copies(self) -> None:
+        self.known_in_l3.clear()
         for table in self.index.tables.values():
             for e in table.values():
                 e.in_l3 = False
@@ -206,21 +215,14 @@ class L3Tier:
         return n
 
     def write(self, entries: Iterable[Entry]) -> int:
-        """Send committed pages L3 lacks to the writer thread (pinned until written)."""
+        """Send committed pages not known to be in L3 to the writer thread (pinned until
+        written); it asks the store which it has first and sends only the others."""
         by_table: dict[TableId, list[Entry]] = {}
         for e in entries:
             if not e.in_l3 and not e.writing and e.committed:
                 by_table.setdefault(e.table, []).append(e)
         queued = 0
-        for (ns, pool), group in by_table.items():
-            todo = []
-            for e, have in zip(group, self.exists(ns, pool, [e.key for e in group])):
-                if have:
-                    self._clean(e)
-                else:
-                    todo.append(e)
-            if not todo:
-                continue
+        for (ns, pool), todo in by_table.items():
             job = IOJob("put", ns, pool, [e.key for e in todo], [e.offset for e in todo],
                         todo[0].page_bytes, todo, backend=self.backend)
             if not self._submit(job):
@@ -232,9 +234,17 @@ class L3Tier:
             queued += len(todo)
         return queued
 
+    def _known(self, e: Entry) -> None:
+        known = self.known_in_l3
+        known[(e.table, e.key)] = None
+        known.move_to_end((e.table, e.key))
+        if len(known) > KNOWN_IN_L3:
+            known.popitem(last=False)
+
     def _clean(self, e: Entry) -> None:
         """``e`` is in L3 now: no longer dirty."""
         e.in_l3 = True
+        self._known(e)
         if self.dirty.pop(e, 0) is None:
             self.index.unpin(e)
         self._maybe_drop(e)
@@ -275,7 +285,12 @@ class L3Tier:
                 and self.index.get(table, k) is None and self.index.get_pending(table, k) is None]
         if not todo:
             return waits
-        there = [True] * len(todo) if known_in_l3 else self.exists(ns, pool, todo)
+        there: list[bool] = [True] * len(todo)
+        if not known_in_l3:
+            ask = [i for i, k in enumerate(todo) if (table, k) not in self.known_in_l3]
+            if ask:
+                for i, have in zip(ask, self.exists(ns, pool, [todo[i] for i in ask])):
+                    there[i] = have
         new: list[Entry] = []
         for key, have in zip(todo, there):
             if have:
@@ -318,9 +333,12 @@ class L3Tier:
                 del self.loading[(e.table, e.key)]
                 if ok:
                     e.in_l3 = current
+                    if current:
+                        self._known(e)
                     self.index.commit(e)
                     self.counters["l3_loads"] += 1
                 else:
+                    self.known_in_l3.pop((e.table, e.key), None)  # ask the store next time
                     self.index.abort(e)
                     self.counters["l3_load_failures"] += 1
             woken.extend((w, id(job)) for w in job.waiters)
@@ -340,7 +358,7 @@ class L3Tier:
                 del self.dirty[e]
                 self.index.unpin(e)
             self._maybe_drop(e)
-        self.counters["l3_writes"] += ok_n
+        self.counters["l3_writes"] += ok_n - len(job.already)  # those L3 had were not sent
         self.counters["l3_write_failures"] += len(job.result) - ok_n
 
     def flush_l2(self) -> int:

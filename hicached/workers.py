@@ -1,7 +1,8 @@
 """L3 I/O worker threads: the control loop never waits on a store.
 
 Two threads, one per direction, so a load someone is waiting for is never stuck behind a backlog
-of write-throughs. Each has a bounded queue: ``submit`` returns False when it is full (the
+of write-throughs. A put job first asks the backend which of its pages it has already (a store
+round trip, here and not on the loop) and sends only the others (``IOJob.already``). Each has a bounded queue: ``submit`` returns False when it is full (the
 controller then skips the write-through, or answers the load as a miss) instead of blocking the
 loop. Finished jobs go to one completion queue, and a byte on a pipe wakes the loop's poller.
 """
@@ -33,6 +34,7 @@ class IOJob:
     waiters: list[Any] = field(default_factory=list)  # parked requests (owned by the controller)
     backend: Any = None  # the L3Backend the job was queued for (attach/detach may swap it)
     done: Any = None  # "clear": called on the control loop with the count or the exception
+    already: set[int] = field(default_factory=set)  # put: positions L3 had (not sent)
 
 
 class IOWorkers:
@@ -77,17 +79,36 @@ class IOWorkers:
                 self._finished(job)
                 continue
             try:
-                fn = backend.batch_put if kind == "put" else backend.batch_get
-                job.result = list(fn(job.ns, job.pool, job.keys, job.offsets, job.page_bytes))
-                if len(job.result) != len(job.keys):
-                    raise RuntimeError(
-                        f"{backend.name}.batch_{kind} answered {len(job.result)} results "
-                        f"for {len(job.keys)} keys"
-                    )
+                if kind == "put":
+                    job.result = self._put_missing(job)
+                else:
+                    job.result = _checked(backend.batch_get(job.ns, job.pool, job.keys,
+                                                            job.offsets, job.page_bytes),
+                                          job, "batch_get")
             except Exception:
                 log.exception("L3 %s of %d pages failed; treated as misses", kind, len(job.keys))
                 job.result = [False] * len(job.keys)
             self._finished(job)
+
+    @staticmethod
+    def _put_missing(job: IOJob) -> list[bool]:
+        """Send the pages of ``job`` the backend lacks; those it has count as stored."""
+        backend = job.backend
+        try:
+            have = _checked(backend.exists(job.ns, job.pool, job.keys), job, "exists")
+        except Exception as e:  # noqa: BLE001 - unknown: send them all (a put is idempotent)
+            log.debug("L3 exists before a put failed (%s); sending every page", e)
+            have = [False] * len(job.keys)
+        job.already = {i for i, h in enumerate(have) if h}
+        todo = [i for i in range(len(job.keys)) if i not in job.already]
+        result = [True] * len(job.keys)
+        if todo:
+            sent = _checked(backend.batch_put(job.ns, job.pool, [job.keys[i] for i in todo],
+                                              [job.offsets[i] for i in todo], job.page_bytes),
+                            todo, "batch_put")
+            for i, ok in zip(todo, sent):
+                result[i] = bool(ok)
+        return result
 
     def _finished(self, job: IOJob) -> None:
         self.done.put(job)
@@ -111,7 +132,8 @@ class IOWorkers:
         self.in_flight -= len(jobs)
         for job in jobs:
             if job.kind in self.bytes_done:
-                self.bytes_done[job.kind] += job.page_bytes * sum(map(bool, job.result))
+                moved = sum(map(bool, job.result)) - len(job.already)
+                self.bytes_done[job.kind] += job.page_bytes * moved
         return jobs
 
     def close(self, timeout_s: float = 10.0) -> bool:
@@ -128,3 +150,12 @@ class IOWorkers:
         os.close(self.wake_r)
         os.close(self.wake_w)
         return ended
+
+
+def _checked(result, asked, what: str) -> list[bool]:
+    """A backend's per-key answer, as a list of the length asked for (else RuntimeError)."""
+    out = list(result)
+    n = len(asked.keys) if isinstance(asked, IOJob) else len(asked)
+    if len(out) != n:
+        raise RuntimeError(f"{what} answered {len(out)} results for {n} keys")
+    return out

@@ -1,0 +1,131 @@
+"""The L3 worker threads: a put asks the store which pages it has already and sends only the
+others, on the writer thread (the control loop never waits on the store), and a store that
+fails the question still gets every page. Real file backend, real arena, real threads."""
+
+import threading
+import time
+
+import pytest
+
+from hicached.arena import Arena
+from hicached.backends.file import FileBackend
+from hicached.index import PageIndex
+from hicached.slabs import SlabAllocator
+from hicached.tier import L3Tier
+from hicached.workers import IOWorkers
+
+PAGE = 4096
+
+
+class RecordingBackend(FileBackend):
+    """The file backend, recording which keys it was asked about and sent, and from which
+    thread; ``exists_fails`` makes the question fail."""
+
+    def __init__(self, root, exists_fails=False):
+        super().__init__(root)
+        self.exists_fails = exists_fails
+        self.asked, self.sent, self.threads = [], [], set()
+
+    def exists(self, ns, pool, keys):
+        self.threads.add(threading.current_thread().name)
+        self.asked.extend(keys)
+        if self.exists_fails:
+            raise OSError("injected: exists unreachable")
+        return super().exists(ns, pool, keys)
+
+    def batch_put(self, ns, pool, keys, offsets, page_bytes):
+        self.threads.add(threading.current_thread().name)
+        self.sent.extend(keys)
+        return super().batch_put(ns, pool, keys, offsets, page_bytes)
+
+
+@pytest.fixture
+def setup(tmp_path, arena):
+    def make(exists_fails=False):
+        index = PageIndex(SlabAllocator(arena.size_bytes, 64 * PAGE))
+        workers = IOWorkers()
+        backend = RecordingBackend(str(tmp_path / "l3"), exists_fails)
+        backend.open(arena)
+        tier = L3Tier(index, workers, backend)
+        made.append(workers)
+        return index, workers, backend, tier
+    made = []
+    yield make
+    for w in made:
+        w.close()
+
+
+def commit_pages(index, arena, keys, fill):
+    out = []
+    for i, key in enumerate(keys):
+        e = index.reserve(("ns", "kv"), key, PAGE, PAGE)
+        arena.tensor[e.offset:e.offset + PAGE].fill_(fill + i)
+        index.commit(e)
+        out.append(e)
+    return out
+
+
+def wait_jobs(workers, tier):
+    deadline = time.monotonic() + 10
+    while workers.in_flight and time.monotonic() < deadline:
+        tier.collect()
+        time.sleep(0.01)
+    assert workers.in_flight == 0
+
+
+def test_put_sends_only_what_the_store_lacks_from_the_writer_thread(setup, arena):
+    index, workers, backend, tier = setup()
+    first = commit_pages(index, arena, ["a", "b"], fill=1)
+    assert tier.write(first) == 2
+    wait_jobs(workers, tier)
+    assert backend.sent == ["a", "b"] and all(e.in_l3 for e in first)
+    assert tier.counters["l3_writes"] == 2 and workers.bytes_done["put"] == 2 * PAGE
+    # a second copy of "a" (say another daemon's L2 flushed and re-stored it) plus a new page
+    index.drop(first)
+    again = commit_pages(index, arena, ["a", "c"], fill=7)
+    backend.sent.clear()
+    assert tier.write(again) == 2
+    wait_jobs(workers, tier)
+    assert backend.sent == ["c"]  # "a" was there already: not sent
+    assert all(e.in_l3 for e in again)
+    assert tier.counters["l3_writes"] == 3 and workers.bytes_done["put"] == 3 * PAGE
+    assert backend.threads == {"hicached-l3-put0"}  # never asked on the caller's thread
+
+
+def test_a_failing_exists_still_sends_every_page(setup, arena):
+    index, workers, backend, tier = setup(exists_fails=True)
+    pages = commit_pages(index, arena, ["x", "y"], fill=3)
+    tier.write(pages)
+    wait_jobs(workers, tier)
+    assert backend.sent == ["x", "y"] and all(e.in_l3 for e in pages)
+    assert tier.counters["l3_writes"] == 2
+
+
+@pytest.fixture
+def arena(shm_path):
+    a = Arena.create(shm_path, 256 * PAGE)
+    yield a
+    a.close()
+
+
+def test_a_get_of_pages_known_in_l3_does_not_ask_the_store(setup, arena):
+    index, workers, backend, tier = setup()
+    pages = commit_pages(index, arena, ["k0", "k1"], fill=5)
+    tier.write(pages)
+    wait_jobs(workers, tier)
+    index.drop(pages)  # L2 flushed: only L3 has them
+    backend.asked.clear()
+    assert len(tier.load(("ns", "kv"), ["k0", "k1", "other"], PAGE, PAGE, waiter=object())) == 1
+    assert backend.asked == ["other"]  # only the unknown key is asked about
+    wait_jobs(workers, tier)
+    for i, key in enumerate(["k0", "k1"]):
+        e = index.get(("ns", "kv"), key)
+        assert e is not None and bool((arena.tensor[e.offset:e.offset + PAGE] == 5 + i).all())
+    # a key L3 lost since (here: its file removed) is a miss, and asked about next time
+    index.drop([index.get(("ns", "kv"), "k0")])
+    backend.clear()
+    tier.known_in_l3[(("ns", "kv"), "k0")] = None  # clear() forgets; pretend it was not seen
+    tier.load(("ns", "kv"), ["k0"], PAGE, PAGE, waiter=object())
+    wait_jobs(workers, tier)
+    assert index.get(("ns", "kv"), "k0") is None and tier.counters["l3_load_failures"] == 1
+    assert (("ns", "kv"), "k0") not in tier.known_in_l3
