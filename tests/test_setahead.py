@@ -356,3 +356,27 @@ def test_metrics_and_stats_show_the_held_slots(make_daemon):
         status, stats = http("GET", url + "/stats")
         assert status == 200 and stats["tiers"]["l2"]["set_ahead_slots"] == 3
     assert sample(scrape(url), "hicached_set_ahead_bytes") == 0  # the client left
+
+
+@pytest.mark.parametrize("path", ["native", "pointer", "flat", "tensors"])
+def test_every_copy_path_sets_ahead_and_reads_back(daemon, path):
+    from test_hostpool import FlatOnly, PointerOnly
+
+    src = pool(seed=11)
+    with daemon.client() as c, daemon.client() as reader:
+        answers = record(c)
+        wrapped = {"native": src, "pointer": PointerOnly(src), "flat": FlatOnly(src),
+                   "tensors": src}[path]
+        c.register_mem_host_pool_v2(wrapped, "kv")
+        for first, names in ((0, ["p0", "p1", "p2"]), (3, ["p3", "p4", "p5"])):
+            if path == "tensors":  # SGLang's v0 path: one flat tensor per page
+                flat = [page(src, first + i).contiguous().view(-1) for i in range(3)]
+                assert c.batch_set_pages("kv", names, flat) == [True] * 3
+            else:
+                res = c.batch_set_v2([PoolTransfer("kv", tokens(first, 3), keys=names)])
+                assert res["kv"] == [True] * 3
+        c.ping()
+        assert answers[1][1].bound == [[True] * 3]  # the second set went into its slots
+        hits, dst = read(reader, [f"p{i}" for i in range(6)])
+        assert hits == [True] * 6
+        assert torch.equal(dst.kv_buffer[:6 * TOKENS], src.kv_buffer[:6 * TOKENS])
