@@ -180,7 +180,9 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
         lines.append(f"  pool    {pool}: {p['l2_pages']} pages ({human_bytes(p['l2_bytes'])}), "
                      f"hits L2 {p['l2_hits']} / L3 {p['l3_hits']}, misses {p['l2_misses']}")
     lines.append(f"  clients {stats['sessions']} sessions, {l2['leases']} leases, "
-                 f"{l2['reservations']} reservations; {stats['requests']} requests")
+                 f"{l2['reservations']} reservations, "
+                 f"{human_bytes(l2.get('set_ahead_bytes', 0))} in set-ahead slots; "
+                 f"{stats['requests']} requests")
     for q in stats["namespaces"]:
         lines.append(f"  quota   {q['namespace']}: {human_bytes(q['used_bytes'])} of "
                      f"{human_bytes(q['quota_bytes'])}, own evictions {q['evictions']}, "
