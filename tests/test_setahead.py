@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from test_speculative import TOKENS, page, pool, tokens
 
 from hicached import HostPool, PoolTransfer
 from hicached import protocol as P
@@ -22,8 +23,7 @@ from hicached.index import PageIndex
 from hicached.leases import LeaseTable
 from hicached.slabs import SlabAllocator
 
-TOKENS = 16  # 16 tokens * 4 layers * 512 * 4 bytes = 128 KiB pages (set-ahead applies)
-PAGE = 128 * 1024
+PAGE = 128 * 1024  # test_speculative's pool: 16 tokens * 4 layers * 512 * 4 bytes
 MIB = 1 << 20
 
 
@@ -84,22 +84,6 @@ def test_lease_table_expires_and_drops_set_ahead_slots():
 @pytest.fixture
 def daemon(make_daemon):
     return make_daemon(l2_size="32MiB", extra=["--l3-backend", "none"])
-
-
-def pool(seed=None, num_pages=8):
-    p = HostPool.allocate_mla(num_pages, TOKENS, layers=4, kv_dim=512, dtype=torch.float32)
-    if seed is not None:
-        p.kv_buffer.copy_(torch.randn(p.kv_buffer.shape,
-                                      generator=torch.Generator().manual_seed(seed)))
-    return p
-
-
-def page(p, i):
-    return p.kv_buffer[i * TOKENS:(i + 1) * TOKENS]
-
-
-def tokens(i, n=1):
-    return torch.arange(i * TOKENS, (i + n) * TOKENS)
 
 
 def record(client):
