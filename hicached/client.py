@@ -352,8 +352,8 @@ class Client:
         flight, starting none), until none is loading or the call's deadline passes.
 
         Speculative copies: pages whose slot this client learnt from an earlier set or get
-        (``PageRecall.learn``) are copied from there while the first lease request is on its way. The
-        answer names every page's (offset, tag); a tag is unique to one page's stay in one
+        (``PageRecall.learn``) are copied from there while the first lease request is on its
+        way. The answer names every page's (offset, tag); a tag is unique to one page's stay in one
         slot, so a copy from the same (offset, tag) read that page's final bytes (the slot held
         them from when this client learnt it until the lease pinned it), and any other page is
         copied again from its leased slot. So a get of pages this client used before costs about

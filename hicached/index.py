@@ -9,7 +9,7 @@ A page is an ``Entry``. Its states:
                                |                                        |   ^
                                +--abort()--> freed                 pin()|   |unpin()
                                                                         v   |  (leases, L3 I/O)
-                                                           evicted when unpinned and least recently used
+                                                  evicted when unpinned and least recently used
 
 Readers only ever look at committed tables, so a page becomes visible exactly when ``commit`` runs
 (the control loop is single-threaded: a multi-pool commit is atomic for every reader).

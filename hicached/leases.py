@@ -94,16 +94,18 @@ class LeaseTable:
 
     def add_ahead(self, a: AheadSlots, pool: str, entry: Entry) -> None:
         a.pools.setdefault(pool, {})[entry.offset] = entry
-        a.nbytes += entry.stride
-        self.ahead_bytes += entry.stride
+        self._count_ahead(a, entry.stride)
+
+    def _count_ahead(self, a: AheadSlots, nbytes: int) -> None:
+        a.nbytes += nbytes
+        self.ahead_bytes += nbytes
 
     def take_ahead(self, a: AheadSlots, pool: str, offset: int) -> Entry | None:
         """Remove and return the slot at ``offset`` (None if it is not one of ``a``'s)."""
         slots = a.pools.get(pool)
         entry = slots.pop(offset, None) if slots else None
         if entry is not None:
-            a.nbytes -= entry.stride
-            self.ahead_bytes -= entry.stride
+            self._count_ahead(a, -entry.stride)
         return entry
 
     def free_ahead(self, a: AheadSlots, pool: str | None = None, keep: int = 0) -> int:
@@ -114,8 +116,7 @@ class LeaseTable:
             slots = a.pools.get(name, {})
             for offset in list(slots)[keep:]:
                 entry = slots.pop(offset)
-                a.nbytes -= entry.stride
-                self.ahead_bytes -= entry.stride
+                self._count_ahead(a, -entry.stride)
                 self.index.abort(entry)
                 n += 1
             if not slots:

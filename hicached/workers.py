@@ -2,9 +2,10 @@
 
 Two threads, one per direction, so a load someone is waiting for is never stuck behind a backlog
 of write-throughs. A put job first asks the backend which of its pages it has already (a store
-round trip, here and not on the loop) and sends only the others (``IOJob.already``). Each has a bounded queue: ``submit`` returns False when it is full (the
-controller then skips the write-through, or answers the load as a miss) instead of blocking the
-loop. Finished jobs go to one completion queue, and a byte on a pipe wakes the loop's poller.
+round trip, here and not on the loop) and sends only the others (``IOJob.already``). Each has a
+bounded queue: ``submit`` returns False when it is full (the controller then skips the
+write-through, or answers the load as a miss) instead of blocking the loop. Finished jobs go to
+one completion queue, and a byte on a pipe wakes the loop's poller.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class IOWorkers:
                 else:
                     job.result = _checked(backend.batch_get(job.ns, job.pool, job.keys,
                                                             job.offsets, job.page_bytes),
-                                          job, "batch_get")
+                                          len(job.keys), "batch_get")
             except Exception:
                 log.exception("L3 %s of %d pages failed; treated as misses", kind, len(job.keys))
                 job.result = [False] * len(job.keys)
@@ -95,7 +96,7 @@ class IOWorkers:
         """Send the pages of ``job`` the backend lacks; those it has count as stored."""
         backend = job.backend
         try:
-            have = _checked(backend.exists(job.ns, job.pool, job.keys), job, "exists")
+            have = _checked(backend.exists(job.ns, job.pool, job.keys), len(job.keys), "exists")
         except Exception as e:  # noqa: BLE001 - unknown: send them all (a put is idempotent)
             log.debug("L3 exists before a put failed (%s); sending every page", e)
             have = [False] * len(job.keys)
@@ -105,7 +106,7 @@ class IOWorkers:
         if todo:
             sent = _checked(backend.batch_put(job.ns, job.pool, [job.keys[i] for i in todo],
                                               [job.offsets[i] for i in todo], job.page_bytes),
-                            todo, "batch_put")
+                            len(todo), "batch_put")
             for i, ok in zip(todo, sent):
                 result[i] = bool(ok)
         return result
@@ -152,10 +153,9 @@ class IOWorkers:
         return ended
 
 
-def _checked(result, asked, what: str) -> list[bool]:
-    """A backend's per-key answer, as a list of the length asked for (else RuntimeError)."""
+def _checked(result, n: int, what: str) -> list[bool]:
+    """A backend's per-key answer for ``n`` keys, as a list (RuntimeError if not ``n`` long)."""
     out = list(result)
-    n = len(asked.keys) if isinstance(asked, IOJob) else len(asked)
     if len(out) != n:
         raise RuntimeError(f"{what} answered {len(out)} results for {n} keys")
     return out
