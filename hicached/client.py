@@ -43,6 +43,7 @@ from hicached.errors import (
 from hicached.flatpages import TensorPages
 from hicached.hostpool import PageIO, make_page_io
 from hicached.overlap import PageRecall, SetAhead
+from hicached.piggyback import PendingReleases
 from hicached.types import PoolTransfer, PoolTransferResult, policy_value, pool_value
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ KV = "kv"
 # Pages at least this large are copied while a request travels (get: ``PageRecall``; set:
 # ``SetAhead``): below it, the bookkeeping per key costs more than the copy it would overlap.
 OVERLAP_MIN_PAGE_BYTES = 64 * 1024
+# Requests that carry the client's pending lease releases (``piggyback.py``).
+_CARRIERS = (P.Exists, P.Lease, P.Reserve)
 
 
 def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str) -> list[int]:
@@ -72,7 +75,8 @@ class Client:
 
     def __init__(self, endpoint: str, namespace: str, *, timeout_s: float = 5.0,
                  client_name: str = "", spin_s: float = 0.002, token: str = "",
-                 remember_pages: int = 65536, set_ahead_bytes: int = 64 << 20):
+                 remember_pages: int = 65536, set_ahead_bytes: int = 64 << 20,
+                 release_delay_s: float = 0.05):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
         self.endpoint = endpoint
@@ -94,6 +98,8 @@ class Client:
         self._epoch = 0  # handshakes so far: locations learnt before one are void
         # set-ahead slots (overlap.py): per pool at most ``set_ahead_bytes`` (0: off)
         self._ahead = SetAhead(set_ahead_bytes, OVERLAP_MIN_PAGE_BYTES)
+        # leases done with, carried by the next request or sent alone after ``release_delay_s``
+        self._releases = PendingReleases(self._send_release, release_delay_s)
         self.session = 0
         self.arena: Arena | None = None
         try:
@@ -128,6 +134,7 @@ class Client:
         self._epoch += 1
         self._where.clear()
         self._ahead.void()
+        self._releases.drop()
         self.reservation_ttl_s = w.reservation_ttl_s
         self.lease_ttl_s = w.lease_ttl_s
         if self.arena is None or self.arena.path != w.arena_path or \
@@ -178,12 +185,28 @@ class Client:
             raise DaemonUnavailable("client is closed")
         with self._lock:
             try:
-                return self._roundtrip(build(self.session, next(self._req_ids)), timeout_s,
-                                       while_waiting)
+                return self._roundtrip(self._carry(build(self.session, next(self._req_ids))),
+                                       timeout_s, while_waiting)
             except (UnknownSession, Unauthorized):  # Unauthorized: a fresh socket, not yet joined
                 log.warning("hicached session lost (daemon restarted?): joining again")
                 self._handshake()
-                return self._roundtrip(build(self.session, next(self._req_ids)), timeout_s)
+                return self._roundtrip(self._carry(build(self.session, next(self._req_ids))),
+                                       timeout_s)
+
+    def _carry(self, msg):
+        """``msg`` with the pending lease releases piggybacked; before any other request they
+        go out alone (same socket, so the daemon ends them first: a Flush after a get finds
+        the pages unpinned, as it would without piggybacking)."""
+        ids = self._releases.take()
+        if ids:
+            if isinstance(msg, _CARRIERS):
+                msg.release = ids
+            else:
+                self._send_release(ids)
+        return msg
+
+    def _send_release(self, lease_ids: list[int]) -> None:
+        self._send_only(P.Release(0, self.session, lease_ids))
 
     def _send_only(self, msg) -> None:
         with self._lock:
@@ -394,7 +417,7 @@ class Client:
                         again.append((name, io, wait))
             finally:
                 if res.lease_id:
-                    self._send_only(P.Release(0, self.session, [res.lease_id]))
+                    self._releases.add(res.lease_id)
             first = False
             if time.monotonic() - sent > self.lease_ttl_s / 2:
                 log.warning("get took longer than half the lease TTL: results discarded")
@@ -458,6 +481,7 @@ class Client:
             if self._closed:
                 return
             self._closed = True
+            self._releases.close()  # Bye ends every lease of the session
             if self._sock is not None:
                 try:
                     self._sock.send(P.encode(P.Bye(0, self.session)), zmq.NOBLOCK)

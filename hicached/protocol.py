@@ -12,6 +12,7 @@ Requests (client -> daemon)             answer
   Commit       set, step 2 (or abort)    Committed (or none, with reply=False)
   Lease        get                       Leased
   Release      end of get leases         (none: fire and forget)
+                 (usually piggybacked instead: ``release`` of the next Exists/Reserve/Lease)
   Bye          end of session            (none: fire and forget)
   Flush        empty L2 (and/or L3)      Ok
   GetStats     counters                  Stats
@@ -89,6 +90,7 @@ class Exists(_Msg, tag="exists"):
     pools: list[PoolQuery] = []
     anchor: str = "kv"
     packed: bytes = b""
+    release: list[int] = []  # piggybacked Release: leases this client is done with
 
     def key_list(self) -> list[str]:
         return self.packed.decode().split("\0") if self.packed else self.keys
@@ -114,6 +116,7 @@ class Reserve(_Msg, tag="reserve"):
     transfers: list[PoolKeys]
     ahead: list[list[int]] = []
     want_ahead: list[int] = []
+    release: list[int] = []  # piggybacked Release
 
 
 class Commit(_Msg, tag="commit"):
@@ -140,9 +143,13 @@ class Lease(_Msg, tag="lease"):
     transfers: list[PoolKeys]
     stream: bool = False
     load: bool = True
+    release: list[int] = []  # piggybacked Release (released before this lease is taken)
 
 
 class Release(_Msg, tag="release"):
+    """End get leases. A client sends it alone only when no request of its own carried the ids
+    (``release`` of Exists / Reserve / Lease) within its ``release_delay_s``."""
+
     req_id: int
     session: int
     lease_ids: list[int]

@@ -316,15 +316,22 @@ class Daemon(DaemonOperations):
             raise UnknownSession(f"session {sid} unknown (daemon restarted?); handshake again")
         return s
 
+    def _releasing(self, msg: P.Exists | P.Lease | P.Reserve) -> Session:
+        """The session of ``msg``, after ending the leases it carries (a piggybacked Release)."""
+        s = self._session(msg.session)
+        if msg.release:
+            self.controller.release(s, msg.release)
+        return s
+
     def _dispatch(self, identity: bytes, msg):
         c = self.controller
         if self._stop.is_set() and not isinstance(msg, _DRAIN_OK):
             raise ShuttingDown("hicached is shutting down; not accepting new requests")
         match msg:
             case P.Exists():
-                return c.exists(self._session(msg.session), msg)
+                return c.exists(self._releasing(msg), msg)
             case P.Lease():
-                return c.lease(self._session(msg.session), msg,
+                return c.lease(self._releasing(msg), msg,
                                lambda answer: self._send_parked(identity, msg, answer))
             case P.Release():
                 s = c.sessions.get(msg.session)
@@ -334,7 +341,7 @@ class Daemon(DaemonOperations):
             case P.Reserve():
                 if self._stop.is_set():
                     raise ShuttingDown("daemon is shutting down; not accepting writes")
-                return c.reserve(self._session(msg.session), msg)
+                return c.reserve(self._releasing(msg), msg)
             case P.Commit():
                 answer = c.commit(self._session(msg.session), msg)
                 return answer if msg.reply else None

@@ -1,0 +1,91 @@
+"""Releases of get leases, piggybacked on the client's next request.
+
+A get ends by releasing its lease. Sending a ``Release`` of its own costs the client a send and
+the daemon a wake-up per get, so the client keeps the lease ids here and the next Exists /
+Reserve / Lease carries them (``release`` field; ARCHITECTURE.md, life of a page, step 7).
+
+A client that makes no further request would pin those slots until the lease TTL, so a
+background thread (started on first use) sends a plain ``Release`` for ids still waiting
+``delay_s`` after the first of them was added. ``delay_s == 0`` sends every release at once,
+from the caller's thread.
+
+Lock order: the client's socket lock, then this object's lock; the thread never holds its
+lock while it sends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class PendingReleases:
+    """Lease ids this client is done with and has not told the daemon yet. Thread-safe."""
+
+    def __init__(self, send: Callable[[list[int]], None], delay_s: float):
+        if delay_s < 0:
+            raise ValueError(f"release_delay_s must be >= 0, got {delay_s}")
+        self._send = send  # send(ids): a fire-and-forget Release (must not raise)
+        self.delay_s = delay_s
+        self._ids: list[int] = []
+        self._since = 0.0  # when the oldest waiting id was added
+        self._cv = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.sent_alone = 0  # Release messages the thread had to send (the rest piggybacked)
+
+    def add(self, lease_id: int) -> None:
+        if self.delay_s == 0:
+            self._send([lease_id])
+            return
+        with self._cv:
+            if self._closed:
+                return  # the session is ending: Bye frees its leases
+            if not self._ids:
+                self._since = time.monotonic()
+                self._cv.notify()
+            self._ids.append(lease_id)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hicached-release",
+                                                daemon=True)
+                self._thread.start()
+
+    def take(self) -> list[int]:
+        """Every waiting id (the caller sends them with its request)."""
+        with self._cv:
+            ids, self._ids = self._ids, []
+            return ids
+
+    def drop(self) -> None:
+        """Forget the waiting ids (a new session: the daemon that leased them is gone)."""
+        self.take()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._ids = []
+            self._cv.notify()
+
+    def _run(self) -> None:
+        with self._cv:
+            while not self._closed:
+                if not self._ids:
+                    self._cv.wait()
+                    continue
+                left = self._since + self.delay_s - time.monotonic()
+                if left > 0:
+                    self._cv.wait(left)
+                    continue
+                ids, self._ids = self._ids, []
+                self.sent_alone += 1
+                self._cv.release()
+                try:
+                    self._send(ids)
+                except Exception:  # the leases expire on their own
+                    log.exception("sending a Release failed")
+                finally:
+                    self._cv.acquire()
