@@ -35,7 +35,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--l3-load-chunk", dest="l3_load_chunk",
                    help="bytes one L3 load job moves at most, e.g. 64MiB")
     p.add_argument("--get-wait-s", dest="get_wait_s", type=float,
-                   help="longest a get waits for L3 loads of its keys")
+                   help="longest a get (exists) waits for L3 loads (lookups) of its keys")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_const", const=False,
                    help="do not pull L3-only pages into L2 after an exists")
     p.add_argument("--set-ahead-bytes", dest="set_ahead_bytes",

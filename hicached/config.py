@@ -72,7 +72,7 @@ class DaemonConfig:
     write_through_threshold: int = 2  # write_through_selective: hits before a page goes to L3
     prefetch: bool = True  # exists that finds pages only in L3 starts pulling them into L2
     l3_load_chunk: int = 64 * 1024**2  # bytes an L3 load job moves at most (streamed gets)
-    get_wait_s: float = 2.0  # longest a get waits for L3 loads of its keys before missing
+    get_wait_s: float = 2.0  # longest a get / exists waits for L3 loads / lookups before missing
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 30.0
     set_ahead_bytes: int = 128 * 1024**2  # set-ahead slots one client may hold (0: none)

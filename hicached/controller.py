@@ -81,6 +81,23 @@ class ParkedGet:
     pending: list[Entry] = field(default_factory=list)  # the uncommitted pages it waits for
 
 
+@dataclass
+class ParkedExists:
+    """An Exists waiting for the store's answer about keys L2 lacks (``L3Tier.probe``);
+    answered through ``reply`` once ``jobs`` is empty or at ``deadline`` (keys not yet answered
+    for count as absent from L3)."""
+
+    session: Session
+    msg: P.Exists
+    keys: list[str]
+    reply: Callable[[P.ExistsResult], None]
+    deadline: float
+    jobs: set[int] = field(default_factory=set)
+    probes: list = field(default_factory=list)  # the IOJobs (their results, once finished)
+    answered: bool = False
+    pending: list[Entry] = field(default_factory=list)  # never any (ParkedGet's shape)
+
+
 class Controller:
     """L2 bookkeeping; L3 through the ``L3Tier``. See the module docstring."""
 
@@ -93,10 +110,10 @@ class Controller:
         self.get_wait_s = get_wait_s
         self.sessions: dict[int, Session] = {}
         self.geometry: dict[TableId, int] = {}  # (ns, pool) -> page_bytes, fixed once seen
-        self.parked: dict[int, ParkedGet] = {}  # id -> get waiting for loads
+        self.parked: dict[int, ParkedGet | ParkedExists] = {}  # id -> request waiting for L3
         self.pending_waiters: dict[Entry, list[ParkedGet]] = {}  # uncommitted page -> its gets
         self.counters = {"hits": 0, "misses": 0, "no_space": 0, "get_wait_timeouts": 0,
-                         "partial_answers": 0}
+                         "exists_wait_timeouts": 0, "partial_answers": 0}
         self.quotas = NoQuotas()  # per-namespace L2 quotas (quotas.py); the daemon installs them
         # set-ahead slots (leases.AheadSlots): bytes one session / all sessions may hold
         self.ahead_session_bytes = 0
@@ -154,28 +171,53 @@ class Controller:
 
     # ------------------------------------------------------------ exists
 
-    def _present(self, ns: str, pool: str, keys: list[str], masks: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
+    def _present(self, ns: str, pool: str, keys: list[str], masks: np.ndarray,
+                 in_l3: dict[tuple[str, str], bool]) -> tuple[np.ndarray, np.ndarray]:
         """Per key, as bool arrays: (in L2 committed, in L2 or L3). ``masks``: the keys'
-        ``PageIndex.presence``."""
+        ``PageIndex.presence``; L3 is what ``in_l3`` says ((pool, key) -> the store's answer)
+        or, for a key it does not name, whether this daemon knows the key to be in L3."""
         in_l2 = (masks & self.index.pool_bit((ns, pool))) != 0
         have = in_l2
         if self.tier.attached and not in_l2.all():
-            missing = np.flatnonzero(~in_l2).tolist()
             have = in_l2.copy()
-            have[missing] = self.tier.exists(ns, pool, [keys[i] for i in missing])
+            table = (ns, pool)
+            for i in np.flatnonzero(~in_l2).tolist():
+                found = in_l3.get((pool, keys[i]))
+                have[i] = self.tier.is_known(table, keys[i]) if found is None else found
         return in_l2, have
 
-    def exists(self, s: Session, msg: P.Exists) -> P.ExistsResult:
+    def exists(self, s: Session, msg: P.Exists, reply: Callable[[P.ExistsResult], None]
+               ) -> P.ExistsResult | None:
+        """Hit semantics over L2 and L3. Keys L2 lacks and this daemon does not know to be in
+        L3 are looked up by the prober thread (``L3Tier.probe``) while the control loop goes
+        on: the request is then parked and answered through ``reply``."""
         s.spec(msg.anchor)
         for q in msg.pools:
             s.spec(q.pool)
-        all_keys = msg.key_list()
-        masks = self.index.presence(s.ns, all_keys)  # one lookup a key for every pool
-        kv_l2, kv_have = self._present(s.ns, msg.anchor, all_keys, masks)
+        keys = msg.key_list()
+        masks = self.index.presence(s.ns, keys)  # one lookup a key for every pool
+        if self.tier.attached:
+            parked = ParkedExists(s, msg, keys, reply, self.clock() + self.get_wait_s)
+            for pool in [msg.anchor, *(q.pool for q in msg.pools)]:
+                table = (s.ns, pool)
+                in_l2 = (masks & self.index.pool_bit(table)) != 0
+                ask = [keys[i] for i in np.flatnonzero(~in_l2).tolist()
+                       if not self.tier.is_known(table, keys[i])]
+                job = self.tier.probe(table, ask, parked) if ask else None
+                if job is not None:
+                    parked.probes.append(job)
+                    parked.jobs.add(id(job))
+            if parked.jobs:
+                self.parked[id(parked)] = parked
+                return None
+        return self._exists_answer(s, msg, keys, masks, {})
+
+    def _exists_answer(self, s: Session, msg: P.Exists, all_keys: list[str],
+                       masks: np.ndarray, in_l3: dict[tuple[str, str], bool]) -> P.ExistsResult:
+        kv_l2, kv_have = self._present(s.ns, msg.anchor, all_keys, masks, in_l3)
         kv_pages = leading_run_array(kv_have)
         keys, masks = all_keys[:kv_pages], masks[:kv_pages]
-        found = [(q, *self._present(s.ns, q.pool, keys, masks)) for q in msg.pools]
+        found = [(q, *self._present(s.ns, q.pool, keys, masks, in_l3)) for q in msg.pools]
         try:
             final, hits, restorable = intersect_endpoints_array(
                 kv_pages, [(q.pool, q.policy, q.window, have) for q, _, have in found])
@@ -189,6 +231,25 @@ class Controller:
                 start = max(0, final - q.window) if q.policy == TRAILING else 0
                 self._prefetch(s, q.pool, keys, in_l2, start, final)
         return P.ExistsResult(msg.req_id, final, hits, restorable)
+
+    def _answer_exists(self, parked: ParkedExists) -> None:
+        """A parked Exists: the answer with what the prober said (L2 as it is now)."""
+        self._settle(parked)
+        s, msg = parked.session, parked.msg
+        if s.id not in self.sessions:
+            return
+        in_l3: dict[tuple[str, str], bool] = {}
+        for job in parked.probes:
+            if len(job.result) == len(job.keys):  # unfinished (deadline): absent from L3
+                in_l3.update(((job.pool, k), have) for k, have in zip(job.keys, job.result))
+            else:
+                in_l3.update(((job.pool, k), False) for k in job.keys)
+        try:
+            answer = self._exists_answer(s, msg, parked.keys,
+                                         self.index.presence(s.ns, parked.keys), in_l3)
+        except ProtocolError as e:
+            answer = P.Error(msg.req_id, e.code, str(e))
+        parked.reply(answer)
 
     def _prefetch(self, s: Session, pool: str, keys: list[str], in_l2: np.ndarray, start: int,
                   end: int) -> None:
@@ -375,7 +436,7 @@ class Controller:
         self.counters["partial_answers"] += partial
         return self._grant(s, msg.req_id, entries, offsets, tags)
 
-    def _settle(self, parked: ParkedGet) -> None:
+    def _settle(self, parked: ParkedGet | ParkedExists) -> None:
         """``parked`` is answered: nothing it waited for may answer it again."""
         parked.answered = True
         self.parked.pop(id(parked), None)
@@ -386,15 +447,20 @@ class Controller:
                 if not waiting:
                     del self.pending_waiters[e]
 
-    def _answer_parked(self, parked: ParkedGet, final: bool = False) -> None:
+    def _answer_parked(self, parked: ParkedGet | ParkedExists, final: bool = False) -> None:
+        if isinstance(parked, ParkedExists):
+            self._answer_exists(parked)
+            return
         self._settle(parked)
         if parked.session.id in self.sessions:
             parked.reply(self._lease_present(parked.session, parked.msg, final))
 
     def expire_parked(self, now: float) -> None:
-        """Answer gets that waited ``get_wait_s`` for loads: what is loaded now is served."""
+        """Answer requests that waited ``get_wait_s`` for L3: what is loaded now is served (a
+        get), keys the store has not answered for are absent (an exists)."""
         for parked in [p for p in self.parked.values() if p.deadline <= now]:
-            self.counters["get_wait_timeouts"] += 1
+            self.counters["get_wait_timeouts" if isinstance(parked, ParkedGet)
+                          else "exists_wait_timeouts"] += 1
             self._answer_parked(parked, final=True)
 
     def next_parked_deadline(self) -> float | None:
@@ -425,12 +491,19 @@ class Controller:
 
     def on_io_done(self) -> None:
         """Apply finished L3 jobs; answer parked gets whose loads are all done."""
-        for parked, job_id in self.tier.collect():
+        for parked, job_id, loaded, follow in self.tier.collect():
             if parked.answered:
                 continue
+            parked.jobs |= follow  # the loads a lookup started for it
             parked.jobs.discard(job_id)
-            if not parked.jobs or parked.msg.stream:
+            if not parked.jobs or (loaded and self._stream_now(parked)):
                 self._answer_parked(parked)
+
+    def _stream_now(self, parked: ParkedGet | ParkedExists) -> bool:
+        """A streamed get answers as each load lands, once no lookup of its keys is in flight
+        (the pages a lookup finds are loading; those it does not find are misses)."""
+        return (isinstance(parked, ParkedGet) and parked.msg.stream
+                and parked.jobs.isdisjoint(self.tier.finding))
 
     # ------------------------------------------------------------ maintenance
 
@@ -456,7 +529,8 @@ class Controller:
                                    for slots in a.pools.values()),
             "set_ahead_bytes": self.leases.ahead_bytes,
             "sessions": len(self.sessions),
-            "parked_gets": len(self.parked),
+            "parked_gets": sum(isinstance(p, ParkedGet) for p in self.parked.values()),
+            "parked_exists": sum(isinstance(p, ParkedExists) for p in self.parked.values()),
             "l3_backend": self.tier.backend.name,
             "l3_tier": self.tier.status(),
             "l3": self.tier.backend_stats(),

@@ -32,7 +32,7 @@ from hicached.errors import HicachedError
 OPS = {cls: cls.__struct_config__.tag for cls in typing.get_args(P.Request)}
 LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                      0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-MAX_PARKED = 4096  # gets waiting for L3 remembered for accounting (the oldest are forgotten)
+MAX_PARKED = 4096  # requests waiting for L3 remembered for accounting (the oldest are forgotten)
 SCRAPE_TIMEOUT_S = 5.0
 
 
@@ -73,7 +73,7 @@ class Metrics(NullMetrics):
         """A request was handled: ``answer`` sent now, or None (fire and forget, or parked)."""
         op = OPS.get(type(msg), "invalid")
         if answer is None:
-            if op == "lease":
+            if op in ("lease", "exists"):
                 self._park(msg, t0)
                 return
             outcome = "ok"
@@ -86,19 +86,25 @@ class Metrics(NullMetrics):
             case P.Reserved():
                 self._count_reserved(msg, answer)
             case P.ExistsResult():
-                n = msg.packed.count(0) + 1 if msg.packed else len(msg.keys)  # NUL-joined keys
-                self.exists_keys[msg.anchor] = self.exists_keys.get(msg.anchor, 0) + n
-                for pool, n in answer.pool_hits.items():
-                    self.exists_hits[pool] = self.exists_hits.get(pool, 0) + n
+                self._count_exists(msg, answer)
+
+    def _count_exists(self, msg: P.Exists, answer: P.ExistsResult) -> None:
+        n = msg.packed.count(0) + 1 if msg.packed else len(msg.keys)  # NUL-joined keys
+        self.exists_keys[msg.anchor] = self.exists_keys.get(msg.anchor, 0) + n
+        for pool, n in answer.pool_hits.items():
+            self.exists_hits[pool] = self.exists_hits.get(pool, 0) + n
 
     def on_parked_answer(self, msg, answer) -> None:
-        """A get that waited for L3 loads is answered now."""
+        """A request that waited for L3 (loads, lookups) is answered now."""
         t0, in_l2 = self._parked.pop(id(msg), (None, None))
         if t0 is None:
             return
-        self._finish("lease", "ok" if type(answer) is P.Leased else answer.code, t0)
+        ok = type(answer) is not P.Error
+        self._finish(OPS[type(msg)], "ok" if ok else answer.code, t0)
         if type(answer) is P.Leased:
             self._count_get(msg, answer, in_l2)
+        elif type(answer) is P.ExistsResult:
+            self._count_exists(msg, answer)
 
     def _finish(self, op: str, outcome: str, t0: float) -> None:
         child = self._latency_of.get(op)
@@ -108,13 +114,15 @@ class Metrics(NullMetrics):
         key = (op, outcome)
         self.requests[key] = self.requests.get(key, 0) + 1
 
-    def _park(self, msg: P.Lease, t0: float) -> None:
-        sess = self.daemon.controller.sessions.get(msg.session)
-        tables = self.daemon.index.tables
-        in_l2 = []
-        for t in msg.transfers:
-            committed = tables.get((sess.ns, t.pool), {}) if sess else {}
-            in_l2.append({k for k in t.keys if k in committed})
+    def _park(self, msg: P.Lease | P.Exists, t0: float) -> None:
+        in_l2 = None
+        if type(msg) is P.Lease:
+            sess = self.daemon.controller.sessions.get(msg.session)
+            tables = self.daemon.index.tables
+            in_l2 = []
+            for t in msg.transfers:
+                committed = tables.get((sess.ns, t.pool), {}) if sess else {}
+                in_l2.append({k for k in t.keys if k in committed})
         self._parked[id(msg)] = (t0, in_l2)
         while len(self._parked) > MAX_PARKED:
             self._parked.popitem(last=False)
@@ -219,7 +227,7 @@ def stats_json(snap: dict) -> dict:
                    "expired_reservations": st["expired_reservations"],
                    "set_ahead_slots": st["set_ahead_slots"],
                    "set_ahead_bytes": st["set_ahead_bytes"],
-                   "parked_gets": st["parked_gets"]},
+                   "parked_gets": st["parked_gets"], "parked_exists": st["parked_exists"]},
             "l3": {**tier, "hits": total(hits, "l3"), "misses": total(misses, "l3"),
                    "backend_stats": st["l3"], **snap["l3_bytes"]},
         },
@@ -280,12 +288,15 @@ class _Collector:
                          ("no_space", "Keys a set could not store (arena or quota full)"),
                          ("expired_leases", "Leases released by their TTL"),
                          ("expired_reservations", "Reservations freed by their TTL"),
-                         ("get_wait_timeouts", "Gets answered before their L3 loads finished")):
+                         ("get_wait_timeouts", "Gets answered before their L3 loads finished"),
+                         ("exists_wait_timeouts",
+                          "Exists answered before the L3 store answered its lookup")):
             yield C(f"hicached_{key}", doc, value=st[key])
         for key, doc in (("sessions", "Connected clients"), ("leases", "Leases held"),
                          ("reservations", "Reservations open"),
                          ("set_ahead_bytes", "Arena bytes held as clients' set-ahead slots"),
-                         ("parked_gets", "Gets waiting for L3 loads")):
+                         ("parked_gets", "Gets waiting for L3 loads"),
+                         ("parked_exists", "Exists waiting for an L3 lookup")):
             yield G(f"hicached_{key}", doc, value=st[key])
         yield from self._l3(tier, C, G)
         yield from self._quotas(snap["quotas"], C, G)

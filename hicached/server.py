@@ -305,8 +305,9 @@ class Daemon(DaemonOperations):
         if answer is not None:
             self._send(identity, answer)
 
-    def _send_parked(self, identity: bytes, msg: P.Lease, answer) -> None:
-        """The late answer of a get that waited for L3 loads."""
+    def _send_parked(self, identity: bytes, msg: P.Lease | P.Exists, answer) -> None:
+        """The late answer of a request that waited for L3 (a get for loads, an exists for the
+        store's lookup)."""
         self.metrics.on_parked_answer(msg, answer)
         self._send(identity, answer)
 
@@ -329,7 +330,8 @@ class Daemon(DaemonOperations):
             raise ShuttingDown("hicached is shutting down; not accepting new requests")
         match msg:
             case P.Exists():
-                return c.exists(self._releasing(msg), msg)
+                return c.exists(self._releasing(msg), msg,
+                                lambda answer: self._send_parked(identity, msg, answer))
             case P.Lease():
                 return c.lease(self._releasing(msg), msg,
                                lambda answer: self._send_parked(identity, msg, answer))
@@ -463,7 +465,7 @@ class Daemon(DaemonOperations):
             self._tick(time.monotonic())
         self.controller.expire_parked(float("inf"))
         if any(busy):
-            log.warning("drain deadline: %d reservations, %d waiting gets, %d L3 jobs "
+            log.warning("drain deadline: %d reservations, %d waiting requests, %d L3 jobs "
                         "unfinished", *busy)
         self._run_calls(ShuttingDown("daemon is shutting down"))
 

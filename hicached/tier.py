@@ -13,8 +13,11 @@ the arena (L2) and the backend (L3).
                               evictable
 
     loads                     a get for pages only L3 has reserves slots and queues one batched
-                              load; the get waits (parked by the controller) for it. Only keys
-                              not known to be in L3 (``known_in_l3``) are asked about first
+                              load; the get waits (parked by the controller) for it. Keys not
+                              known to be in L3 (``known_in_l3``) are first looked up by a
+                              ``find`` job on the prober thread; its answer starts their loads
+    lookups                   ``probe``: the controller's exists asks the store the same way,
+                              off the control loop, and answers when the prober has
     prefetch                  an exists that finds pages only in L3 starts the same loads with
                               nobody waiting; a get that follows joins the loads in flight
 
@@ -32,7 +35,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from hicached.backends.base import L3Backend, NullBackend
 from hicached.config import WRITE_POLICIES
@@ -47,6 +50,16 @@ DIRTY_TARGET = 0.4  # ... and write the oldest until they are below this share
 KNOWN_IN_L3 = 65536  # keys remembered as stored in L3 (a load of one skips the exists call)
 
 
+class Woken(NamedTuple):
+    """A waiter whose job finished: ``loaded`` (a load, so pages may have landed), ``follow``
+    (ids of the loads that job started for it: what a ``find`` found)."""
+
+    waiter: Any
+    job_id: int
+    loaded: bool
+    follow: set[int]
+
+
 class L3Tier:
     """See the module docstring."""
 
@@ -58,7 +71,8 @@ class L3Tier:
         self.backend: L3Backend = backend or NullBackend()
         self.set_policies(write_policy, threshold, prefetch)
         self.load_chunk_bytes = load_chunk_bytes
-        self.loading: dict[tuple[TableId, str], IOJob] = {}
+        self.loading: dict[tuple[TableId, str], IOJob] = {}  # a get job, or a find's lookup
+        self.finding: set[int] = set()  # ids of the find jobs in flight
         self.dirty: dict[Entry, None] = {}  # write_back: committed pages L3 lacks (pinned)
         self.drop_when_written: set[Entry] = set()  # flushed from L2 once in L3
         self._jobs_of: dict[int, int] = {}  # id(backend) -> jobs in flight
@@ -70,7 +84,7 @@ class L3Tier:
         self.known_in_l3: OrderedDict[tuple[TableId, str], None] = OrderedDict()
         self.counters = {"l3_loads": 0, "l3_load_failures": 0, "l3_writes": 0,
                          "l3_write_failures": 0, "l3_writes_dropped": 0, "l3_errors": 0,
-                         "prefetched_pages": 0, "write_backs": 0}
+                         "prefetched_pages": 0, "write_backs": 0, "l3_probes_dropped": 0}
 
     # ------------------------------------------------------------ backend and policies
 
@@ -146,25 +160,43 @@ class L3Tier:
 
     # ------------------------------------------------------------ lookups
 
-    def exists(self, ns: str, pool: str, keys: Sequence[str]) -> list[bool]:
-        """Per key: does L3 have it? A backend error is "no" (counted, logged once a run)."""
+    def is_known(self, table: TableId, key: str) -> bool:
+        """Did this daemon store ``key`` in L3 or load it from there (recently)?"""
+        return (table, key) in self.known_in_l3
+
+    def probe(self, table: TableId, keys: Sequence[str], waiter: Any) -> IOJob | None:
+        """Ask the store, on the prober thread, which of ``keys`` it has; ``collect`` hands
+        ``waiter`` the finished job (its ``result``: one bool per key). None when no backend is
+        attached or the prober's queue is full: the caller counts the keys as misses."""
         if not self.attached or not keys:
-            return [False] * len(keys)
-        try:
-            out = [bool(h) for h in self.backend.exists(ns, pool, keys)]
-            if len(out) != len(keys):
-                raise RuntimeError(f"exists answered {len(out)} results for {len(keys)} keys")
-        except Exception as e:  # noqa: BLE001 - a failing L3 is a miss
+            return None
+        ns, pool = table
+        job = IOJob("exists", ns, pool, list(keys), [], 0, [], waiters=[waiter],
+                    backend=self.backend)
+        if not self._submit(job):
+            self.counters["l3_probes_dropped"] += 1
+            return None
+        return job
+
+    def _probe_done(self, job: IOJob, current: bool) -> None:
+        """An exists / find answer is in: remember the keys the store has; a store that failed
+        (or was detached meanwhile) has none."""
+        if job.error:
             self.counters["l3_errors"] += 1
-            if not self._exists_failing:
-                log.warning("L3 %s exists failed (%s: %s); answering misses",
-                            self.backend.name, type(e).__name__, e)
-            self._exists_failing = True
-            return [False] * len(keys)
-        if self._exists_failing:
-            log.info("L3 %s answers again", self.backend.name)
-        self._exists_failing = False
-        return out
+            if not self._exists_failing and current:
+                log.warning("L3 %s exists failed (%s); answering misses", job.backend.name,
+                            job.error)
+            self._exists_failing = current or self._exists_failing
+        elif current and self._exists_failing:
+            log.info("L3 %s answers again", job.backend.name)
+            self._exists_failing = False
+        if not current:
+            job.result = [False] * len(job.keys)
+            return
+        table = (job.ns, job.pool)
+        for key, have in zip(job.keys, job.result):
+            if have:
+                self._remember(table, key)
 
     # ------------------------------------------------------------ writes
 
@@ -235,9 +267,12 @@ class L3Tier:
         return queued
 
     def _known(self, e: Entry) -> None:
+        self._remember(e.table, e.key)
+
+    def _remember(self, table: TableId, key: str) -> None:
         known = self.known_in_l3
-        known[(e.table, e.key)] = None
-        known.move_to_end((e.table, e.key))
+        known[(table, key)] = None
+        known.move_to_end((table, key))
         if len(known) > KNOWN_IN_L3:
             known.popitem(last=False)
 
@@ -268,8 +303,10 @@ class L3Tier:
              waiter: Any = None, known_in_l3: bool = False, start: bool = True) -> set[int]:
         """Start loading ``keys`` (missing from L2) into the arena, in jobs of at most
         ``load_chunk_bytes`` so a streaming get can copy the first pages while the rest load; join
-        loads already in flight (only that with ``start=False``). Returns the ids of the jobs
-        ``waiter`` (if any) now waits for."""
+        loads already in flight (only that with ``start=False``). Keys not known to be in L3
+        (unless ``known_in_l3``) are first looked up by a ``find`` job on the prober thread,
+        whose completion starts their loads. Returns the ids of the jobs ``waiter`` (if any) now
+        waits for."""
         if not self.attached or not keys:
             return set()
         ns, pool = table
@@ -281,45 +318,60 @@ class L3Tier:
                 waits.add(id(job))
         if not start:
             return waits
-        todo = [k for k in keys if (table, k) not in self.loading
-                and self.index.get(table, k) is None and self.index.get_pending(table, k) is None]
-        if not todo:
-            return waits
-        there: list[bool] = [True] * len(todo)
+        todo = [k for k in keys if self._loadable(table, k)]
+        waiters = [waiter] if waiter is not None else []
         if not known_in_l3:
-            ask = [i for i, k in enumerate(todo) if (table, k) not in self.known_in_l3]
+            ask = [k for k in todo if (table, k) not in self.known_in_l3]
             if ask:
-                for i, have in zip(ask, self.exists(ns, pool, [todo[i] for i in ask])):
-                    there[i] = have
+                todo = [k for k in todo if (table, k) in self.known_in_l3]
+                find = IOJob("find", ns, pool, ask, [], page_bytes, [], waiters=list(waiters),
+                             backend=self.backend, stride=stride)
+                if self._submit(find):
+                    for k in ask:
+                        self.loading[(table, k)] = find
+                    self.finding.add(id(find))
+                    waits.add(id(find))
+                else:  # the prober is swamped: those keys are misses this time
+                    self.counters["l3_probes_dropped"] += 1
+        return waits | self._start_loads(table, todo, page_bytes, stride, waiters)
+
+    def _loadable(self, table: TableId, key: str) -> bool:
+        return ((table, key) not in self.loading and self.index.get(table, key) is None
+                and self.index.get_pending(table, key) is None)
+
+    def _start_loads(self, table: TableId, keys: Sequence[str], page_bytes: int, stride: int,
+                     waiters: list[Any]) -> set[int]:
+        """Reserve slots for ``keys`` (known to be in L3) and queue their load jobs; the ids of
+        the jobs queued."""
+        ns, pool = table
         new: list[Entry] = []
-        for key, have in zip(todo, there):
-            if have:
-                e = self.index.reserve(table, key, page_bytes, stride)
-                if e is not None:
-                    new.append(e)
+        for key in keys:
+            e = self.index.reserve(table, key, page_bytes, stride)
+            if e is not None:
+                new.append(e)
+        ids: set[int] = set()
         per_job = max(1, self.load_chunk_bytes // page_bytes)
         for i in range(0, len(new), per_job):
             chunk = new[i:i + per_job]
             job = IOJob("get", ns, pool, [e.key for e in chunk], [e.offset for e in chunk],
-                        page_bytes, chunk, waiters=[waiter] if waiter is not None else [],
-                        backend=self.backend)
+                        page_bytes, chunk, waiters=list(waiters), backend=self.backend)
             if not self._submit(job):
                 for e in new[i:]:
                     self.index.abort(e)
                 break
             for e in chunk:
                 self.loading[(table, e.key)] = job
-            if waiter is None:
-                self.counters["prefetched_pages"] += len(chunk)
+            if waiters:
+                ids.add(id(job))
             else:
-                waits.add(id(job))
-        return waits
+                self.counters["prefetched_pages"] += len(chunk)
+        return ids
 
     # ------------------------------------------------------------ completions
 
-    def collect(self) -> list[tuple[Any, int]]:
-        """Apply finished jobs. Returns (waiter, job id) pairs whose job just finished."""
-        woken: list[tuple[Any, int]] = []
+    def collect(self) -> list[Woken]:
+        """Apply finished jobs; who waited for them (``Woken``)."""
+        woken: list[Woken] = []
         for job in self.workers.collect():
             self._jobs_of[id(job.backend)] = self._jobs_of.get(id(job.backend), 1) - 1
             current = job.backend is self.backend
@@ -328,6 +380,14 @@ class L3Tier:
                 continue
             if job.kind == "put":
                 self._put_done(job, current)
+                continue
+            if job.kind in ("exists", "find"):
+                self._probe_done(job, current)
+                follow: set[int] = set()
+                if job.kind == "find":
+                    self.finding.discard(id(job))
+                    follow = self._found(job)
+                woken.extend(Woken(w, id(job), False, follow) for w in job.waiters)
                 continue
             for e, ok in zip(job.entries, job.result):
                 del self.loading[(e.table, e.key)]
@@ -341,9 +401,22 @@ class L3Tier:
                     self.known_in_l3.pop((e.table, e.key), None)  # ask the store next time
                     self.index.abort(e)
                     self.counters["l3_load_failures"] += 1
-            woken.extend((w, id(job)) for w in job.waiters)
+            woken.extend(Woken(w, id(job), True, set()) for w in job.waiters)
         self._close_idle_retired()
         return woken
+
+    def _found(self, job: IOJob) -> set[int]:
+        """A ``find`` finished: load the keys the store has, for the find's waiters."""
+        table = (job.ns, job.pool)
+        there = []
+        for key, have in zip(job.keys, job.result):
+            if self.loading.get((table, key)) is job:
+                del self.loading[(table, key)]
+                if have and self._loadable(table, key):
+                    there.append(key)
+        if not there or not self.attached:
+            return set()
+        return self._start_loads(table, there, job.page_bytes, job.stride, job.waiters)
 
     def _put_done(self, job: IOJob, current: bool) -> None:
         ok_n = 0

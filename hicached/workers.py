@@ -1,9 +1,10 @@
 """L3 I/O worker threads: the control loop never waits on a store.
 
-Two threads, one per direction, so a load someone is waiting for is never stuck behind a backlog
-of write-throughs. A put job first asks the backend which of its pages it has already (a store
-round trip, here and not on the loop) and sends only the others (``IOJob.already``). Each has a
-bounded queue: ``submit`` returns False when it is full (the controller then skips the
+Three threads: one per direction, so a load someone is waiting for is never stuck behind a
+backlog of write-throughs, and one for existence checks (``exists`` / ``find`` jobs: which keys
+does the store have?), so an exists is never stuck behind a 64 MiB load. A put job first asks
+the backend which of its pages it has already (a store round trip, here and not on the loop) and
+sends only the others (``IOJob.already``). Each has a bounded queue: ``submit`` returns False when it is full (the controller then skips the
 write-through, or answers the load as a miss) instead of blocking the loop. Finished jobs go to
 one completion queue, and a byte on a pipe wakes the loop's poller.
 """
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 class IOJob:
     """One batched backend call. ``result`` (one bool per key) is filled by the worker."""
 
-    kind: str  # "put" | "get"
+    kind: str  # "put" | "get" | "clear" | "exists" | "find" (exists, then the tier loads)
     ns: str
     pool: str
     keys: list[str]
@@ -36,30 +37,37 @@ class IOJob:
     backend: Any = None  # the L3Backend the job was queued for (attach/detach may swap it)
     done: Any = None  # "clear": called on the control loop with the count or the exception
     already: set[int] = field(default_factory=set)  # put: positions L3 had (not sent)
+    stride: int = 0  # find: slot stride of the loads that follow
+    error: str = ""  # exists / find: why the store could not answer (the result is all False)
+
+
+# the queue (and thread) of each job kind
+QUEUE_OF = {"put": "put", "clear": "put", "get": "get", "exists": "probe", "find": "probe"}
 
 
 class IOWorkers:
-    """A writer and a reader thread calling ``job.backend.batch_put`` / ``batch_get``."""
+    """A writer, a reader and a prober thread calling ``job.backend.batch_put`` / ``batch_get``
+    / ``exists``."""
 
     def __init__(self, queue_depth: int = 256, get_threads: int = 1):
         self.done: queue.SimpleQueue[IOJob] = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
-        self._queues = {"put": queue.Queue(queue_depth), "get": queue.Queue(queue_depth)}
+        self._queues = {q: queue.Queue(queue_depth) for q in ("put", "get", "probe")}
         self._threads = [
-            threading.Thread(target=self._run, args=(kind,), name=f"hicached-l3-{kind}{i}",
-                             daemon=True)
-            for kind, n in (("put", 1), ("get", get_threads)) for i in range(n)
+            (kind, threading.Thread(target=self._run, args=(kind,),
+                                    name=f"hicached-l3-{kind}{i}", daemon=True))
+            for kind, n in (("put", 1), ("get", get_threads), ("probe", 1)) for i in range(n)
         ]
         self.in_flight = 0  # submitted and not yet collected (control loop only)
         self.bytes_done = {"put": 0, "get": 0}  # page bytes moved by successful jobs (metrics)
-        for t in self._threads:
+        for _, t in self._threads:
             t.start()
 
     def submit(self, job: IOJob) -> bool:
-        """Queue a job; False if that direction's queue is full."""
+        """Queue a job; False if its queue is full."""
         try:  # a clear goes behind the writes queued before it
-            self._queues["put" if job.kind == "clear" else job.kind].put_nowait(job)
+            self._queues[QUEUE_OF[job.kind]].put_nowait(job)
         except queue.Full:
             return False
         self.in_flight += 1
@@ -79,6 +87,10 @@ class IOWorkers:
                     job.result = [e]
                 self._finished(job)
                 continue
+            if kind == "probe":
+                self._probe(job)
+                self._finished(job)
+                continue
             try:
                 if kind == "put":
                     job.result = self._put_missing(job)
@@ -90,6 +102,16 @@ class IOWorkers:
                 log.exception("L3 %s of %d pages failed; treated as misses", kind, len(job.keys))
                 job.result = [False] * len(job.keys)
             self._finished(job)
+
+    @staticmethod
+    def _probe(job: IOJob) -> None:
+        """Which keys of ``job`` the store has; a failing store has none (``job.error``)."""
+        try:
+            job.result = [bool(h) for h in _checked(job.backend.exists(job.ns, job.pool, job.keys),
+                                                    len(job.keys), "exists")]
+        except Exception as e:  # noqa: BLE001 - a failing L3 is a miss; the tier logs it
+            job.error = f"{type(e).__name__}: {e}"
+            job.result = [False] * len(job.keys)
 
     @staticmethod
     def _put_missing(job: IOJob) -> list[bool]:
@@ -139,15 +161,14 @@ class IOWorkers:
 
     def close(self, timeout_s: float = 10.0) -> bool:
         """Let queued jobs finish (up to ``timeout_s``), stop the threads; True if they ended."""
-        for t in self._threads:
-            kind = "put" if t.name.startswith("hicached-l3-put") else "get"
+        for kind, _ in self._threads:
             try:
                 self._queues[kind].put(None, timeout=timeout_s)
             except queue.Full:
                 log.warning("L3 %s queue still full at shutdown", kind)
-        for t in self._threads:
+        for _, t in self._threads:
             t.join(timeout_s)
-        ended = not any(t.is_alive() for t in self._threads)
+        ended = not any(t.is_alive() for _, t in self._threads)
         os.close(self.wake_r)
         os.close(self.wake_w)
         return ended

@@ -232,7 +232,7 @@ def test_metrics_move_with_traffic(make_daemon):
     assert sample(before, "hicached_arena_bytes") == 16 * 1024**2
     assert sample(before, "hicached_l3_backend_info", backend="file",
                   write_policy="write_through") == 1
-    with d.client() as c:
+    with d.client(release_delay_s=0) as c:  # releases at once: the HTTP flush finds them
         src, dst = kv_pool(seed=1), kv_pool()
         c.register_mem_host_pool_v2(src, "kv")
         keys = [f"m{i}" for i in range(8)]

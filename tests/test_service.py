@@ -185,7 +185,7 @@ def test_drain_deadline_bounds_a_stalled_client(make_daemon):
         t = time.monotonic()
         assert d.stop() == 0
         assert time.monotonic() - t < 8
-    assert "drain deadline: 1 reservations, 0 waiting gets, 0 L3 jobs unfinished" in d.output()
+    assert "drain deadline: 1 reservations, 0 waiting requests, 0 L3 jobs unfinished" in d.output()
 
 
 def test_print_config_hides_secrets(tmp_path):

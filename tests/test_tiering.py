@@ -101,6 +101,74 @@ def test_get_waits_for_slow_l3_at_most_get_wait_s(make_daemon, tmp_path):
         assert torch.equal(kv_tokens(dst, 8, 4), kv_tokens(src, 0, 4))
 
 
+def _timed(fn):
+    t0 = time.monotonic()
+    out = fn()
+    return out, time.monotonic() - t0
+
+
+def test_a_slow_l3_lookup_never_holds_up_other_clients(make_daemon, tmp_path):
+    # every store lookup takes 1 s; it runs on the prober thread while the control loop serves
+    d = make_daemon(extra=[*_l3_backend(tmp_path, exists_delay_s=1.0), "--get-wait-s", "5"])
+    keys = [f"q{i}" for i in range(4)]
+    with d.client() as a, d.client() as b:
+        _set_kv(b, keys, kv_pool(seed=56))
+        a.register_mem_host_pool_v2(kv_pool(), "kv")
+        assert wait_until(lambda: b.stats()["l3_writes"] == 4, timeout_s=15)
+        box = {}
+        t = threading.Thread(target=lambda: box.update(r=_timed(
+            lambda: a.batch_exists([*keys, "unknown0", "unknown1"]))))
+        t.start()
+        assert wait_until(lambda: b.stats()["parked_exists"] == 1, timeout_s=5)
+        # meanwhile: an exists of pages in L2, a get and a ping answer at once
+        assert _timed(lambda: b.batch_exists(keys))[1] < 0.5
+        assert _timed(lambda: b.batch_get_v1(keys, pages(0, 4)))[0] == [True] * 4
+        assert _timed(b.ping)[1] < 0.5
+        t.join(10)
+        hits, took = box["r"]
+        assert hits == 4 and took >= 0.9
+        assert b.stats()["parked_exists"] == 0
+
+
+def test_exists_waits_at_most_get_wait_s_for_a_lookup(make_daemon, tmp_path):
+    d = make_daemon(extra=[*_l3_backend(tmp_path, exists_delay_s=3.0), "--get-wait-s", "0.5"])
+    keys = [f"w{i}" for i in range(3)]
+    with d.client() as c:
+        _set_kv(c, keys, kv_pool(seed=57))
+        hits, took = _timed(lambda: c.batch_exists([*keys, "elsewhere"]))
+        assert hits == 3 and took < 2.5  # L2 answered; the store's lookup was not waited for
+        assert c.stats()["exists_wait_timeouts"] == 1
+
+
+def test_pages_another_daemon_stored_are_found_off_the_loop(make_daemon, tmp_path):
+    """A restarted daemon does not know which pages L3 holds: its exists and gets ask the
+    store on the prober thread, and serve the right bytes."""
+    l3 = _l3_backend(tmp_path, exists_delay_s=0.3)
+    d = make_daemon(extra=[*l3, "--no-prefetch"])
+    keys = [f"r{i}" for i in range(6)]
+    src, dst = kv_pool(seed=58), kv_pool()
+    with d.client() as c:
+        _set_kv(c, keys, src)
+        assert wait_until(lambda: c.stats()["l3_writes"] == 6, timeout_s=15)
+    d.stop()
+    d.start()
+    with d.client() as c:
+        c.register_mem_host_pool_v2(dst, "kv")
+        assert c.batch_exists([*keys, "nope"]) == 6
+        # the get loads what the exists found without asking the store again
+        assert c.batch_get_v1(keys[:3], pages(0, 3)) == [True] * 3
+        assert torch.equal(kv_tokens(dst, 0, 3), kv_tokens(src, 0, 3))
+    d.stop()
+    d.start()
+    with d.client() as c:
+        c.register_mem_host_pool_v2(dst, "kv")
+        got, took = _timed(lambda: c.batch_get_v1([keys[5], "nope"], pages(10, 2)))
+        assert got == [True, False] and took >= 0.25  # the lookup, then the load
+        assert torch.equal(kv_tokens(dst, 10, 1), kv_tokens(src, 5, 1))
+        st = c.stats()
+        assert st["l3_loads"] == 1 and st["misses"] == 1
+
+
 def test_large_l3_get_streams_chunks_while_the_rest_loads(make_daemon, tmp_path):
     # 40 pages of 512 KiB load as 3 jobs of <= 8 MiB; the client copies the first while the
     # others load (each job takes >= 0.2 s here), then asks again for the rest

@@ -1,6 +1,7 @@
 """The L3 worker threads: a put asks the store which pages it has already and sends only the
 others, on the writer thread (the control loop never waits on the store), and a store that
-fails the question still gets every page. Real file backend, real arena, real threads."""
+fails the question still gets every page; lookups (an exists, a get of keys not known to be in
+L3) run on the prober thread. Real file backend, real arena, real threads."""
 
 import threading
 import time
@@ -115,9 +116,11 @@ def test_a_get_of_pages_known_in_l3_does_not_ask_the_store(setup, arena):
     wait_jobs(workers, tier)
     index.drop(pages)  # L2 flushed: only L3 has them
     backend.asked.clear()
-    assert len(tier.load(("ns", "kv"), ["k0", "k1", "other"], PAGE, PAGE, waiter=object())) == 1
-    assert backend.asked == ["other"]  # only the unknown key is asked about
+    # one load for the known keys, one lookup (``find``) for the other
+    assert len(tier.load(("ns", "kv"), ["k0", "k1", "other"], PAGE, PAGE, waiter=object())) == 2
     wait_jobs(workers, tier)
+    assert backend.asked == ["other"]  # only the unknown key is asked about
+    assert "hicached-l3-probe0" in backend.threads
     for i, key in enumerate(["k0", "k1"]):
         e = index.get(("ns", "kv"), key)
         assert e is not None and bool((arena.tensor[e.offset:e.offset + PAGE] == 5 + i).all())
@@ -129,3 +132,82 @@ def test_a_get_of_pages_known_in_l3_does_not_ask_the_store(setup, arena):
     wait_jobs(workers, tier)
     assert index.get(("ns", "kv"), "k0") is None and tier.counters["l3_load_failures"] == 1
     assert (("ns", "kv"), "k0") not in tier.known_in_l3
+
+
+def collect_all(workers, tier):
+    """Every (waiter, job id, follow-up job ids) the tier hands back until no job is left."""
+    out = []
+    deadline = time.monotonic() + 10
+    while workers.in_flight and time.monotonic() < deadline:
+        out.extend(tier.collect())
+        time.sleep(0.01)
+    assert workers.in_flight == 0
+    return out
+
+
+def test_probe_answers_on_the_prober_thread_and_remembers_hits(setup, arena):
+    index, workers, backend, tier = setup()
+    tier.write(commit_pages(index, arena, ["p0", "p1"], fill=2))
+    wait_jobs(workers, tier)
+    tier.known_in_l3.clear()
+    backend.threads.clear()
+    waiter = object()
+    job = tier.probe(("ns", "kv"), ["p0", "nope", "p1"], waiter)
+    assert job is not None
+    woken = collect_all(workers, tier)
+    assert woken == [(waiter, id(job), False, set())]
+    assert job.result == [True, False, True] and not job.error
+    assert backend.threads == {"hicached-l3-probe0"}
+    assert tier.is_known(("ns", "kv"), "p0") and not tier.is_known(("ns", "kv"), "nope")
+
+
+def test_a_failing_probe_is_a_miss_counted_once_as_degraded(setup, arena):
+    index, workers, backend, tier = setup(exists_fails=True)
+    jobs = [tier.probe(("ns", "kv"), ["a"], object()) for _ in range(2)]
+    collect_all(workers, tier)
+    assert [j.result for j in jobs] == [[False], [False]]
+    assert "injected" in jobs[0].error
+    assert tier.counters["l3_errors"] == 2 and tier.status()["degraded"]
+    backend.exists_fails = False
+    tier.probe(("ns", "kv"), ["a"], object())
+    collect_all(workers, tier)
+    assert not tier.status()["degraded"]
+
+
+def test_a_find_starts_the_loads_of_what_the_store_has(setup, arena):
+    index, workers, backend, tier = setup()
+    pages = commit_pages(index, arena, ["f0", "f1"], fill=9)
+    tier.write(pages)
+    wait_jobs(workers, tier)
+    index.drop(pages)
+    tier.known_in_l3.clear()
+    backend.asked.clear()
+    waiter = object()
+    (find_id,) = tier.load(("ns", "kv"), ["f0", "gone", "f1"], PAGE, PAGE, waiter=waiter)
+    # a second get of the same keys joins the lookup in flight instead of asking again
+    other = object()
+    assert tier.load(("ns", "kv"), ["f0"], PAGE, PAGE, waiter=other, start=False) == {find_id}
+    woken = collect_all(workers, tier)
+    found = [(w, follow) for w, jid, _, follow in woken if jid == find_id]
+    assert len(found) == 2 and found[0][1] == found[1][1] and len(found[0][1]) == 1
+    (load_id,) = found[0][1]
+    assert sorted(w is waiter for w, jid, loaded, _ in woken if jid == load_id and loaded) \
+        == [False, True]
+    for i, key in enumerate(["f0", "f1"]):
+        e = index.get(("ns", "kv"), key)
+        assert e is not None and bool((arena.tensor[e.offset:e.offset + PAGE] == 9 + i).all())
+    assert index.get(("ns", "kv"), "gone") is None and not tier.loading
+    assert backend.asked.count("f0") == 1  # asked once, by the find
+
+
+def test_a_find_whose_backend_was_detached_loads_nothing(setup, arena):
+    index, workers, backend, tier = setup()
+    tier.write(commit_pages(index, arena, ["d0"], fill=1))
+    wait_jobs(workers, tier)
+    index.drop([index.get(("ns", "kv"), "d0")])
+    tier.known_in_l3.clear()
+    (find_id,) = tier.load(("ns", "kv"), ["d0"], PAGE, PAGE, waiter=object())
+    tier.detach()
+    woken = collect_all(workers, tier)
+    assert [(jid, follow) for _, jid, _, follow in woken] == [(find_id, set())]
+    assert index.get(("ns", "kv"), "d0") is None and not tier.loading

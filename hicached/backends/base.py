@@ -5,8 +5,9 @@ embedded default). It moves bytes straight between the daemon's arena and the st
 hands it the arena once (register it for zero-copy transports), and every transfer names arena
 byte offsets, never Python byte strings.
 
-Threads: ``exists`` runs on the daemon's control loop and must answer from memory or within a
-short deadline; ``batch_put`` / ``batch_get`` run on the daemon's I/O worker threads (one writer,
+Threads: ``exists`` runs on the daemon's prober thread (and before puts, on the writer); it
+should answer from memory or within a short deadline, as every lookup of the daemon queues
+behind it. ``batch_put`` / ``batch_get`` run on the daemon's I/O worker threads (one writer,
 one reader) and may block. A failing store answers False (a miss), it does not raise: the daemon
 must keep serving from L2. Backends are created by ``create_backend(name, **options)``.
 """
@@ -31,7 +32,7 @@ class L3Backend(ABC):
 
     @abstractmethod
     def exists(self, ns: str, pool: str, keys: Sequence[str]) -> list[bool]:
-        """Per key: is the page stored? Cheap; called on the control loop."""
+        """Per key: is the page stored? Cheap; called on the prober / writer thread."""
 
     @abstractmethod
     def batch_put(

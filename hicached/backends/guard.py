@@ -2,7 +2,8 @@
 
 A store client (Mooncake, 3FS) can block for tens of seconds when its server is dead or hung
 (Mooncake: ~4 s per call against a dead master, 30 s against a hung one). The daemon cannot
-afford that: ``exists`` runs on the single control loop. So every call goes through two guards:
+afford that: ``exists`` runs on the single prober thread, which every lookup (each exists,
+each get of keys not known to be in L3) queues behind. So every call goes through two guards:
 
 ``DeadlineCaller``  runs the call on a helper thread and waits at most ``timeout_s``. A call
                     that overruns is *abandoned*: its helper keeps running it and rejoins the

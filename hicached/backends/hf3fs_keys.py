@@ -1,9 +1,9 @@
 """What one 3FS-backend node knows about keys other nodes stored, so ``exists`` stays cheap.
 
-``exists`` runs on the daemon's control loop. This node's own pages answer from memory
-(``NodeSpace.live``); for the rest the pointer records on the mount are the truth, and a
-metadata lookup on a network filesystem costs from tens of microseconds to forever (a hung
-mount). So ``KeyCache`` keeps:
+``exists`` runs on the daemon's prober thread, and every lookup queues behind it. This node's
+own pages answer from memory (``NodeSpace.live``); for the rest the pointer records on the mount
+are the truth, and a metadata lookup on a network filesystem costs from tens of microseconds to
+forever (a hung mount). So ``KeyCache`` keeps:
 
     found    kh -> (expires, Pointer | None)   a pointer record seen (None: only stat-ed)
     absent   kh -> expires                      no pointer record a moment ago

@@ -18,7 +18,7 @@ slot), is a miss counted as ``size_mismatches``; -900 / -901 (master RPC failed 
 mean the store is unreachable.
 
 Deadlines and degradation (``guard.py``): calls that touch no arena bytes (``batch_is_exist``
-on the control loop, ``health_check``) run on a helper thread and are abandoned past their
+on the prober thread, ``health_check``) run on a helper thread and are abandoned past their
 deadline (``exists_timeout_s``). Transfers (``batch_put_from`` / ``batch_get_into``) run on the
 daemon's I/O worker thread and are never abandoned: Mooncake cannot cancel a transfer, and an
 abandoned one could still write (get) or read (put) arena slots after the controller reused them.

@@ -23,7 +23,7 @@ hicached's own (no environment variable; they are daemon behaviour, not Mooncake
     timeout_s          2.0       deadline of one batch_put / batch_get call (worker threads) ...
     timeout_per_gib_s  10.0      ... plus this per GiB it moves (a floor of ~100 MB/s), so a big
                                  batch on a slow but working network is not abandoned midway
-    exists_timeout_s   0.5       deadline of one exists call (the daemon's control loop waits!)
+    exists_timeout_s   0.5       deadline of one exists call (the daemon's lookups queue on it)
     connect_timeout_s  1.0       TCP probe of the master before ``setup`` (which holds the GIL)
     backoff_s          0.5       first retry delay once the store is found unavailable ...
     max_backoff_s      8.0       ... doubling up to this
