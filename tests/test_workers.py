@@ -162,7 +162,7 @@ def test_probe_answers_on_the_prober_thread_and_remembers_hits(setup, arena):
 
 
 def test_a_failing_probe_is_a_miss_counted_once_as_degraded(setup, arena):
-    index, workers, backend, tier = setup(exists_fails=True)
+    _, workers, backend, tier = setup(exists_fails=True)
     jobs = [tier.probe(("ns", "kv"), ["a"], object()) for _ in range(2)]
     collect_all(workers, tier)
     assert [j.result for j in jobs] == [[False], [False]]
@@ -201,7 +201,7 @@ def test_a_find_starts_the_loads_of_what_the_store_has(setup, arena):
 
 
 def test_a_find_whose_backend_was_detached_loads_nothing(setup, arena):
-    index, workers, backend, tier = setup()
+    index, workers, _, tier = setup()
     tier.write(commit_pages(index, arena, ["d0"], fill=1))
     wait_jobs(workers, tier)
     index.drop([index.get(("ns", "kv"), "d0")])
