@@ -147,12 +147,14 @@ class Client:
 
     def _roundtrip(self, msg, timeout_s: float | None = None, while_waiting=None) -> Any:
         """Send one request and wait (deadline) for its answer; daemon errors are raised.
-        ``while_waiting()`` runs once the request is sent (it must not raise)."""
+        ``while_waiting(answered)`` runs once the request is sent (it must not raise);
+        ``answered()`` tells it whether the answer is in."""
         if self._sock is None:
             self._new_socket()
         self._sock.send(P.encode(msg))
         if while_waiting is not None:
-            while_waiting()
+            sock = self._sock
+            while_waiting(lambda: bool(sock.poll(0, zmq.POLLIN)))
         start = time.monotonic()
         timeout_s = timeout_s or self.timeout_s
         deadline = start + timeout_s
@@ -309,7 +311,7 @@ class Client:
         arena = self.arena
         failed = claim.failed if claim is not None else set()
 
-        def copy_ahead() -> None:  # only into slots the request just sent named (same epoch)
+        def copy_ahead(_answered) -> None:  # only into slots the request just sent named
             if self._epoch == epoch:
                 claim.copy(arena)
         try:

@@ -8,6 +8,12 @@ one page's stay in one slot, so a copy from the same (offset, tag) read that pag
 (the slot held them from when this client learnt it until the lease pinned it); any other page is
 copied again from its leased slot (``Client._load``).
 
+A speculative copy goes in chunks of ``SPECULATE_CHUNK_BYTES`` and stops as soon as the answer
+is in (the rest is then copied from the leased slots, known to be right: the same bytes, no
+waste) or ``SPECULATE_S`` after the request left: an answer that late means the daemon is
+loading pages from L3, whose slots are new, so the guesses would be copied in vain, competing
+with the load for memory bandwidth.
+
 Set-ahead slots: a ``batch_set`` copies while its reservation travels.
 
 A set is reserve -> copy -> commit, and the copy cannot start before the daemon names the slots,
@@ -32,13 +38,17 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hicached.flatpages import TensorPages
 from hicached.hostpool import PageIO
 
 log = logging.getLogger(__name__)
+
+SPECULATE_CHUNK_BYTES = 4 << 20  # a speculative copy checks for the answer between chunks
+SPECULATE_S = 0.002  # ... and stops this long after the request left (see the docstring)
 
 
 class PageRecall:
@@ -77,7 +87,7 @@ class PageRecall:
         function that copies them from there (run while the lease request is on its way; it
         never raises: a pool whose copy failed is dropped from the guesses, so copied again)."""
         guesses: dict[str, dict[int, tuple[int, int]]] = {}
-        jobs = []
+        chunks = []
         for name, io, idx in todo:
             if not self.uses(io):
                 continue
@@ -85,18 +95,34 @@ class PageRecall:
             g = {j: loc for j, i in enumerate(idx) if (loc := where.get((name, keys[i])))}
             if g:
                 guesses[name] = g
-                jobs.append((name, io, [starts_of[name][idx[j]] for j in g],
-                             [off for off, _ in g.values()]))
-        if not jobs:
+                js = list(g)
+                per = max(1, SPECULATE_CHUNK_BYTES // io.page_bytes)
+                for c in range(0, len(js), per):
+                    part = js[c:c + per]
+                    chunks.append((name, io, part, [starts_of[name][idx[j]] for j in part],
+                                   [g[j][0] for j in part]))
+        if not chunks:
             return guesses, None
 
-        def copy() -> None:
-            for name, io, starts, offsets in jobs:
+        def copy(answered: Callable[[], bool]) -> None:
+            """Copy the first chunk, then the next ones until ``answered()`` or ``SPECULATE_S``
+            passed; ``guesses`` then names only the pages copied."""
+            until = time.monotonic() + SPECULATE_S
+            copied: dict[str, list[int]] = {name: [] for name in guesses}
+            for n, (name, io, part, starts, offsets) in enumerate(chunks):
+                if name not in copied:
+                    continue  # its pool failed
+                if n and (answered() or time.monotonic() > until):
+                    break
                 try:
                     io.from_arena(starts, arena.tensor, offsets)
+                    copied[name].extend(part)
                 except (ValueError, RuntimeError, TypeError, IndexError) as e:  # copy it later
                     log.debug("speculative copy of pool %r failed: %s", name, e)
-                    guesses.pop(name, None)
+                    del copied[name]
+            for name in list(guesses):
+                g = guesses[name]
+                guesses[name] = {j: g[j] for j in copied.get(name, ())}
         return guesses, copy
 
 
@@ -114,7 +140,7 @@ class Claim:
         self.failed: set[int] = set()  # transfers whose copy failed: copied again after
 
     def copy(self, arena: Any) -> None:
-        """Copy the named pages into their set-ahead slots (``Client._call``'s while_waiting:
+        """Copy the named pages into their set-ahead slots (run while the ``Reserve`` travels:
         never raises; a failed pool is copied again into its reserved slots afterwards)."""
         for p, io, starts, offsets in self.jobs:
             try:
