@@ -3,7 +3,8 @@
 Steps of the life of a page it owns (README, "Life of a page"):
   2. ``reserve``  slots for every pool of a set call (or "present" / "in flight" / "no space")
   4. ``commit``   publishes all pools' pages of the call at once, then hands them to L3 (5.)
-  6. ``exists``   hit semantics over L2 then L3 (``hits.py``)
+  6. ``exists``   hit semantics over L2 then L3 (``hits.py``); keys L2 lacks and L3 is not known
+                  to hold are looked up on the prober thread while the request is parked
   7. ``lease``    pins slots for a get; pages only L3 has are loaded into the arena first by the
                   I/O workers while the request waits (parked), the control loop keeps serving
   8. eviction happens inside ``PageIndex.reserve`` when a class is full

@@ -183,10 +183,10 @@ class L3Tier:
         (or was detached meanwhile) has none."""
         if job.error:
             self.counters["l3_errors"] += 1
-            if not self._exists_failing and current:
+            if current and not self._exists_failing:
                 log.warning("L3 %s exists failed (%s); answering misses", job.backend.name,
                             job.error)
-            self._exists_failing = current or self._exists_failing
+                self._exists_failing = True
         elif current and self._exists_failing:
             log.info("L3 %s answers again", job.backend.name)
             self._exists_failing = False
@@ -330,7 +330,8 @@ class L3Tier:
                     for k in ask:
                         self.loading[(table, k)] = find
                     self.finding.add(id(find))
-                    waits.add(id(find))
+                    if waiters:
+                        waits.add(id(find))
                 else:  # the prober is swamped: those keys are misses this time
                     self.counters["l3_probes_dropped"] += 1
         return waits | self._start_loads(table, todo, page_bytes, stride, waiters)
