@@ -94,7 +94,6 @@ class Client:
         # (pool, key) -> (offset, tag) of pages this client wrote or read (see _load); at most
         # ``remember_pages`` entries (0: never copy speculatively). Only for large pages.
         self._recall = PageRecall(remember_pages, OVERLAP_MIN_PAGE_BYTES)
-        self._where = self._recall.where  # (pool, key) -> (offset, tag)
         self._epoch = 0  # handshakes so far: locations learnt before one are void
         # set-ahead slots (overlap.py): per pool at most ``set_ahead_bytes`` (0: off)
         self._ahead = SetAhead(set_ahead_bytes, OVERLAP_MIN_PAGE_BYTES)
@@ -132,7 +131,7 @@ class Client:
             raise ProtocolError(f"expected Welcome, got {type(w).__name__}")
         self.session = w.session
         self._epoch += 1
-        self._where.clear()
+        self._recall.clear()
         self._ahead.void()
         self._releases.drop()
         self.reservation_ttl_s = w.reservation_ttl_s

@@ -49,17 +49,37 @@ log = logging.getLogger(__name__)
 
 SPECULATE_CHUNK_BYTES = 4 << 20  # a speculative copy checks for the answer between chunks
 SPECULATE_S = 0.002  # ... and stops this long after the request left (see the docstring)
+_TAG_MASK = (1 << 64) - 1  # PageRecall packs offset << 64 | tag (tags are < 2**57)
 
 
 class PageRecall:
     """Where this client last saw pages: (pool, key) -> (offset, tag), at most ``limit`` entries
     (the oldest eighth is forgotten past it; 0: never speculate), for pools of pages of at least
-    ``min_page_bytes``."""
+    ``min_page_bytes``.
+
+    Stored as ``"pool\0key" -> offset << 64 | tag``: strings and ints are objects the garbage
+    collector does not track, so tens of thousands of long-lived entries add nothing to the
+    engine's GC passes (tuples would: every full collection walks them, and their allocation
+    triggers those collections, each a pause of tens of ms in a process with torch loaded)."""
 
     def __init__(self, limit: int, min_page_bytes: int):
-        self.where: dict[tuple[str, str], tuple[int, int]] = {}
+        self._where: dict[str, int] = {}
         self.limit = limit
         self.min_page_bytes = min_page_bytes
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def clear(self) -> None:
+        self._where.clear()
+
+    def seen(self, name: str, key: str) -> tuple[int, int] | None:
+        """(offset, tag) where ``key`` of pool ``name`` was last seen, or None."""
+        loc = self._where.get(f"{name}\0{key}")
+        return None if loc is None else (loc >> 64, loc & _TAG_MASK)
+
+    def note(self, name: str, key: str, offset: int, tag: int) -> None:
+        self._where[f"{name}\0{key}"] = offset << 64 | tag
 
     def uses(self, io: PageIO) -> bool:
         return (self.limit > 0 and io.page_bytes >= self.min_page_bytes
@@ -71,12 +91,12 @@ class PageRecall:
         and tags; a key without a slot is forgotten)."""
         if not tags or not self.uses(io):
             return
-        where = self.where
+        where, prefix = self._where, name + "\0"
         for key, off, tag in zip(keys, offsets, tags):
             if off >= 0 and tag:
-                where[(name, key)] = (off, tag)
+                where[prefix + key] = off << 64 | tag
             else:
-                where.pop((name, key), None)
+                where.pop(prefix + key, None)
         if len(where) > self.limit:
             for k in list(itertools.islice(where, len(where) - self.limit * 7 // 8)):
                 del where[k]
@@ -91,8 +111,9 @@ class PageRecall:
         for name, io, idx in todo:
             if not self.uses(io):
                 continue
-            where, keys = self.where, keys_of[name]
-            g = {j: loc for j, i in enumerate(idx) if (loc := where.get((name, keys[i])))}
+            where, keys, prefix = self._where, keys_of[name], name + "\0"
+            g = {j: (loc >> 64, loc & _TAG_MASK) for j, i in enumerate(idx)
+                 if (loc := where.get(prefix + keys[i])) is not None}
             if g:
                 guesses[name] = g
                 js = list(g)

@@ -49,7 +49,7 @@ class PendingReleases:
                 self._since = time.monotonic()
                 self._cv.notify()
             self._ids.append(lease_id)
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():  # (a forked child)
                 self._thread = threading.Thread(target=self._run, name="hicached-release",
                                                 daemon=True)
                 self._thread.start()

@@ -66,7 +66,7 @@ def test_stale_guess_is_copied_again_from_the_leased_slot(daemon):
     a1, b, a2 = pool(seed=1), pool(seed=2), pool(seed=3)
     with daemon.client() as c1, daemon.client() as c2:
         put(c1, a1, ["A"])
-        first = c1._where[("kv", "A")]
+        first = c1._recall.seen("kv", "A")
         c1.flush("l2")
         put(c2, b, ["B"])  # B takes A's old slot (lowest free), with a new tag
         put(c2, a2, ["A"], first_page=1)  # A again, elsewhere, other bytes
@@ -75,7 +75,7 @@ def test_stale_guess_is_copied_again_from_the_leased_slot(daemon):
         dst = pool()
         assert get(c1, dst, ["A"]) == [True]
         assert torch.equal(page(dst, 0), page(a2, 1)), "copied from the stale slot"
-        assert c1._where[("kv", "A")] != first  # learnt the new place
+        assert c1._recall.seen("kv", "A") != first  # learnt the new place
         dst.kv_buffer.zero_()
         assert get(c1, dst, ["A"]) == [True]  # now the guess is right
         assert torch.equal(page(dst, 0), page(a2, 1))
@@ -85,11 +85,11 @@ def test_flushed_page_is_a_miss_even_though_it_was_guessed(daemon):
     src = pool(seed=4)
     with daemon.client() as c:
         put(c, src, ["P0", "P1"])
-        assert ("kv", "P0") in c._where
+        assert c._recall.seen("kv", "P0") is not None
         c.flush("l2")
         dst = pool()
         assert get(c, dst, ["P0", "P1"]) == [False, False]
-        assert ("kv", "P0") not in c._where  # a miss forgets the place
+        assert c._recall.seen("kv", "P0") is None  # a miss forgets the place
 
 
 def test_guesses_of_a_restarted_daemon_are_void(make_daemon):
@@ -97,7 +97,7 @@ def test_guesses_of_a_restarted_daemon_are_void(make_daemon):
     a, b = pool(seed=5), pool(seed=6)
     with d.client() as c1:
         put(c1, a, ["A"])
-        guess = c1._where[("kv", "A")]
+        guess = c1._recall.seen("kv", "A")
         d.stop()
         d.start()
         with d.client() as c2:
@@ -105,15 +105,15 @@ def test_guesses_of_a_restarted_daemon_are_void(make_daemon):
         dst = pool()
         assert get(c1, dst, ["A"]) == [True]  # c1 joins the new daemon on the way
         assert torch.equal(page(dst, 0), page(b, 0))
-        assert c1._where[("kv", "A")][0] == guess[0]  # same offset ...
-        assert c1._where[("kv", "A")][1] != guess[1]  # ... another tag
+        assert c1._recall.seen("kv", "A")[0] == guess[0]  # same offset ...
+        assert c1._recall.seen("kv", "A")[1] != guess[1]  # ... another tag
 
 
 def test_speculation_can_be_turned_off(daemon):
     src = pool(seed=7)
     with daemon.client(remember_pages=0) as c:
         put(c, src, ["X"])
-        assert c._where == {}
+        assert len(c._recall) == 0
         dst = pool()
         assert get(c, dst, ["X"]) == [True]
         assert torch.equal(page(dst, 0), page(src, 0))
@@ -124,15 +124,15 @@ def test_small_pages_are_not_remembered(daemon):
     with daemon.client() as c:
         c.register_mem_host_pool_v2(small, "kv")
         assert all(c.batch_set_v2([PoolTransfer("kv", torch.arange(2), keys=["s0", "s1"])])["kv"])
-        assert c._where == {}
+        assert len(c._recall) == 0
 
 
 def test_remembered_places_are_bounded(daemon):
     src = pool(seed=8, num_pages=8)
     with daemon.client(remember_pages=4) as c:
         put(c, src, [f"K{i}" for i in range(8)])
-        assert 0 < len(c._where) <= 4
-        assert ("kv", "K7") in c._where  # the newest are kept
+        assert 0 < len(c._recall) <= 4
+        assert c._recall.seen("kv", "K7") is not None  # the newest are kept
 
 
 def test_slot_tags_are_unique_and_differ_between_daemons():
@@ -152,7 +152,7 @@ def test_same_offset_with_another_tag_is_copied_again(daemon):
     src = pool(seed=9)
     with daemon.client() as c:
         put(c, src, ["T"])
-        off, tag = c._where[("kv", "T")]
+        off, tag = c._recall.seen("kv", "T")
         dst = pool()
         c.register_mem_host_pool_v2(dst, "kv")
         copied = count_copies(c._pools["kv"])
@@ -160,7 +160,7 @@ def test_same_offset_with_another_tag_is_copied_again(daemon):
         assert c.batch_get_v2([PoolTransfer("kv", tokens(0), keys=keys)])["kv"] == [True]
         assert copied == [[off]]  # right guess: one copy, made while the lease was on its way
         copied.clear()
-        c._where[("kv", "T")] = (off, tag + 1)  # same slot, another page's tag
+        c._recall.note("kv", "T", off, tag + 1)  # same slot, another page's tag
         assert c.batch_get_v2([PoolTransfer("kv", tokens(0), keys=keys)])["kv"] == [True]
         assert copied == [[off], [off]]  # the guess, then again from the leased slot
         assert torch.equal(page(dst, 0), page(src, 0))
