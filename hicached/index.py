@@ -33,7 +33,7 @@ from itertools import repeat
 
 import numpy as np
 
-from hicached.slabs import Slab, SlabAllocator
+from hicached.slabs import SlabAllocator
 
 TableId = tuple[str, str]  # (namespace digest, pool name)
 MAX_POOLS = 63  # pools a namespace may have: one bit each in an int64 presence mask
@@ -229,7 +229,7 @@ class PageIndex:
         """Mark ``entry`` most recently used."""
         self._tick += 1
         entry.last_used = self._tick
-        self.alloc.slab_of(entry.offset).last_used = self._tick
+        self.alloc.touch(entry.offset, self._tick)
         lru = self._lru.get(entry.stride)
         if lru is not None and entry in lru:
             lru.move_to_end(entry)
@@ -246,18 +246,10 @@ class PageIndex:
                 return entry
         return None
 
-    def _oldest_slab(self, stride: int) -> Slab | None:
-        best = None
-        for slab in self.alloc.slabs:
-            if (slab.stride and slab.stride != stride and slab.pinned == 0
-                    and (best is None or slab.last_used < best.last_used)):
-                best = slab
-        return best
-
     def _make_room(self, stride: int) -> int | None:
         while True:
             page = self._oldest_unpinned(stride)
-            slab = self._oldest_slab(stride)
+            slab = self.alloc.oldest_unpinned(stride)
             if page is not None and (slab is None or page.last_used <= slab.last_used):
                 self.evict(page)
             elif slab is not None:

@@ -14,6 +14,8 @@ This module only does bookkeeping; what to evict when ``alloc`` returns None is 
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from hicached.errors import ArenaError
 
 ALIGN = 64  # bytes; cache-line aligned slots, and a multiple of every dtype's itemsize
@@ -62,6 +64,9 @@ class SlabAllocator:
         # stride -> stack of slabs with free slots (a list: a dict that sees many deletions
         # makes ``next(iter(...))`` walk its tombstones)
         self._partial: dict[int, list[Slab]] = {}
+        # stride -> its slabs, least recently touched first (``touch``): the oldest slab of a
+        # class is found without walking every slab of the arena (thousands in a large one)
+        self._by_age: dict[int, OrderedDict[Slab, None]] = {}
 
     def check_page_bytes(self, page_bytes: int) -> int:
         """Validate a page size; return its stride."""
@@ -93,6 +98,7 @@ class SlabAllocator:
             slab.free = list(range(slab.num_slots - 1, -1, -1))
             slab.in_partial = True
             partial.append(slab)
+            self._by_age.setdefault(stride, OrderedDict())[slab] = None
         slab = partial[-1]
         slot = slab.free.pop()
         if not slab.free:
@@ -112,6 +118,7 @@ class SlabAllocator:
             if slab.in_partial:
                 partial.remove(slab)
                 slab.in_partial = False
+            del self._by_age[slab.stride][slab]
             slab.stride = slab.num_slots = 0
             slab.free = []
             slab.last_used = 0.0
@@ -120,6 +127,26 @@ class SlabAllocator:
         elif not slab.in_partial:
             slab.in_partial = True
             partial.append(slab)
+
+    def touch(self, offset: int, tick: int) -> None:
+        """The entry at ``offset`` was used at ``tick`` (ticks only grow)."""
+        slab = self.slabs[offset // self.slab_bytes]
+        slab.last_used = tick
+        self._by_age[slab.stride].move_to_end(slab)
+
+    def oldest_unpinned(self, not_stride: int) -> Slab | None:
+        """The least recently touched slab holding no pinned entry, of any class but
+        ``not_stride`` (a slab whose pages can all be evicted to give it to another class)."""
+        best = None
+        for stride, slabs in self._by_age.items():
+            if stride == not_stride:
+                continue
+            for slab in slabs:  # oldest first; a pinned one is skipped
+                if slab.pinned == 0:
+                    if best is None or slab.last_used < best.last_used:
+                        best = slab
+                    break
+        return best
 
     def used_bytes(self) -> int:
         """Bytes in allocated slots (strides, not page bytes)."""

@@ -48,3 +48,24 @@ def test_bad_free_and_page_too_big():
         a.check_page_bytes(2000)
     with pytest.raises(ArenaError):
         SlabAllocator(100, 1024)
+
+
+def test_oldest_unpinned_slab_of_another_class_by_last_touch():
+    a = SlabAllocator(8 * 1024, 1024)  # 8 slabs
+    s256 = [a.alloc(256) for _ in range(4 * 4)]  # slabs 0-3, class 256
+    s512 = [a.alloc(512) for _ in range(2 * 2)]  # slabs 4-5, class 512
+    assert a.oldest_unpinned(512).index == 0  # never touched since given: in order given
+    for tick, off in enumerate([s256[4], s256[0], s256[12], s256[8]], start=1):
+        a.touch(off, tick)  # slabs 1, 0, 3, 2 in that order
+    assert a.oldest_unpinned(512).index == 1
+    a.slab_of(s256[4]).pinned = 1  # slab 1 holds a leased page: never reclaimed
+    assert a.oldest_unpinned(512).index == 0
+    a.touch(s512[0], 5)
+    assert a.oldest_unpinned(256).index == 5  # slab 4 was touched, slab 5 not
+    assert a.oldest_unpinned(999).index == 5  # the oldest of every other class
+    for off in s512[2:]:
+        a.free(off)  # slab 5 empties: back to the free list, no class's any more
+    assert a.oldest_unpinned(256).index == 4
+    for off in s512[:2]:
+        a.free(off)
+    assert a.oldest_unpinned(256) is None
