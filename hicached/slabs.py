@@ -14,6 +14,7 @@ This module only does bookkeeping; what to evict when ``alloc`` returns None is 
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 from hicached.errors import ArenaError
@@ -60,7 +61,9 @@ class SlabAllocator:
             raise ArenaError(f"arena of {arena_bytes} bytes holds no slab of {slab_bytes} bytes")
         self.slab_bytes = slab_bytes
         self.slabs = [Slab(i, i * slab_bytes) for i in range(arena_bytes // slab_bytes)]
-        self._free_slabs: list[Slab] = list(reversed(self.slabs))  # pop() -> lowest offset
+        # heap of the free slabs' indices: the lowest offset is given first (pages land low and
+        # together), and freeing thousands of slabs (a flush) costs log n each, not a sort
+        self._free_slabs: list[int] = list(range(len(self.slabs)))
         # stride -> stack of slabs with free slots (a list: a dict that sees many deletions
         # makes ``next(iter(...))`` walk its tombstones)
         self._partial: dict[int, list[Slab]] = {}
@@ -92,7 +95,7 @@ class SlabAllocator:
         if not partial:
             if not self._free_slabs:
                 return None
-            slab = self._free_slabs.pop()
+            slab = self.slabs[heapq.heappop(self._free_slabs)]
             slab.stride = stride
             slab.num_slots = self.slab_bytes // stride
             slab.free = list(range(slab.num_slots - 1, -1, -1))
@@ -122,8 +125,7 @@ class SlabAllocator:
             slab.stride = slab.num_slots = 0
             slab.free = []
             slab.last_used = 0.0
-            self._free_slabs.append(slab)
-            self._free_slabs.sort(key=lambda s: -s.offset)
+            heapq.heappush(self._free_slabs, slab.index)
         elif not slab.in_partial:
             slab.in_partial = True
             partial.append(slab)
