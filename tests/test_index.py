@@ -165,3 +165,28 @@ def test_pool_bits_are_limited_per_namespace():
         ix.reserve(("ns", "one-too-many"), "a", 256, 256)
     assert ix.alloc.used_bytes() == 0 and not ix.pending  # nothing was reserved
     assert ix.pool_bit(("other", "p0")) == 1  # each namespace has its own bits
+
+
+def test_entries_that_survive_a_full_collection_are_frozen_out_of_later_ones():
+    """The daemon's gc callback: a full pass leaves its survivors (the index's entries) to the
+    permanent generation, so later full passes do not walk every page again."""
+    import gc
+
+    from hicached.server import freeze_survivors
+
+    ix = make()
+    for i in range(8):
+        ix.commit(ix.reserve(T, f"k{i}", 256, 256))
+    gc.unfreeze()
+    try:
+        gc.collect()
+        freeze_survivors("stop", {"generation": 1})
+        assert gc.get_freeze_count() == 0  # a young pass freezes nothing
+        freeze_survivors("stop", {"generation": 2})
+        frozen = gc.get_freeze_count()
+        assert frozen >= 8
+        ix.drop(list(ix.tables[T].values()))  # frozen entries still come and go
+        ix.commit(ix.reserve(T, "new", 256, 256))
+        assert ix.get(T, "new") is not None and ix.get(T, "k0") is None
+    finally:
+        gc.unfreeze()
