@@ -146,14 +146,12 @@ class Client:
 
     def _roundtrip(self, msg, timeout_s: float | None = None, while_waiting=None) -> Any:
         """Send one request and wait (deadline) for its answer; daemon errors are raised.
-        ``while_waiting(answered)`` runs once the request is sent (it must not raise);
-        ``answered()`` tells it whether the answer is in."""
+        ``while_waiting()`` runs once the request is sent (it must not raise)."""
         if self._sock is None:
             self._new_socket()
         self._sock.send(P.encode(msg))
         if while_waiting is not None:
-            sock = self._sock
-            while_waiting(lambda: bool(sock.poll(0, zmq.POLLIN)))
+            while_waiting()
         start = time.monotonic()
         timeout_s = timeout_s or self.timeout_s
         deadline = start + timeout_s
@@ -310,7 +308,7 @@ class Client:
         arena = self.arena
         failed = claim.failed if claim is not None else set()
 
-        def copy_ahead(_answered) -> None:  # only into slots the request just sent named
+        def copy_ahead() -> None:  # only into slots the request just sent named (same epoch)
             if self._epoch == epoch:
                 claim.copy(arena)
         try:
@@ -457,6 +455,8 @@ class Client:
 
     def flush(self, tier: str = "l2") -> None:
         self._call(lambda s, r: P.Flush(r, tier))
+        if tier in ("l2", "all"):
+            self._recall.clear()  # the pages left their slots: no guess is worth copying
 
     def ping(self) -> None:
         self._call(lambda s, r: P.Ping(r))
