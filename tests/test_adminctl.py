@@ -45,6 +45,22 @@ def test_status_human_and_json(make_daemon):
         assert doc["health"] == {"status": "ok"} and doc["ready"]["ready"] is True
         assert doc["stats"]["tiers"]["l2"]["pages"] == 3
         assert doc["stats"]["tiers"]["l3"]["backend_stats"]["pages"] == 3
+        assert doc["stats"]["tiers"]["l2"]["parked_exists"] == 0
+        assert "requests waiting" not in cli("status", "--url", url)[1]  # none is waiting
+
+
+def test_status_shows_requests_waiting_for_l3():
+    from hicached.adminctl import format_status
+
+    tiers = {"l2": {"pages": 0, "used_bytes": 0, "capacity_bytes": 1 << 20, "free_slabs": 1,
+                    "hits": 0, "misses": 0, "evictions": 0, "no_space": 0, "leases": 0,
+                    "reservations": 0, "parked_gets": 2, "parked_exists": 1},
+             "l3": {"attached": True, "backend": "file", "write_policy": "write_through",
+                    "prefetch": True, "degraded": False, "hits": 0}}
+    out = format_status("u", {"status": "ok"}, {"ready": True},
+                        {"tiers": tiers, "pools": {}, "sessions": 1, "requests": 9,
+                         "namespaces": []})
+    assert "errors 0; 3 requests waiting for it" in out
 
 
 def test_flush_attach_detach_commands(make_daemon, tmp_path):
