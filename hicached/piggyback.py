@@ -35,6 +35,7 @@ class PendingReleases:
         self._since = 0.0  # when the oldest waiting id was added
         self._cv = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
+        self._idle = False  # the thread waits for ids with no deadline: ``add`` must wake it
         self._closed = False
         self.sent_alone = 0  # Release messages the thread had to send (the rest piggybacked)
 
@@ -47,7 +48,8 @@ class PendingReleases:
                 return  # the session is ending: Bye frees its leases
             if not self._ids:
                 self._since = time.monotonic()
-                self._cv.notify()
+                if self._idle:  # else it wakes by itself at its deadline: no wake-up per get
+                    self._cv.notify()
             self._ids.append(lease_id)
             if self._thread is None or not self._thread.is_alive():  # (a forked child)
                 self._thread = threading.Thread(target=self._run, name="hicached-release",
@@ -74,7 +76,9 @@ class PendingReleases:
         with self._cv:
             while not self._closed:
                 if not self._ids:
+                    self._idle = True
                     self._cv.wait()
+                    self._idle = False
                     continue
                 left = self._since + self.delay_s - time.monotonic()
                 if left > 0:
