@@ -161,6 +161,10 @@ class Client:
             left = deadline - now
             if now < spin_until:
                 if not self._sock.poll(0, zmq.POLLIN):
+                    # let a thread waiting for this CPU run: on a small machine that may be
+                    # the daemon itself, which would otherwise answer only after the spin
+                    # (measured: exists p99 2.1-2.5 ms -> 0.7 ms on 2 vCPUs, same p50)
+                    os.sched_yield()
                     continue
             elif left <= 0 or not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 if time.monotonic() < deadline:
