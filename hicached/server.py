@@ -68,7 +68,6 @@ def backend_options(name: str, config: DaemonConfig, options: dict | None = None
     return opts
 
 
-
 def freeze_survivors(phase: str, info: dict) -> None:
     """``gc`` callback: after a full collection, move what survived it to the permanent
     generation, so the next full pass walks only what was created since. Without it every full
@@ -77,6 +76,7 @@ def freeze_survivors(phase: str, info: dict) -> None:
     reference cycles among them would stay (the index holds none)."""
     if phase == "stop" and info.get("generation") == 2:
         gc.freeze()
+
 
 class Daemon(DaemonOperations):
     """``Daemon(config).serve_forever()`` runs until ``stop()`` (or SIGTERM/SIGINT via ``run``)."""

@@ -4,9 +4,10 @@ Three threads: one per direction, so a load someone is waiting for is never stuc
 backlog of write-throughs, and one for existence checks (``exists`` / ``find`` jobs: which keys
 does the store have?), so an exists is never stuck behind a 64 MiB load. A put job first asks
 the backend which of its pages it has already (a store round trip, here and not on the loop) and
-sends only the others (``IOJob.already``). Each has a bounded queue: ``submit`` returns False when it is full (the controller then skips the
-write-through, or answers the load as a miss) instead of blocking the loop. Finished jobs go to
-one completion queue, and a byte on a pipe wakes the loop's poller.
+sends only the others (``IOJob.already``). Each has a bounded queue: ``submit`` returns False
+when it is full (the controller then skips the write-through, or answers the load or lookup as a
+miss) instead of blocking the loop. Finished jobs go to one completion queue, and a byte on a
+pipe wakes the loop's poller.
 """
 
 from __future__ import annotations
