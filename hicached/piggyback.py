@@ -10,7 +10,8 @@ background thread (started on first use) sends a plain ``Release`` for ids still
 from the caller's thread.
 
 Lock order: the client's socket lock, then this object's lock; the thread never holds its
-lock while it sends.
+lock while it sends. The thread holds the client only weakly (a client dropped without
+``close`` can still be collected) and ends after ``IDLE_EXIT_S`` with nothing to send.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
+
+IDLE_EXIT_S = 30.0  # the sender thread ends after this long with nothing to send
 
 
 class PendingReleases:
@@ -29,19 +33,23 @@ class PendingReleases:
     def __init__(self, send: Callable[[list[int]], None], delay_s: float):
         if delay_s < 0:
             raise ValueError(f"release_delay_s must be >= 0, got {delay_s}")
-        self._send = send  # send(ids): a fire-and-forget Release (must not raise)
+        # send(ids): a fire-and-forget Release; a bound method is held weakly (see above)
+        self._send = (weakref.WeakMethod(send) if hasattr(send, "__self__")
+                      else (lambda: send))
         self.delay_s = delay_s
         self._ids: list[int] = []
         self._since = 0.0  # when the oldest waiting id was added
         self._cv = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
-        self._idle = False  # the thread waits for ids with no deadline: ``add`` must wake it
+        self._idle = False  # the thread waits for ids (no send due): ``add`` must wake it
         self._closed = False
         self.sent_alone = 0  # Release messages the thread had to send (the rest piggybacked)
 
     def add(self, lease_id: int) -> None:
         if self.delay_s == 0:
-            self._send([lease_id])
+            send = self._send()
+            if send is not None:
+                send([lease_id])
             return
         with self._cv:
             if self._closed:
@@ -77,18 +85,25 @@ class PendingReleases:
             while not self._closed:
                 if not self._ids:
                     self._idle = True
-                    self._cv.wait()
+                    self._cv.wait(IDLE_EXIT_S)
                     self._idle = False
+                    if not self._ids and not self._closed:
+                        self._thread = None  # idle: ``add`` starts another when needed
+                        return
                     continue
                 left = self._since + self.delay_s - time.monotonic()
                 if left > 0:
                     self._cv.wait(left)
                     continue
                 ids, self._ids = self._ids, []
+                send = self._send()
+                if send is None:  # the client is gone (its leases die with its session)
+                    self._thread = None
+                    return
                 self.sent_alone += 1
                 self._cv.release()
                 try:
-                    self._send(ids)
+                    send(ids)
                 except Exception:  # the leases expire on their own
                     log.exception("sending a Release failed")
                 finally:

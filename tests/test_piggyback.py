@@ -84,6 +84,20 @@ def test_closed_or_dropped_ids_are_forgotten():
         PendingReleases(r, -1)
 
 
+def test_the_sender_thread_ends_when_idle_and_comes_back(monkeypatch):
+    from hicached import piggyback
+
+    monkeypatch.setattr(piggyback, "IDLE_EXIT_S", 0.1)
+    r = Recorder()
+    p = PendingReleases(r, 0.01)
+    p.add(1)
+    assert wait_until(lambda: r.sent == [[1]], 5)
+    assert wait_until(lambda: p._thread is None, 5)  # nothing more to send: it ended
+    p.add(2)
+    assert wait_until(lambda: r.sent == [[1], [2]], 5)
+    p.close()
+
+
 # ---------------------------------------------------------------- through a real daemon
 
 
@@ -156,3 +170,22 @@ def test_a_pending_release_of_a_restarted_daemon_is_dropped(make_daemon):
         assert c.batch_exists(["a"]) in (0, 1)  # joins the new daemon; the old id is dropped
         assert c._releases.take() == []
         assert c.stats()["leases"] == 0
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # its sockets are closed by the GC
+def test_a_client_dropped_without_close_is_still_collected(daemon):
+    """The sender thread holds its client weakly: an engine that drops a client keeps no zmq
+    context or arena mapping alive through it."""
+    import gc
+    import weakref
+
+    c = daemon.client(release_delay_s=30.0)
+    c.register_mem_host_pool_v2(kv_pool(seed=3), "kv")
+    assert all(c.batch_set_v1(["a"], pages(0, 1)))
+    assert all(c.batch_get_v1(["a"], pages(1, 1)))  # a release waits; the thread runs
+    thread = c._releases._thread
+    assert thread is not None and thread.is_alive()
+    ref = weakref.ref(c)
+    del c
+    gc.collect()
+    assert ref() is None
