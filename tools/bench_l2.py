@@ -48,8 +48,13 @@ def start_daemon(tmp: str, l2_size: str) -> tuple[subprocess.Popen, str]:
             return proc, endpoint
         except DaemonUnavailable:
             time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("daemon did not start")
+    proc.terminate()  # not SIGKILL: the daemon removes its arena file on the way out
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    raise SystemExit("daemon did not start (is /dev/shm full of arenas of killed daemons? "
+                     "see `df -h /dev/shm`)")
 
 
 def gbps(nbytes: int, seconds: list[float]) -> dict:
