@@ -31,6 +31,7 @@ import zmq
 
 from hicached import protocol as P
 from hicached.arena import Arena
+from hicached.client_admin import ClientAdmin
 from hicached.errors import (
     DaemonUnavailable,
     LengthMismatch,
@@ -70,7 +71,7 @@ def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str) -
     return starts.tolist() if hasattr(starts, "tolist") else list(starts)
 
 
-class Client:
+class Client(ClientAdmin):
     """A connection to one hicached daemon, in one namespace. Thread-safe; a context manager."""
 
     def __init__(self, endpoint: str, namespace: str, *, timeout_s: float = 5.0,
@@ -452,33 +453,7 @@ class Client:
         op.start()
         return op
 
-    # ------------------------------------------------------------ admin and lifecycle
-
-    def stats(self) -> dict:
-        return self._call(lambda s, r: P.GetStats(r)).stats
-
-    def flush(self, tier: str = "l2") -> None:
-        self._call(lambda s, r: P.Flush(r, tier))
-        if tier in ("l2", "all"):
-            self._recall.clear()  # the pages left their slots: no guess is worth copying
-
-    def ping(self) -> None:
-        self._call(lambda s, r: P.Ping(r))
-
-    def attach_backend(self, backend: str, options: dict | None = None, *,
-                       write_policy: str | None = None, prefetch: bool | None = None,
-                       timeout_s: float = 120.0) -> dict:
-        """Attach an L3 backend to the daemon at runtime; returns the tier status. Attaching
-        the attached backend only updates the policies; another one raises BackendConflict."""
-        return self._call(lambda s, r: P.Attach(r, backend, dict(options or {}),
-                                                write_policy or "", prefetch), timeout_s).status
-
-    def detach_backend(self) -> dict:
-        """Detach the daemon's L3 backend (idempotent); returns the tier status."""
-        return self._call(lambda s, r: P.Detach(r)).status
-
-    def backend_status(self) -> dict:
-        return self._call(lambda s, r: P.GetBackend(r)).status
+    # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
         """End the session (its leases and reservations are freed at once). Idempotent."""

@@ -15,88 +15,29 @@ calls and hand finished jobs back through ``IOWorkers.collect``.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
 from hicached import protocol as P
-from hicached.errors import PageSizeMismatch, ProtocolError, UnknownPool
+from hicached.errors import PageSizeMismatch, ProtocolError
 from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
 from hicached.index import Entry, PageIndex, TableId
 from hicached.leases import LeaseTable
 from hicached.quotas import NoQuotas
+from hicached.sessions import (
+    ParkedExists,
+    ParkedGet,
+    PoolSpec,
+    Session,
+    namespace_digest,
+)
 from hicached.tier import L3Tier
 
 log = logging.getLogger(__name__)
-
-
-def namespace_digest(namespace: str) -> str:
-    """Stable, filesystem-safe id of a namespace string (never Python's ``hash``)."""
-    return hashlib.sha256(namespace.encode()).hexdigest()[:32]
-
-
-class PoolSpec(NamedTuple):
-    page_bytes: int
-    stride: int
-
-
-@dataclass
-class Session:
-    """One connected client: its namespace (fixed at the handshake) and registered pools."""
-
-    id: int
-    namespace: str
-    ns: str  # digest
-    pid: int
-    name: str
-    pools: dict[str, PoolSpec] = field(default_factory=dict)
-
-    def spec(self, pool: str) -> PoolSpec:
-        try:
-            return self.pools[pool]
-        except KeyError:
-            raise UnknownPool(
-                f"pool {pool!r} is not registered by this client (registered: "
-                f"{sorted(self.pools)}); call register_mem_host_pool_v2 first"
-            ) from None
-
-
-@dataclass
-class ParkedGet:
-    """A Lease waiting for L3 loads, or for pages another client is writing (reserved, not yet
-    committed); answered through ``reply`` once ``jobs`` is empty or at ``deadline`` (pages still
-    loading or pending are then misses)."""
-
-    session: Session
-    msg: P.Lease
-    reply: Callable[[P.Leased], None]
-    deadline: float
-    jobs: set[int] = field(default_factory=set)
-    answered: bool = False
-    pending: list[Entry] = field(default_factory=list)  # the uncommitted pages it waits for
-
-
-@dataclass
-class ParkedExists:
-    """An Exists waiting for the store's answer about keys L2 lacks (``L3Tier.probe``);
-    answered through ``reply`` once ``jobs`` is empty or at ``deadline`` (keys not yet answered
-    for count as absent from L3)."""
-
-    session: Session
-    msg: P.Exists
-    keys: list[str]
-    reply: Callable[[P.ExistsResult], None]
-    deadline: float
-    jobs: set[int] = field(default_factory=set)
-    probes: list = field(default_factory=list)  # the IOJobs (their results, once finished)
-    answered: bool = False
-    pending: list[Entry] = field(default_factory=list)  # never any (ParkedGet's shape)
 
 
 class Controller:

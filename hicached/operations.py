@@ -1,7 +1,8 @@
 """What other threads ask of a running daemon: attach / detach an L3 backend, flush, stats.
 
 Mixed into ``hicached.server.Daemon``. Every method here is thread-safe: the bookkeeping runs on
-the control loop through ``Daemon.call``, and slow work (connecting a backend, clearing a large
+the control loop through ``call`` (``call_soon`` queues a function and wakes the loop through a
+pipe; the loop runs it in ``_run_calls``), and slow work (connecting a backend, clearing a large
 L3) runs in the caller's thread or on the L3 writer thread, never on the loop. The admin HTTP
 API and the ``Attach`` / ``Detach`` / ``Flush`` protocol messages both come here.
 """
@@ -9,6 +10,8 @@ API and the ``Attach`` / ``Detach`` / ``Flush`` protocol messages both come here
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -33,6 +36,52 @@ FLUSH_TIERS = ("l2", "l3", "all")
 
 class DaemonOperations:
     """Attach / detach / flush / stats for other threads (see the module docstring)."""
+
+    # ------------------------------------------------------------ calls from other threads
+
+    def call_soon(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn()`` on the control loop; thread-safe. The future holds its result."""
+        fut: Future = Future()
+        if self._closed:
+            fut.set_exception(ShuttingDown("daemon is stopped"))
+            return fut
+        self._calls.put((fn, fut))
+        try:
+            os.write(self._call_w, b"x")
+        except OSError:
+            pass
+        return fut
+
+    def call(self, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+        """``fn()`` run on the control loop, its result returned (or its exception raised)."""
+        if threading.get_ident() == self._loop_thread:
+            return fn()
+        try:
+            return self.call_soon(fn).result(timeout_s)
+        except FutureTimeout:
+            raise HicachedError(f"daemon control loop did not answer within {timeout_s} s") from None
+
+    def _run_calls(self, error: Exception | None = None) -> None:
+        try:
+            os.read(self._call_r, 65536)
+        except (BlockingIOError, OSError):
+            pass
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            if error is not None:
+                fut.set_exception(error)
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    # ------------------------------------------------------------ operations
 
     def attach_backend(self, name: str, options: dict | None = None, *,
                        write_policy: str | None = None, threshold: int | None = None,

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from hicached.index import Entry, PageIndex
+from hicached.sessions import namespace_digest
 
 
 class NoQuotas:
@@ -60,8 +61,6 @@ class NamespaceQuotas(NoQuotas):
     def set_quotas(self, quotas: Mapping[str, int]) -> None:
         """Replace the quotas (SIGHUP). A lowered quota is enforced at the namespace's next
         write."""
-        from hicached.controller import namespace_digest  # controller imports this module
-
         self._limits = {namespace_digest(ns): (ns, int(size)) for ns, size in quotas.items()}
         for digest in self._limits:
             self._counts.setdefault(digest, {"evictions": 0, "rejections": 0})

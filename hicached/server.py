@@ -16,8 +16,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import msgspec
@@ -28,7 +26,7 @@ from hicached.arena import Arena
 from hicached.auth import make_auth
 from hicached.backends.base import L3Backend, create_backend
 from hicached.config import DaemonConfig
-from hicached.controller import Controller, Session
+from hicached.controller import Controller
 from hicached.errors import (
     BackendError,
     BackendUnavailable,
@@ -44,6 +42,7 @@ from hicached.metrics import make_metrics
 from hicached.operations import DaemonOperations
 from hicached.quotas import make_quotas
 from hicached.sdnotify import NullNotifier
+from hicached.sessions import Session
 from hicached.slabs import SlabAllocator
 from hicached.tier import L3Tier, close_quietly
 from hicached.workers import IOWorkers
@@ -398,50 +397,6 @@ class Daemon(DaemonOperations):
             case P.Ping():
                 return P.Ok(msg.req_id)
         raise ProtocolError(f"unhandled message {type(msg).__name__}")
-
-    # ------------------------------------------------------------ calls from other threads
-
-    def call_soon(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn()`` on the control loop; thread-safe. The future holds its result."""
-        fut: Future = Future()
-        if self._closed:
-            fut.set_exception(ShuttingDown("daemon is stopped"))
-            return fut
-        self._calls.put((fn, fut))
-        try:
-            os.write(self._call_w, b"x")
-        except OSError:
-            pass
-        return fut
-
-    def call(self, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-        """``fn()`` run on the control loop, its result returned (or its exception raised)."""
-        if threading.get_ident() == self._loop_thread:
-            return fn()
-        try:
-            return self.call_soon(fn).result(timeout_s)
-        except FutureTimeout:
-            raise HicachedError(f"daemon control loop did not answer within {timeout_s} s") from None
-
-    def _run_calls(self, error: Exception | None = None) -> None:
-        try:
-            os.read(self._call_r, 65536)
-        except (BlockingIOError, OSError):
-            pass
-        while True:
-            try:
-                fn, fut = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            if not fut.set_running_or_notify_cancel():
-                continue
-            if error is not None:
-                fut.set_exception(error)
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
 
     # ------------------------------------------------------------ shutdown
 

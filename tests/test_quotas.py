@@ -1,9 +1,9 @@
 """Per-namespace L2 quotas on a real index: exact eviction order within the namespace, pinned
 pages, other namespaces untouched, byte accounting, quota changes."""
 
-from hicached.controller import namespace_digest
 from hicached.index import PageIndex
 from hicached.quotas import NamespaceQuotas, NoQuotas, make_quotas
+from hicached.sessions import namespace_digest
 from hicached.slabs import SlabAllocator
 
 PAGE = 256

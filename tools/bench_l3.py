@@ -38,8 +38,8 @@ import torch
 from hicached import Client, HostPool, PoolTransfer
 from hicached.arena import Arena
 from hicached.backends.mooncake import object_key
-from hicached.controller import namespace_digest
 from hicached.errors import DaemonUnavailable
+from hicached.sessions import namespace_digest
 
 PAGES, PAGE_SIZE, LAYERS, KV_DIM = 64, 64, 16, 512  # MLA bf16: 64*16*512*2 = 1 MiB a page
 NAMESPACE = "bench-l3-mla-1mib"
