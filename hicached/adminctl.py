@@ -165,6 +165,10 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
                  f"{l2['free_slabs']} free slabs")
     lines.append(f"          hits {l2['hits']}, misses {l2['misses']}, evictions "
                  f"{l2['evictions']}, no space {l2['no_space']}")
+    flush = l2.get("flush")
+    if flush:
+        lines.append(f"          flushing: slab {flush['slab']} of {flush['slabs']}, "
+                     f"{flush['dropped']} pages dropped in {flush['seconds']:.1f} s")
     if l3["attached"]:
         stored = l3.get("backend_stats", {}).get("pages")
         lines.append(

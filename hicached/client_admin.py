@@ -15,8 +15,10 @@ class ClientAdmin:
     def stats(self) -> dict:
         return self._call(lambda s, r: P.GetStats(r)).stats
 
-    def flush(self, tier: str = "l2") -> None:
-        self._call(lambda s, r: P.Flush(r, tier))
+    def flush(self, tier: str = "l2", timeout_s: float = 600.0) -> None:
+        """Drop unpinned L2 pages (``l2``), every L3 page (``l3``) or both (``all``); waits for
+        the end (a large L2 or store takes a while: hence the long default deadline)."""
+        self._call(lambda s, r: P.Flush(r, tier), timeout_s)
         if tier in ("l2", "all"):
             self._recall.clear()  # the pages left their slots: no guess is worth copying
 

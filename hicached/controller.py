@@ -24,6 +24,7 @@ import numpy as np
 
 from hicached import protocol as P
 from hicached.errors import PageSizeMismatch, ProtocolError
+from hicached.flushing import L2Flush
 from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
 from hicached.index import Entry, PageIndex, TableId
 from hicached.leases import LeaseTable
@@ -60,6 +61,7 @@ class Controller:
         # set-ahead slots (leases.AheadSlots): bytes one session / all sessions may hold
         self.ahead_session_bytes = 0
         self.ahead_total_bytes = 0
+        self.flusher = L2Flush(tier)  # flushes of L2, in slices of the loop (flushing.py)
 
     # ------------------------------------------------------------ sessions and pools
 
@@ -449,9 +451,10 @@ class Controller:
 
     # ------------------------------------------------------------ maintenance
 
-    def flush_l2(self) -> int:
-        """Drop unpinned L2 pages (dirty ones under write_back are written first)."""
-        return self.tier.flush_l2()
+    def flush_l2(self, done: Callable[[int], None]) -> None:
+        """Drop unpinned L2 pages (dirty ones under write_back are written first), in slices of
+        the loop (``flushing.L2Flush``); ``done(pages dropped)`` runs on the loop at the end."""
+        self.flusher.request(done)
 
     def stats(self) -> dict:
         pools: dict[str, int] = {}
@@ -473,6 +476,7 @@ class Controller:
             "sessions": len(self.sessions),
             "parked_gets": sum(isinstance(p, ParkedGet) for p in self.parked.values()),
             "parked_exists": sum(isinstance(p, ParkedExists) for p in self.parked.values()),
+            "l2_flush": self.flusher.status(),
             "l3_backend": self.tier.backend.name,
             "l3_tier": self.tier.status(),
             "l3": self.tier.backend_stats(),

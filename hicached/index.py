@@ -272,13 +272,19 @@ class PageIndex:
         self.evictions += 1
 
     def drop(self, entries: Sequence[Entry]) -> int:
-        """Remove committed, unpinned entries (flush); returns how many were dropped."""
-        n = 0
-        for entry in list(entries):
-            if entry.committed and entry.pins == 0:
-                self._unpublish(entry)
-                n += 1
-        return n
+        """Remove committed, unpinned entries; returns how many were dropped."""
+        return sum(self.drop_one(e) for e in list(entries))
+
+    def drop_one(self, entry: Entry) -> bool:
+        """Remove ``entry`` if it is committed and unpinned (flush); whether it was."""
+        if entry.committed and entry.pins == 0:
+            self._unpublish(entry)
+            return True
+        return False
+
+    def at(self, offset: int) -> Entry | None:
+        """The entry (any state) holding the slot at ``offset``, or None."""
+        return self._by_offset.get(offset)
 
     def _unpublish(self, entry: Entry) -> None:
         del self.tables[entry.table][entry.key]

@@ -142,7 +142,16 @@ class DaemonOperations:
         before the flush may survive it)."""
         if tier not in FLUSH_TIERS:
             raise ProtocolError(f"unknown tier {tier!r}; valid: {list(FLUSH_TIERS)}")
-        n = self.call(self.controller.flush_l2) if tier in ("l2", "all") else 0
+        n = 0
+        if tier in ("l2", "all"):
+            walk: Future = Future()
+            self.call(lambda: self.controller.flush_l2(walk.set_result))
+            if threading.get_ident() == self._loop_thread:  # nobody else would walk it
+                self.controller.flusher.finish_now()
+            try:
+                n = walk.result(timeout_s)
+            except FutureTimeout:
+                raise HicachedError(f"L2 flush did not finish within {timeout_s} s") from None
         if tier in ("l3", "all"):
             fut: Future = Future()
             self.call(lambda: self.tier.clear(fut.set_result))

@@ -240,7 +240,7 @@ class Daemon(DaemonOperations):
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
-                if now < busy_until:
+                if now < busy_until or self.controller.flusher.active:
                     timeout_ms = 0
                 else:
                     wake = min(self._next_sweep, self._next_watchdog)
@@ -256,6 +256,8 @@ class Daemon(DaemonOperations):
                     self._guarded(self.controller.on_io_done)
                 if self._call_r in events:
                     self._run_calls()
+                if self.controller.flusher.active:
+                    self._guarded(self.controller.flusher.step)
                 now = time.monotonic()
                 if self.controller.parked:
                     self._guarded(self.controller.expire_parked, now)
@@ -376,10 +378,9 @@ class Daemon(DaemonOperations):
                 c.close_session(msg.session)
                 return None
             case P.Flush():
-                if msg.tier == "l2":
-                    n = c.flush_l2()
-                    log.info("flushed %d pages (tier l2)", n)
-                    return P.Ok(msg.req_id)
+                if msg.tier == "l2":  # answered when the walk of the arena ends
+                    c.flush_l2(lambda n: self._send(identity, P.Ok(msg.req_id)))
+                    return None
                 self._off_loop(identity, msg.req_id, lambda: self.flush(msg.tier),
                                lambda n: P.Ok(msg.req_id))
                 return None
@@ -416,6 +417,7 @@ class Daemon(DaemonOperations):
         for fd in (self.sock, self.workers.wake_r, self._call_r):
             poller.register(fd, zmq.POLLIN)
         while True:
+            self.controller.flusher.finish_now()  # answer flushes while the socket is up
             self.tier.write_back_all()
             c = self.controller
             busy = (len(self.leases.reservations), len(c.parked), self.workers.in_flight)

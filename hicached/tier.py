@@ -435,19 +435,6 @@ class L3Tier:
         self.counters["l3_writes"] += ok_n - len(job.already)  # those L3 had were not sent
         self.counters["l3_write_failures"] += len(job.result) - ok_n
 
-    def flush_l2(self) -> int:
-        """Drop every unpinned L2 page. Pages an L3 write pins (under write_back, every dirty
-        page is written first) are dropped once written; they are counted here as dropped."""
-        if self.dirty and self.attached:
-            self.drop_when_written.update(self.dirty)
-            self.write_back_all()
-        n = 0
-        for table in list(self.index.tables.values()):
-            entries = list(table.values())
-            self.drop_when_written.update(e for e in entries if e.writing)
-            n += self.index.drop(entries)
-        return n + len(self.drop_when_written)
-
     def clear(self, done: Callable[[int | Exception], None]) -> None:
         """Delete every L3 page, after the writes already queued (a clear on the writer thread,
         so no page written before it survives). ``done(count or exception)`` runs on the control

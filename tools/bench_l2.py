@@ -5,14 +5,15 @@ and measures side by side in one run:
   memcpy   torch copy_ of the same bytes between two pre-faulted buffers, one before every call
   set      batch_set_v2 of 64 pages of 1 MiB (reserve -> copy into the arena -> commit)
   get      batch_get_v2 of the same 64 pages (lease -> copy out -> release)
-  exists   batch_exists_v2 of 1024 keys over 3 pools (kv, mamba trailing, indexer), p50 / p99
+  exists   batch_exists_v2 of 1024 keys over 3 pools (kv, mamba trailing, indexer), p50 / p99,
+           and the p50 of a ping interleaved with them (the bare ZeroMQ round trip)
 Targets (issue 2): get >= 0.85 x memcpy, set >= 0.80 x memcpy, exists p50 <= 0.3 ms.
 
 This VM's speed drifts by 2x within seconds (and a neighbour's burst can halve one call), so a
 ratio is the median of per-call ratios: each call against the mean of the memcpy just before it
 and the one just after it. The GB/s columns are plain medians of each series.
 
-    python tools/bench_l2.py [--reps 30] [--json]
+    python tools/bench_l2.py [--reps 30] [--daemon-args "--busy-poll-ms 0.5"] [--json]
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -34,11 +37,13 @@ from hicached.errors import DaemonUnavailable
 PAGES, PAGE_SIZE, LAYERS, KV_DIM = 64, 64, 16, 512  # MLA bf16: 64*16*512*2 = 1 MiB a page
 
 
-def start_daemon(tmp: str, l2_size: str) -> tuple[subprocess.Popen, str]:
+def start_daemon(tmp: str, l2_size: str, extra: Sequence[str] = ()
+                 ) -> tuple[subprocess.Popen, str]:
     endpoint = f"ipc://{tmp}/bench.sock"
     proc = subprocess.Popen(
         [sys.executable, "-m", "hicached.cli", "serve", "--endpoint", endpoint, "--l2-size",
-         l2_size, "--state-dir", f"{tmp}/state", "--l3-backend", "none", "--log-level", "warning"],
+         l2_size, "--state-dir", f"{tmp}/state", "--l3-backend", "none", "--log-level", "warning",
+         *extra],
         stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -147,17 +152,21 @@ def bench_exists(endpoint: str, samples: int) -> dict:
                         PoolTransfer("mamba", torch.tensor([0]), keys=keys[-1:])])
         pools = [PoolTransfer("mamba", keys=keys[-1:], hit_policy="trailing_pages"),
                  PoolTransfer("indexer", keys=keys, hit_policy="all_pages")]
-        lat = []
+        lat, ping = [], []
         for i in range(samples + 20):
             t = time.perf_counter()
             r = c.batch_exists_v2(keys, pools)
             dt = time.perf_counter() - t
+            t = time.perf_counter()
+            c.ping()  # the same round trip carrying no work: what this machine's IPC costs
+            dp = time.perf_counter() - t
             if i >= 20:
                 lat.append(dt * 1e3)
+                ping.append(dp * 1e3)
         assert r.kv_hit_pages == n and r.restorable_prefix_pages == [n], r
         lat.sort()
         return {"p50_ms": lat[len(lat) // 2], "p99_ms": lat[int(len(lat) * 0.99) - 1],
-                "best_ms": lat[0]}
+                "best_ms": lat[0], "ping_p50_ms": statistics.median(ping)}
 
 
 def main() -> None:
@@ -165,10 +174,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--exists-samples", type=int, default=500)
     ap.add_argument("--l2-size", default="1GiB")
+    ap.add_argument("--daemon-args", default="",
+                    help="more `hicached serve` options, e.g. \"--busy-poll-ms 0.5\"")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        proc, endpoint = start_daemon(tmp, args.l2_size)
+        proc, endpoint = start_daemon(tmp, args.l2_size, shlex.split(args.daemon_args))
         try:
             memcpy = Memcpy(PAGES * PAGE_SIZE * LAYERS * KV_DIM * 2, ring=8)
             set_t, set_mem, get_t, get_mem, nbytes = bench_set_get(endpoint, args.reps, memcpy)
@@ -200,6 +211,8 @@ def main() -> None:
           f"ratio {out['get_over_memcpy']:.2f} (target >= 0.85)")
     print(f"batch_exists_v2, 1024 keys x 3 pools: p50 {exists['p50_ms']:.3f} ms, "
           f"p99 {exists['p99_ms']:.3f} ms, best {exists['best_ms']:.3f} ms (target p50 <= 0.3)")
+    print(f"  (a ping, the same round trip with no work, interleaved: p50 "
+          f"{exists['ping_p50_ms']:.3f} ms)")
 
 
 if __name__ == "__main__":
