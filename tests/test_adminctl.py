@@ -46,6 +46,7 @@ def test_status_human_and_json(make_daemon):
         assert doc["stats"]["tiers"]["l2"]["pages"] == 3
         assert doc["stats"]["tiers"]["l3"]["backend_stats"]["pages"] == 3
         assert doc["stats"]["tiers"]["l2"]["parked_exists"] == 0
+        assert doc["stats"]["tiers"]["l2"]["flush"] is None  # no flush under way
         assert "requests waiting" not in cli("status", "--url", url)[1]  # none is waiting
 
 
@@ -61,6 +62,13 @@ def test_status_shows_requests_waiting_for_l3():
                         {"tiers": tiers, "pools": {}, "sessions": 1, "requests": 9,
                          "namespaces": []})
     assert "errors 0; 3 requests waiting for it" in out
+    assert "flushing" not in out
+    tiers["l2"]["flush"] = {"slab": 40, "slabs": 512, "dropped": 9000, "waiting": 1,
+                            "seconds": 0.25}
+    out = format_status("u", {"status": "ok"}, {"ready": True},
+                        {"tiers": tiers, "pools": {}, "sessions": 1, "requests": 9,
+                         "namespaces": []})
+    assert "flushing: slab 40 of 512, 9000 pages dropped in 0.2 s" in out
 
 
 def test_flush_attach_detach_commands(make_daemon, tmp_path):
