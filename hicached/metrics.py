@@ -281,6 +281,10 @@ class _Collector:
         yield G("hicached_arena_used_bytes", "Arena bytes held by pages", value=st["l2_used_bytes"])
         yield G("hicached_arena_free_slabs", "Arena slabs not given to any page size",
                 value=st["arena_free_slabs"])
+        flush = st["l2_flush"]
+        yield G("hicached_l2_flush_slabs_left", "Arena slabs an L2 flush under way has yet to "
+                "walk (0: none under way)",
+                value=flush["slabs"] - flush["slab"] if flush else 0)
         yield labeled(G, "hicached_l2_pages", "Pages in L2, per pool", ["pool"],
                       [(p, v["pages"]) for p, v in snap["pools"].items()])
         yield labeled(G, "hicached_l2_bytes", "Page bytes in L2, per pool", ["pool"],
