@@ -73,7 +73,13 @@ class L2Flush:
         if not self.active:
             return
         self.slices += 1
-        deadline = self.clock() + self.slice_s
+        try:
+            self._walk(self.clock() + self.slice_s)
+        except Exception:  # a bug ends this walk (its waiters answered), never loops forever
+            log.exception("L2 flush failed after %d pages; answering its waiters", self.dropped)
+            self._finish()
+
+    def _walk(self, deadline: float) -> None:
         slabs = self.index.alloc.slabs
         at, drop_one = self.index.at, self.index.drop_one
         writing = self.tier.drop_when_written

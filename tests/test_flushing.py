@@ -144,3 +144,13 @@ def test_a_daemon_answers_other_clients_while_it_flushes_a_large_l2(make_daemon)
         assert all(0 <= s["slab"] < s["slabs"] and s["waiting"] == 1 for s in progress)
     slices = re.findall(r"flushed (\d+) pages from L2 in [\d.]+ s \((\d+) slices", d.output())
     assert slices and int(slices[-1][0]) == n and int(slices[-1][1]) > 1
+
+
+def test_a_walk_that_fails_answers_its_waiters_and_ends(tier):
+    commit(tier.index, [f"k{i}" for i in range(10)])
+    flush = L2Flush(tier)
+    flush.index = None  # a bug: the walk cannot read the index
+    got = []
+    flush.request(got.append)
+    flush.step()
+    assert got == [0] and not flush.active
