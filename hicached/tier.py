@@ -288,8 +288,7 @@ class L3Tier:
         """A page flushed from L2 while an L3 write pinned it goes once nothing pins it."""
         if e in self.drop_when_written and not e.writing and e not in self.dirty:
             self.drop_when_written.discard(e)
-            if e.committed and e.pins == 0:
-                self.index.drop([e])
+            self.index.drop_one(e)  # unless a lease pins it now
 
     def _submit(self, job: IOJob) -> bool:
         if not self.workers.submit(job):
