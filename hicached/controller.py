@@ -115,53 +115,61 @@ class Controller:
 
     # ------------------------------------------------------------ exists
 
+    def _missing(self, ns: str, pool: str, keys: list[str], masks: np.ndarray) -> list[str]:
+        """Those of ``keys`` (their ``PageIndex.presence`` ``masks``) ``pool`` lacks in L2."""
+        in_l2 = (masks & self.index.pool_bit((ns, pool))) != 0
+        return [keys[i] for i in np.flatnonzero(~in_l2).tolist()]
+
     def _present(self, ns: str, pool: str, keys: list[str], masks: np.ndarray,
-                 in_l3: dict[tuple[str, str], bool]) -> tuple[np.ndarray, np.ndarray]:
+                 in_l3: set[str] | tuple) -> tuple[np.ndarray, np.ndarray]:
         """Per key, as bool arrays: (in L2 committed, in L2 or L3). ``masks``: the keys'
-        ``PageIndex.presence``; L3 is what ``in_l3`` says ((pool, key) -> the store's answer)
-        or, for a key it does not name, whether this daemon knows the key to be in L3."""
+        ``PageIndex.presence``; ``in_l3``: the keys L2 lacks that are in L3."""
         in_l2 = (masks & self.index.pool_bit((ns, pool))) != 0
         have = in_l2
-        if self.tier.attached and not in_l2.all():
+        if in_l3 and not in_l2.all():
             have = in_l2.copy()
-            table = (ns, pool)
-            for i in np.flatnonzero(~in_l2).tolist():
-                found = in_l3.get((pool, keys[i]))
-                have[i] = self.tier.is_known(table, keys[i]) if found is None else found
+            miss = np.flatnonzero(~in_l2)
+            have[miss] = [keys[i] in in_l3 for i in miss.tolist()]
         return in_l2, have
 
     def exists(self, s: Session, msg: P.Exists, reply: Callable[[P.ExistsResult], None]
                ) -> P.ExistsResult | None:
-        """Hit semantics over L2 and L3. Keys L2 lacks and this daemon does not know to be in
-        L3 are looked up by the prober thread (``L3Tier.probe``) while the control loop goes
-        on: the request is then parked and answered through ``reply``."""
+        """Hit semantics over L2 and L3. Keys L2 lacks that this daemon neither knows to be in
+        L3 nor found missing from it lately (``L3Tier.sort_out``) are looked up by the prober
+        thread (``L3Tier.probe``) while the control loop goes on: the request is then parked
+        and answered through ``reply``."""
         s.spec(msg.anchor)
         for q in msg.pools:
             s.spec(q.pool)
         keys = msg.key_list()
         masks = self.index.presence(s.ns, keys)  # one lookup a key for every pool
+        in_l3: dict[str, set[str]] = {}
         if self.tier.attached:
-            parked = ParkedExists(s, msg, keys, reply, self.clock() + self.get_wait_s)
-            for pool in [msg.anchor, *(q.pool for q in msg.pools)]:
+            parked = None
+            for pool in dict.fromkeys([msg.anchor, *(q.pool for q in msg.pools)]):
                 table = (s.ns, pool)
-                in_l2 = (masks & self.index.pool_bit(table)) != 0
-                ask = [keys[i] for i in np.flatnonzero(~in_l2).tolist()
-                       if not self.tier.is_known(table, keys[i])]
-                job = self.tier.probe(table, ask, parked) if ask else None
-                if job is not None:
-                    parked.probes.append(job)
-                    parked.jobs.add(id(job))
-            if parked.jobs:
+                in_l3[pool], ask = self.tier.sort_out(table,
+                                                      self._missing(s.ns, pool, keys, masks))
+                if ask:
+                    parked = parked or ParkedExists(s, msg, keys, reply,
+                                                    self.clock() + self.get_wait_s)
+                    job = self.tier.probe(table, ask, parked)
+                    if job is not None:
+                        parked.probes.append(job)
+                        parked.jobs.add(id(job))
+            if parked is not None and parked.jobs:
                 self.parked[id(parked)] = parked
                 return None
-        return self._exists_answer(s, msg, keys, masks, {})
+        return self._exists_answer(s, msg, keys, masks, in_l3)
 
     def _exists_answer(self, s: Session, msg: P.Exists, all_keys: list[str],
-                       masks: np.ndarray, in_l3: dict[tuple[str, str], bool]) -> P.ExistsResult:
-        kv_l2, kv_have = self._present(s.ns, msg.anchor, all_keys, masks, in_l3)
+                       masks: np.ndarray, in_l3: dict[str, set[str]]) -> P.ExistsResult:
+        kv_l2, kv_have = self._present(s.ns, msg.anchor, all_keys, masks,
+                                       in_l3.get(msg.anchor, ()))
         kv_pages = leading_run_array(kv_have)
         keys, masks = all_keys[:kv_pages], masks[:kv_pages]
-        found = [(q, *self._present(s.ns, q.pool, keys, masks, in_l3)) for q in msg.pools]
+        found = [(q, *self._present(s.ns, q.pool, keys, masks, in_l3.get(q.pool, ())))
+                 for q in msg.pools]
         try:
             final, hits, restorable = intersect_endpoints_array(
                 kv_pages, [(q.pool, q.policy, q.window, have) for q, _, have in found])
@@ -182,15 +190,16 @@ class Controller:
         s, msg = parked.session, parked.msg
         if s.id not in self.sessions:
             return
-        in_l3: dict[tuple[str, str], bool] = {}
-        for job in parked.probes:
-            if len(job.result) == len(job.keys):  # unfinished (deadline): absent from L3
-                in_l3.update(((job.pool, k), have) for k, have in zip(job.keys, job.result))
-            else:
-                in_l3.update(((job.pool, k), False) for k in job.keys)
+        keys, masks = parked.keys, self.index.presence(s.ns, parked.keys)
+        in_l3: dict[str, set[str]] = {}
+        for pool in dict.fromkeys([msg.anchor, *(q.pool for q in msg.pools)]):
+            in_l3[pool] = self.tier.sort_out((s.ns, pool),
+                                             self._missing(s.ns, pool, keys, masks))[0]
+        for job in parked.probes:  # an unfinished one (deadline): its keys are not in L3
+            if len(job.result) == len(job.keys):
+                in_l3[job.pool].update(k for k, have in zip(job.keys, job.result) if have)
         try:
-            answer = self._exists_answer(s, msg, parked.keys,
-                                         self.index.presence(s.ns, parked.keys), in_l3)
+            answer = self._exists_answer(s, msg, keys, masks, in_l3)
         except ProtocolError as e:
             answer = P.Error(msg.req_id, e.code, str(e))
         parked.reply(answer)

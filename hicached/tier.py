@@ -15,7 +15,12 @@ the arena (L2) and the backend (L3).
     loads                     a get for pages only L3 has reserves slots and queues one batched
                               load; the get waits (parked by the controller) for it. Keys not
                               known to be in L3 (``known_in_l3``) are first looked up by a
-                              ``find`` job on the prober thread; its answer starts their loads
+                              ``find`` job on the prober thread; its answer starts their loads.
+                              Keys the store lacked are not asked again for ``ABSENT_TTL_S``
+                              (``absent_in_l3``): a hybrid model's sparse state pools miss most
+                              keys, and asking the store for them at every exists would cost a
+                              store round trip each time. One this daemon writes is forgotten
+                              there; one another node writes meanwhile is a miss till then
     lookups                   ``probe``: the controller's exists asks the store the same way,
                               off the control loop, and answers when the prober has
     prefetch                  an exists that finds pages only in L3 starts the same loads with
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -41,6 +46,7 @@ from hicached.backends.base import L3Backend, NullBackend
 from hicached.config import WRITE_POLICIES
 from hicached.errors import HicachedError, ProtocolError
 from hicached.index import Entry, PageIndex, TableId
+from hicached.keymemory import KeyMemory
 from hicached.workers import IOJob, IOWorkers
 
 log = logging.getLogger(__name__)
@@ -48,6 +54,8 @@ log = logging.getLogger(__name__)
 DIRTY_HIGH = 0.5  # write_back: start writing when dirty pages fill this share of the arena
 DIRTY_TARGET = 0.4  # ... and write the oldest until they are below this share
 KNOWN_IN_L3 = 65536  # keys remembered as stored in L3 (a load of one skips the exists call)
+ABSENT_IN_L3 = 65536  # keys remembered as missing from L3 ...
+ABSENT_TTL_S = 2.0  # ... for this long: an exists or get of one meanwhile is a miss unasked
 
 
 class Woken(NamedTuple):
@@ -81,7 +89,10 @@ class L3Tier:
         # (table, key) of pages this daemon stored in or loaded from L3, newest last: a get
         # that misses L2 loads them without asking the store first (a store round trip on the
         # control loop); should L3 have dropped one since, the load is a miss like any other
-        self.known_in_l3: OrderedDict[tuple[TableId, str], None] = OrderedDict()
+        self.known_in_l3 = KeyMemory(KNOWN_IN_L3)
+        # (table, key) the store said it lacks -> until when (monotonic) that answer stands
+        self.absent_in_l3 = KeyMemory(ABSENT_IN_L3)
+        self.clock = time.monotonic
         self.counters = {"l3_loads": 0, "l3_load_failures": 0, "l3_writes": 0,
                          "l3_write_failures": 0, "l3_writes_dropped": 0, "l3_errors": 0,
                          "prefetched_pages": 0, "write_backs": 0, "l3_probes_dropped": 0}
@@ -134,6 +145,7 @@ class L3Tier:
 
     def forget_l3_copies(self) -> None:
         self.known_in_l3.clear()
+        self.absent_in_l3.clear()
         for table in self.index.tables.values():
             for e in table.values():
                 e.in_l3 = False
@@ -163,6 +175,19 @@ class L3Tier:
     def is_known(self, table: TableId, key: str) -> bool:
         """Did this daemon store ``key`` in L3 or load it from there (recently)?"""
         return (table, key) in self.known_in_l3
+
+    def sort_out(self, table: TableId, keys: Iterable[str]) -> tuple[set[str], list[str]]:
+        """(those of ``keys`` known to be in L3, those the store must be asked about: neither
+        known to be in L3 nor found missing from it within ``ABSENT_TTL_S``)."""
+        known, absent, now = self.known_in_l3.of(table), self.absent_in_l3.of(table), self.clock()
+        have: set[str] = set()
+        ask = []
+        for key in keys:
+            if key in known:
+                have.add(key)
+            elif absent.get(key, 0.0) <= now:
+                ask.append(key)
+        return have, ask
 
     def probe(self, table: TableId, keys: Sequence[str], waiter: Any) -> IOJob | None:
         """Ask the store, on the prober thread, which of ``keys`` it has; ``collect`` hands
@@ -194,9 +219,12 @@ class L3Tier:
             job.result = [False] * len(job.keys)
             return
         table = (job.ns, job.pool)
+        absent, until = self.absent_in_l3, self.clock() + ABSENT_TTL_S
         for key, have in zip(job.keys, job.result):
             if have:
                 self._remember(table, key)
+            elif not job.error:  # a failing store's "no" is not remembered
+                absent[(table, key)] = until
 
     # ------------------------------------------------------------ writes
 
@@ -270,11 +298,8 @@ class L3Tier:
         self._remember(e.table, e.key)
 
     def _remember(self, table: TableId, key: str) -> None:
-        known = self.known_in_l3
-        known[(table, key)] = None
-        known.move_to_end((table, key))
-        if len(known) > KNOWN_IN_L3:
-            known.popitem(last=False)
+        self.known_in_l3[(table, key)] = None
+        self.absent_in_l3.pop((table, key))
 
     def _clean(self, e: Entry) -> None:
         """``e`` is in L3 now: no longer dirty."""
@@ -304,7 +329,8 @@ class L3Tier:
         ``load_chunk_bytes`` so a streaming get can copy the first pages while the rest load; join
         loads already in flight (only that with ``start=False``). Keys not known to be in L3
         (unless ``known_in_l3``) are first looked up by a ``find`` job on the prober thread,
-        whose completion starts their loads. Returns the ids of the jobs ``waiter`` (if any) now
+        whose completion starts their loads; those found missing within ``ABSENT_TTL_S`` are
+        misses, not asked again. Returns the ids of the jobs ``waiter`` (if any) now
         waits for."""
         if not self.attached or not keys:
             return set()
@@ -320,9 +346,9 @@ class L3Tier:
         todo = [k for k in keys if self._loadable(table, k)]
         waiters = [waiter] if waiter is not None else []
         if not known_in_l3:
-            ask = [k for k in todo if (table, k) not in self.known_in_l3]
+            known, ask = self.sort_out(table, todo)
+            todo = [k for k in todo if k in known]  # the others found missing lately: misses
             if ask:
-                todo = [k for k in todo if (table, k) in self.known_in_l3]
                 find = IOJob("find", ns, pool, ask, [], page_bytes, [], waiters=list(waiters),
                              backend=self.backend, stride=stride)
                 if self._submit(find):

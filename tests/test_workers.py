@@ -12,7 +12,7 @@ from hicached.arena import Arena
 from hicached.backends.file import FileBackend
 from hicached.index import PageIndex
 from hicached.slabs import SlabAllocator
-from hicached.tier import L3Tier
+from hicached.tier import ABSENT_TTL_S, L3Tier
 from hicached.workers import IOWorkers
 
 PAGE = 4096
@@ -211,3 +211,36 @@ def test_a_find_whose_backend_was_detached_loads_nothing(setup, arena):
     woken = collect_all(workers, tier)
     assert [(jid, follow) for _, jid, _, follow in woken] == [(find_id, set())]
     assert index.get(("ns", "kv"), "d0") is None and not tier.loading
+
+
+def test_keys_the_store_lacks_are_not_asked_again_for_a_while(setup, arena):
+    index, workers, backend, tier = setup()
+    table = ("ns", "kv")
+    now = [100.0]
+    tier.clock = lambda: now[0]
+    tier.probe(table, ["a", "b"], object())
+    collect_all(workers, tier)
+    assert backend.asked == ["a", "b"]
+    # within ABSENT_TTL_S neither an exists nor a get asks the store about them again
+    assert tier.sort_out(table, ["a", "b", "c"])[1] == ["c"]
+    assert tier.load(table, ["a"], PAGE, PAGE, waiter=object()) == set()
+    assert not workers.in_flight and backend.asked == ["a", "b"]
+    # a page this daemon writes is no longer thought absent
+    tier.write(commit_pages(index, arena, ["a"], fill=3))
+    wait_jobs(workers, tier)
+    assert tier.is_known(table, "a") and tier.sort_out(table, ["a", "b"]) == ({"a"}, [])
+    # after the TTL the store is asked again (another node may have written it meanwhile)
+    now[0] += ABSENT_TTL_S + 0.1
+    assert tier.sort_out(table, ["a", "b"]) == ({"a"}, ["b"])
+    # a failing store's "no" is not remembered
+    backend.exists_fails = True
+    tier.probe(table, ["b"], object())
+    collect_all(workers, tier)
+    assert tier.sort_out(table, ["b"])[1] == ["b"]
+    # detaching forgets it all
+    backend.exists_fails = False
+    tier.probe(table, ["b"], object())
+    collect_all(workers, tier)
+    assert tier.sort_out(table, ["b"])[1] == []
+    tier.detach()
+    assert not tier.absent_in_l3
