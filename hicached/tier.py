@@ -223,7 +223,7 @@ class L3Tier:
         for key, have in zip(job.keys, job.result):
             if have:
                 self._remember(table, key)
-            elif not job.error:  # a failing store's "no" is not remembered
+            elif not job.error:  # a store that raised said nothing: not remembered
                 absent[(table, key)] = until
 
     # ------------------------------------------------------------ writes

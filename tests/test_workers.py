@@ -232,7 +232,7 @@ def test_keys_the_store_lacks_are_not_asked_again_for_a_while(setup, arena):
     # after the TTL the store is asked again (another node may have written it meanwhile)
     now[0] += ABSENT_TTL_S + 0.1
     assert tier.sort_out(table, ["a", "b"]) == ({"a"}, ["b"])
-    # a failing store's "no" is not remembered
+    # the "no" of a store that raised is not remembered
     backend.exists_fails = True
     tier.probe(table, ["b"], object())
     collect_all(workers, tier)
