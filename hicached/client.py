@@ -11,6 +11,9 @@ flight, ``overlap.py``: speculative gets and set-ahead slots). Every round trip 
 (``timeout_s``): a daemon that is gone or stuck raises ``DaemonUnavailable``, never hangs. A
 daemon that restarted is re-joined transparently (new handshake, pools registered again).
 
+Exists needs no message at all when the daemon's shared presence table can answer alone
+(``client_exists.py``, ``shared_exists.py``): L2 presence is read from shared memory.
+
 Slots are only touched while the client is sure it still owns them: a reservation or lease
 expires ``ttl`` after the daemon granted it, so copies that would end later than half the TTL
 after the request was sent are abandoned (set: aborted; get: reported as misses).
@@ -32,6 +35,7 @@ import zmq
 from hicached import protocol as P
 from hicached.arena import Arena
 from hicached.client_admin import ClientAdmin
+from hicached.client_exists import ExistsCalls
 from hicached.errors import (
     DaemonUnavailable,
     LengthMismatch,
@@ -45,7 +49,8 @@ from hicached.flatpages import TensorPages
 from hicached.hostpool import PageIO, make_page_io
 from hicached.overlap import PageRecall, SetAhead
 from hicached.piggyback import PendingReleases
-from hicached.types import PoolTransfer, PoolTransferResult, policy_value, pool_value
+from hicached.shared_exists import SharedExists
+from hicached.types import PoolTransfer, pool_value
 
 if TYPE_CHECKING:
     from hicached.prefetch import PrefetchOperation, StopPolicy
@@ -71,13 +76,13 @@ def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str) -
     return starts.tolist() if hasattr(starts, "tolist") else list(starts)
 
 
-class Client(ClientAdmin):
+class Client(ExistsCalls, ClientAdmin):
     """A connection to one hicached daemon, in one namespace. Thread-safe; a context manager."""
 
     def __init__(self, endpoint: str, namespace: str, *, timeout_s: float = 5.0,
                  client_name: str = "", spin_s: float = 0.002, token: str = "",
                  remember_pages: int = 65536, set_ahead_bytes: int = 64 << 20,
-                 release_delay_s: float = 0.05):
+                 release_delay_s: float = 0.05, shared_exists: bool = True):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
         self.endpoint = endpoint
@@ -102,6 +107,9 @@ class Client(ClientAdmin):
         self._releases = PendingReleases(self._send_release, release_delay_s)
         self.session = 0
         self.arena: Arena | None = None
+        self._use_shared = shared_exists  # answer exists from the daemon's presence table
+        self._shared: SharedExists | None = None
+        self._commits = [0, 0]  # commits sent unanswered, [sent, known read by the daemon]
         try:
             with self._lock:
                 self._handshake()
@@ -141,15 +149,22 @@ class Client(ClientAdmin):
                 self.arena.size_bytes != w.arena_bytes or self._daemon_pid != w.daemon_pid:
             self.arena = Arena.attach(w.arena_path, w.arena_bytes)  # old mapping dies with refs
         self._daemon_pid = w.daemon_pid
+        self._shared = SharedExists.open(w) if self._use_shared else None
         for name, io in self._pools.items():
-            self._roundtrip(P.RegisterPool(next(self._req_ids), self.session, name,
-                                           io.page_bytes))
+            self._registered(name, self._roundtrip(
+                P.RegisterPool(next(self._req_ids), self.session, name, io.page_bytes)))
+
+    def _registered(self, name: str, answer: P.Registered) -> None:
+        if self._shared is not None:
+            self._shared.bits[name] = answer.bit
 
     def _roundtrip(self, msg, timeout_s: float | None = None, while_waiting=None) -> Any:
         """Send one request and wait (deadline) for its answer; daemon errors are raised.
         ``while_waiting()`` runs once the request is sent (it must not raise)."""
         if self._sock is None:
             self._new_socket()
+            self._commits[1] = self._commits[0]  # a fresh socket: the old one's queue is gone
+        commits = self._commits[0]
         self._sock.send(P.encode(msg))
         if while_waiting is not None:
             while_waiting()
@@ -178,6 +193,7 @@ class Client(ClientAdmin):
             answer = P.answer_decoder.decode(self._sock.recv())
             if answer.req_id != msg.req_id:
                 continue  # the late answer of a request we gave up on
+            self._commits[1] = max(self._commits[1], commits)  # one socket: read in order
             if isinstance(answer, P.Error):
                 raise error_from_code(answer.code, answer.message)
             return answer
@@ -226,7 +242,7 @@ class Client(ClientAdmin):
         """Register the host pool of ``pool_name`` (any SGLang-shaped pool or a ``HostPool``)."""
         name = pool_value(pool_name)
         io = make_page_io(host_pool)
-        self._call(lambda s, r: P.RegisterPool(r, s, name, io.page_bytes))
+        self._registered(name, self._call(lambda s, r: P.RegisterPool(r, s, name, io.page_bytes)))
         self._pools[name] = io
 
     def register_mem_pool_host(self, host_pool: Any) -> None:
@@ -239,27 +255,6 @@ class Client(ClientAdmin):
         except KeyError:
             raise UnknownPool(f"pool {name!r} is not registered (registered: "
                               f"{sorted(self._pools)})") from None
-
-    # ------------------------------------------------------------ exists
-
-    def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
-        """Number of leading keys whose KV page is stored (L2 or L3)."""
-        keys = list(keys)
-        return self._call(lambda s, r: P.Exists(r, s, keys)).kv_hit_pages
-
-    def batch_exists_v2(self, keys: Sequence[str], pool_transfers: Sequence[Any] | None = None,
-                        extra_info: Any = None) -> PoolTransferResult:
-        """Largest prefix every pool can restore (ARCHITECTURE.md hit semantics)."""
-        keys = list(keys)
-        queries = []
-        for t in pool_transfers or ():
-            name = pool_value(t.name)
-            if name == KV:
-                continue
-            queries.append(P.PoolQuery(name, policy_value(t.hit_policy),
-                                       max(1, len(t.keys or ()))))
-        a = self._call(lambda s, r: P.Exists(r, s, keys, queries))
-        return PoolTransferResult(a.kv_hit_pages, dict(a.pool_hits), list(a.restorable))
 
     # ------------------------------------------------------------ set
 
@@ -343,6 +338,7 @@ class Client(ClientAdmin):
             # this; requests this client sends later are ordered after it (one socket). A commit
             # that never arrives (client killed now) only loses the pages: the slots expire.
             self._send_only(P.Commit(0, self.session, res.reservation_id, ok, reply=False))
+            self._commits[0] += 1
             for (name, io, keys, _), row, tags in zip(plan, res.offsets, res.tags):
                 self._recall.learn(name, io, keys, row, tags)
         return {name: [off >= 0 or off in (P.SLOT_PRESENT, P.SLOT_INFLIGHT) for off in row]
@@ -464,6 +460,9 @@ class Client(ClientAdmin):
             self._releases.close()  # Bye ends every lease of the session
             if self._sock is not None:
                 try:
+                    tally = self._shared and self._shared.tally(self.session, force=True)
+                    if tally:
+                        self._sock.send(P.encode(tally), zmq.NOBLOCK)
                     self._sock.send(P.encode(P.Bye(0, self.session)), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass

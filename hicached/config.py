@@ -78,6 +78,8 @@ class DaemonConfig:
     set_ahead_bytes: int = 128 * 1024**2  # set-ahead slots one client may hold (0: none)
     io_queue_depth: int = 256
     busy_poll_ms: float = 0.0  # after a request, poll without sleeping this long (0: never)
+    shared_exists: bool = True  # publish L2 presence in shared memory (clients answer exists)
+    presence_slots: int = 0  # slots of that table, a power of 2 (0: from l2_size)
     socket_mode: int = 0o600
     log_level: str = "info"
     # operations (README, "Operating hicached")
@@ -125,6 +127,9 @@ class DaemonConfig:
             raise ConfigError(f"get_wait_s: must be > 0, got {self.get_wait_s}")
         if self.set_ahead_bytes < 0:
             raise ConfigError(f"set_ahead_bytes: must be >= 0, got {self.set_ahead_bytes}")
+        p = self.presence_slots
+        if p < 0 or (p and (p < 2 or p & (p - 1))):
+            raise ConfigError(f"presence_slots: must be 0 (auto) or a power of 2, got {p}")
         if self.busy_poll_ms < 0:
             raise ConfigError(f"busy_poll_ms: must be >= 0, got {self.busy_poll_ms}")
         for key in ("reservation_ttl_s", "lease_ttl_s"):

@@ -96,13 +96,14 @@ class Controller:
             self.close_session(sid)
         return len(dead)
 
-    def register_pool(self, s: Session, pool: str, page_bytes: int) -> None:
+    def register_pool(self, s: Session, pool: str, page_bytes: int) -> int:
+        """Check and record a session's pool; its bit in the namespace's presence masks."""
         if not pool:
             raise ProtocolError("pool name must be non-empty")
         stride = self.index.alloc.check_page_bytes(page_bytes)
         table = (s.ns, pool)
         try:
-            self.index.pool_bit(table)  # its bit in the namespace's presence masks
+            bit = self.index.pool_bit(table)
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         known = self.geometry.setdefault(table, page_bytes)
@@ -112,6 +113,7 @@ class Controller:
                 f"client registered {page_bytes} bytes (same namespace must mean same geometry)"
             )
         s.pools[pool] = PoolSpec(page_bytes, stride)
+        return bit
 
     # ------------------------------------------------------------ exists
 

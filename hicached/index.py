@@ -21,7 +21,9 @@ so eviction order is exact and testable.
 
 Presence (``presence``): besides the per-pool tables, each namespace keeps one map key -> bitmask of
 the pools holding that key committed (``pool_bit``), kept by ``commit`` and ``_unpublish``, so an
-exists query looks every key up once for all its pools.
+exists query looks every key up once for all its pools. With ``shared`` set, every change of a
+mask is also published in the shared-memory presence table (``presence.py``), from which clients
+answer exists without asking.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from itertools import repeat
 
 import numpy as np
 
+from hicached.presence import PresenceTable, fingerprint, namespace_seed
 from hicached.slabs import SlabAllocator
 
 TableId = tuple[str, str]  # (namespace digest, pool name)
@@ -44,6 +47,7 @@ class Entry:
 
     __slots__ = (
         "committed",
+        "fp",
         "gen",
         "hits",
         "in_l3",
@@ -72,6 +76,7 @@ class Entry:
         self.writing = False  # an L3 write of this page is in flight
         self.owner = 0  # pending: the session that reserved it (0: the daemon, an L3 load)
         self.gen = 0  # the slot's generation for this page (PageIndex.reserve; Leased.tags)
+        self.fp = 0  # its key's fingerprint in the shared presence table (0: not computed)
 
     def __repr__(self) -> str:
         state = "committed" if self.committed else "pending"
@@ -99,6 +104,8 @@ class PageIndex:
         self.ns_bytes: dict[str, int] = {}  # namespace digest -> slot bytes held (quotas.py)
         self._presence: dict[str, dict[str, int]] = {}  # ns -> key -> mask of pools committing it
         self._bits: dict[str, dict[str, int]] = {}  # ns -> pool -> its bit in those masks
+        self.shared: PresenceTable | None = None  # those masks, published for clients
+        self._seeds: dict[str, int] = {}  # ns -> its fingerprint seed in ``shared``
 
     # ------------------------------------------------------------ lookups
 
@@ -197,7 +204,10 @@ class PageIndex:
         entry.committed = True
         self.table(entry.table)[entry.key] = entry
         masks = self._presence.setdefault(entry.table[0], {})
-        masks[entry.key] = masks.get(entry.key, 0) | self.pool_bit(entry.table)
+        old = masks.get(entry.key, 0)
+        masks[entry.key] = new = old | self.pool_bit(entry.table)
+        if self.shared is not None and new != old:
+            self.shared.set(self._fp(entry), new)
         self._lru.setdefault(entry.stride, OrderedDict())[entry] = None
         self.touch(entry)
         self.unpin(entry)
@@ -294,9 +304,26 @@ class PageIndex:
             masks[entry.key] = left
         else:
             del masks[entry.key]
+        if self.shared is not None:
+            if left:
+                self.shared.set(self._fp(entry), left)
+            else:
+                self.shared.remove(self._fp(entry))
         del self._lru[entry.stride][entry]
         entry.committed = False
         self._free_slot(entry)
+
+    def seed(self, ns: str) -> int:
+        """The fingerprint seed of namespace ``ns`` in the shared presence table."""
+        seed = self._seeds.get(ns)
+        if seed is None:
+            seed = self._seeds[ns] = namespace_seed(ns)
+        return seed
+
+    def _fp(self, entry: Entry) -> int:
+        if not entry.fp:
+            entry.fp = fingerprint(self.seed(entry.table[0]), entry.key)
+        return entry.fp
 
     def _free_slot(self, entry: Entry) -> None:
         self.ns_bytes[entry.table[0]] -= entry.stride

@@ -80,6 +80,8 @@ class Metrics(NullMetrics):
         else:
             outcome = answer.code if type(answer) is P.Error else "ok"
         self._finish(op, outcome, t0)
+        if type(msg) is P.ExistsTally:
+            self._count_tally(msg)
         match answer:
             case P.Leased():
                 self._count_get(msg, answer, None)
@@ -93,6 +95,15 @@ class Metrics(NullMetrics):
         self.exists_keys[msg.anchor] = self.exists_keys.get(msg.anchor, 0) + n
         for pool, n in answer.pool_hits.items():
             self.exists_hits[pool] = self.exists_hits.get(pool, 0) + n
+
+    def _count_tally(self, msg: P.ExistsTally) -> None:
+        """Exists calls a client answered from the presence table: counted as exists requests
+        with outcome ``shared``, their keys and hits as the daemon's own."""
+        key = ("exists", "shared")
+        self.requests[key] = self.requests.get(key, 0) + max(0, msg.calls)
+        for mine, theirs in ((self.exists_keys, msg.keys), (self.exists_hits, msg.hits)):
+            for pool, n in theirs.items():
+                mine[pool] = mine.get(pool, 0) + max(0, n)
 
     def on_parked_answer(self, msg, answer) -> None:
         """A request that waited for L3 (loads, lookups) is answered now."""
@@ -264,7 +275,8 @@ class _Collector:
             return fam
 
         yield labeled(C, "hicached_requests", "Requests answered, per op and outcome "
-                      "(ok or the error code)", ["op", "outcome"], snap["requests"].items())
+                      "(ok, the error code, or shared: an exists a client answered from the "
+                      "presence table)", ["op", "outcome"], snap["requests"].items())
         yield C("hicached_frames", "Frames read from the control socket", value=st["requests"])
         yield labeled(C, "hicached_hits", "Pages served by gets, per tier and pool",
                       ["tier", "pool"], snap["hits"].items())

@@ -6,8 +6,10 @@ client can drop late answers of a request it gave up on) and, after the handshak
 
 Requests (client -> daemon)             answer
   Hello        handshake                 Welcome
-  RegisterPool pool geometry             Ok
+  RegisterPool pool geometry             Registered (the pool's bit in the presence table)
   Exists       hit query                 ExistsResult
+                 (or answered by the client from the shared presence table, ``presence.py``)
+  ExistsTally  those answers, counted    (none: fire and forget; for the daemon's metrics)
   Reserve      set, step 1               Reserved
   Commit       set, step 2 (or abort)    Committed (or none, with reply=False)
   Lease        get                       Leased
@@ -29,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: shared presence table (Welcome.presence_*, Registered)
 
 # Negative "offsets": what a key got instead of a slot.
 SLOT_PRESENT = -1  # Reserve: already committed (nothing to copy; counts as stored)
@@ -146,6 +148,17 @@ class Lease(_Msg, tag="lease"):
     release: list[int] = []  # piggybacked Release (released before this lease is taken)
 
 
+class ExistsTally(_Msg, tag="exists_tally"):
+    """Exists calls a client answered itself from the presence table since its last tally:
+    ``keys`` asked per anchor pool, ``hits`` restorable pages per pool (as ``ExistsResult``)."""
+
+    req_id: int
+    session: int
+    calls: int
+    keys: dict[str, int]
+    hits: dict[str, int]
+
+
 class Release(_Msg, tag="release"):
     """End get leases. A client sends it alone only when no request of its own carried the ids
     (``release`` of Exists / Reserve / Lease) within its ``release_delay_s``."""
@@ -196,8 +209,8 @@ class Ping(_Msg, tag="ping"):
     req_id: int
 
 
-Request = (Hello | RegisterPool | Exists | Reserve | Commit | Lease | Release | Bye | Flush
-           | Attach | Detach | GetBackend | GetStats | Ping)
+Request = (Hello | RegisterPool | Exists | ExistsTally | Reserve | Commit | Lease | Release | Bye
+           | Flush | Attach | Detach | GetBackend | GetStats | Ping)
 
 # ---------------------------------------------------------------- answers
 
@@ -212,6 +225,18 @@ class Welcome(_Msg, tag="welcome"):
     daemon_pid: int
     reservation_ttl_s: float
     lease_ttl_s: float
+    # the shared presence table (presence.py); "" when the daemon publishes none
+    presence_path: str = ""
+    presence_slots: int = 0
+    presence_epoch: int = 0
+    presence_seed: int = 0  # this session's namespace's fingerprint seed
+
+
+class Registered(_Msg, tag="registered"):
+    """RegisterPool's answer: the pool's bit in its namespace's presence masks."""
+
+    req_id: int
+    bit: int
 
 
 class Ok(_Msg, tag="ok"):
@@ -275,7 +300,7 @@ class Error(_Msg, tag="error"):
     message: str
 
 
-Answer = (Welcome | Ok | ExistsResult | Reserved | Committed | Leased | Stats | BackendStatus
+Answer = (Welcome | Registered | Ok | ExistsResult | Reserved | Committed | Leased | Stats | BackendStatus
           | Error)
 
 # Built once: encoders are stateless, decoders typed to the direction they read.

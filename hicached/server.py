@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from hicached.index import PageIndex
 from hicached.leases import LeaseTable
 from hicached.metrics import make_metrics
 from hicached.operations import DaemonOperations
+from hicached.presence import PresenceTable, default_slots
 from hicached.quotas import make_quotas
 from hicached.sdnotify import NullNotifier
 from hicached.sessions import Session
@@ -93,6 +95,8 @@ class Daemon(DaemonOperations):
         try:
             self.allocator = SlabAllocator(config.l2_size, config.slab_size)
             self.index = PageIndex(self.allocator)
+            self.presence = self._presence_table(config)
+            self.index.shared = self.presence
             self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
             self.workers = IOWorkers(config.io_queue_depth)
             self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
@@ -111,6 +115,8 @@ class Daemon(DaemonOperations):
             if hasattr(self, "workers"):
                 self.workers.close()
                 self.tier.close()
+            if getattr(self, "presence", None) is not None:
+                self.presence.close()
             self.arena.close()
             os.close(self._lock_fd)
             raise
@@ -205,6 +211,16 @@ class Daemon(DaemonOperations):
         """True from SIGTERM / ``stop()`` on: new work is refused with ``ShuttingDown``."""
         return self._stop.is_set()
 
+    def _presence_table(self, config: DaemonConfig) -> PresenceTable | None:
+        """The shared presence table beside the arena, or None (``shared_exists`` off)."""
+        if not config.shared_exists:
+            return None
+        table = PresenceTable(config.arena_path + ".presence",
+                              config.presence_slots or default_slots(config.l2_size),
+                              secrets.randbits(63), mode=config.access_mode)
+        self._set_group(table.path)
+        return table
+
     def _tick(self, now: float) -> None:
         """Every ``SWEEP_INTERVAL_S``: expire reservations and leases, drop dead clients, relieve
         write-back pressure; and feed the systemd watchdog (only a running loop does)."""
@@ -259,6 +275,9 @@ class Daemon(DaemonOperations):
                 if self.controller.flusher.active:
                     self._guarded(self.controller.flusher.step)
                 now = time.monotonic()
+                if self.presence is not None:
+                    self.presence.beat(now)
+                    self.presence.set_l3(self.tier.attached)
                 if self.controller.parked:
                     self._guarded(self.controller.expire_parked, now)
                 self._guarded(self._tick, now)
@@ -368,12 +387,17 @@ class Daemon(DaemonOperations):
                 s = c.open_session(msg)
                 self.auth.bind(identity, s.id)
                 log.info("session %d: pid %d %s namespace %r", s.id, s.pid, s.name, s.namespace)
+                t = self.presence
                 return P.Welcome(msg.req_id, s.id, self.arena.path, self.arena.size_bytes,
                                  os.getpid(), self.config.reservation_ttl_s,
-                                 self.config.lease_ttl_s)
+                                 self.config.lease_ttl_s, *(
+                                     (t.path, t.slots, t.epoch, self.index.seed(s.ns))
+                                     if t is not None else ()))
             case P.RegisterPool():
-                c.register_pool(self._session(msg.session), msg.pool, msg.page_bytes)
-                return P.Ok(msg.req_id)
+                return P.Registered(msg.req_id, c.register_pool(self._session(msg.session),
+                                                                msg.pool, msg.page_bytes))
+            case P.ExistsTally():  # counted by the metrics hook
+                return None
             case P.Bye():
                 c.close_session(msg.session)
                 return None
@@ -410,6 +434,8 @@ class Daemon(DaemonOperations):
         dirty write-back pages are written. It ends when no reservation, parked get or L3 job
         is left, or at the deadline (what is left then is logged)."""
         self.notifier.stopping()
+        if self.presence is not None:
+            self.presence.close()  # clients ask the socket now, and hear ShuttingDown
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         log.info("draining (at most %.1f s)", timeout_s)
@@ -453,6 +479,8 @@ class Daemon(DaemonOperations):
                 os.unlink(ep[len("ipc://"):])
             except FileNotFoundError:
                 pass
+        if self.presence is not None:
+            self.presence.close()
         self.arena.close()
         os.close(self._call_r)
         os.close(self._call_w)

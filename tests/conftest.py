@@ -99,10 +99,11 @@ class DaemonProc:
         self.stop()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-        try:
-            os.unlink(self.cfg.arena_path)  # left behind only by a SIGKILLed daemon
-        except FileNotFoundError:
-            pass
+        for path in (self.cfg.arena_path, self.cfg.arena_path + ".presence"):
+            try:
+                os.unlink(path)  # left behind only by a SIGKILLed daemon
+            except FileNotFoundError:
+                pass
         self.log.close()
 
 

@@ -1,0 +1,57 @@
+"""The client's exists calls: from the daemon's shared presence table when it can answer alone
+(``shared_exists.py``), else one round trip.
+
+Mixed into ``hicached.client.Client`` (its ``_call``, ``_shared``, ``_commits``, ``_send_only``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hicached import protocol as P
+from hicached.types import PoolTransferResult, policy_value, pool_value
+
+KV = "kv"
+
+
+class ExistsCalls:
+    """``batch_exists`` (v1) and ``batch_exists_v2``."""
+
+    def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
+        """Number of leading keys whose KV page is stored (L2 or L3)."""
+        keys = list(keys)
+        shared = self._exists_shared(keys, ())
+        if shared is not None:
+            return shared[0]
+        return self._call(lambda s, r: P.Exists(r, s, keys)).kv_hit_pages
+
+    def batch_exists_v2(self, keys: Sequence[str], pool_transfers: Sequence[Any] | None = None,
+                        extra_info: Any = None) -> PoolTransferResult:
+        """Largest prefix every pool can restore (ARCHITECTURE.md hit semantics)."""
+        keys = list(keys)
+        queries = []
+        for t in pool_transfers or ():
+            name = pool_value(t.name)
+            if name == KV:
+                continue
+            queries.append(P.PoolQuery(name, policy_value(t.hit_policy),
+                                       max(1, len(t.keys or ()))))
+        shared = self._exists_shared(keys, queries)
+        if shared is not None:
+            return PoolTransferResult(*shared)
+        a = self._call(lambda s, r: P.Exists(r, s, keys, queries))
+        return PoolTransferResult(a.kv_hit_pages, dict(a.pool_hits), list(a.restorable))
+
+    def _exists_shared(self, keys: list[str], queries: Sequence[P.PoolQuery]):
+        """The answer from the presence table, or None. Not while a commit this client sent is
+        unanswered: the daemon may not have read it yet, and a request on the socket is read
+        after it (a client reads its own writes)."""
+        shared = self._shared
+        if shared is None or self._closed or self._commits[1] != self._commits[0]:
+            return None
+        answer = shared.answer(keys, KV, queries)
+        tally = shared.tally(self.session)
+        if tally is not None:
+            self._send_only(tally)
+        return answer

@@ -1,0 +1,298 @@
+"""The presence table: which keys L2 holds, published in shared memory so clients answer exists.
+
+An exists of 1024 keys over the socket costs a round trip (0.1-0.2 ms here) plus the daemon's
+decoding and lookups (0.2 ms). Exists only *advises* — the get that follows is checked key by key
+by the daemon, under a lease — so a client can read the answer straight from memory the daemon
+publishes, with no message at all. The daemon keeps one open-addressing hash table beside its arena
+(``<arena>.presence``, same owner and mode): per key a 64-bit fingerprint of (namespace, key) and
+the namespace's pool bitmask (``PageIndex.presence``), updated by the control loop at every commit
+and removal. Clients map it read-only.
+
+    file   | header: 8 x u64 | slot 0: fp, mask | slot 1: fp, mask | ... | slot capacity-1 |
+    header  magic, capacity, heartbeat (f64, CLOCK_MONOTONIC), flags, entries, epoch
+    fp      0 = empty; linear probing from fp & (capacity - 1); backward-shift deletion
+
+The daemon is the only writer (the control loop); readers take no lock. A reader that races a
+write may see a key a moment early or late, or miss one being moved by a deletion: exactly the
+staleness a socket answer has by the time its get arrives, and never wrong bytes (the get is
+authoritative). Readers fall back to the socket whenever the table cannot answer alone:
+
+    heartbeat older than ``STALE_S``   the daemon is stuck or dead: the socket gives the real error
+    flag OVERFLOW                      the table filled up (``presence_slots``) and misses keys
+    flag CLOSED, other epoch           the daemon stopped or restarted: join the new one
+    flag L3 and a key L2 lacks         only the daemon can ask L3 (and start its prefetch)
+    keys not all of one ASCII length   (a multiple of 8 bytes) the vectorised hash does not apply
+
+Fingerprints (``fingerprint`` per key in the daemon, ``fingerprints`` vectorised in the client)
+mix the key's UTF-8 bytes, zero-padded to 8-byte words, into a seed of the namespace. Two keys
+sharing one is a 2^-64 event whose worst case is an exists "yes" that the get turns into a miss.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from hicached.errors import ArenaError
+
+MAGIC = int.from_bytes(b"HCPRES01", "little")
+HEADER_WORDS = 8
+H_MAGIC, H_CAPACITY, H_HEARTBEAT, H_FLAGS, H_ENTRIES, H_EPOCH = range(6)
+F_L3, F_OVERFLOW, F_CLOSED = 1, 2, 4
+MAX_LOAD = 0.6  # past this share of slots in use the table stops taking keys (OVERFLOW)
+STALE_S = 1.0  # a heartbeat older than this: readers ask the daemon instead
+MIN_SLOTS, MAX_SLOTS = 1 << 14, 1 << 26
+
+_M64 = (1 << 64) - 1
+_P1, _P2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
+_NP1, _NP2 = np.uint64(_P1), np.uint64(_P2)
+_S29, _S32 = np.uint64(29), np.uint64(32)
+_WORDS: dict[int, struct.Struct] = {}
+
+
+def default_slots(arena_bytes: int) -> int:
+    """Slots for an arena: room for one key per 8 KiB of arena at ``MAX_LOAD``, a power of 2."""
+    want = int(arena_bytes // 8192 / MAX_LOAD) + 1
+    return min(MAX_SLOTS, max(MIN_SLOTS, 1 << (want - 1).bit_length()))
+
+
+def fingerprint(seed: int, key: str) -> int:
+    """The 64-bit fingerprint (never 0 or 1) of ``key`` under ``seed``; ``fingerprints`` twin."""
+    b = key.encode()
+    n = len(b)
+    if n & 7:
+        b += bytes(8 - (n & 7))
+    words = _WORDS.get(len(b))
+    if words is None:
+        words = _WORDS[len(b)] = struct.Struct(f"<{len(b) >> 3}Q")
+    h = seed ^ n
+    for w in words.unpack(b):
+        h = ((h ^ w) * _P1) & _M64
+        h ^= h >> 32
+    h ^= h >> 29
+    h = (h * _P2) & _M64
+    h ^= h >> 32
+    return h if h > 1 else h + 2
+
+
+def namespace_seed(ns: str) -> int:
+    """The fingerprint seed of a namespace (digest): its keys' fingerprints differ from any
+    other namespace's."""
+    return fingerprint(0x5EED, "ns:" + ns)
+
+
+def fingerprints(seed: int, keys: Sequence[str]) -> np.ndarray | None:
+    """``fingerprint(seed, k)`` of every key as a uint64 array, or None unless every key has one
+    ASCII length that is a multiple of 8 (SGLang's 64-hex keys, ``hicached.keys``)."""
+    n = len(keys)
+    if not n:
+        return np.zeros(0, np.uint64)
+    width = len(keys[0])
+    if width == 0 or width & 7:
+        return None
+    blob = "\0".join(keys).encode() + b"\0"
+    if len(blob) != n * (width + 1) or blob.count(0) != n:
+        return None  # non-ASCII (more bytes than characters) or a NUL inside a key
+    rows = np.frombuffer(blob, np.uint8).reshape(n, width + 1)
+    if rows[:, width].any():
+        return None  # lengths differ: some separator is not at a row's end
+    # words[j][i]: the j-th 8 bytes of key i, read in place (unaligned, stride width + 1)
+    words = np.ndarray((width >> 3, n), np.dtype("<u8"), blob, 0, (8, width + 1))
+    h = np.full(n, seed ^ width, np.uint64)
+    for w in words:
+        h ^= w
+        h *= _NP1
+        h ^= h >> _S32
+    h ^= h >> _S29
+    h *= _NP2
+    h ^= h >> _S32
+    h[h < 2] += np.uint64(2)
+    return h
+
+
+def _create_file(path: str, nbytes: int, mode: int) -> mmap.mmap:
+    try:
+        os.unlink(path)  # a crashed daemon's table
+    except FileNotFoundError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+    except OSError as e:
+        raise ArenaError(f"cannot create presence table {path}: {e}") from e
+    try:
+        os.fchmod(fd, mode)
+        os.posix_fallocate(fd, 0, nbytes)
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        os.unlink(path)
+        raise ArenaError(f"cannot reserve {nbytes} bytes for presence table {path} "
+                         f"(is /dev/shm large enough?): {e}") from e
+    finally:
+        os.close(fd)
+
+
+class PresenceTable:
+    """The daemon's side: created empty, written only by the control loop (``set`` / ``remove``),
+    with ``beat`` every turn of the loop. ``epoch`` tells this daemon's table from a successor's
+    at the same path."""
+
+    def __init__(self, path: str, slots: int, epoch: int, mode: int = 0o600):
+        if slots < 2 or slots & (slots - 1):
+            raise ValueError(f"presence slots must be a power of 2, got {slots}")
+        self.path, self.slots, self.epoch = path, slots, epoch
+        self.nbytes = (HEADER_WORDS + 2 * slots) * 8
+        self._buf = _create_file(path, self.nbytes, mode)
+        self._w = memoryview(self._buf).cast("Q")  # word i; slot s at 8 + 2s (fp), 9 + 2s (mask)
+        self._hb = memoryview(self._buf)[H_HEARTBEAT * 8:H_HEARTBEAT * 8 + 8].cast("d")
+        self._mask = slots - 1
+        self._limit = int(slots * MAX_LOAD)
+        self.entries = 0
+        self.flags = 0
+        w = self._w
+        w[H_CAPACITY], w[H_EPOCH] = slots, epoch
+        self.beat(time.monotonic())
+        w[H_MAGIC] = MAGIC  # last: a reader seeing the magic sees the rest
+
+    @property
+    def overflowed(self) -> bool:
+        return bool(self.flags & F_OVERFLOW)
+
+    def _find(self, fp: int) -> int:
+        """Word index of ``fp``'s slot, or of the empty slot ending its probe."""
+        w, m = self._w, self._mask
+        s = fp & m
+        while True:
+            at = HEADER_WORDS + 2 * s
+            cur = w[at]
+            if cur == fp or cur == 0:
+                return at
+            s = (s + 1) & m
+
+    def set(self, fp: int, mask: int) -> None:
+        """Publish ``fp`` with pool bitmask ``mask`` (> 0)."""
+        if self.flags & F_OVERFLOW:
+            return  # readers no longer trust the table: nothing to keep up
+        w = self._w
+        at = self._find(fp)
+        if w[at] == fp:
+            w[at + 1] = mask
+            return
+        if self.entries >= self._limit:
+            self._set_flag(F_OVERFLOW)
+            return
+        w[at + 1] = mask  # the mask first: a reader that finds the fp finds its mask
+        w[at] = fp
+        self.entries += 1
+        w[H_ENTRIES] = self.entries
+
+    def remove(self, fp: int) -> None:
+        """Forget ``fp`` (backward-shift deletion: no tombstones, probes stay short)."""
+        if self.flags & F_OVERFLOW:
+            return
+        w, m = self._w, self._mask
+        hole = self._find(fp)
+        if w[hole] != fp:
+            return
+        s = (hole - HEADER_WORDS) >> 1
+        j = s
+        while True:
+            j = (j + 1) & m
+            at = HEADER_WORDS + 2 * j
+            cur = w[at]
+            if cur == 0:
+                break
+            home = cur & m
+            # move slot j back into the hole unless its home lies cyclically in (hole, j]
+            if (j > s and (home <= s or home > j)) or (j < s and home <= s and home > j):
+                w[hole + 1] = w[at + 1]
+                w[hole] = cur
+                hole, s = at, j
+        w[hole] = 0
+        self.entries -= 1
+        w[H_ENTRIES] = self.entries
+
+    def set_l3(self, attached: bool) -> None:
+        if bool(self.flags & F_L3) != attached:
+            self._set_flag(F_L3, attached)
+
+    def _set_flag(self, flag: int, on: bool = True) -> None:
+        self.flags = self.flags | flag if on else self.flags & ~flag
+        self._w[H_FLAGS] = self.flags
+
+    def beat(self, now: float) -> None:
+        self._hb[0] = now
+
+    def close(self) -> None:
+        """Tell readers the daemon is gone and remove the file. Safe to call twice."""
+        if self._w is None:
+            return
+        self._set_flag(F_CLOSED)
+        self._w = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class PresenceView:
+    """A client's read-only map of the daemon's table (``lookup``), for one namespace."""
+
+    def __init__(self, path: str, slots: int, epoch: int, seed: int):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise ArenaError(f"cannot open presence table {path}: {e}") from e
+        try:
+            nbytes = (HEADER_WORDS + 2 * slots) * 8
+            if os.fstat(fd).st_size != nbytes:
+                raise ArenaError(f"presence table {path} is not {nbytes} bytes")
+            buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        words = np.frombuffer(buf, np.uint64)
+        self.header = words[:HEADER_WORDS]
+        self.heartbeat = np.frombuffer(buf, np.float64, 1, H_HEARTBEAT * 8)
+        self.table = words[HEADER_WORDS:].reshape(slots, 2)
+        self.slots, self.epoch, self.seed = slots, epoch, seed
+        self._mask = np.uint64(slots - 1)
+
+    def usable(self) -> int | None:
+        """The table's flags when it can answer now, else None (ask the daemon)."""
+        h = self.header
+        flags = int(h[H_FLAGS])
+        if (flags & (F_OVERFLOW | F_CLOSED) or int(h[H_MAGIC]) != MAGIC
+                or int(h[H_EPOCH]) != self.epoch
+                or time.monotonic() - float(self.heartbeat[0]) > STALE_S):
+            return None
+        return flags
+
+    def lookup(self, keys: Sequence[str]) -> np.ndarray | None:
+        """Per key its pool bitmask (int64, as ``PageIndex.presence``), or None when the keys'
+        fingerprints cannot be computed in one go."""
+        fps = fingerprints(self.seed, keys)
+        if fps is None:
+            return None
+        table = self.table
+        out = np.zeros(fps.size, np.int64)
+        slot = fps & self._mask
+        todo = None  # key positions still probing (None: all of them)
+        want = fps
+        for _ in range(self.slots):
+            cur = table[slot, 0]
+            hit = cur == want
+            if hit.any():
+                where = hit.nonzero()[0] if todo is None else todo[hit]
+                out[where] = table[slot[hit], 1].view(np.int64)
+            more = ~hit & (cur != 0)
+            if not more.any():
+                break
+            todo = more.nonzero()[0] if todo is None else todo[more]
+            want = fps[todo]
+            slot = (slot[more] + np.uint64(1)) & self._mask
+        return out

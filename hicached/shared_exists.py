@@ -1,0 +1,107 @@
+"""A client's exists answered from the daemon's shared presence table (``presence.py``).
+
+``Client.batch_exists_v2`` asks ``SharedExists.answer`` first and goes through the socket only
+when it returns None. The answer is the daemon's own (``Controller._exists_answer``), computed
+from the same per-key pool bitmasks with the same functions (``hits.py``), when:
+
+    the table is usable              (``PresenceView.usable``: fresh heartbeat, not full, ...)
+    every pool asked is registered   (the daemon answers an unregistered one with its typed error)
+    no L3 is attached, or L2 holds every page the answer looks at (else only the daemon can
+                                     ask L3, and start pulling pages in)
+    this client's own commits were all read by the daemon (``Client`` checks: read your writes)
+
+Calls answered here are counted and reported to the daemon at most every ``TALLY_EVERY_S`` (and at
+close) in one ``ExistsTally``, so its exists metrics still count every call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from hicached import protocol as P
+from hicached.errors import ArenaError
+from hicached.hits import intersect_endpoints_array, leading_run_array
+from hicached.presence import F_L3, PresenceView
+
+log = logging.getLogger(__name__)
+
+TALLY_EVERY_S = 1.0
+
+
+class SharedExists:
+    """Exists answers from a ``PresenceView``; ``bits``: pool name -> its bit (``Registered``)."""
+
+    def __init__(self, view: PresenceView):
+        self.view = view
+        self.bits: dict[str, int] = {}
+        self._calls = 0
+        self._keys: dict[str, int] = {}
+        self._hits: dict[str, int] = {}
+        self._tallied = time.monotonic()
+
+    @classmethod
+    def open(cls, welcome: P.Welcome) -> SharedExists | None:
+        """The table the daemon announced, or None (none announced, or it cannot be mapped
+        here: a client in another container, a tcp:// endpoint)."""
+        if not welcome.presence_path:
+            return None
+        try:
+            return cls(PresenceView(welcome.presence_path, welcome.presence_slots,
+                                    welcome.presence_epoch, welcome.presence_seed))
+        except (ArenaError, OSError, ValueError) as e:
+            log.info("presence table not usable (%s): exists goes through the socket", e)
+            return None
+
+    def answer(self, keys: Sequence[str], anchor: str, queries: Sequence[P.PoolQuery]
+               ) -> tuple[int, dict[str, int], list[int]] | None:
+        """(kv_hit_pages, per-pool hits, restorable endpoints) as the daemon would answer, or
+        None: ask the daemon."""
+        flags = self.view.usable()
+        if flags is None:
+            return None
+        bits = self.bits
+        anchor_bit = bits.get(anchor, 0)
+        pool_bits = [bits.get(q.pool, 0) for q in queries]
+        if not anchor_bit or not all(pool_bits):
+            return None
+        masks = self.view.lookup(keys)
+        if masks is None:
+            return None
+        kv_have = (masks & anchor_bit) != 0
+        if flags & F_L3:
+            everything = anchor_bit
+            for bit in pool_bits:
+                everything |= bit
+            if not ((masks & everything) == everything).all():
+                return None  # L3 may hold what L2 lacks: the daemon asks it (and prefetches)
+        kv_pages = leading_run_array(kv_have)
+        head = masks[:kv_pages]
+        try:
+            final, hits, restorable = intersect_endpoints_array(
+                kv_pages, [(q.pool, q.policy, q.window, (head & bit) != 0)
+                           for q, bit in zip(queries, pool_bits, strict=True)])
+        except ValueError:
+            return None  # an unknown hit policy: the daemon's typed error
+        if kv_pages:
+            hits[anchor] = kv_pages
+        self._count(anchor, len(keys), hits)
+        return final, hits, restorable
+
+    def _count(self, anchor: str, n: int, hits: dict[str, int]) -> None:
+        self._calls += 1
+        self._keys[anchor] = self._keys.get(anchor, 0) + n
+        for pool, pages in hits.items():
+            self._hits[pool] = self._hits.get(pool, 0) + pages
+
+    def tally(self, session: int, force: bool = False) -> P.ExistsTally | None:
+        """The counts since the last tally, when ``TALLY_EVERY_S`` passed (or ``force``)."""
+        if not self._calls or (not force and
+                               time.monotonic() - self._tallied < TALLY_EVERY_S):
+            return None
+        msg = P.ExistsTally(0, session, self._calls, self._keys, self._hits)
+        self._calls, self._keys, self._hits = 0, {}, {}
+        self._tallied = time.monotonic()
+        return msg
+

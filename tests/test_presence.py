@@ -1,0 +1,272 @@
+"""The shared presence table (presence.py) and exists answered from it (shared_exists.py)."""
+
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+from admin_helpers import admin_daemon, sample, scrape
+from conftest import wait_until
+from test_daemon import indexer_pool, kv_pool, mamba_pool, pages
+
+from hicached import PoolTransfer
+from hicached.errors import DaemonUnavailable
+from hicached.presence import (
+    F_CLOSED,
+    H_FLAGS,
+    MAX_LOAD,
+    PresenceTable,
+    PresenceView,
+    default_slots,
+    fingerprint,
+    fingerprints,
+    namespace_seed,
+)
+
+SEED = namespace_seed("ns-test")
+
+
+def hexkeys(n, tag=0, width=64):
+    return [f"{tag:08x}{i:0{width - 8}x}" for i in range(n)]
+
+
+# ---------------------------------------------------------------- fingerprints
+
+
+def test_fingerprints_match_the_per_key_twin():
+    rng = random.Random(1)
+    for width in (8, 16, 40, 64, 128):
+        keys = ["".join(rng.choice("0123456789abcdef-/:") for _ in range(width))
+                for _ in range(300)]
+        vec = fingerprints(SEED, keys)
+        assert vec is not None and vec.dtype == np.uint64
+        assert vec.tolist() == [fingerprint(SEED, k) for k in keys]
+        assert len(set(vec.tolist())) == len(keys)  # no collision among distinct keys
+    assert (fingerprints(SEED, hexkeys(64)) != fingerprints(namespace_seed("other"),
+                                                            hexkeys(64))).all()
+    assert fingerprints(SEED, []).size == 0
+    assert min(fingerprint(s, "") for s in range(1000)) >= 2  # 0 (empty) and 1 never occur
+
+
+@pytest.mark.parametrize("keys", [
+    ["abc", "def"],                          # not a multiple of 8 bytes
+    ["a" * 8, "b" * 16],                     # lengths differ
+    ["a" * 16, "b" * 8 + "c" * 8, "d" * 8],  # lengths differ, total fits
+    ["é" * 8, "a" * 8],                      # non-ASCII
+    ["a\0" * 4, "b" * 8],                    # a NUL inside
+])
+def test_fingerprints_refuse_batches_the_vector_path_cannot_hash(keys):
+    assert fingerprints(SEED, keys) is None
+
+
+# ---------------------------------------------------------------- the table
+
+
+@pytest.fixture
+def table(tmp_path):
+    path = f"/dev/shm/hicached-test-presence-{os.getpid()}-{time.monotonic_ns()}"
+    t = PresenceTable(path, 64, epoch=7)
+    yield t
+    t.close()
+
+
+def test_table_follows_sets_and_removes_with_collisions(table):
+    """Random sets / removes on a 64-slot table (long probe runs, wrap-around) read back exactly
+    through a reader's mapping after every step."""
+    view = PresenceView(table.path, 64, 7, SEED)
+    keys = hexkeys(200, width=16)
+    fps = dict(zip(keys, fingerprints(SEED, keys).tolist(), strict=True))
+    model: dict[str, int] = {}
+    rng = random.Random(3)
+    limit = int(64 * MAX_LOAD)
+    for step in range(3000):
+        key = rng.choice(keys)
+        if key in model and rng.random() < 0.5:
+            table.remove(fps[key])
+            del model[key]
+        elif key in model or len(model) < limit:
+            model[key] = rng.randrange(1, 1 << 62)
+            table.set(fps[key], model[key])
+        if step % 50 == 0:
+            masks = view.lookup(keys)
+            assert masks.tolist() == [model.get(k, 0) for k in keys], step
+            assert table.entries == len(model) == int(view.header[4])
+    assert view.usable() is not None
+    table.remove(fingerprint(SEED, "never-set"))  # removing what is absent changes nothing
+    assert view.lookup(keys).tolist() == [model.get(k, 0) for k in keys]
+
+
+def test_table_overflow_closed_stale_and_other_epoch_are_not_usable(table):
+    view = PresenceView(table.path, 64, 7, SEED)
+    assert view.usable() == 0
+    table.set_l3(True)
+    assert view.usable() == 1
+    table.beat(time.monotonic() - 5)  # a daemon stuck (or dead) for 5 s
+    assert view.usable() is None
+    table.beat(time.monotonic())
+    assert PresenceView(table.path, 64, 8, SEED).usable() is None  # another daemon's epoch
+    for i, fp in enumerate(fingerprints(SEED, hexkeys(int(64 * MAX_LOAD) + 1)).tolist()):
+        table.set(fp, 1)
+    assert table.overflowed and view.usable() is None
+    table.close()
+    assert int(view.header[H_FLAGS]) & F_CLOSED and view.usable() is None
+    assert not os.path.exists(table.path)
+
+
+def test_bad_sizes_and_default_slots(tmp_path):
+    with pytest.raises(ValueError, match="power of 2"):
+        PresenceTable(f"/dev/shm/hicached-test-bad-{os.getpid()}", 100, 1)
+    assert default_slots(1 << 30) == 1 << 18  # one key per 8 KiB at MAX_LOAD, rounded up
+    assert default_slots(1 << 20) == 1 << 14 and default_slots(1 << 50) == 1 << 26
+
+
+# ---------------------------------------------------------------- through real daemons
+
+
+def hybrid_client(daemon, namespace="model-a", **kw):
+    c = daemon.client(namespace, **kw)
+    c.register_mem_host_pool_v2(kv_pool(seed=1), "kv")
+    c.register_mem_host_pool_v2(mamba_pool(num_slots=32, seed=2), "mamba")
+    c.register_mem_host_pool_v2(indexer_pool(seed=3), "indexer")
+    return c
+
+
+def queries(keys, window=1):
+    return [PoolTransfer("mamba", keys=keys[:window], hit_policy="trailing_pages"),
+            PoolTransfer("indexer", keys=keys, hit_policy="all_pages")]
+
+
+def with_socket_calls(c, fn):
+    """(``fn()``'s result, how many round trips it made)."""
+    calls = []
+    real = c._call
+    c._call = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        return fn(), len(calls)
+    finally:
+        del c._call
+
+
+def answered_shared(c, fn):
+    """``fn()``'s result, asserting the client answered it from the table (no round trip)."""
+    out, calls = with_socket_calls(c, fn)
+    assert not calls, "exists went through the socket"
+    return out
+
+
+def test_shared_answers_equal_the_daemons_over_random_holes(make_daemon):
+    daemon = make_daemon(extra=["--l3-backend", "none"])
+    rng = random.Random(5)
+    with hybrid_client(daemon) as c, hybrid_client(daemon, shared_exists=False) as sock:
+        assert c._shared is not None and sock._shared is None
+        for rnd in range(12):
+            keys = hexkeys(24, tag=rnd)
+            kv_n = rng.randrange(0, 25)
+            ix_n = rng.randrange(0, 25)
+            c.batch_set_v2([PoolTransfer("kv", pages(0, kv_n), keys=keys[:kv_n]),
+                            PoolTransfer("indexer", pages(0, ix_n), keys=keys[:ix_n])])
+            at = sorted(rng.sample(range(24), rng.randrange(0, 6)))
+            c.batch_set_v2([PoolTransfer("mamba", torch.arange(len(at)),
+                                         keys=[keys[i] for i in at])])
+            sock.ping()  # the commits are read: c may answer from the table
+            c.ping()
+            for window in (1, 2):
+                q = queries(keys, window)
+                mine = answered_shared(c, lambda q=q, k=keys: c.batch_exists_v2(k, q))
+                theirs = sock.batch_exists_v2(keys, q)
+                assert mine == theirs, (rnd, window, kv_n, ix_n, at)
+            assert answered_shared(c, lambda k=keys: c.batch_exists(k)) == \
+                sock.batch_exists(keys) == kv_n
+        # a pool this client never registered: the daemon's typed error, as before
+        from hicached.errors import UnknownPool
+        with pytest.raises(UnknownPool):
+            c.batch_exists_v2(keys, [PoolTransfer("swa", keys=keys[:1],
+                                                  hit_policy="trailing_pages")])
+
+
+def test_own_writes_are_seen_and_other_namespaces_are_not(make_daemon):
+    daemon = make_daemon(extra=["--l3-backend", "none"])  # (with L3, misses ask the daemon)
+    with hybrid_client(daemon) as c, hybrid_client(daemon, "model-b") as other:
+        for rnd in range(30):  # commits are not awaited: exists must still see them
+            keys = hexkeys(8, tag=100 + rnd)
+            c.batch_set_v2([PoolTransfer("kv", pages(0, 8), keys=keys)])
+            assert c.batch_exists(keys) == 8
+        keys = hexkeys(8, tag=100)
+        assert answered_shared(c, lambda: c.batch_exists(keys)) == 8
+        assert answered_shared(other, lambda: other.batch_exists(keys)) == 0
+        c.flush("l2")
+        assert answered_shared(c, lambda: c.batch_exists(keys)) == 0
+
+
+def test_with_l3_attached_keys_l2_lacks_are_asked_of_the_daemon(daemon):
+    """The embedded default (file L3): what only L3 holds is found by the daemon, whole-L2 hits
+    are answered from the table."""
+    keys = hexkeys(8, tag=7)
+    with hybrid_client(daemon) as c:
+        c.batch_set_v2([PoolTransfer("kv", pages(0, 8), keys=keys)])
+        assert wait_until(lambda: c.stats()["l3_writes"] == 8)
+        assert answered_shared(c, lambda: c.batch_exists(keys)) == 8
+        c.flush("l2")
+        assert with_socket_calls(c, lambda: c.batch_exists(keys)) == (8, 1)  # L3 has them
+        # that exists pulled them into L2 (prefetch): then the table answers again
+        assert wait_until(lambda: with_socket_calls(c, lambda: c.batch_exists(keys)) == (8, 0))
+
+
+def test_tally_reaches_the_daemons_metrics(make_daemon):
+    daemon, url = admin_daemon(make_daemon, extra=["--l3-backend", "none"])
+    keys = hexkeys(16, tag=9)
+    with hybrid_client(daemon) as c:
+        c.batch_set_v2([PoolTransfer("kv", pages(0, 16), keys=keys)])
+        c.ping()
+        for _ in range(3):
+            answered_shared(c, lambda: c.batch_exists(keys))
+
+    def scraped():  # the tally is sent with the Bye
+        m = scrape(url)
+        try:
+            return (sample(m, "hicached_requests_total", op="exists", outcome="shared"),
+                    sample(m, "hicached_exists_keys_total", pool="kv"),
+                    sample(m, "hicached_exists_hit_pages_total", pool="kv"))
+        except KeyError:
+            return None
+    assert wait_until(lambda: scraped() == (3, 48, 48))
+
+
+def test_daemon_gone_or_restarted_or_table_off(make_daemon):
+    daemon = make_daemon(extra=["--l3-backend", "none"])
+    keys = hexkeys(8, tag=11)
+    c = hybrid_client(daemon, timeout_s=1.0)
+    try:
+        c.batch_set_v2([PoolTransfer("kv", pages(0, 8), keys=keys)])
+        assert c.batch_exists(keys) == 8
+        daemon.stop(signal.SIGKILL)  # no CLOSED flag: the heartbeat goes stale
+        time.sleep(1.2)
+        with pytest.raises(DaemonUnavailable):
+            c.batch_exists(keys)
+        daemon.start()  # a new daemon (new epoch, empty L2) at the same paths
+        assert with_socket_calls(c, lambda: c.batch_exists(keys)) == (0, 1)  # joins it again
+        assert answered_shared(c, lambda: c.batch_exists(keys)) == 0
+        c.batch_set_v2([PoolTransfer("kv", pages(0, 8), keys=keys)])
+        c.ping()
+        assert answered_shared(c, lambda: c.batch_exists(keys)) == 8
+    finally:
+        c.close()
+    off = make_daemon(name="off", extra=["--l3-backend", "none", "--no-shared-exists"])
+    with hybrid_client(off) as c:
+        assert c._shared is None
+        c.batch_set_v2([PoolTransfer("kv", pages(0, 8), keys=keys)])
+        assert c.batch_exists(keys) == 8
+    assert not os.path.exists(off.cfg.arena_path + ".presence")
+
+
+def test_full_table_falls_back_to_the_socket(make_daemon):
+    daemon = make_daemon(extra=["--l3-backend", "none", "--presence-slots", "16"])
+    keys = hexkeys(24, tag=12)
+    with hybrid_client(daemon) as c:
+        c.batch_set_v2([PoolTransfer("kv", pages(0, 24), keys=keys)])  # 24 > 16 * MAX_LOAD
+        c.ping()
+        assert c._shared.view.usable() is None
+        assert c.batch_exists(keys) == 24
