@@ -337,8 +337,10 @@ class Client(ExistsCalls, ClientAdmin):
             # Fire and forget: the daemon publishes all pools of the call at once when it reads
             # this; requests this client sends later are ordered after it (one socket). A commit
             # that never arrives (client killed now) only loses the pages: the slots expire.
-            self._send_only(P.Commit(0, self.session, res.reservation_id, ok, reply=False))
-            self._commits[0] += 1
+            with self._lock:  # seq: the daemon acknowledges it in the presence table
+                self._commits[0] += 1
+                self._send_only(P.Commit(0, self.session, res.reservation_id, ok, reply=False,
+                                         seq=self._commits[0]))
             for (name, io, keys, _), row, tags in zip(plan, res.offsets, res.tags):
                 self._recall.learn(name, io, keys, row, tags)
         return {name: [off >= 0 or off in (P.SLOT_PRESENT, P.SLOT_INFLIGHT) for off in row]

@@ -44,11 +44,12 @@ class ExistsCalls:
         return PoolTransferResult(a.kv_hit_pages, dict(a.pool_hits), list(a.restorable))
 
     def _exists_shared(self, keys: list[str], queries: Sequence[P.PoolQuery]):
-        """The answer from the presence table, or None. Not while a commit this client sent is
-        unanswered: the daemon may not have read it yet, and a request on the socket is read
-        after it (a client reads its own writes)."""
+        """The answer from the presence table, or None. A client reads its own writes: not
+        before the daemon read every commit this client sent without awaiting it (its session
+        word in the table says so; else a request on the socket is read after them)."""
         shared = self._shared
-        if shared is None or self._closed or self._commits[1] != self._commits[0]:
+        sent, known = self._commits
+        if shared is None or self._closed or (sent != known and not shared.view.read_up_to(sent)):
             return None
         answer = shared.answer(keys, KV, queries)
         tally = shared.tally(self.session)

@@ -4,7 +4,8 @@ Steps of the life of a page it owns (README, "Life of a page"):
   2. ``reserve``  slots for every pool of a set call (or "present" / "in flight" / "no space")
   4. ``commit``   publishes all pools' pages of the call at once, then hands them to L3 (5.)
   6. ``exists``   hit semantics over L2 then L3 (``hits.py``); keys L2 lacks and L3 is not known
-                  to hold are looked up on the prober thread while the request is parked
+                  to hold are looked up on the prober thread while the request is parked.
+                  (Clients answer what L2 alone can from the presence table: ``presence.py``)
   7. ``lease``    pins slots for a get; pages only L3 has are loaded into the arena first by the
                   I/O workers while the request waits (parked), the control loop keeps serving
   8. eviction happens inside ``PageIndex.reserve`` when a class is full
@@ -29,13 +30,7 @@ from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
 from hicached.index import Entry, PageIndex, TableId
 from hicached.leases import LeaseTable
 from hicached.quotas import NoQuotas
-from hicached.sessions import (
-    ParkedExists,
-    ParkedGet,
-    PoolSpec,
-    Session,
-    namespace_digest,
-)
+from hicached.sessions import ParkedExists, ParkedGet, PoolSpec, Session, namespace_digest
 from hicached.tier import L3Tier
 
 log = logging.getLogger(__name__)
@@ -77,8 +72,11 @@ class Controller:
         return s
 
     def close_session(self, sid: int) -> None:
-        if self.sessions.pop(sid, None) is not None:
+        s = self.sessions.pop(sid, None)
+        if s is not None:
             self.leases.drop_session(sid)
+            if self.index.shared is not None:
+                self.index.shared.free_session(s.presence_word)
 
     def reap_dead_sessions(self) -> int:
         """Drop sessions whose client process is gone (same host); returns how many."""
@@ -311,6 +309,8 @@ class Controller:
             if self.pending_waiters:
                 self._wake_pending(e)
         self.tier.on_commit(done)
+        if msg.seq and self.index.shared is not None:  # read (and published): tell the client
+            self.index.shared.ack(s.presence_word, msg.seq)
         return P.Committed(msg.req_id, stored)
 
     def _wake_pending(self, e: Entry) -> None:

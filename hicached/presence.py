@@ -8,8 +8,11 @@ publishes, with no message at all. The daemon keeps one open-addressing hash tab
 the namespace's pool bitmask (``PageIndex.presence``), updated by the control loop at every commit
 and removal. Clients map it read-only.
 
-    file   | header: 8 x u64 | slot 0: fp, mask | slot 1: fp, mask | ... | slot capacity-1 |
+    file   | header: 8 x u64 | sessions: 4096 x u64 | slot 0: fp, mask | ... | slot capacity-1 |
     header  magic, capacity, heartbeat (f64, CLOCK_MONOTONIC), flags, entries, epoch
+    session the ``seq`` of the last commit the daemon read from a session (``Commit.seq``): a
+            client that sent commits without awaiting them reads its own writes once its word
+            reaches its count (``Welcome.presence_session``: its word, -1 when none was free)
     fp      0 = empty; linear probing from fp & (capacity - 1); backward-shift deletion
 
 The daemon is the only writer (the control loop); readers take no lock. A reader that races a
@@ -42,6 +45,8 @@ from hicached.errors import ArenaError
 
 MAGIC = int.from_bytes(b"HCPRES01", "little")
 HEADER_WORDS = 8
+SESSION_WORDS = 4096  # sessions with a commit word; later ones read their writes via the socket
+TABLE_WORD = HEADER_WORDS + SESSION_WORDS
 H_MAGIC, H_CAPACITY, H_HEARTBEAT, H_FLAGS, H_ENTRIES, H_EPOCH = range(6)
 F_L3, F_OVERFLOW, F_CLOSED = 1, 2, 4
 MAX_LOAD = 0.6  # past this share of slots in use the table stops taking keys (OVERFLOW)
@@ -146,14 +151,15 @@ class PresenceTable:
         if slots < 2 or slots & (slots - 1):
             raise ValueError(f"presence slots must be a power of 2, got {slots}")
         self.path, self.slots, self.epoch = path, slots, epoch
-        self.nbytes = (HEADER_WORDS + 2 * slots) * 8
+        self.nbytes = (TABLE_WORD + 2 * slots) * 8
         self._buf = _create_file(path, self.nbytes, mode)
-        self._w = memoryview(self._buf).cast("Q")  # word i; slot s at 8 + 2s (fp), 9 + 2s (mask)
+        self._w = memoryview(self._buf).cast("Q")  # slot s: fp at TABLE_WORD + 2s, then mask
         self._hb = memoryview(self._buf)[H_HEARTBEAT * 8:H_HEARTBEAT * 8 + 8].cast("d")
         self._mask = slots - 1
         self._limit = int(slots * MAX_LOAD)
         self.entries = 0
         self.flags = 0
+        self._free_sessions = list(range(SESSION_WORDS - 1, -1, -1))
         w = self._w
         w[H_CAPACITY], w[H_EPOCH] = slots, epoch
         self.beat(time.monotonic())
@@ -168,7 +174,7 @@ class PresenceTable:
         w, m = self._w, self._mask
         s = fp & m
         while True:
-            at = HEADER_WORDS + 2 * s
+            at = TABLE_WORD + 2 * s
             cur = w[at]
             if cur == fp or cur == 0:
                 return at
@@ -176,7 +182,7 @@ class PresenceTable:
 
     def set(self, fp: int, mask: int) -> None:
         """Publish ``fp`` with pool bitmask ``mask`` (> 0)."""
-        if self.flags & F_OVERFLOW:
+        if self.flags & (F_OVERFLOW | F_CLOSED):
             return  # readers no longer trust the table: nothing to keep up
         w = self._w
         at = self._find(fp)
@@ -193,17 +199,17 @@ class PresenceTable:
 
     def remove(self, fp: int) -> None:
         """Forget ``fp`` (backward-shift deletion: no tombstones, probes stay short)."""
-        if self.flags & F_OVERFLOW:
+        if self.flags & (F_OVERFLOW | F_CLOSED):
             return
         w, m = self._w, self._mask
         hole = self._find(fp)
         if w[hole] != fp:
             return
-        s = (hole - HEADER_WORDS) >> 1
+        s = (hole - TABLE_WORD) >> 1
         j = s
         while True:
             j = (j + 1) & m
-            at = HEADER_WORDS + 2 * j
+            at = TABLE_WORD + 2 * j
             cur = w[at]
             if cur == 0:
                 break
@@ -217,19 +223,39 @@ class PresenceTable:
         self.entries -= 1
         w[H_ENTRIES] = self.entries
 
+    def take_session(self) -> int:
+        """A free session word, zeroed (-1: none left)."""
+        if not self._free_sessions or self._w is None:
+            return -1
+        i = self._free_sessions.pop()
+        self._w[HEADER_WORDS + i] = 0
+        return i
+
+    def free_session(self, i: int) -> None:
+        if i >= 0:
+            self._free_sessions.append(i)
+
+    def ack(self, i: int, seq: int) -> None:
+        """Session word ``i``: its commits up to ``seq`` are read (and published)."""
+        if i >= 0 and self._w is not None:
+            self._w[HEADER_WORDS + i] = seq
+
     def set_l3(self, attached: bool) -> None:
         if bool(self.flags & F_L3) != attached:
             self._set_flag(F_L3, attached)
 
     def _set_flag(self, flag: int, on: bool = True) -> None:
         self.flags = self.flags | flag if on else self.flags & ~flag
-        self._w[H_FLAGS] = self.flags
+        if self._w is not None:
+            self._w[H_FLAGS] = self.flags
 
     def beat(self, now: float) -> None:
-        self._hb[0] = now
+        if self._w is not None:
+            self._hb[0] = now
 
     def close(self) -> None:
-        """Tell readers the daemon is gone and remove the file. Safe to call twice."""
+        """Tell readers the daemon is gone and remove the file; every later change is ignored
+        (commits read while draining). Safe to call twice."""
         if self._w is None:
             return
         self._set_flag(F_CLOSED)
@@ -243,13 +269,13 @@ class PresenceTable:
 class PresenceView:
     """A client's read-only map of the daemon's table (``lookup``), for one namespace."""
 
-    def __init__(self, path: str, slots: int, epoch: int, seed: int):
+    def __init__(self, path: str, slots: int, epoch: int, seed: int, session: int = -1):
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as e:
             raise ArenaError(f"cannot open presence table {path}: {e}") from e
         try:
-            nbytes = (HEADER_WORDS + 2 * slots) * 8
+            nbytes = (TABLE_WORD + 2 * slots) * 8
             if os.fstat(fd).st_size != nbytes:
                 raise ArenaError(f"presence table {path} is not {nbytes} bytes")
             buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -258,8 +284,9 @@ class PresenceView:
         words = np.frombuffer(buf, np.uint64)
         self.header = words[:HEADER_WORDS]
         self.heartbeat = np.frombuffer(buf, np.float64, 1, H_HEARTBEAT * 8)
-        self.table = words[HEADER_WORDS:].reshape(slots, 2)
+        self.table = words[TABLE_WORD:].reshape(slots, 2)
         self.slots, self.epoch, self.seed = slots, epoch, seed
+        self._session = words[HEADER_WORDS + session:][:1] if 0 <= session < SESSION_WORDS else None
         self._mask = np.uint64(slots - 1)
 
     def usable(self) -> int | None:
@@ -271,6 +298,10 @@ class PresenceView:
                 or time.monotonic() - float(self.heartbeat[0]) > STALE_S):
             return None
         return flags
+
+    def read_up_to(self, seq: int) -> bool:
+        """Whether the daemon read this session's commits up to ``seq``."""
+        return self._session is not None and int(self._session[0]) >= seq
 
     def lookup(self, keys: Sequence[str]) -> np.ndarray | None:
         """Per key its pool bitmask (int64, as ``PageIndex.presence``), or None when the keys'

@@ -133,6 +133,7 @@ class Commit(_Msg, tag="commit"):
     ok: list[list[bool]] = []
     abort: bool = False
     reply: bool = True
+    seq: int = 0  # the client's count of commits sent: acknowledged in the presence table
 
 
 class Lease(_Msg, tag="lease"):
@@ -230,6 +231,7 @@ class Welcome(_Msg, tag="welcome"):
     presence_slots: int = 0
     presence_epoch: int = 0
     presence_seed: int = 0  # this session's namespace's fingerprint seed
+    presence_session: int = -1  # this session's commit word in the table (-1: none)
 
 
 class Registered(_Msg, tag="registered"):

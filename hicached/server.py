@@ -388,11 +388,13 @@ class Daemon(DaemonOperations):
                 self.auth.bind(identity, s.id)
                 log.info("session %d: pid %d %s namespace %r", s.id, s.pid, s.name, s.namespace)
                 t = self.presence
+                if t is not None:
+                    s.presence_word = t.take_session()
                 return P.Welcome(msg.req_id, s.id, self.arena.path, self.arena.size_bytes,
                                  os.getpid(), self.config.reservation_ttl_s,
                                  self.config.lease_ttl_s, *(
-                                     (t.path, t.slots, t.epoch, self.index.seed(s.ns))
-                                     if t is not None else ()))
+                                     (t.path, t.slots, t.epoch, self.index.seed(s.ns),
+                                      s.presence_word) if t is not None else ()))
             case P.RegisterPool():
                 return P.Registered(msg.req_id, c.register_pool(self._session(msg.session),
                                                                 msg.pool, msg.page_bytes))

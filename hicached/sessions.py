@@ -33,6 +33,7 @@ class Session:
     pid: int
     name: str
     pools: dict[str, PoolSpec] = field(default_factory=dict)
+    presence_word: int = -1  # its commit word in the shared presence table (-1: none)
 
     def spec(self, pool: str) -> PoolSpec:
         try:

@@ -49,7 +49,8 @@ class SharedExists:
             return None
         try:
             return cls(PresenceView(welcome.presence_path, welcome.presence_slots,
-                                    welcome.presence_epoch, welcome.presence_seed))
+                                    welcome.presence_epoch, welcome.presence_seed,
+                                    welcome.presence_session))
         except (ArenaError, OSError, ValueError) as e:
             log.info("presence table not usable (%s): exists goes through the socket", e)
             return None

@@ -18,6 +18,7 @@ from hicached.presence import (
     F_CLOSED,
     H_FLAGS,
     MAX_LOAD,
+    SESSION_WORDS,
     PresenceTable,
     PresenceView,
     default_slots,
@@ -116,6 +117,18 @@ def test_table_overflow_closed_stale_and_other_epoch_are_not_usable(table):
     assert not os.path.exists(table.path)
 
 
+def test_session_words_acknowledge_commits(table):
+    words = [table.take_session() for _ in range(SESSION_WORDS)]
+    assert sorted(words) == list(range(SESSION_WORDS)) and table.take_session() == -1
+    table.ack(words[5], 41)
+    view = PresenceView(table.path, 64, 7, SEED, session=words[5])
+    assert view.read_up_to(41) and not view.read_up_to(42)
+    table.free_session(words[5])
+    assert table.take_session() == words[5]  # handed out again, zeroed
+    assert not view.read_up_to(1) and view.read_up_to(0)
+    assert not PresenceView(table.path, 64, 7, SEED).read_up_to(0)  # no word: ask the socket
+
+
 def test_bad_sizes_and_default_slots(tmp_path):
     with pytest.raises(ValueError, match="power of 2"):
         PresenceTable(f"/dev/shm/hicached-test-bad-{os.getpid()}", 100, 1)
@@ -194,6 +207,11 @@ def test_own_writes_are_seen_and_other_namespaces_are_not(make_daemon):
             keys = hexkeys(8, tag=100 + rnd)
             c.batch_set_v2([PoolTransfer("kv", pages(0, 8), keys=keys)])
             assert c.batch_exists(keys) == 8
+        # once the daemon acknowledged the commit in the table, no round trip is needed
+        keys = hexkeys(8, tag=200)
+        c.batch_set_v2([PoolTransfer("kv", pages(0, 8), keys=keys)])
+        assert wait_until(lambda: c._shared.view.read_up_to(c._commits[0]))
+        assert answered_shared(c, lambda: c.batch_exists(keys)) == 8
         keys = hexkeys(8, tag=100)
         assert answered_shared(c, lambda: c.batch_exists(keys)) == 8
         assert answered_shared(other, lambda: other.batch_exists(keys)) == 0
