@@ -101,13 +101,14 @@ def fingerprints(seed: int, keys: Sequence[str]) -> np.ndarray | None:
     if width == 0 or width & 7:
         return None
     blob = "\0".join(keys).encode() + b"\0"
-    if len(blob) != n * (width + 1) or blob.count(0) != n:
-        return None  # non-ASCII (more bytes than characters) or a NUL inside a key
+    if len(blob) != n * (width + 1):
+        return None  # non-ASCII (more bytes than characters), or lengths differ
     rows = np.frombuffer(blob, np.uint8).reshape(n, width + 1)
-    if rows[:, width].any():
-        return None  # lengths differ: some separator is not at a row's end
-    # words[j][i]: the j-th 8 bytes of key i, read in place (unaligned, stride width + 1)
-    words = np.ndarray((width >> 3, n), np.dtype("<u8"), blob, 0, (8, width + 1))
+    if rows[:, width].any() or np.count_nonzero(rows) != n * width:
+        return None  # lengths differ (a separator is not at a row's end), or a NUL in a key
+    # words[j]: the j-th 8 bytes of every key (gathered from stride width + 1: aligned rows)
+    words = np.ascontiguousarray(np.ndarray((width >> 3, n), np.dtype("<u8"), blob, 0,
+                                            (8, width + 1)))
     h = np.full(n, seed ^ width, np.uint64)
     for w in words:
         h ^= w
