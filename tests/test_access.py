@@ -29,6 +29,7 @@ def test_socket_and_arena_are_private_by_default(daemon):
     sock = daemon.endpoint[len("ipc://"):]
     assert _mode(sock) == (0o600, os.getgid())
     assert _mode(daemon.cfg.arena_path) == (0o600, os.getgid())
+    assert _mode(daemon.cfg.arena_path + ".presence") == (0o600, os.getgid())
 
 
 def _other_group():
@@ -48,6 +49,7 @@ def test_socket_group_makes_socket_and_arena_0660(make_daemon):
     d = make_daemon(extra=["--socket-group", name])
     assert _mode(d.endpoint[len("ipc://"):]) == (0o660, gid)
     assert _mode(d.cfg.arena_path) == (0o660, gid)
+    assert _mode(d.cfg.arena_path + ".presence") == (0o660, gid)
     with d.client() as c:  # still usable
         c.register_mem_host_pool_v2(kv_pool(seed=1), "kv")
         assert c.batch_set_v1(["g0"], pages(0, 1)) == [True]
