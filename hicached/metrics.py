@@ -187,7 +187,7 @@ class Metrics(NullMetrics):
             p["pages"] += len(table)
             p["bytes"] += len(table) * d.controller.geometry.get((ns, pool), 0)
         return {
-            "stats": {**d.controller.stats(), "requests": d.requests},
+            "stats": d.loop_stats(),
             "pools": pools,
             "arena_bytes": d.arena.size_bytes,
             "l3_bytes": {"l2_to_l3": d.workers.bytes_done["put"],
@@ -239,7 +239,7 @@ def stats_json(snap: dict) -> dict:
                    "set_ahead_slots": st["set_ahead_slots"],
                    "set_ahead_bytes": st["set_ahead_bytes"],
                    "parked_gets": st["parked_gets"], "parked_exists": st["parked_exists"],
-                   "flush": st["l2_flush"]},
+                   "flush": st["l2_flush"], "presence_table": st["presence"]},
             "l3": {**tier, "hits": total(hits, "l3"), "misses": total(misses, "l3"),
                    "backend_stats": st["l3"], **snap["l3_bytes"]},
         },

@@ -168,7 +168,13 @@ class DaemonOperations:
         return n
 
     def stats(self) -> dict:
-        return self.call(lambda: {**self.controller.stats(), "requests": self.requests})
+        return self.call(self.loop_stats)
+
+    def loop_stats(self) -> dict:
+        """The controller's counters, frames read and the presence table (loop thread only)."""
+        table = self.presence
+        return {**self.controller.stats(), "requests": self.requests,
+                "presence": table.stats() if table is not None else None}
 
     def _attach_for(self, identity: bytes, msg: P.Attach) -> None:
         """A client's Attach: connect off the loop, answer from the loop."""

@@ -33,6 +33,7 @@ sharing one is a 2^-64 event whose worst case is an exists "yes" that the get tu
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -42,6 +43,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from hicached.errors import ArenaError
+
+log = logging.getLogger(__name__)
 
 MAGIC = int.from_bytes(b"HCPRES01", "little")
 HEADER_WORDS = 8
@@ -192,6 +195,8 @@ class PresenceTable:
             return
         if self.entries >= self._limit:
             self._set_flag(F_OVERFLOW)
+            log.warning("presence table full (%d keys in %d slots): clients ask the daemon for "
+                        "every exists from now on; raise presence_slots", self.entries, self.slots)
             return
         w[at + 1] = mask  # the mask first: a reader that finds the fp finds its mask
         w[at] = fp
@@ -240,6 +245,10 @@ class PresenceTable:
         """Session word ``i``: its commits up to ``seq`` are read (and published)."""
         if i >= 0 and self._w is not None:
             self._w[HEADER_WORDS + i] = seq
+
+    def stats(self) -> dict:
+        return {"slots": self.slots, "keys": self.entries, "full": self.overflowed,
+                "sessions": SESSION_WORDS - len(self._free_sessions)}
 
     def set_l3(self, attached: bool) -> None:
         if bool(self.flags & F_L3) != attached:

@@ -420,7 +420,7 @@ class Daemon(DaemonOperations):
                 return P.BackendStatus(msg.req_id, {**self.tier.status(),
                                                     "backend_stats": self.tier.backend_stats()})
             case P.GetStats():
-                return P.Stats(msg.req_id, {**c.stats(), "requests": self.requests})
+                return P.Stats(msg.req_id, self.loop_stats())
             case P.Ping():
                 return P.Ok(msg.req_id)
         raise ProtocolError(f"unhandled message {type(msg).__name__}")

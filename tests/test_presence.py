@@ -288,3 +288,5 @@ def test_full_table_falls_back_to_the_socket(make_daemon):
         c.ping()
         assert c._shared.view.usable() is None
         assert c.batch_exists(keys) == 24
+        assert c.stats()["presence"] == {"slots": 16, "keys": 9, "full": True, "sessions": 1}
+    assert "presence table full (9 keys in 16 slots)" in daemon.output()
