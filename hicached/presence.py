@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import platform
 import struct
 import time
 from collections.abc import Sequence
@@ -55,6 +56,10 @@ F_L3, F_OVERFLOW, F_CLOSED = 1, 2, 4
 MAX_LOAD = 0.6  # past this share of slots in use the table stops taking keys (OVERFLOW)
 STALE_S = 1.0  # a heartbeat older than this: readers ask the daemon instead
 MIN_SLOTS, MAX_SLOTS = 1 << 14, 1 << 26
+# A session word may be trusted to mean "the table shows those commits" only where the daemon's
+# stores become visible in program order (x86). Elsewhere (ARM) a client reads its own writes
+# through the socket, as without the table; its other answers are unaffected.
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 _M64 = (1 << 64) - 1
 _P1, _P2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
@@ -311,7 +316,8 @@ class PresenceView:
 
     def read_up_to(self, seq: int) -> bool:
         """Whether the daemon read this session's commits up to ``seq``."""
-        return self._session is not None and int(self._session[0]) >= seq
+        return (ORDERED_STORES and self._session is not None
+                and int(self._session[0]) >= seq)
 
     def lookup(self, keys: Sequence[str]) -> np.ndarray | None:
         """Per key its pool bitmask (int64, as ``PageIndex.presence``), or None when the keys'
