@@ -80,7 +80,7 @@ class Metrics(NullMetrics):
         else:
             outcome = answer.code if type(answer) is P.Error else "ok"
         self._finish(op, outcome, t0)
-        if type(msg) is P.ExistsTally:
+        if type(msg) is P.ExistsTally and answer is None:  # (refused ones are not counted)
             self._count_tally(msg)
         match answer:
             case P.Leased():
