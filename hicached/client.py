@@ -462,7 +462,7 @@ class Client(ExistsCalls, ClientAdmin):
             self._releases.close()  # Bye ends every lease of the session
             if self._sock is not None:
                 try:
-                    tally = self._shared and self._shared.tally(self.session, force=True)
+                    tally = self._shared and self._shared.tally(self.session)
                     if tally:
                         self._sock.send(P.encode(tally), zmq.NOBLOCK)
                     self._sock.send(P.encode(P.Bye(0, self.session)), zmq.NOBLOCK)

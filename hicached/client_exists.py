@@ -52,7 +52,12 @@ class ExistsCalls:
         if shared is None or self._closed or (sent != known and not shared.view.read_up_to(sent)):
             return None
         answer = shared.answer(keys, KV, queries)
-        tally = shared.tally(self.session)
-        if tally is not None:
-            self._send_only(tally)
+        # the counts go out about once a second, never waiting for another thread's request
+        if shared.tally_due() and self._lock.acquire(blocking=False):
+            try:
+                tally = shared.tally(self.session)
+                if tally is not None:
+                    self._send_only(tally)
+            finally:
+                self._lock.release()
         return answer

@@ -35,11 +35,12 @@ from itertools import repeat
 
 import numpy as np
 
-from hicached.presence import PresenceTable, fingerprint, namespace_seed
+from hicached.presence import MAX_LOAD, PresenceTable, fingerprint, namespace_seed
 from hicached.slabs import SlabAllocator
 
 TableId = tuple[str, str]  # (namespace digest, pool name)
 MAX_POOLS = 63  # pools a namespace may have: one bit each in an int64 presence mask
+REPUBLISH_MAX = 32768  # keys a full presence table is refilled with at most (one pause of ~0.1 s)
 
 
 class Entry:
@@ -312,6 +313,18 @@ class PageIndex:
         del self._lru[entry.stride][entry]
         entry.committed = False
         self._free_slot(entry)
+
+    def republish(self, at_most: int = REPUBLISH_MAX) -> bool:
+        """Refill a full presence table once L2 holds few enough keys again (at most half the
+        table's load, and ``at_most``: each costs ~3 us of the loop); whether it did."""
+        t = self.shared
+        if t is None or not t.overflowed:
+            return False
+        n = sum(len(masks) for masks in self._presence.values())
+        if n > min(at_most, t.slots * MAX_LOAD / 2):
+            return False
+        return t.rebuild((fingerprint(self.seed(ns), key), mask)
+                         for ns, masks in self._presence.items() for key, mask in masks.items())
 
     def seed(self, ns: str) -> int:
         """The fingerprint seed of namespace ``ns`` in the shared presence table."""

@@ -39,7 +39,7 @@ import os
 import platform
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -108,7 +108,10 @@ def fingerprints(seed: int, keys: Sequence[str]) -> np.ndarray | None:
     width = len(keys[0])
     if width == 0 or width & 7:
         return None
-    blob = "\0".join(keys).encode() + b"\0"
+    try:
+        blob = "\0".join(keys).encode() + b"\0"
+    except TypeError:
+        return None  # not all str: the daemon's typed error
     if len(blob) != n * (width + 1):
         return None  # non-ASCII (more bytes than characters), or lengths differ
     rows = np.frombuffer(blob, np.uint8).reshape(n, width + 1)
@@ -193,20 +196,40 @@ class PresenceTable:
         """Publish ``fp`` with pool bitmask ``mask`` (> 0)."""
         if self.flags & (F_OVERFLOW | F_CLOSED):
             return  # readers no longer trust the table: nothing to keep up
+        if not self._put(fp, mask):
+            self._set_flag(F_OVERFLOW)
+            log.warning("presence table full (%d keys in %d slots): clients ask the daemon for "
+                        "every exists until L2 holds fewer keys again; raise presence_slots",
+                        self.entries, self.slots)
+
+    def _put(self, fp: int, mask: int) -> bool:
         w = self._w
         at = self._find(fp)
         if w[at] == fp:
             w[at + 1] = mask
-            return
+            return True
         if self.entries >= self._limit:
-            self._set_flag(F_OVERFLOW)
-            log.warning("presence table full (%d keys in %d slots): clients ask the daemon for "
-                        "every exists from now on; raise presence_slots", self.entries, self.slots)
-            return
+            return False
         w[at + 1] = mask  # the mask first: a reader that finds the fp finds its mask
         w[at] = fp
         self.entries += 1
         w[H_ENTRIES] = self.entries
+        return True
+
+    def rebuild(self, items: Iterable[tuple[int, int]]) -> bool:
+        """Refill a full table from scratch with ``(fp, mask)`` items (``PageIndex.republish``),
+        readers ignoring it meanwhile (OVERFLOW stays up until the end); whether they fit."""
+        if self._w is None:
+            return False
+        np.frombuffer(self._buf, np.uint64)[TABLE_WORD:] = 0
+        self.entries = 0
+        for fp, mask in items:
+            if not self._put(fp, mask):
+                return False
+        self._w[H_ENTRIES] = self.entries
+        self._set_flag(F_OVERFLOW, False)
+        log.info("presence table rebuilt with %d keys: clients answer exists again", self.entries)
+        return True
 
     def remove(self, fp: int) -> None:
         """Forget ``fp`` (backward-shift deletion: no tombstones, probes stay short)."""
@@ -216,6 +239,9 @@ class PresenceTable:
         hole = self._find(fp)
         if w[hole] != fp:
             return
+        # A slot's fp is zeroed before another mask goes in: a reader never finds an fp beside
+        # another key's mask (it may miss a key while it moves: staleness, as in the docstring).
+        w[hole] = 0
         s = (hole - TABLE_WORD) >> 1
         j = s
         while True:
@@ -229,8 +255,8 @@ class PresenceTable:
             if (j > s and (home <= s or home > j)) or (j < s and home <= s and home > j):
                 w[hole + 1] = w[at + 1]
                 w[hole] = cur
+                w[at] = 0
                 hole, s = at, j
-        w[hole] = 0
         self.entries -= 1
         w[H_ENTRIES] = self.entries
 
@@ -248,7 +274,7 @@ class PresenceTable:
 
     def ack(self, i: int, seq: int) -> None:
         """Session word ``i``: its commits up to ``seq`` are read (and published)."""
-        if i >= 0 and self._w is not None:
+        if i >= 0 and 0 < seq < 1 << 64 and self._w is not None:
             self._w[HEADER_WORDS + i] = seq
 
     def stats(self) -> dict:
@@ -264,7 +290,10 @@ class PresenceTable:
         if self._w is not None:
             self._w[H_FLAGS] = self.flags
 
-    def beat(self, now: float) -> None:
+    def beat(self, now: float, l3_attached: bool | None = None) -> None:
+        """The loop is alive at ``now`` (and whether an L3 backend is attached, if given)."""
+        if l3_attached is not None:
+            self.set_l3(l3_attached)
         if self._w is not None:
             self._hb[0] = now
 
@@ -310,7 +339,7 @@ class PresenceView:
         flags = int(h[H_FLAGS])
         if (flags & (F_OVERFLOW | F_CLOSED) or int(h[H_MAGIC]) != MAGIC
                 or int(h[H_EPOCH]) != self.epoch
-                or time.monotonic() - float(self.heartbeat[0]) > STALE_S):
+                or abs(time.monotonic() - float(self.heartbeat[0])) > STALE_S):
             return None
         return flags
 
@@ -321,7 +350,8 @@ class PresenceView:
 
     def lookup(self, keys: Sequence[str]) -> np.ndarray | None:
         """Per key its pool bitmask (int64, as ``PageIndex.presence``), or None when the keys'
-        fingerprints cannot be computed in one go."""
+        fingerprints cannot be computed in one go, or a slot changed under the reading (the
+        fp read again after its mask differs: ask the daemon)."""
         fps = fingerprints(self.seed, keys)
         if fps is None:
             return None
@@ -335,7 +365,10 @@ class PresenceView:
             hit = cur == want
             if hit.any():
                 where = hit.nonzero()[0] if todo is None else todo[hit]
-                out[where] = table[slot[hit], 1].view(np.int64)
+                at = slot[hit]
+                out[where] = table[at, 1].view(np.int64)
+                if not (table[at, 0] == want[hit]).all():
+                    return None
             more = ~hit & (cur != 0)
             if not more.any():
                 break

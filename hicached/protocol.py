@@ -311,6 +311,18 @@ request_decoder = msgspec.msgpack.Decoder(Request)
 answer_decoder = msgspec.msgpack.Decoder(Answer)
 
 
+def salvage_req_id(payload: bytes) -> int:
+    """The ``req_id`` of a request that does not decode as one (so that its ``Error`` reaches the
+    caller waiting for it, instead of a timeout), or 0."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return 0
+    if isinstance(raw, list) and len(raw) > 1 and type(raw[1]) is int and 0 < raw[1] < 1 << 63:
+        return raw[1]
+    return 0
+
+
 def encode(msg: msgspec.Struct) -> bytes:
     """msgpack bytes of one message."""
     return encoder.encode(msg)

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 0.5
 MAX_BATCH = 256  # requests handled before the loop looks at I/O completions and timers
 # answered while draining (they finish work in flight); everything else gets ShuttingDown
-_DRAIN_OK = (P.Commit, P.Release, P.Bye)
+_DRAIN_OK = (P.Commit, P.Release, P.Bye, P.ExistsTally)
 
 
 def backend_options(name: str, config: DaemonConfig, options: dict | None = None) -> dict:
@@ -104,6 +104,8 @@ class Daemon(DaemonOperations):
                                config.l3_load_chunk)
             if config.l3_backend != "none":
                 self.tier.attach(self._open_backend(config.l3_backend, None))
+            if self.presence is not None:  # before any client reads it (a restart with L3)
+                self.presence.beat(time.monotonic(), self.tier.attached)
             self.controller = Controller(self.index, self.leases, self.tier, time.monotonic,
                                          config.get_wait_s)
             self.controller.quotas = make_quotas(self.index, config.namespace_quotas)
@@ -231,6 +233,7 @@ class Daemon(DaemonOperations):
             self._next_watchdog = now + (interval or float("inf"))
         if now >= self._next_sweep:
             self.leases.sweep(now)
+            self.index.republish()
             self.controller.reap_dead_sessions()
             self.auth.prune(self.controller.sessions)
             self.tier.relieve_pressure()
@@ -276,8 +279,7 @@ class Daemon(DaemonOperations):
                     self._guarded(self.controller.flusher.step)
                 now = time.monotonic()
                 if self.presence is not None:
-                    self.presence.beat(now)
-                    self.presence.set_l3(self.tier.attached)
+                    self.presence.beat(now, self.tier.attached)
                 if self.controller.parked:
                     self._guarded(self.controller.expire_parked, now)
                 self._guarded(self._tick, now)
@@ -317,13 +319,12 @@ class Daemon(DaemonOperations):
             log.debug("answer to a client dropped: %s", e)
 
     def _handle(self, identity: bytes, payload: bytes) -> None:
-        t0 = time.perf_counter()
-        req_id = 0
-        msg = None
+        t0, req_id, msg = time.perf_counter(), 0, None
         try:
             try:
                 msg = P.request_decoder.decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                req_id = P.salvage_req_id(payload)
                 raise ProtocolError(f"malformed request ({len(payload)} bytes): {e}") from None
             req_id = msg.req_id
             self.auth.admit(identity, msg)

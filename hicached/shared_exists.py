@@ -17,6 +17,7 @@ close) in one ``ExistsTally``, so its exists metrics still count every call.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -40,6 +41,7 @@ class SharedExists:
         self._keys: dict[str, int] = {}
         self._hits: dict[str, int] = {}
         self._tallied = time.monotonic()
+        self._count_lock = threading.Lock()  # calls from several threads count them all
 
     @classmethod
     def open(cls, welcome: P.Welcome) -> SharedExists | None:
@@ -91,18 +93,22 @@ class SharedExists:
         return final, hits, restorable
 
     def _count(self, anchor: str, n: int, hits: dict[str, int]) -> None:
-        self._calls += 1
-        self._keys[anchor] = self._keys.get(anchor, 0) + n
-        for pool, pages in hits.items():
-            self._hits[pool] = self._hits.get(pool, 0) + pages
+        with self._count_lock:
+            self._calls += 1
+            self._keys[anchor] = self._keys.get(anchor, 0) + n
+            for pool, pages in hits.items():
+                self._hits[pool] = self._hits.get(pool, 0) + pages
 
-    def tally(self, session: int, force: bool = False) -> P.ExistsTally | None:
-        """The counts since the last tally, when ``TALLY_EVERY_S`` passed (or ``force``)."""
-        if not self._calls or (not force and
-                               time.monotonic() - self._tallied < TALLY_EVERY_S):
-            return None
-        msg = P.ExistsTally(0, session, self._calls, self._keys, self._hits)
-        self._calls, self._keys, self._hits = 0, {}, {}
-        self._tallied = time.monotonic()
+    def tally_due(self) -> bool:
+        return bool(self._calls) and time.monotonic() - self._tallied >= TALLY_EVERY_S
+
+    def tally(self, session: int) -> P.ExistsTally | None:
+        """The counts since the last tally (None: nothing counted), to send now."""
+        with self._count_lock:
+            if not self._calls:
+                return None
+            msg = P.ExistsTally(0, session, self._calls, self._keys, self._hits)
+            self._calls, self._keys, self._hits = 0, {}, {}
+            self._tallied = time.monotonic()
         return msg
 

@@ -3,6 +3,7 @@
 import os
 import random
 import signal
+import threading
 import time
 
 import numpy as np
@@ -19,6 +20,7 @@ from hicached.presence import (
     H_FLAGS,
     MAX_LOAD,
     SESSION_WORDS,
+    TABLE_WORD,
     PresenceTable,
     PresenceView,
     default_slots,
@@ -100,12 +102,64 @@ def test_table_follows_sets_and_removes_with_collisions(table):
     assert view.lookup(keys).tolist() == [model.get(k, 0) for k in keys]
 
 
+class CheckedWords:
+    """The table's words, checking after every store that each fp present sits beside its own
+    mask (``model``: fp -> mask): what a reader racing a removal may find."""
+
+    def __init__(self, words, model, slots):
+        self.words, self.model, self.slots, self.stores = words, model, slots, 0
+
+    def __getitem__(self, i):
+        return self.words[i]
+
+    def __setitem__(self, i, value):
+        self.words[i] = value
+        self.stores += 1
+        for s in range(self.slots):
+            fp = self.words[TABLE_WORD + 2 * s]
+            if fp:
+                assert self.words[TABLE_WORD + 2 * s + 1] == self.model[fp], (s, fp)
+
+
+def test_removal_never_shows_an_fp_beside_another_keys_mask(table):
+    keys = hexkeys(300, width=16)
+    fps = fingerprints(SEED, keys).tolist()
+    # keys homing in slots 3 and 4 (of 64): long runs that removals shift back
+    near = [fp for fp in fps if fp & 63 in (3, 4)][:8] + [fp for fp in fps if fp & 63 == 5][:4]
+    model = {fp: i + 1 for i, fp in enumerate(near)}
+    for fp in near:
+        table.set(fp, model[fp])
+    table._w = checked = CheckedWords(table._w, model, 64)
+    for fp in near[::2]:  # removals from the middle of the runs move the keys behind them
+        table.remove(fp)
+    assert checked.stores > 12  # keys were moved, every store checked
+    view = PresenceView(table.path, 64, 7, SEED)
+    found = view.table[:, 0].tolist()
+    assert sorted(f for f in found if f) == sorted(near[1::2])
+
+
+def test_a_full_table_is_rebuilt_once_the_keys_fit(table):
+    items = list(zip(fingerprints(SEED, hexkeys(50)).tolist(), range(1, 51), strict=True))
+    for fp, mask in items:
+        table.set(fp, mask)
+    assert table.overflowed and table.entries == int(64 * MAX_LOAD)
+    view = PresenceView(table.path, 64, 7, SEED)
+    assert view.usable() is None
+    assert not table.rebuild(items)  # still too many: stays full
+    assert table.overflowed and view.usable() is None
+    assert table.rebuild(items[:10])
+    assert not table.overflowed and view.usable() == 0 and table.entries == 10
+    assert view.lookup(hexkeys(50)).tolist() == list(range(1, 11)) + [0] * 40
+
+
 def test_table_overflow_closed_stale_and_other_epoch_are_not_usable(table):
     view = PresenceView(table.path, 64, 7, SEED)
     assert view.usable() == 0
     table.set_l3(True)
     assert view.usable() == 1
     table.beat(time.monotonic() - 5)  # a daemon stuck (or dead) for 5 s
+    assert view.usable() is None
+    table.beat(time.monotonic() + 5)  # a clock this client does not share
     assert view.usable() is None
     table.beat(time.monotonic())
     assert PresenceView(table.path, 64, 8, SEED).usable() is None  # another daemon's epoch
@@ -280,13 +334,58 @@ def test_daemon_gone_or_restarted_or_table_off(make_daemon):
     assert not os.path.exists(off.cfg.arena_path + ".presence")
 
 
-def test_full_table_falls_back_to_the_socket(make_daemon):
+def test_full_table_falls_back_to_the_socket_until_the_keys_fit(make_daemon):
     daemon = make_daemon(extra=["--l3-backend", "none", "--presence-slots", "16"])
     keys = hexkeys(24, tag=12)
     with hybrid_client(daemon) as c:
         c.batch_set_v2([PoolTransfer("kv", pages(0, 24), keys=keys)])  # 24 > 16 * MAX_LOAD
         c.ping()
         assert c._shared.view.usable() is None
-        assert c.batch_exists(keys) == 24
+        assert with_socket_calls(c, lambda: c.batch_exists(keys)) == (24, 1)
         assert c.stats()["presence"] == {"slots": 16, "keys": 9, "full": True, "sessions": 1}
-    assert "presence table full (9 keys in 16 slots)" in daemon.output()
+        c.flush("l2")  # L2 empty: the next sweep (every 0.5 s) refills the table
+        assert wait_until(lambda: c.stats()["presence"]["full"] is False)
+        c.batch_set_v2([PoolTransfer("kv", pages(0, 4), keys=keys[:4])])
+        c.ping()
+        assert answered_shared(c, lambda: c.batch_exists(keys)) == 4
+    out = daemon.output()
+    assert "presence table full (9 keys in 16 slots)" in out
+    assert "presence table rebuilt with 0 keys" in out
+
+
+def test_tally_never_waits_for_another_threads_request(make_daemon):
+    daemon = make_daemon(extra=["--l3-backend", "none"])
+    keys = hexkeys(8, tag=13)
+    with hybrid_client(daemon) as c:
+        c.batch_set_v2([PoolTransfer("kv", pages(0, 8), keys=keys)])
+        c.ping()
+        held, done = threading.Event(), threading.Event()
+
+        def hold():  # another thread in the middle of a long request holds the client's lock
+            with c._lock:
+                held.set()
+                done.wait(10)
+        t = threading.Thread(target=hold)
+        t.start()
+        held.wait(5)
+        c._shared._tallied = 0.0  # a tally is due
+        start = time.monotonic()
+        assert c.batch_exists(keys) == 8
+        assert time.monotonic() - start < 1.0 and c._shared.tally_due()  # kept for later
+        done.set()
+        t.join()
+        c.batch_exists(keys)
+        assert not c._shared.tally_due()  # sent now
+
+
+def test_l3_flag_follows_the_backend(daemon):
+    from hicached.presence import F_L3
+    with hybrid_client(daemon) as c:  # the embedded default: file L3 attached
+        assert c._shared.view.usable() & F_L3
+        c.detach_backend()
+        assert wait_until(lambda: not c._shared.view.usable() & F_L3)
+        from hicached.errors import ProtocolError
+        start = time.monotonic()  # keys of the wrong type: the daemon's typed error, at once
+        with pytest.raises(ProtocolError, match="malformed request"):
+            c.batch_exists([b"0123456789abcdef"])
+        assert time.monotonic() - start < 2.0
