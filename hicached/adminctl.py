@@ -169,6 +169,10 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
     if flush:
         lines.append(f"          flushing: slab {flush['slab']} of {flush['slabs']}, "
                      f"{flush['dropped']} pages dropped in {flush['seconds']:.1f} s")
+    table = l2.get("presence_table")
+    if table and table["full"]:
+        lines.append(f"          presence table full ({table['slots']} slots): engines ask the "
+                     "daemon for every exists (raise presence_slots)")
     if l3["attached"]:
         stored = l3.get("backend_stats", {}).get("pages")
         lines.append(

@@ -297,6 +297,12 @@ class _Collector:
         yield G("hicached_l2_flush_slabs_left", "Arena slabs an L2 flush under way has yet to "
                 "walk (0: none under way)",
                 value=flush["slabs"] - flush["slab"] if flush else 0)
+        table = st["presence"] or {"keys": 0, "slots": 0, "full": False}
+        yield G("hicached_presence_keys", "Keys in the shared presence table (clients answer "
+                "exists from it)", value=table["keys"])
+        yield G("hicached_presence_slots", "Slots of that table (0: none)", value=table["slots"])
+        yield G("hicached_presence_full", "1 when that table is full: every exists goes "
+                "through the socket", value=int(table["full"]))
         yield labeled(G, "hicached_l2_pages", "Pages in L2, per pool", ["pool"],
                       [(p, v["pages"]) for p, v in snap["pools"].items()])
         yield labeled(G, "hicached_l2_bytes", "Page bytes in L2, per pool", ["pool"],

@@ -263,6 +263,9 @@ def test_metrics_move_with_traffic(make_daemon):
     assert sample(m, "hicached_l2_pages", pool="kv") == 4
     assert sample(m, "hicached_arena_used_bytes") == 4 * page_bytes
     assert sample(m, "hicached_l2_flush_slabs_left") == 0
+    assert sample(m, "hicached_presence_keys") == 4  # the 4 pages L2 holds, one key each
+    assert sample(m, "hicached_presence_slots") >= 1 << 14
+    assert sample(m, "hicached_presence_full") == 0
     for name in ("hicached_evictions_total", "hicached_expired_leases_total",
                  "hicached_expired_reservations_total", "hicached_l3_errors_total",
                  "hicached_l3_degraded", "hicached_draining"):

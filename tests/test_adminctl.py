@@ -69,6 +69,12 @@ def test_status_shows_requests_waiting_for_l3():
                         {"tiers": tiers, "pools": {}, "sessions": 1, "requests": 9,
                          "namespaces": []})
     assert "flushing: slab 40 of 512, 9000 pages dropped in 0.2 s" in out
+    assert "presence table" not in out
+    tiers["l2"]["presence_table"] = {"slots": 16384, "keys": 9830, "full": True, "sessions": 3}
+    out = format_status("u", {"status": "ok"}, {"ready": True},
+                        {"tiers": tiers, "pools": {}, "sessions": 1, "requests": 9,
+                         "namespaces": []})
+    assert "presence table full (16384 slots)" in out
 
 
 def test_flush_attach_detach_commands(make_daemon, tmp_path):
