@@ -35,7 +35,13 @@ from itertools import repeat
 
 import numpy as np
 
-from hicached.presence import MAX_LOAD, PresenceTable, fingerprint, namespace_seed
+from hicached.presence import (
+    MAX_LOAD,
+    PresenceTable,
+    fingerprint,
+    fingerprints,
+    namespace_seed,
+)
 from hicached.slabs import SlabAllocator
 
 TableId = tuple[str, str]  # (namespace digest, pool name)
@@ -325,6 +331,17 @@ class PageIndex:
             return False
         return t.rebuild((fingerprint(self.seed(ns), key), mask)
                          for ns, masks in self._presence.items() for key, mask in masks.items())
+
+    def fingerprint_all(self, entries: Sequence[Entry]) -> None:
+        """Fingerprint the keys of ``entries`` in one vectorised call (a commit's pages), so
+        that publishing them costs ~0.7 us a key instead of ~2.5 (``presence.fingerprints``)."""
+        todo = [e for e in entries if not e.fp] if self.shared is not None else ()
+        if len(todo) < 8 or any(e.table[0] != todo[0].table[0] for e in todo):
+            return  # few, or of several namespaces: one by one when published
+        fps = fingerprints(self.seed(todo[0].table[0]), [e.key for e in todo])
+        if fps is not None:
+            for e, fp in zip(todo, fps.tolist(), strict=True):
+                e.fp = fp
 
     def seed(self, ns: str) -> int:
         """The fingerprint seed of namespace ``ns`` in the shared presence table."""

@@ -61,6 +61,7 @@ MIN_SLOTS, MAX_SLOTS = 1 << 14, 1 << 26
 # through the socket, as without the table; its other answers are unaffected.
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _M64 = (1 << 64) - 1
 _P1, _P2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
 _NP1, _NP2 = np.uint64(_P1), np.uint64(_P2)
@@ -144,7 +145,7 @@ def _create_file(path: str, nbytes: int, mode: int) -> mmap.mmap:
     try:
         os.fchmod(fd, mode)
         os.posix_fallocate(fd, 0, nbytes)
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE,  # no fault per slot
                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as e:
         os.unlink(path)
@@ -322,7 +323,7 @@ class PresenceView:
             nbytes = (TABLE_WORD + 2 * slots) * 8
             if os.fstat(fd).st_size != nbytes:
                 raise ArenaError(f"presence table {path} is not {nbytes} bytes")
-            buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         words = np.frombuffer(buf, np.uint64)
