@@ -405,15 +405,19 @@ class Client(ExistsCalls, ClientAdmin):
                 for p, ((name, io, idx), row) in enumerate(zip(todo, res.offsets)):
                     tags = res.tags[p] if p < len(res.tags) else []
                     g = guesses.get(name, {}) if first and tags else {}
-                    sel = [j for j, off in enumerate(row)
-                           if off >= 0 and g.get(j) != (off, tags[j])]
+                    # pages not where this client saw them (all of them without guesses)
+                    new = [j for j, off in enumerate(row) if g.get(j) != (off, tags[j])] \
+                        if g else range(len(row))
+                    sel = [j for j in new if row[j] >= 0]
                     if sel:
                         io.from_arena([starts_of[name][idx[j]] for j in sel], self.arena.tensor,
                                       [row[j] for j in sel])
                     for j, off in enumerate(row):
                         if off >= 0:
                             out[name][idx[j]] = True
-                    self._recall.learn(name, io, [keys_of[name][i] for i in idx], row, tags)
+                    if new and tags:  # (a guess that held is remembered already)
+                        self._recall.learn(name, io, [keys_of[name][idx[j]] for j in new],
+                                           [row[j] for j in new], [tags[j] for j in new])
                     wait = [idx[j] for j, off in enumerate(row) if off == P.SLOT_LOADING]
                     if wait:
                         again.append((name, io, wait))
