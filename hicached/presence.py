@@ -56,9 +56,9 @@ F_L3, F_OVERFLOW, F_CLOSED = 1, 2, 4
 MAX_LOAD = 0.6  # past this share of slots in use the table stops taking keys (OVERFLOW)
 STALE_S = 1.0  # a heartbeat older than this: readers ask the daemon instead
 MIN_SLOTS, MAX_SLOTS = 1 << 14, 1 << 26
-# A session word may be trusted to mean "the table shows those commits" only where the daemon's
-# stores become visible in program order (x86). Elsewhere (ARM) a client reads its own writes
-# through the socket, as without the table; its other answers are unaffected.
+# Readers rely on the daemon's stores becoming visible in program order (x86): a mask before its
+# fp, a session word after the commits it acknowledges. Elsewhere (ARM) clients do not use the
+# table at all (``SharedExists.open``): every exists goes through the socket.
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)

@@ -316,7 +316,7 @@ def salvage_req_id(payload: bytes) -> int:
     caller waiting for it, instead of a timeout), or 0."""
     try:
         raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError, ValueError):
         return 0
     if isinstance(raw, list) and len(raw) > 1 and type(raw[1]) is int and 0 < raw[1] < 1 << 63:
         return raw[1]

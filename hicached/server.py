@@ -323,7 +323,8 @@ class Daemon(DaemonOperations):
         try:
             try:
                 msg = P.request_decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError,
+                    RecursionError) as e:
                 req_id = P.salvage_req_id(payload)
                 raise ProtocolError(f"malformed request ({len(payload)} bytes): {e}") from None
             req_id = msg.req_id

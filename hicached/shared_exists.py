@@ -4,7 +4,8 @@
 when it returns None. The answer is the daemon's own (``Controller._exists_answer``), computed
 from the same per-key pool bitmasks with the same functions (``hits.py``), when:
 
-    the table is usable              (``PresenceView.usable``: fresh heartbeat, not full, ...)
+    the table is usable              (``PresenceView.usable``: fresh heartbeat, not full, ...;
+                                     x86 only: ``presence.ORDERED_STORES``)
     every pool asked is registered   (the daemon answers an unregistered one with its typed error)
     no L3 is attached, or L2 holds every page the answer looks at (else only the daemon can
                                      ask L3, and start pulling pages in)
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 from hicached import protocol as P
 from hicached.errors import ArenaError
 from hicached.hits import intersect_endpoints_array, leading_run_array
-from hicached.presence import F_L3, PresenceView
+from hicached.presence import F_L3, ORDERED_STORES, PresenceView
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class SharedExists:
     def open(cls, welcome: P.Welcome) -> SharedExists | None:
         """The table the daemon announced, or None (none announced, or it cannot be mapped
         here: a client in another container, a tcp:// endpoint)."""
-        if not welcome.presence_path:
+        if not welcome.presence_path or not ORDERED_STORES:
             return None
         try:
             return cls(PresenceView(welcome.presence_path, welcome.presence_slots,

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 from conftest import run_client_proc, wait_until
@@ -352,6 +353,15 @@ def test_malformed_frames_and_wrong_version(daemon):
             assert isinstance(ans, P.Error) and ans.code == "malformed"
         s.send_multipart([b"two", b"frames"])
         assert P.answer_decoder.decode(s.recv()).code == "malformed"
+        # a request that does not decode is answered with its own req_id when it has one (no
+        # waiting for a deadline); bytes that are not UTF-8 or nest too deep are no crash
+        bad_utf8 = b"\x94\xa5lease\x09\xa6notint\xa1\xff"
+        for junk, req_id in ((bad_utf8, 0), (b"\x91" * 5000 + b"\x01", 0),
+                             (P.encode(P.Lease(11, 5, [P.PoolKeys("kv", [])]))[:-1], 0),
+                             (msgspec.msgpack.encode(["lease", 12, "x"]), 12)):
+            s.send(junk)
+            ans = P.answer_decoder.decode(s.recv())
+            assert (ans.code, ans.req_id) == ("malformed", req_id), junk
         s.send(P.encode(P.Hello(9, 999, "ns", os.getpid())))
         ans = P.answer_decoder.decode(s.recv())
         assert ans.code == "version_mismatch" and ans.req_id == 9
@@ -362,6 +372,7 @@ def test_malformed_frames_and_wrong_version(daemon):
         ctx.term()
     with daemon.client() as c:
         c.ping()  # others unaffected
+    assert "internal error" not in daemon.output()
 
 
 def test_unreachable_daemon_fails_fast(tmp_path, daemon):
