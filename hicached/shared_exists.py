@@ -8,7 +8,9 @@ from the same per-key pool bitmasks with the same functions (``hits.py``), when:
                                      x86 only: ``presence.ORDERED_STORES``)
     every pool asked is registered   (the daemon answers an unregistered one with its typed error)
     no L3 is attached, or L2 holds every page the answer looks at (else only the daemon can
-                                     ask L3, and start pulling pages in)
+                                     ask L3, and start pulling pages in; after such a call
+                                     the next 1, 2, 4 ... 64 go to the daemon straight away,
+                                     so a workload L2 alone never answers pays ~nothing)
     this client's own commits were all read by the daemon (``Client`` checks: read your writes)
 
 Calls answered here are counted and reported to the daemon at most every ``TALLY_EVERY_S`` (and at
@@ -30,6 +32,7 @@ from hicached.presence import F_L3, ORDERED_STORES, PresenceView
 log = logging.getLogger(__name__)
 
 TALLY_EVERY_S = 1.0
+MAX_SKIP = 64  # with L3 attached, calls left to the daemon at most after L2 alone could not answer
 
 
 class SharedExists:
@@ -43,6 +46,7 @@ class SharedExists:
         self._hits: dict[str, int] = {}
         self._tallied = time.monotonic()
         self._count_lock = threading.Lock()  # calls from several threads count them all
+        self._skip, self._backoff = 0, 1  # calls to leave to the daemon, and the next such run
 
     @classmethod
     def open(cls, welcome: P.Welcome) -> SharedExists | None:
@@ -65,6 +69,9 @@ class SharedExists:
         flags = self.view.usable()
         if flags is None:
             return None
+        if flags & F_L3 and self._skip:
+            self._skip -= 1  # lately L2 alone could not answer: do not hash for nothing
+            return None
         bits = self.bits
         anchor_bit = bits.get(anchor, 0)
         pool_bits = [bits.get(q.pool, 0) for q in queries]
@@ -79,7 +86,12 @@ class SharedExists:
             for bit in pool_bits:
                 everything |= bit
             if not ((masks & everything) == everything).all():
-                return None  # L3 may hold what L2 lacks: the daemon asks it (and prefetches)
+                # L3 may hold what L2 lacks: the daemon asks it (and prefetches). Skip the table
+                # for the next 1, 2, 4 ... MAX_SKIP calls while that keeps happening.
+                self._skip = self._backoff
+                self._backoff = min(2 * self._backoff, MAX_SKIP)
+                return None
+            self._backoff = 1
         kv_pages = leading_run_array(kv_have)
         head = masks[:kv_pages]
         try:

@@ -282,7 +282,16 @@ def test_with_l3_attached_keys_l2_lacks_are_asked_of_the_daemon(daemon):
         assert wait_until(lambda: c.stats()["l3_writes"] == 8)
         assert answered_shared(c, lambda: c.batch_exists(keys)) == 8
         c.flush("l2")
+        lookups = []
+        real = c._shared.view.lookup
+        c._shared.view.lookup = lambda k: lookups.append(1) or real(k)
         assert with_socket_calls(c, lambda: c.batch_exists(keys)) == (8, 1)  # L3 has them
+        assert len(lookups) == 1
+        # L2 alone could not answer: the next call goes to the daemon without hashing the keys
+        c.flush("l2")
+        assert with_socket_calls(c, lambda: c.batch_exists(keys)) == (8, 1)
+        assert len(lookups) == 1
+        del c._shared.view.lookup
         # that exists pulled them into L2 (prefetch): then the table answers again
         assert wait_until(lambda: with_socket_calls(c, lambda: c.batch_exists(keys)) == (8, 0))
 
