@@ -398,3 +398,65 @@ def test_l3_flag_follows_the_backend(daemon):
         with pytest.raises(ProtocolError, match="malformed request"):
             c.batch_exists([b"0123456789abcdef"])
         assert time.monotonic() - start < 2.0
+
+
+WRITER_LOOP = """
+import os, sys, time, torch
+sys.path.insert(0, %r)
+from test_daemon import kv_pool, indexer_pool, pages
+from hicached import Client, PoolTransfer
+c = Client(sys.argv[1], "model-a")
+c.register_mem_host_pool_v2(kv_pool(seed=1), "kv")
+c.register_mem_host_pool_v2(indexer_pool(seed=3), "indexer")
+end = time.monotonic() + float(sys.argv[2])
+r = 0
+out = os.open(sys.argv[3], os.O_WRONLY)
+while time.monotonic() < end:
+    os.pwrite(out, r.to_bytes(8, "little"), 0)  # the round being written, for the reader  # kv-only pages ("k...") and kv+indexer pages ("b...")
+    ks = [f"k{r:07x}{i:08x}" for i in range(16)]
+    bs = [f"b{r:07x}{i:08x}" for i in range(16)]
+    c.batch_set_v2([PoolTransfer("kv", pages(0, 16), keys=ks)])
+    c.batch_set_v2([PoolTransfer("kv", pages(16, 16), keys=bs),
+                    PoolTransfer("indexer", pages(16, 16), keys=bs)])
+    r += 1
+print(r)
+c.close()
+"""
+
+
+def test_readers_racing_evictions_never_see_another_keys_pools(make_daemon, tmp_path):
+    """A writer process keeps a tiny arena evicting (the table half full: long probe runs, keys
+    moved by every removal) while this process answers exists from the table: a kv-only page must
+    never look like it has an indexer page (another key's mask), whatever the race."""
+    import subprocess
+    import sys
+    daemon = make_daemon(l2_size="1MiB", slab_size="1MiB",
+                         extra=["--l3-backend", "none", "--presence-slots", "2048"])
+    progress = tmp_path / "round"
+    progress.write_bytes(bytes(8))
+    writer = subprocess.Popen([sys.executable, "-c", WRITER_LOOP % os.path.dirname(__file__),
+                               daemon.endpoint, "4", str(progress)], stdout=subprocess.PIPE,
+                              text=True)
+    checked = answered = present = 0
+    fd = os.open(progress, os.O_RDONLY)
+    try:
+        c = hybrid_client(daemon)
+        end = time.monotonic() + 4
+        while time.monotonic() < end:
+            r = max(0, int.from_bytes(os.pread(fd, 8, 0), "little") - random.randrange(8))
+            key = f"k{r:07x}{random.randrange(16):08x}"  # a recent kv-only page (or evicted)
+            res, calls = with_socket_calls(c, lambda k=key: c.batch_exists_v2(
+                [k], [PoolTransfer("indexer", keys=[k], hit_policy="all_pages")]))
+            assert res.kv_hit_pages == 0 and "indexer" not in res.extra_pool_hit_pages, key
+            checked += 1
+            answered += not calls
+            present += res.extra_pool_hit_pages.get("kv", 0)
+        c.close()
+    finally:
+        os.close(fd)
+        if writer.poll() is None and time.monotonic() < end:
+            writer.kill()  # the reader failed early
+    rounds, _ = writer.communicate(timeout=30)
+    assert writer.returncode == 0 and int(rounds) > 10
+    assert checked > 200 and answered > checked // 2  # mostly from the table
+    assert present > checked // 4  # most asked about pages L2 held at that moment
