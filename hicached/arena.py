@@ -28,6 +28,35 @@ def _map(fd: int, size_bytes: int) -> mmap.mmap:
                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
+def create_mapped(path: str, size_bytes: int, mode: int, what: str) -> mmap.mmap:
+    """A fresh shared-memory file of ``size_bytes`` (replacing a crashed daemon's), allocated
+    up front and mapped read/write, pre-faulted; ArenaError when it cannot be."""
+    try:
+        os.unlink(path)  # a crashed daemon's file: nobody maps a file we are about to own
+    except FileNotFoundError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+    except OSError as e:
+        raise ArenaError(f"cannot create {what} {path}: {e}") from e
+    try:
+        os.fchmod(fd, mode)  # umask must not widen or narrow what the operator asked for
+        try:
+            os.posix_fallocate(fd, 0, size_bytes)
+        except OSError as e:
+            raise ArenaError(
+                f"cannot reserve {size_bytes} bytes for {what} {path} "
+                f"(is /dev/shm large enough? see `df -h /dev/shm`): {e}"
+            ) from e
+        buf = _map(fd, size_bytes)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return buf
+
+
 class Arena:
     """A mapped shared-memory file of ``size_bytes`` bytes.
 
@@ -49,30 +78,7 @@ class Arena:
         """Create (or replace) the arena file and map it, pre-faulted."""
         if size_bytes <= 0:
             raise ArenaError(f"arena size must be > 0 bytes, got {size_bytes}")
-        try:
-            os.unlink(path)  # a crashed daemon's arena: nobody maps a file we are about to own
-        except FileNotFoundError:
-            pass
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
-        except OSError as e:
-            raise ArenaError(f"cannot create arena {path}: {e}") from e
-        try:
-            os.fchmod(fd, mode)  # umask must not widen or narrow what the operator asked for
-            try:
-                os.posix_fallocate(fd, 0, size_bytes)
-            except OSError as e:
-                raise ArenaError(
-                    f"cannot reserve {size_bytes} bytes for arena {path} "
-                    f"(is /dev/shm large enough? see `df -h /dev/shm`): {e}"
-                ) from e
-            buf = _map(fd, size_bytes)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        os.close(fd)
-        return cls(path, size_bytes, buf, owner=True)
+        return cls(path, size_bytes, create_mapped(path, size_bytes, mode, "arena"), owner=True)
 
     @classmethod
     def attach(cls, path: str, size_bytes: int) -> Arena:

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from hicached.arena import create_mapped
 from hicached.errors import ArenaError
 
 log = logging.getLogger(__name__)
@@ -133,28 +134,6 @@ def fingerprints(seed: int, keys: Sequence[str]) -> np.ndarray | None:
     return h
 
 
-def _create_file(path: str, nbytes: int, mode: int) -> mmap.mmap:
-    try:
-        os.unlink(path)  # a crashed daemon's table
-    except FileNotFoundError:
-        pass
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
-    except OSError as e:
-        raise ArenaError(f"cannot create presence table {path}: {e}") from e
-    try:
-        os.fchmod(fd, mode)
-        os.posix_fallocate(fd, 0, nbytes)
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE,  # no fault per slot
-                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError as e:
-        os.unlink(path)
-        raise ArenaError(f"cannot reserve {nbytes} bytes for presence table {path} "
-                         f"(is /dev/shm large enough?): {e}") from e
-    finally:
-        os.close(fd)
-
-
 class PresenceTable:
     """The daemon's side: created empty, written only by the control loop (``set`` / ``remove``),
     with ``beat`` every turn of the loop. ``epoch`` tells this daemon's table from a successor's
@@ -165,7 +144,7 @@ class PresenceTable:
             raise ValueError(f"presence slots must be a power of 2, got {slots}")
         self.path, self.slots, self.epoch = path, slots, epoch
         self.nbytes = (TABLE_WORD + 2 * slots) * 8
-        self._buf = _create_file(path, self.nbytes, mode)
+        self._buf = create_mapped(path, self.nbytes, mode, "presence table")
         self._w = memoryview(self._buf).cast("Q")  # slot s: fp at TABLE_WORD + 2s, then mask
         self._hb = memoryview(self._buf)[H_HEARTBEAT * 8:H_HEARTBEAT * 8 + 8].cast("d")
         self._mask = slots - 1
