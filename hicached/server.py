@@ -196,11 +196,11 @@ class Daemon(DaemonOperations):
 
     def describe(self) -> str:
         c = self.config
-        l3 = "none" if c.l3_backend == "none" else c.l3_backend
-        if c.l3_backend == "file":
-            l3 += f" at {c.l3_dir}"
+        l3 = c.l3_backend + (f" at {c.l3_dir}" if c.l3_backend == "file" else "")
+        table = f"{self.presence.slots} slots" if self.presence is not None else "off"
         return (f"hicached listening on {c.endpoint} (pid {os.getpid()}); "
-                f"arena {c.l2_size / 1024**3:.2f} GiB at {c.arena_path}; L3 {l3}")
+                f"arena {c.l2_size / 1024**3:.2f} GiB at {c.arena_path}; L3 {l3}; "
+                f"presence table {table}")
 
     # ------------------------------------------------------------ loop
 
