@@ -35,7 +35,7 @@ import zmq
 from hicached import protocol as P
 from hicached.arena import Arena
 from hicached.client_admin import ClientAdmin
-from hicached.client_exists import ExistsCalls
+from hicached.client_exists import KV, ExistsCalls
 from hicached.errors import (
     DaemonUnavailable,
     LengthMismatch,
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from hicached.prefetch import PrefetchOperation, StopPolicy
 
 log = logging.getLogger(__name__)
-KV = "kv"
 # Pages at least this large are copied while a request travels (get: ``PageRecall``; set:
 # ``SetAhead``): below it, the bookkeeping per key costs more than the copy it would overlap.
 OVERLAP_MIN_PAGE_BYTES = 64 * 1024

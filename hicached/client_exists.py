@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from hicached import protocol as P
-from hicached.types import PoolTransferResult, policy_value, pool_value
+from hicached.types import PoolName, PoolTransferResult, policy_value, pool_value
 
-KV = "kv"
+KV = PoolName.KV.value  # the anchor pool of every exists
 
 
 class ExistsCalls:

@@ -298,7 +298,8 @@ class Controller:
         if r is None:
             return P.Committed(msg.req_id, stored)  # expired (or foreign): nothing published
         done: list[Entry] = []
-        self.index.fingerprint_all([e for _, _, e in r.slots])
+        if not msg.abort:
+            self.index.fingerprint_all([e for _, _, e in r.slots])
         for p, i, e in r.slots:
             ok = not msg.abort and p < len(msg.ok) and i < len(msg.ok[p]) and msg.ok[p][i]
             if ok:

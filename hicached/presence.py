@@ -325,8 +325,7 @@ class PresenceView:
 
     def read_up_to(self, seq: int) -> bool:
         """Whether the daemon read this session's commits up to ``seq``."""
-        return (ORDERED_STORES and self._session is not None
-                and int(self._session[0]) >= seq)
+        return self._session is not None and int(self._session[0]) >= seq
 
     def lookup(self, keys: Sequence[str]) -> np.ndarray | None:
         """Per key its pool bitmask (int64, as ``PageIndex.presence``), or None when the keys'
