@@ -44,6 +44,8 @@ def _serve_parser(sub) -> None:
                    help="spin this long after a request before sleeping in poll (0: never)")
     p.add_argument("--no-shared-exists", dest="shared_exists", action="store_const", const=False,
                    help="publish no presence table: every exists goes through the socket")
+    p.add_argument("--no-shared-gets", dest="shared_gets", action="store_const", const=False,
+                   help="publish no slot tags: every get leases its pages through the socket")
     p.add_argument("--presence-slots", dest="presence_slots", type=int,
                    help="slots of the shared presence table, a power of 2 (0: from l2_size)")
     p.add_argument("--log-level", dest="log_level")
@@ -69,9 +71,9 @@ def _serve_parser(sub) -> None:
 OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l3_dir",
                "l3_options", "write_policy", "write_through_threshold", "arena_path",
                "reservation_ttl_s", "lease_ttl_s", "l3_load_chunk", "get_wait_s", "prefetch",
-               "set_ahead_bytes", "busy_poll_ms", "shared_exists", "presence_slots", "log_level",
-               "admin_host", "admin_port", "admin_api_key", "drain_timeout_s", "socket_group",
-               "client_token", "allow_tcp", "namespace_quotas")
+               "set_ahead_bytes", "busy_poll_ms", "shared_exists", "shared_gets", "presence_slots",
+               "log_level", "admin_host", "admin_port", "admin_api_key", "drain_timeout_s",
+               "socket_group", "client_token", "allow_tcp", "namespace_quotas")
 
 
 def main(argv: list[str] | None = None) -> int:

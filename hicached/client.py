@@ -50,6 +50,7 @@ from hicached.hostpool import PageIO, make_page_io
 from hicached.overlap import PageRecall, SetAhead
 from hicached.piggyback import PendingReleases
 from hicached.shared_exists import SharedExists
+from hicached.shared_get import read_known
 from hicached.types import PoolTransfer, pool_value
 
 if TYPE_CHECKING:
@@ -81,7 +82,8 @@ class Client(ExistsCalls, ClientAdmin):
     def __init__(self, endpoint: str, namespace: str, *, timeout_s: float = 5.0,
                  client_name: str = "", spin_s: float = 0.002, token: str = "",
                  remember_pages: int = 65536, set_ahead_bytes: int = 64 << 20,
-                 release_delay_s: float = 0.05, shared_exists: bool = True):
+                 release_delay_s: float = 0.05, shared_exists: bool = True,
+                 shared_gets: bool = True):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
         self.endpoint = endpoint
@@ -106,7 +108,9 @@ class Client(ExistsCalls, ClientAdmin):
         self._releases = PendingReleases(self._send_release, release_delay_s)
         self.session = 0
         self.arena: Arena | None = None
-        self._use_shared = shared_exists  # answer exists from the daemon's presence table
+        self._use_shared = shared_exists or shared_gets  # map the daemon's presence table
+        self._shared_exists = shared_exists  # answer exists from it
+        self._shared_gets = shared_gets  # read known pages checked by its slot tags
         self._shared: SharedExists | None = None
         self._commits = [0, 0]  # commits sent unanswered, [sent, known read by the daemon]
         try:
@@ -224,8 +228,9 @@ class Client(ExistsCalls, ClientAdmin):
                 self._send_release(ids)
         return msg
 
-    def _send_release(self, lease_ids: list[int]) -> None:
-        self._send_only(P.Release(0, self.session, lease_ids))
+    def _send_release(self, lease_ids: list[int], touched: list[int] = (), gets: int = 0
+                      ) -> None:
+        self._send_only(P.Release(0, self.session, lease_ids, list(touched), gets))
 
     def _send_only(self, msg) -> None:
         with self._lock:
@@ -375,8 +380,14 @@ class Client(ExistsCalls, ClientAdmin):
         while the others load, then the loading ones are asked for again (joining the loads in
         flight, starting none), until none is loading or the call's deadline passes.
 
-        Speculative copies: pages whose slot this client learnt from an earlier set or get
-        (``PageRecall.learn``) are copied from there while the first lease request is on its
+        Unleased reads (``shared_get.py``): where the daemon publishes slot tags, pages whose
+        slot this client learnt from an earlier set or get are copied from there with no
+        request, checked by their tags; only the others are leased. A get of pages used before
+        then sends nothing at all.
+
+        Speculative copies (no slot tags: ``shared_gets`` off, or not x86): pages whose slot
+        this client learnt (``PageRecall.learn``) are copied from there while the first lease
+        request is on its
         way. The answer names every page's (offset, tag); a tag is unique to one page's stay in one
         slot, so a copy from the same (offset, tag) read that page's final bytes (the slot held
         them from when this client learnt it until the lease pinned it), and any other page is
@@ -388,8 +399,21 @@ class Client(ExistsCalls, ClientAdmin):
         todo = [(name, io, list(range(len(keys)))) for name, io, keys, _ in plan]
         keys_of = {name: keys for name, _, keys, _ in plan}
         starts_of = {name: starts for name, _, _, starts in plan}
-        guesses, copy = self._recall.guess(todo, keys_of, starts_of, self.arena)
-        epoch = self._epoch
+        shared, arena, epoch = self._shared, self.arena, self._epoch
+        if shared is not None and self._shared_gets and shared.view.grain:
+            guesses, copy = {}, None  # (pages that fail the tags are stale guesses)
+            read, touched = read_known(self._recall, shared.view, todo, keys_of, starts_of,
+                                       arena)
+            todo = [(name, io, [i for j, i in enumerate(idx) if j not in read.get(name, ())])
+                    for name, io, idx in todo]
+            for name, js in read.items():
+                for j in js:
+                    out[name][j] = True
+            todo = [t for t in todo if t[2]]
+            if touched:
+                self._releases.add_reads(touched, 0 if todo else 1)
+        else:
+            guesses, copy = self._recall.guess(todo, keys_of, starts_of, arena)
         first = True
         while todo:
             req = [P.PoolKeys(name, [keys_of[name][i] for i in idx]) for name, _, idx in todo]
@@ -462,12 +486,15 @@ class Client(ExistsCalls, ClientAdmin):
             if self._closed:
                 return
             self._closed = True
-            self._releases.close()  # Bye ends every lease of the session
+            touched, gets = self._releases.close()  # Bye ends every lease of the session
             if self._sock is not None:
                 try:
                     tally = self._shared and self._shared.tally(self.session)
                     if tally:
                         self._sock.send(P.encode(tally), zmq.NOBLOCK)
+                    if touched or gets:
+                        self._sock.send(P.encode(P.Release(0, self.session, [], touched, gets)),
+                                        zmq.NOBLOCK)
                     self._sock.send(P.encode(P.Bye(0, self.session)), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass

@@ -49,7 +49,8 @@ class ExistsCalls:
         word in the table says so; else a request on the socket is read after them)."""
         shared = self._shared
         sent, known = self._commits
-        if shared is None or self._closed or (sent != known and not shared.view.read_up_to(sent)):
+        if (shared is None or self._closed or not self._shared_exists
+                or (sent != known and not shared.view.read_up_to(sent))):
             return None
         answer = shared.answer(keys, KV, queries)
         # the counts go out about once a second, never waiting for another thread's request

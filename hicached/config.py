@@ -80,6 +80,7 @@ class DaemonConfig:
     busy_poll_ms: float = 0.0  # after a request, poll without sleeping this long (0: never)
     shared_exists: bool = True  # publish L2 presence in shared memory (clients answer exists)
     presence_slots: int = 0  # slots of that table, a power of 2 (0: from l2_size)
+    shared_gets: bool = True  # publish slot tags there too (clients get known pages leaselessly)
     socket_mode: int = 0o600
     log_level: str = "info"
     # operations (README, "Operating hicached")

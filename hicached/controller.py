@@ -51,7 +51,7 @@ class Controller:
         self.parked: dict[int, ParkedGet | ParkedExists] = {}  # id -> request waiting for L3
         self.pending_waiters: dict[Entry, list[ParkedGet]] = {}  # uncommitted page -> its gets
         self.counters = {"hits": 0, "misses": 0, "no_space": 0, "get_wait_timeouts": 0,
-                         "exists_wait_timeouts": 0, "partial_answers": 0}
+                         "exists_wait_timeouts": 0, "partial_answers": 0, "shared_gets": 0}
         self.quotas = NoQuotas()  # per-namespace L2 quotas (quotas.py); the daemon installs them
         # set-ahead slots (leases.AheadSlots): bytes one session / all sessions may hold
         self.ahead_session_bytes = 0
@@ -443,6 +443,16 @@ class Controller:
     def release(self, s: Session, lease_ids: list[int]) -> None:
         for lid in lease_ids:
             self.leases.release(lid, s.id)
+
+    def read_unleased(self, msg: P.Release) -> None:
+        """Pages read without a lease (``Release.touched``) are hits, as leased ones would be."""
+        entries = self.index.tagged(msg.touched)
+        self.counters["hits"] += len(entries)
+        self.counters["shared_gets"] += max(0, msg.shared_gets)
+        for e in entries:
+            self.index.touch(e)
+            e.hits += 1
+            self.tier.on_hit(e)
 
     # ------------------------------------------------------------ I/O completions
 

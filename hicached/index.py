@@ -23,7 +23,8 @@ Presence (``presence``): besides the per-pool tables, each namespace keeps one m
 the pools holding that key committed (``pool_bit``), kept by ``commit`` and ``_unpublish``, so an
 exists query looks every key up once for all its pools. With ``shared`` set, every change of a
 mask is also published in the shared-memory presence table (``presence.py``), from which clients
-answer exists without asking.
+answer exists without asking, and so is every committed large page's slot tag (``Entry.gen``, from
+``commit`` until ``_unpublish`` frees the slot), with which clients read pages without a lease.
 """
 
 from __future__ import annotations
@@ -213,8 +214,10 @@ class PageIndex:
         masks = self._presence.setdefault(entry.table[0], {})
         old = masks.get(entry.key, 0)
         masks[entry.key] = new = old | self.pool_bit(entry.table)
-        if self.shared is not None and new != old:
-            self.shared.set(self._fp(entry), new)
+        if self.shared is not None:
+            if new != old:
+                self.shared.set(self._fp(entry), new)
+            self.shared.publish_tag(entry.offset, entry.stride, entry.gen)
         self._lru.setdefault(entry.stride, OrderedDict())[entry] = None
         self.touch(entry)
         self.unpin(entry)
@@ -299,6 +302,17 @@ class PageIndex:
             return True
         return False
 
+    def tagged(self, pairs: Sequence[int]) -> list[Entry]:
+        """The committed entries named by flat (offset, tag) pairs that are still in their slot
+        (``Release.touched``: pages a client read without a lease); malformed pairs are skipped."""
+        out = []
+        by_offset = self._by_offset
+        for i in range(0, len(pairs) - 1, 2):
+            e = by_offset.get(pairs[i])
+            if e is not None and e.committed and e.gen == pairs[i + 1]:
+                out.append(e)
+        return out
+
     def at(self, offset: int) -> Entry | None:
         """The entry (any state) holding the slot at ``offset``, or None."""
         return self._by_offset.get(offset)
@@ -312,6 +326,7 @@ class PageIndex:
         else:
             del masks[entry.key]
         if self.shared is not None:
+            self.shared.clear_tag(entry.offset, entry.stride)  # before the slot is freed
             if left:
                 self.shared.set(self._fp(entry), left)
             else:

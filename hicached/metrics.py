@@ -82,6 +82,8 @@ class Metrics(NullMetrics):
         self._finish(op, outcome, t0)
         if type(msg) is P.ExistsTally and answer is None:  # (refused ones are not counted)
             self._count_tally(msg)
+        elif type(msg) is P.Release and (msg.touched or msg.shared_gets):
+            self._count_unleased(msg)
         match answer:
             case P.Leased():
                 self._count_get(msg, answer, None)
@@ -104,6 +106,15 @@ class Metrics(NullMetrics):
         for mine, theirs in ((self.exists_keys, msg.keys), (self.exists_hits, msg.hits)):
             for pool, n in theirs.items():
                 mine[pool] = mine.get(pool, 0) + max(0, n)
+
+    def _count_unleased(self, msg: P.Release) -> None:
+        """Pages a client read without a lease: L2 hits of their pools, and the get calls that
+        sent no request as lease requests with outcome ``shared``."""
+        key = ("lease", "shared")
+        self.requests[key] = self.requests.get(key, 0) + max(0, msg.shared_gets)
+        for e in self.daemon.index.tagged(msg.touched):
+            self._add(self.hits, "l2", e.table[1], 1)
+            self.client_bytes["l2_to_client"] += e.page_bytes
 
     def on_parked_answer(self, msg, answer) -> None:
         """A request that waited for L3 (loads, lookups) is answered now."""
@@ -276,7 +287,7 @@ class _Collector:
 
         yield labeled(C, "hicached_requests", "Requests answered, per op and outcome "
                       "(ok, the error code, or shared: an exists a client answered from the "
-                      "presence table)", ["op", "outcome"], snap["requests"].items())
+                      "presence table, a get that needed no request)", ["op", "outcome"], snap["requests"].items())
         yield C("hicached_frames", "Frames read from the control socket", value=st["requests"])
         yield labeled(C, "hicached_hits", "Pages served by gets, per tier and pool",
                       ["tier", "pool"], snap["hits"].items())

@@ -9,11 +9,18 @@ the namespace's pool bitmask (``PageIndex.presence``), updated by the control lo
 and removal. Clients map it read-only.
 
     file   | header: 8 x u64 | sessions: 4096 x u64 | slot 0: fp, mask | ... | slot capacity-1 |
-    header  magic, capacity, heartbeat (f64, CLOCK_MONOTONIC), flags, entries, epoch
+           | slot tags: arena_bytes // grain x u64 |
+    header  magic, capacity, heartbeat (f64, CLOCK_MONOTONIC), flags, entries, epoch, grain, tags
     session the ``seq`` of the last commit the daemon read from a session (``Commit.seq``): a
             client that sent commits without awaiting them reads its own writes once its word
             reaches its count (``Welcome.presence_session``: its word, -1 when none was free)
     fp      0 = empty; linear probing from fp & (capacity - 1); backward-shift deletion
+    tag     per ``grain`` bytes of arena (``TAG_GRAIN``; 0: no tags): the generation tag
+            (``Entry.gen``) of the committed page whose slot starts in that span, 0 when none.
+            Written at commit, zeroed *before* the slot is freed, for slots of at least a grain
+            (two such slots never start in one span). Tags are never reused, so a page read
+            from (offset, tag) while ``tag`` was there before and after the copy is that page's
+            committed bytes, unchanged: the client's lease-free get (``shared_get.py``).
 
 The daemon is the only writer (the control loop); readers take no lock. A reader that races a
 write may see a key a moment early or late, or miss one being moved by a deletion: exactly the
@@ -52,14 +59,16 @@ MAGIC = int.from_bytes(b"HCPRES01", "little")
 HEADER_WORDS = 8
 SESSION_WORDS = 4096  # sessions with a commit word; later ones read their writes via the socket
 TABLE_WORD = HEADER_WORDS + SESSION_WORDS
-H_MAGIC, H_CAPACITY, H_HEARTBEAT, H_FLAGS, H_ENTRIES, H_EPOCH = range(6)
+H_MAGIC, H_CAPACITY, H_HEARTBEAT, H_FLAGS, H_ENTRIES, H_EPOCH, H_GRAIN, H_TAGS = range(8)
 F_L3, F_OVERFLOW, F_CLOSED = 1, 2, 4
 MAX_LOAD = 0.6  # past this share of slots in use the table stops taking keys (OVERFLOW)
 STALE_S = 1.0  # a heartbeat older than this: readers ask the daemon instead
 MIN_SLOTS, MAX_SLOTS = 1 << 14, 1 << 26
-# Readers rely on the daemon's stores becoming visible in program order (x86): a mask before its
-# fp, a session word after the commits it acknowledges. Elsewhere (ARM) clients do not use the
-# table at all (``SharedExists.open``): every exists goes through the socket.
+TAG_GRAIN = 64 * 1024  # arena bytes per slot tag: pages this large or larger get a tag
+# Readers rely on the daemon's stores becoming visible in program order, and causally (x86): a
+# mask before its fp, a session word after the commits it acknowledges, a tag zeroed before any
+# writer learns of the slot. Elsewhere (ARM) clients do not use the table at all
+# (``SharedExists.open``): every exists and get goes through the socket.
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -139,13 +148,22 @@ class PresenceTable:
     with ``beat`` every turn of the loop. ``epoch`` tells this daemon's table from a successor's
     at the same path."""
 
-    def __init__(self, path: str, slots: int, epoch: int, mode: int = 0o600):
+    def __init__(self, path: str, slots: int, epoch: int, mode: int = 0o600,
+                 arena_bytes: int = 0, grain: int = 0):
         if slots < 2 or slots & (slots - 1):
             raise ValueError(f"presence slots must be a power of 2, got {slots}")
+        if grain < 0 or grain & (grain - 1):
+            raise ValueError(f"tag grain must be 0 or a power of 2, got {grain}")
         self.path, self.slots, self.epoch = path, slots, epoch
-        self.nbytes = (TABLE_WORD + 2 * slots) * 8
+        self.grain = grain if arena_bytes >= grain > 0 else 0
+        self.tag_count = arena_bytes // self.grain if self.grain else 0
+        self._tags_at = TABLE_WORD + 2 * slots
+        self.nbytes = (self._tags_at + self.tag_count) * 8
         self._buf = create_mapped(path, self.nbytes, mode, "presence table")
         self._w = memoryview(self._buf).cast("Q")  # slot s: fp at TABLE_WORD + 2s, then mask
+        # the tags (kept up to date until the daemon exits, even after ``close``: readers check
+        # the flags after their copies, and a slot is freed only after its tag is zeroed)
+        self._t = self._w[self._tags_at:] if self.tag_count else None
         self._hb = memoryview(self._buf)[H_HEARTBEAT * 8:H_HEARTBEAT * 8 + 8].cast("d")
         self._mask = slots - 1
         self._limit = int(slots * MAX_LOAD)
@@ -154,6 +172,7 @@ class PresenceTable:
         self._free_sessions = list(range(SESSION_WORDS - 1, -1, -1))
         w = self._w
         w[H_CAPACITY], w[H_EPOCH] = slots, epoch
+        w[H_GRAIN], w[H_TAGS] = self.grain, self.tag_count
         self.beat(time.monotonic())
         w[H_MAGIC] = MAGIC  # last: a reader seeing the magic sees the rest
 
@@ -201,7 +220,7 @@ class PresenceTable:
         readers ignoring it meanwhile (OVERFLOW stays up until the end); whether they fit."""
         if self._w is None:
             return False
-        np.frombuffer(self._buf, np.uint64)[TABLE_WORD:] = 0
+        np.frombuffer(self._buf, np.uint64)[TABLE_WORD:self._tags_at] = 0  # (not the tags)
         self.entries = 0
         for fp, mask in items:
             if not self._put(fp, mask):
@@ -240,6 +259,16 @@ class PresenceTable:
         self.entries -= 1
         w[H_ENTRIES] = self.entries
 
+    def publish_tag(self, offset: int, stride: int, tag: int) -> None:
+        """The page of generation ``tag`` is committed in the slot at ``offset``."""
+        if self._t is not None and stride >= self.grain:
+            self._t[offset // self.grain] = tag
+
+    def clear_tag(self, offset: int, stride: int) -> None:
+        """The page in the slot at ``offset`` is leaving it (before the slot is freed)."""
+        if self._t is not None and stride >= self.grain:
+            self._t[offset // self.grain] = 0
+
     def take_session(self) -> int:
         """A free session word, zeroed (-1: none left)."""
         if not self._free_sessions or self._w is None:
@@ -259,7 +288,8 @@ class PresenceTable:
 
     def stats(self) -> dict:
         return {"slots": self.slots, "keys": self.entries, "full": self.overflowed,
-                "sessions": SESSION_WORDS - len(self._free_sessions)}
+                "sessions": SESSION_WORDS - len(self._free_sessions),
+                "tag_grain": self.grain}
 
     def set_l3(self, attached: bool) -> None:
         if bool(self.flags & F_L3) != attached:
@@ -299,16 +329,23 @@ class PresenceView:
         except OSError as e:
             raise ArenaError(f"cannot open presence table {path}: {e}") from e
         try:
-            nbytes = (TABLE_WORD + 2 * slots) * 8
-            if os.fstat(fd).st_size != nbytes:
-                raise ArenaError(f"presence table {path} is not {nbytes} bytes")
+            base = (TABLE_WORD + 2 * slots) * 8
+            nbytes = os.fstat(fd).st_size
+            if nbytes < base or nbytes % 8:
+                raise ArenaError(f"presence table {path} is {nbytes} bytes, not {base} or more")
             buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         words = np.frombuffer(buf, np.uint64)
         self.header = words[:HEADER_WORDS]
+        # slot tags (the daemon's magic is written last: the header is complete by now)
+        self.grain, count = int(self.header[H_GRAIN]), int(self.header[H_TAGS])
+        if base + count * 8 != nbytes or (self.grain == 0) != (count == 0):
+            raise ArenaError(f"presence table {path}: {count} tags do not fit its "
+                             f"{nbytes} bytes")
+        self.tags = words[base // 8:]
         self.heartbeat = np.frombuffer(buf, np.float64, 1, H_HEARTBEAT * 8)
-        self.table = words[TABLE_WORD:].reshape(slots, 2)
+        self.table = words[TABLE_WORD:base // 8].reshape(slots, 2)
         self.slots, self.epoch, self.seed = slots, epoch, seed
         self._session = words[HEADER_WORDS + session:][:1] if 0 <= session < SESSION_WORDS else None
         self._mask = np.uint64(slots - 1)
@@ -322,6 +359,23 @@ class PresenceView:
                 or abs(time.monotonic() - float(self.heartbeat[0])) > STALE_S):
             return None
         return flags
+
+    def alive(self) -> bool:
+        """Whether the daemon keeps the table now (``usable`` less the OVERFLOW and L3 flags:
+        what the slot tags need)."""
+        h = self.header
+        return (not int(h[H_FLAGS]) & F_CLOSED and int(h[H_MAGIC]) == MAGIC
+                and int(h[H_EPOCH]) == self.epoch
+                and abs(time.monotonic() - float(self.heartbeat[0])) <= STALE_S)
+
+    def tags_match(self, offsets: np.ndarray, tags: np.ndarray) -> np.ndarray:
+        """Per slot: whether ``tags[i]`` is the tag published at ``offsets[i]`` (bool array).
+        Offsets outside the arena never match."""
+        spans = offsets // self.grain if self.grain else offsets
+        inside = (offsets >= 0) & (spans < self.tags.size)
+        ok = np.zeros(offsets.size, bool)
+        ok[inside] = self.tags[spans[inside]] == tags[inside]
+        return ok
 
     def read_up_to(self, seq: int) -> bool:
         """Whether the daemon read this session's commits up to ``seq``."""

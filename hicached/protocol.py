@@ -15,6 +15,7 @@ Requests (client -> daemon)             answer
   Lease        get                       Leased
   Release      end of get leases         (none: fire and forget)
                  (usually piggybacked instead: ``release`` of the next Exists/Reserve/Lease)
+                 and pages read without any lease, counted (``shared_get.py``)
   Bye          end of session            (none: fire and forget)
   Flush        empty L2 (and/or L3)      Ok
   GetStats     counters                  Stats
@@ -162,11 +163,17 @@ class ExistsTally(_Msg, tag="exists_tally"):
 
 class Release(_Msg, tag="release"):
     """End get leases. A client sends it alone only when no request of its own carried the ids
-    (``release`` of Exists / Reserve / Lease) within its ``release_delay_s``."""
+    (``release`` of Exists / Reserve / Lease) within its ``release_delay_s``.
+
+    It also reports the pages the client read without a lease (``shared_get.py``): ``touched``
+    holds (offset, tag) pairs, flat; each page still in its slot counts as a hit, as a leased
+    one would. ``shared_gets``: the get calls that needed no request at all."""
 
     req_id: int
     session: int
     lease_ids: list[int]
+    touched: list[int] = []
+    shared_gets: int = 0
 
 
 class Bye(_Msg, tag="bye"):

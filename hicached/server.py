@@ -41,7 +41,7 @@ from hicached.index import PageIndex
 from hicached.leases import LeaseTable
 from hicached.metrics import make_metrics
 from hicached.operations import DaemonOperations
-from hicached.presence import PresenceTable, default_slots
+from hicached.presence import TAG_GRAIN, PresenceTable, default_slots
 from hicached.quotas import make_quotas
 from hicached.sdnotify import NullNotifier
 from hicached.sessions import Session
@@ -197,7 +197,9 @@ class Daemon(DaemonOperations):
     def describe(self) -> str:
         c = self.config
         l3 = c.l3_backend + (f" at {c.l3_dir}" if c.l3_backend == "file" else "")
-        table = f"{self.presence.slots} slots" if self.presence is not None else "off"
+        t = self.presence
+        table = "off" if t is None else f"{t.slots} slots" + (
+            f", slot tags per {t.grain // 1024} KiB" if t.grain else ", no slot tags")
         return (f"hicached listening on {c.endpoint} (pid {os.getpid()}); "
                 f"arena {c.l2_size / 1024**3:.2f} GiB at {c.arena_path}; L3 {l3}; "
                 f"presence table {table}")
@@ -219,7 +221,9 @@ class Daemon(DaemonOperations):
             return None
         table = PresenceTable(config.arena_path + ".presence",
                               config.presence_slots or default_slots(config.l2_size),
-                              secrets.randbits(63), mode=config.access_mode)
+                              secrets.randbits(63), mode=config.access_mode,
+                              arena_bytes=self.arena.size_bytes,
+                              grain=TAG_GRAIN if config.shared_gets else 0)
         self._set_group(table.path)
         return table
 
@@ -373,6 +377,7 @@ class Daemon(DaemonOperations):
                 s = c.sessions.get(msg.session)
                 if s is not None:
                     c.release(s, msg.lease_ids)
+                    c.read_unleased(msg)
                 return None
             case P.Reserve():
                 if self._stop.is_set():

@@ -98,6 +98,32 @@ def test_the_sender_thread_ends_when_idle_and_comes_back(monkeypatch):
     p.close()
 
 
+def test_unleased_reads_wait_for_the_thread_or_close_never_a_carrier():
+    sent = []
+    p = PendingReleases(lambda *a: sent.append(a), 0.05)
+    p.add_reads([64, 7], 1)
+    p.add(3)
+    assert p.take() == [3]  # a carrier takes the ids only
+    p.add_reads([128, 8], 0)
+    assert wait_until(lambda: sent == [([], [64, 7, 128, 8], 1)], 5)
+    p.add_reads([192, 9], 2)
+    p.add(4)
+    assert wait_until(lambda: sent[1:] == [([4], [192, 9], 2)], 5)
+    p.add_reads([256, 10], 1)
+    assert p.close() == ([256, 10], 1)  # for the client's last Release, before its Bye
+    p.add_reads([320, 11], 1)  # closed: ignored
+    assert p.close() == ([], 0) and len(sent) == 2
+    now = []
+    q = PendingReleases(lambda *a: now.append(a), 0.0)  # no delay: at once
+    q.add_reads([64, 7], 1)
+    assert now == [([], [64, 7], 1)]
+    d = PendingReleases(lambda *a: now.append(a), 0.05)
+    d.add_reads([64, 7], 1)
+    d.drop()  # a new session: the pairs named the old daemon's slots
+    time.sleep(0.2)
+    assert len(now) == 1 and d.close() == ([], 0)
+
+
 # ---------------------------------------------------------------- through a real daemon
 
 

@@ -14,10 +14,12 @@ from conftest import wait_until
 from test_daemon import indexer_pool, kv_pool, mamba_pool, pages
 
 from hicached import PoolTransfer
-from hicached.errors import DaemonUnavailable
+from hicached.errors import ArenaError, DaemonUnavailable
 from hicached.presence import (
     F_CLOSED,
+    F_OVERFLOW,
     H_FLAGS,
+    H_TAGS,
     MAX_LOAD,
     SESSION_WORDS,
     TABLE_WORD,
@@ -228,7 +230,7 @@ def test_shared_answers_equal_the_daemons_over_random_holes(make_daemon):
     daemon = make_daemon(extra=["--l3-backend", "none"])
     rng = random.Random(5)
     with hybrid_client(daemon) as c, hybrid_client(daemon, shared_exists=False) as sock:
-        assert c._shared is not None and sock._shared is None
+        assert c._shared is not None and not sock._shared_exists
         for rnd in range(12):
             keys = hexkeys(24, tag=rnd)
             kv_n = rng.randrange(0, 25)
@@ -351,7 +353,8 @@ def test_full_table_falls_back_to_the_socket_until_the_keys_fit(make_daemon):
         c.ping()
         assert c._shared.view.usable() is None
         assert with_socket_calls(c, lambda: c.batch_exists(keys)) == (24, 1)
-        assert c.stats()["presence"] == {"slots": 16, "keys": 9, "full": True, "sessions": 1}
+        assert c.stats()["presence"] == {"slots": 16, "keys": 9, "full": True, "sessions": 1,
+                                          "tag_grain": 65536}
         c.flush("l2")  # L2 empty: the next sweep (every 0.5 s) refills the table
         assert wait_until(lambda: c.stats()["presence"]["full"] is False)
         c.batch_set_v2([PoolTransfer("kv", pages(0, 4), keys=keys[:4])])
@@ -460,3 +463,59 @@ def test_readers_racing_evictions_never_see_another_keys_pools(make_daemon, tmp_
     assert writer.returncode == 0 and int(rounds) > 10
     assert checked > 200 and answered > checked // 2  # mostly from the table
     assert present > checked // 4  # most asked about pages L2 held at that moment
+
+
+# ---------------------------------------------------------------- slot tags (shared_get.py)
+
+
+def test_slot_tags_published_cleared_and_read_by_views(tmp_path):
+    path = f"/dev/shm/hicached-test-tags-{os.getpid()}-{time.monotonic_ns()}"
+    grain = 64 * 1024
+    t = PresenceTable(path, 64, epoch=3, arena_bytes=40 * grain + 5, grain=grain)
+    try:
+        assert t.tag_count == 40 and t.stats()["tag_grain"] == grain
+        v = PresenceView(path, 64, epoch=3, seed=SEED)
+        assert v.grain == grain and v.tags.size == 40 and v.alive()
+        offs = np.array([0, 3 * grain + 64, 39 * grain, 40 * grain, -grain], np.int64)
+        tags = np.array([11, 12, 13, 14, 15], np.uint64)
+        for off, tag in zip(offs[:3].tolist(), tags[:3].tolist()):
+            t.publish_tag(off, grain, tag)
+        t.publish_tag(5 * grain, grain - 64, 99)  # a page under a grain: never published
+        assert v.tags[5] == 0
+        # outside the arena (or negative): never a match, even against a 0 tag
+        assert v.tags_match(offs, tags).tolist() == [True, True, True, False, False]
+        assert not v.tags_match(np.array([40 * grain], np.int64), np.zeros(1, np.uint64))[0]
+        assert v.tags_match(offs[:2], np.array([11, 13], np.uint64)).tolist() == [True, False]
+        t.clear_tag(3 * grain + 64, grain)
+        assert v.tags_match(offs, tags).tolist() == [True, False, True, False, False]
+        t.set(fingerprint(SEED, "k"), 1)  # a rebuild of the key slots leaves the tags alone
+        t._set_flag(F_OVERFLOW)
+        assert t.rebuild([]) and v.tags[0] == 11 and v.tags[39] == 13
+        t.close()  # readers see CLOSED; the tags are still kept until the daemon exits
+        assert not v.alive()
+        t.clear_tag(0, grain)
+        assert v.tags[0] == 0
+    finally:
+        t.close()
+
+
+def test_tables_without_tags_and_bad_tag_headers(tmp_path):
+    path = f"/dev/shm/hicached-test-tags-{os.getpid()}-{time.monotonic_ns()}"
+    t = PresenceTable(path, 64, epoch=3, arena_bytes=1 << 20, grain=0)
+    try:
+        v = PresenceView(path, 64, epoch=3, seed=SEED)
+        assert v.grain == 0 and v.tags.size == 0
+        assert not v.tags_match(np.zeros(1, np.int64), np.zeros(1, np.uint64)).any()
+        t.publish_tag(0, 1 << 20, 5)  # nothing to publish into: ignored
+    finally:
+        t.close()
+    with pytest.raises(ValueError, match="power of 2"):
+        PresenceTable(path, 64, epoch=3, arena_bytes=1 << 20, grain=3000)
+    small = PresenceTable(path, 64, epoch=3, arena_bytes=1000, grain=4096)  # under one grain
+    try:
+        assert small.grain == 0 and small.tag_count == 0
+        small._w[H_TAGS] = 5  # a header naming tags the file does not hold
+        with pytest.raises(ArenaError, match="tags do not fit"):
+            PresenceView(path, 64, epoch=3, seed=SEED)
+    finally:
+        small.close()

@@ -2,7 +2,9 @@
 is on its way, and keeps a copy only when the answer names the same (offset, tag).
 
 Real daemons on ipc:// sockets; slots are made to change hands (flush, other writers, a daemon
-restart) so every stale guess must be caught by its tag."""
+restart) so every stale guess must be caught by its tag. The daemons publish no slot tags
+(``--no-shared-gets``): with them, known pages are read with no lease at all (test_shared_get.py)
+and speculation is not used."""
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ TOKENS = 16  # tokens per page; 16 * 4 layers * 512 * 4 bytes = 128 KiB pages (s
 @pytest.fixture
 def daemon(make_daemon):
     """L2 only: a flushed page is gone, not reloaded from the embedded L3 directory."""
-    return make_daemon(extra=["--l3-backend", "none"])
+    return make_daemon(extra=["--l3-backend", "none", "--no-shared-gets"])
 
 
 def pool(seed=None, num_pages=8):
@@ -93,7 +95,7 @@ def test_flushed_page_is_a_miss_even_though_it_was_guessed(daemon):
 
 
 def test_guesses_of_a_restarted_daemon_are_void(make_daemon):
-    d = make_daemon(extra=["--l3-backend", "none"])
+    d = make_daemon(extra=["--l3-backend", "none", "--no-shared-gets"])
     a, b = pool(seed=5), pool(seed=6)
     with d.client() as c1:
         put(c1, a, ["A"])
@@ -174,7 +176,8 @@ def test_a_flush_through_the_client_voids_its_guesses(make_daemon, tmp_path):
     load runs would only compete with it, so the client's own flush forgets them."""
     import json
 
-    d = make_daemon(extra=["--l3-backend", "l3_doubles:SlowFileBackend", "--l3-options",
+    d = make_daemon(extra=["--no-shared-gets", "--l3-backend", "l3_doubles:SlowFileBackend",
+                           "--l3-options",
                            json.dumps({"root": str(tmp_path / "l3"), "get_delay_s": 0.2}),
                            "--no-prefetch"])
     src, dst = pool(seed=6), pool()

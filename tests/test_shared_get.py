@@ -1,0 +1,272 @@
+"""Gets with no lease (shared_get.py): known pages are copied from their slots and checked by the
+slot tags the daemon publishes (presence.py); every other page is leased.
+
+Real daemons on ipc:// sockets. Slots are made to change hands under the reader (a flush and a
+new writer in the middle of its copy, an evicting writer process) and every page a get calls a hit
+must hold its own key's bytes."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from admin_helpers import admin_daemon, sample, scrape
+from conftest import wait_until
+from test_daemon import indexer_pool
+from test_daemon import pages as indexer_tokens
+
+from hicached import HostPool, PoolTransfer
+from hicached.errors import DaemonUnavailable
+
+TOKENS = 16  # 16 tokens * 4 layers * 512 * 4 bytes = 128 KiB pages: tagged (>= 64 KiB)
+
+
+def pool(num_pages=8, fill=None):
+    p = HostPool.allocate_mla(num_pages, TOKENS, layers=4, kv_dim=512, dtype=torch.float32)
+    if fill is not None:  # page i holds fill + i everywhere
+        for i in range(num_pages):
+            p.kv_buffer[i * TOKENS:(i + 1) * TOKENS] = fill + i
+    return p
+
+
+def tokens(i, n=1):
+    return torch.arange(i * TOKENS, (i + n) * TOKENS)
+
+
+def page_values(p, n):
+    """The value every element of page i holds, or None where the page is not uniform."""
+    out = []
+    for i in range(n):
+        page = p.kv_buffer[i * TOKENS:(i + 1) * TOKENS]
+        v = float(page.flatten()[0])
+        out.append(v if bool((page == v).all()) else None)
+    return out
+
+
+def with_requests(c, fn):
+    """(``fn()``'s result, the requests it sent through the socket, pool registrations aside)."""
+    calls = []
+    real = c._call
+
+    def call(build, *a, **k):
+        msg = build(c.session, 0)
+        if type(msg).__name__ != "RegisterPool":
+            calls.append(msg)
+        return real(build, *a, **k)
+    c._call = call
+    try:
+        return fn(), calls
+    finally:
+        del c._call
+
+
+def names(sent):
+    return [type(m).__name__ for m in sent]
+
+
+def store(c, keys, fill):
+    src = pool(len(keys), fill)
+    c.register_mem_host_pool_v2(src, "kv")
+    assert all(c.batch_set_v2([PoolTransfer("kv", tokens(0, len(keys)), keys=keys)])["kv"])
+    c.ping()  # the fire-and-forget commit has landed
+
+
+def load(c, keys, dst=None):
+    dst = dst if dst is not None else pool(len(keys))
+    c.register_mem_host_pool_v2(dst, "kv")
+    res = c.batch_get_v2([PoolTransfer("kv", tokens(0, len(keys)), keys=keys)])["kv"]
+    return res, dst
+
+
+@pytest.fixture
+def daemon(make_daemon):
+    return make_daemon(extra=["--l3-backend", "none"])
+
+
+def test_known_pages_are_read_with_no_request(daemon):
+    keys = [f"s{i}" for i in range(6)]
+    with daemon.client() as w, daemon.client() as r:
+        store(w, keys, 100.0)
+        # the writer knows its pages from its own set: no request at all
+        (res, dst), sent = with_requests(w, lambda: load(w, keys))
+        assert res == [True] * 6 and sent == []
+        assert page_values(dst, 6) == [100.0 + i for i in range(6)]
+        # another client leases them once (it never saw them), then knows them
+        (res, dst), sent = with_requests(r, lambda: load(r, keys))
+        assert res == [True] * 6 and names(sent) == ["Lease"]
+        (res, dst), sent = with_requests(r, lambda: load(r, keys))
+        assert res == [True] * 6 and sent == [] and page_values(dst, 6) == [100.0 + i
+                                                                          for i in range(6)]
+        # a call mixing known and unknown keys leases only the unknown ones
+        (res, _), leased = with_requests(r, lambda: load(r, keys[:3] + ["never-set"]))
+        assert res == [True, True, True, False]
+        assert [t.keys for t in leased[0].transfers] == [["never-set"]]
+        # the daemon hears of them within release_delay_s: calls with no request at all
+        assert wait_until(lambda: w.stats()["shared_gets"] == 2)
+
+
+def test_a_slot_reused_during_the_copy_is_caught_by_its_tag(daemon):
+    """Between the tag check and the copy, another client flushes L2 and stores a new page in
+    the very slot: the copy reads the new bytes, the tag after it differs, and the get leases
+    the key instead (a miss: it is gone). It never returns the other page's bytes."""
+    with daemon.client() as a, daemon.client() as b:
+        store(a, ["old"], 1.0)
+        off, tag = a._recall.seen("kv", "old")
+        dst = pool(1)
+        a.register_mem_host_pool_v2(dst, "kv")
+        io = a._pools["kv"]
+        real = io.from_arena
+        seen = []
+
+        def racing(starts, arena, offsets):
+            if not seen:
+                seen.append(list(offsets))
+                b.flush("l2")
+                store(b, ["new"], 7.0)
+                assert b._recall.seen("kv", "new")[0] == off  # the same slot, a new page
+            real(starts, arena, offsets)
+
+        io.from_arena = racing
+        res, sent = with_requests(a, lambda: a.batch_get_v2(
+            [PoolTransfer("kv", tokens(0), keys=["old"])])["kv"])
+        assert seen == [[off]]  # the unleased copy ran (and read the new page's bytes) ...
+        assert res == [False] and names(sent) == ["Lease"]  # ... and was not believed
+        res, sent = with_requests(b, lambda: load(b, ["new"]))
+        assert res[0] == [True] and sent == [] and page_values(res[1], 1) == [7.0]
+        assert a._recall.seen("kv", "old") in (None, (off, tag))
+
+
+def test_unleased_reads_count_as_hits_and_keep_pages_recent(make_daemon):
+    """The daemon hears of unleased reads (one Release per release_delay_s): the page read stays
+    in L2 while an older one is evicted, and the metrics count the hits and the calls."""
+    daemon, url = admin_daemon(make_daemon, l2_size="1MiB", slab_size="1MiB",
+                               extra=["--l3-backend", "none"])
+    keys = [f"r{i}" for i in range(8)]  # 8 pages of 128 KiB fill the arena
+    with daemon.client() as c:
+        store(c, keys, 0.0)
+        res, sent = with_requests(c, lambda: load(c, keys[:1])[0])  # the oldest page
+        assert res == [True] and sent == []
+        assert wait_until(lambda: c.stats()["shared_gets"] == 1)
+        store(c, ["late"], 50.0)  # evicts the least recently used page: r1, not r0
+        assert c.batch_exists_v2(keys[:2], []).extra_pool_hit_pages == {"kv": 1}
+        assert c.batch_exists_v2(keys[1:2], []).kv_hit_pages == 0
+        for _ in range(3):
+            assert load(c, keys[:1])[0] == [True]
+    # the last reads went out with the client's Bye
+    assert wait_until(lambda: sample(scrape(url), "hicached_requests_total", op="lease",
+                                     outcome="shared") == 4)
+    m = scrape(url)
+    assert sample(m, "hicached_hits_total", tier="l2", pool="kv") == 4
+    assert sample(m, "hicached_bytes_moved_total", direction="l2_to_client") == 4 * 128 * 1024
+
+
+def test_small_pages_and_daemons_without_tags_lease(make_daemon):
+    on = make_daemon(name="on", extra=["--l3-backend", "none"])
+    with on.client() as c:  # an indexer pool of small pages (no tag) beside tagged kv pages
+        ix_src, ix_dst = indexer_pool(seed=4), indexer_pool()
+        store(c, ["m0", "m1"], 3.0)
+        c.register_mem_host_pool_v2(ix_src, "indexer")
+        assert all(c.batch_set_v2([PoolTransfer("indexer", indexer_tokens(0, 2), keys=["m0", "m1"])])
+                   ["indexer"])
+        c.register_mem_host_pool_v2(ix_dst, "indexer")
+        dst = pool(2)
+        c.register_mem_host_pool_v2(dst, "kv")
+        res, leased = with_requests(c, lambda: c.batch_get_v2(
+            [PoolTransfer("kv", tokens(0, 2), keys=["m0", "m1"]),
+             PoolTransfer("indexer", indexer_tokens(0, 2), keys=["m0", "m1"])]))
+        assert res == {"kv": [True, True], "indexer": [True, True]}
+        assert [t.pool for t in leased[0].transfers] == ["indexer"]
+        assert page_values(dst, 2) == [3.0, 4.0]
+        assert torch.equal(ix_dst.buffers[0][:2], ix_src.buffers[0][:2])
+    with on.client(shared_gets=False) as c:  # a client that does not want them
+        store(c, ["n0"], 5.0)
+        (res, dst), sent = with_requests(c, lambda: load(c, ["n0"]))
+        assert res == [True] and names(sent) == ["Lease"] and page_values(dst, 1) == [5.0]
+    off = make_daemon(name="off", extra=["--l3-backend", "none", "--no-shared-gets"])
+    with off.client() as c:
+        assert c._shared is not None and c._shared.view.grain == 0
+        store(c, ["o0"], 6.0)
+        (res, dst), sent = with_requests(c, lambda: load(c, ["o0"]))
+        assert res == [True] and names(sent) == ["Lease"] and page_values(dst, 1) == [6.0]
+
+
+def test_a_dead_daemons_slots_are_not_read_once_its_heartbeat_is_stale(daemon):
+    with daemon.client(timeout_s=1.0) as c:
+        store(c, ["d0"], 2.0)
+        assert load(c, ["d0"])[0] == [True]
+        daemon.proc.send_signal(signal.SIGKILL)
+        daemon.proc.wait(10)
+        time.sleep(1.2)  # presence.STALE_S
+        assert not c._shared.view.alive()
+        with pytest.raises(DaemonUnavailable):
+            load(c, ["d0"])
+
+
+WRITER = """
+import os, sys, time, torch
+sys.path.insert(0, %r)
+from test_shared_get import pool, tokens
+from hicached import Client, PoolTransfer
+c = Client(sys.argv[1], "model-a")
+end = time.monotonic() + float(sys.argv[2])
+out = os.open(sys.argv[3], os.O_WRONLY)
+r = 0
+while time.monotonic() < end:  # round r: keys w{r}-{i}, page i filled with r * 16 + i
+    keys = [f"w{r}-{i}" for i in range(4)]
+    src = pool(4, float(r * 16))
+    c.register_mem_host_pool_v2(src, "kv")
+    c.batch_set_v2([PoolTransfer("kv", tokens(0, 4), keys=keys)])
+    c.ping()
+    os.pwrite(out, r.to_bytes(8, "little"), 0)  # committed: the reader may ask for them
+    r += 1
+print(r)
+c.close()
+"""
+
+
+def test_readers_racing_evictions_only_ever_get_their_own_keys_bytes(make_daemon, tmp_path):
+    """A writer process keeps a 1 MiB arena (8 slots) evicting while this process gets recent
+    pages again and again: the ones it knows with no request, checked by tags. Every page a get
+    calls a hit holds exactly its key's bytes, whatever the race."""
+    daemon = make_daemon(l2_size="1MiB", slab_size="1MiB", extra=["--l3-backend", "none"])
+    progress = tmp_path / "round"
+    progress.write_bytes(bytes(8))
+    writer = subprocess.Popen([sys.executable, "-c", WRITER % os.path.dirname(__file__),
+                               daemon.endpoint, "4", str(progress)], stdout=subprocess.PIPE,
+                              text=True)
+    gets = hits = unleased = 0
+    fd = os.open(progress, os.O_RDONLY)
+    rng = np.random.default_rng(3)
+    try:
+        with daemon.client() as c:
+            dst = pool(4)
+            c.register_mem_host_pool_v2(dst, "kv")
+            end = time.monotonic() + 4
+            while time.monotonic() < end:
+                r = int.from_bytes(os.pread(fd, 8, 0), "little") - int(rng.integers(0, 2))
+                if r < 0:
+                    continue
+                keys = [f"w{r}-{i}" for i in range(4)]
+                dst.kv_buffer.fill_(-1.0)
+                res, sent = with_requests(c, lambda k=keys: c.batch_get_v2(
+                    [PoolTransfer("kv", tokens(0, 4), keys=k)])["kv"])
+                values = page_values(dst, 4)
+                for i, ok in enumerate(res):
+                    if ok:
+                        assert values[i] == r * 16 + i, (r, i, values[i])
+                gets += 1
+                hits += sum(res)
+                unleased += not sent and any(res)
+    finally:
+        os.close(fd)
+        if writer.poll() is None and time.monotonic() < end:
+            writer.kill()  # the reader failed early
+    rounds, _ = writer.communicate(timeout=30)
+    assert writer.returncode == 0 and int(rounds) > 10
+    # (here: ~1400 gets of ~2000 rounds, ~1350 pages served, ~180 gets with no request)
+    assert gets > 100 and hits > gets // 2  # many pages asked for were still there
+    assert unleased >= 10  # and some were read with no request while the writer evicted
