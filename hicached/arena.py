@@ -68,6 +68,7 @@ class Arena:
     def __init__(self, path: str, size_bytes: int, buffer: mmap.mmap, owner: bool):
         self.path = path
         self.size_bytes = size_bytes
+        self.ident: tuple[int, int] | None = None  # (device, inode) of the file a client mapped
         self.buffer = buffer
         self.owner = owner
         self.tensor = torch.frombuffer(buffer, dtype=torch.uint8, count=size_bytes)
@@ -94,9 +95,12 @@ class Arena:
                     f"arena {path} has {actual} bytes, daemon announced {size_bytes}"
                 )
             buf = _map(fd, size_bytes)
+            st = os.fstat(fd)
         finally:
             os.close(fd)
-        return cls(path, size_bytes, buf, owner=False)
+        arena = cls(path, size_bytes, buf, owner=False)
+        arena.ident = (st.st_dev, st.st_ino)
+        return arena
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """A memoryview of ``nbytes`` at ``offset`` (bounds checked)."""

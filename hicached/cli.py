@@ -43,7 +43,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--busy-poll-ms", dest="busy_poll_ms", type=float,
                    help="spin this long after a request before sleeping in poll (0: never)")
     p.add_argument("--no-shared-exists", dest="shared_exists", action="store_const", const=False,
-                   help="publish no presence table: every exists goes through the socket")
+                   help="publish no presence table: every exists (and every get, as with "
+                   "--no-shared-gets) goes through the socket")
     p.add_argument("--no-shared-gets", dest="shared_gets", action="store_const", const=False,
                    help="publish no slot tags: every get leases its pages through the socket")
     p.add_argument("--presence-slots", dest="presence_slots", type=int,

@@ -64,6 +64,16 @@ OVERLAP_MIN_PAGE_BYTES = 64 * 1024
 _CARRIERS = (P.Exists, P.Lease, P.Reserve)
 
 
+def _ident(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path`` (a daemon restarted with the same pid, as pid 1 in
+    a container, made a new arena file), or None when it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str) -> list[int]:
     """Page-start token indices (``host_indices[i * page_size]``), length-checked."""
     n = len(host_indices) if host_indices is not None else 0
@@ -112,6 +122,7 @@ class Client(ExistsCalls, ClientAdmin):
         self._shared_exists = shared_exists  # answer exists from it
         self._shared_gets = shared_gets  # read known pages checked by its slot tags
         self._shared: SharedExists | None = None
+        self._view: tuple[int, Arena | None, SharedExists | None] = (0, None, None)
         self._commits = [0, 0]  # commits sent unanswered, [sent, known read by the daemon]
         try:
             with self._lock:
@@ -149,10 +160,12 @@ class Client(ExistsCalls, ClientAdmin):
         self.reservation_ttl_s = w.reservation_ttl_s
         self.lease_ttl_s = w.lease_ttl_s
         if self.arena is None or self.arena.path != w.arena_path or \
-                self.arena.size_bytes != w.arena_bytes or self._daemon_pid != w.daemon_pid:
+                self.arena.size_bytes != w.arena_bytes or self.arena.ident != _ident(w.arena_path):
             self.arena = Arena.attach(w.arena_path, w.arena_bytes)  # old mapping dies with refs
-        self._daemon_pid = w.daemon_pid
         self._shared = SharedExists.open(w) if self._use_shared else None
+        # what answers of this session are read against, replaced in one step: a thread whose
+        # request another thread's handshake overtook copies from the arena its answer names
+        self._view = (self._epoch, self.arena, self._shared)
         for name, io in self._pools.items():
             self._registered(name, self._roundtrip(
                 P.RegisterPool(next(self._req_ids), self.session, name, io.page_bytes)))
@@ -201,20 +214,23 @@ class Client(ExistsCalls, ClientAdmin):
                 raise error_from_code(answer.code, answer.message)
             return answer
 
-    def _call(self, build, timeout_s: float | None = None, while_waiting=None) -> Any:
+    def _call(self, build, timeout_s: float | None = None, while_waiting=None,
+              view: bool = False) -> Any:
         """``build(session, req_id) -> request``; re-joins a restarted daemon once.
-        ``while_waiting``: see ``_roundtrip`` (first attempt only)."""
+        ``while_waiting``: see ``_roundtrip`` (first attempt only). ``view``: return
+        (answer, (epoch, arena, shared table) of the session that answered)."""
         if self._closed:
             raise DaemonUnavailable("client is closed")
         with self._lock:
             try:
-                return self._roundtrip(self._carry(build(self.session, next(self._req_ids))),
-                                       timeout_s, while_waiting)
+                answer = self._roundtrip(self._carry(build(self.session, next(self._req_ids))),
+                                         timeout_s, while_waiting)
             except (UnknownSession, Unauthorized):  # Unauthorized: a fresh socket, not yet joined
                 log.warning("hicached session lost (daemon restarted?): joining again")
                 self._handshake()
-                return self._roundtrip(self._carry(build(self.session, next(self._req_ids))),
-                                       timeout_s)
+                answer = self._roundtrip(self._carry(build(self.session, next(self._req_ids))),
+                                         timeout_s)
+            return (answer, self._view) if view else answer
 
     def _carry(self, msg):
         """``msg`` with the pending lease releases piggybacked; before any other request they
@@ -316,14 +332,14 @@ class Client(ExistsCalls, ClientAdmin):
             if self._epoch == epoch:
                 claim.copy(arena)
         try:
-            res = self._call(build, while_waiting=copy_ahead if claim and claim.jobs else None)
+            res, (epoch, arena, _) = self._call(
+                build, while_waiting=copy_ahead if claim and claim.jobs else None, view=True)
         except BaseException:
             if claim is not None:
                 claim.settle((), (), -1)
             raise
         if claim is not None:
-            claim.settle([name for name, _, _, _ in plan], res.ahead, self._epoch)
-        arena = self.arena
+            claim.settle([name for name, _, _, _ in plan], res.ahead, epoch)
         ok = [[off >= 0 for off in row] for row in res.offsets]
         if res.reservation_id:
             try:
@@ -342,6 +358,8 @@ class Client(ExistsCalls, ClientAdmin):
             # this; requests this client sends later are ordered after it (one socket). A commit
             # that never arrives (client killed now) only loses the pages: the slots expire.
             with self._lock:  # seq: the daemon acknowledges it in the presence table
+                if self._epoch != epoch:  # another thread joined a restarted daemon meanwhile
+                    return {name: [False] * len(keys) for name, _, keys, _ in plan}
                 self._commits[0] += 1
                 self._send_only(P.Commit(0, self.session, res.reservation_id, ok, reply=False,
                                          seq=self._commits[0]))
@@ -399,7 +417,7 @@ class Client(ExistsCalls, ClientAdmin):
         todo = [(name, io, list(range(len(keys)))) for name, io, keys, _ in plan]
         keys_of = {name: keys for name, _, keys, _ in plan}
         starts_of = {name: starts for name, _, _, starts in plan}
-        shared, arena, epoch = self._shared, self.arena, self._epoch
+        epoch, arena, shared = self._view  # one daemon's arena and tags, never a mix
         if shared is not None and self._shared_gets and shared.view.grain:
             guesses, copy = {}, None  # (pages that fail the tags are stale guesses)
             read, touched = read_known(self._recall, shared.view, todo, keys_of, starts_of,
@@ -418,10 +436,10 @@ class Client(ExistsCalls, ClientAdmin):
         while todo:
             req = [P.PoolKeys(name, [keys_of[name][i] for i in idx]) for name, _, idx in todo]
             load = first
-            res = self._call(lambda s, r, req=req, load=load: P.Lease(r, s, req, stream=True,
-                                                                      load=load),
-                             while_waiting=copy if first else None)
-            if first and self._epoch != epoch:
+            res, (now, arena, _) = self._call(
+                lambda s, r, req=req, load=load: P.Lease(r, s, req, stream=True, load=load),
+                while_waiting=copy if first else None, view=True)
+            if first and now != epoch:
                 guesses = {}  # the daemon restarted under the speculative copies
             again = []
             try:
@@ -433,12 +451,12 @@ class Client(ExistsCalls, ClientAdmin):
                         if g else range(len(row))
                     sel = [j for j in new if row[j] >= 0]
                     if sel:
-                        io.from_arena([starts_of[name][idx[j]] for j in sel], self.arena.tensor,
+                        io.from_arena([starts_of[name][idx[j]] for j in sel], arena.tensor,
                                       [row[j] for j in sel])
                     for j, off in enumerate(row):
                         if off >= 0:
                             out[name][idx[j]] = True
-                    if new and tags:  # (a guess that held is remembered already)
+                    if new and tags and now == self._epoch:  # (a guess that held: known)
                         self._recall.learn(name, io, [keys_of[name][idx[j]] for j in new],
                                            [row[j] for j in new], [tags[j] for j in new])
                     wait = [idx[j] for j, off in enumerate(row) if off == P.SLOT_LOADING]

@@ -444,15 +444,17 @@ class Controller:
         for lid in lease_ids:
             self.leases.release(lid, s.id)
 
-    def read_unleased(self, msg: P.Release) -> None:
-        """Pages read without a lease (``Release.touched``) are hits, as leased ones would be."""
-        entries = self.index.tagged(msg.touched)
+    def read_unleased(self, s: Session, msg: P.Release) -> list[Entry]:
+        """Pages of ``s``'s namespace read without a lease (``Release.touched``, at most
+        ``P.MAX_TOUCHED`` pairs) are hits, as leased ones would be; returns those still in L2."""
+        entries = self.index.tagged(msg.touched[:2 * P.MAX_TOUCHED], s.ns)
         self.counters["hits"] += len(entries)
         self.counters["shared_gets"] += max(0, msg.shared_gets)
         for e in entries:
             self.index.touch(e)
             e.hits += 1
             self.tier.on_hit(e)
+        return entries
 
     # ------------------------------------------------------------ I/O completions
 

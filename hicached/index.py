@@ -302,14 +302,15 @@ class PageIndex:
             return True
         return False
 
-    def tagged(self, pairs: Sequence[int]) -> list[Entry]:
-        """The committed entries named by flat (offset, tag) pairs that are still in their slot
-        (``Release.touched``: pages a client read without a lease); malformed pairs are skipped."""
+    def tagged(self, pairs: Sequence[int], ns: str) -> list[Entry]:
+        """The committed entries of namespace ``ns`` named by flat (offset, tag) pairs that are
+        still in their slot (``Release.touched``: pages a client read without a lease); pairs
+        naming nothing (or a trailing odd number) are skipped."""
         out = []
         by_offset = self._by_offset
         for i in range(0, len(pairs) - 1, 2):
             e = by_offset.get(pairs[i])
-            if e is not None and e.committed and e.gen == pairs[i + 1]:
+            if e is not None and e.committed and e.gen == pairs[i + 1] and e.table[0] == ns:
                 out.append(e)
         return out
 

@@ -45,6 +45,9 @@ class NullMetrics:
     def on_parked_answer(self, msg, answer) -> None:
         pass
 
+    def on_unleased(self, msg, entries) -> None:
+        pass
+
 
 class Metrics(NullMetrics):
     """See the module docstring. ``daemon`` is the ``server.Daemon`` measured."""
@@ -82,8 +85,6 @@ class Metrics(NullMetrics):
         self._finish(op, outcome, t0)
         if type(msg) is P.ExistsTally and answer is None:  # (refused ones are not counted)
             self._count_tally(msg)
-        elif type(msg) is P.Release and (msg.touched or msg.shared_gets):
-            self._count_unleased(msg)
         match answer:
             case P.Leased():
                 self._count_get(msg, answer, None)
@@ -107,12 +108,12 @@ class Metrics(NullMetrics):
             for pool, n in theirs.items():
                 mine[pool] = mine.get(pool, 0) + max(0, n)
 
-    def _count_unleased(self, msg: P.Release) -> None:
-        """Pages a client read without a lease: L2 hits of their pools, and the get calls that
-        sent no request as lease requests with outcome ``shared``."""
+    def on_unleased(self, msg: P.Release, entries: list) -> None:
+        """Pages a client read without a lease (``entries``, those still in L2): L2 hits of their
+        pools, and the get calls that sent no request as lease requests with outcome ``shared``."""
         key = ("lease", "shared")
         self.requests[key] = self.requests.get(key, 0) + max(0, msg.shared_gets)
-        for e in self.daemon.index.tagged(msg.touched):
+        for e in entries:
             self._add(self.hits, "l2", e.table[1], 1)
             self.client_bytes["l2_to_client"] += e.page_bytes
 

@@ -27,6 +27,8 @@ import time
 import weakref
 from collections.abc import Callable
 
+from hicached.protocol import MAX_TOUCHED
+
 log = logging.getLogger(__name__)
 
 IDLE_EXIT_S = 30.0  # the sender thread ends after this long with nothing to send
@@ -79,6 +81,9 @@ class PendingReleases:
             self._waiting()
             self._touched += touched
             self._gets += gets
+            if len(self._touched) >= 2 * MAX_TOUCHED:  # as much as one Release reports: now
+                self._since = float("-inf")
+                self._cv.notify()
 
     def _waiting(self) -> None:
         """Something is about to wait (under the lock): start the clock and the thread."""
@@ -107,7 +112,7 @@ class PendingReleases:
         (the ids are dropped: Bye ends every lease of the session)."""
         with self._cv:
             self._closed = True
-            reads = self._touched, self._gets
+            reads = self._touched[:2 * MAX_TOUCHED], self._gets
             self._ids, self._touched, self._gets = [], [], 0
             self._cv.notify()
             return reads
@@ -127,8 +132,10 @@ class PendingReleases:
                 if left > 0:
                     self._cv.wait(left)
                     continue
-                ids, touched, gets = self._ids, self._touched, self._gets
-                self._ids, self._touched, self._gets = [], [], 0
+                ids, touched, gets = self._ids, self._touched[:2 * MAX_TOUCHED], self._gets
+                self._ids, self._touched, self._gets = [], self._touched[2 * MAX_TOUCHED:], 0
+                if self._touched:
+                    self._since = float("-inf")  # the rest goes in the next Release, at once
                 send = self._send()
                 if send is None:  # the client is gone (its leases die with its session)
                     self._thread = None

@@ -32,7 +32,8 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: shared presence table (Welcome.presence_*, Registered)
+# 2: shared presence table (Welcome.presence_*, Registered); 3: slot tags in it, Release.touched
+PROTOCOL_VERSION = 3
 
 # Negative "offsets": what a key got instead of a slot.
 SLOT_PRESENT = -1  # Reserve: already committed (nothing to copy; counts as stored)
@@ -159,6 +160,9 @@ class ExistsTally(_Msg, tag="exists_tally"):
     calls: int
     keys: dict[str, int]
     hits: dict[str, int]
+
+
+MAX_TOUCHED = 32768  # (offset, tag) pairs one Release reports at most (the daemon reads no more)
 
 
 class Release(_Msg, tag="release"):

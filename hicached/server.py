@@ -377,7 +377,8 @@ class Daemon(DaemonOperations):
                 s = c.sessions.get(msg.session)
                 if s is not None:
                     c.release(s, msg.lease_ids)
-                    c.read_unleased(msg)
+                    if msg.touched or msg.shared_gets:
+                        self.metrics.on_unleased(msg, c.read_unleased(s, msg))
                 return None
             case P.Reserve():
                 if self._stop.is_set():

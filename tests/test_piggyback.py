@@ -100,7 +100,7 @@ def test_the_sender_thread_ends_when_idle_and_comes_back(monkeypatch):
 
 def test_unleased_reads_wait_for_the_thread_or_close_never_a_carrier():
     sent = []
-    p = PendingReleases(lambda *a: sent.append(a), 0.05)
+    p = PendingReleases(lambda *a: sent.append(a), 0.5)
     p.add_reads([64, 7], 1)
     p.add(3)
     assert p.take() == [3]  # a carrier takes the ids only
@@ -122,6 +122,17 @@ def test_unleased_reads_wait_for_the_thread_or_close_never_a_carrier():
     d.drop()  # a new session: the pairs named the old daemon's slots
     time.sleep(0.2)
     assert len(now) == 1 and d.close() == ([], 0)
+
+
+def test_reads_past_what_one_release_reports_go_out_at_once(monkeypatch):
+    from hicached import piggyback
+
+    monkeypatch.setattr(piggyback, "MAX_TOUCHED", 2)
+    sent = []
+    p = PendingReleases(lambda *a: sent.append(a), 30.0)
+    p.add_reads([1, 2, 3, 4, 5, 6], 1)  # 3 pairs: one Release reports 2
+    assert wait_until(lambda: sent == [([], [1, 2, 3, 4], 1), ([], [5, 6], 0)], 5)
+    p.close()
 
 
 # ---------------------------------------------------------------- through a real daemon

@@ -21,6 +21,7 @@ from test_daemon import pages as indexer_tokens
 
 from hicached import HostPool, PoolTransfer
 from hicached.errors import DaemonUnavailable
+from hicached.protocol import MAX_TOUCHED
 
 TOKENS = 16  # 16 tokens * 4 layers * 512 * 4 bytes = 128 KiB pages: tagged (>= 64 KiB)
 
@@ -115,7 +116,7 @@ def test_a_slot_reused_during_the_copy_is_caught_by_its_tag(daemon):
     the key instead (a miss: it is gone). It never returns the other page's bytes."""
     with daemon.client() as a, daemon.client() as b:
         store(a, ["old"], 1.0)
-        off, tag = a._recall.seen("kv", "old")
+        off, _ = a._recall.seen("kv", "old")
         dst = pool(1)
         a.register_mem_host_pool_v2(dst, "kv")
         io = a._pools["kv"]
@@ -137,7 +138,7 @@ def test_a_slot_reused_during_the_copy_is_caught_by_its_tag(daemon):
         assert res == [False] and names(sent) == ["Lease"]  # ... and was not believed
         res, sent = with_requests(b, lambda: load(b, ["new"]))
         assert res[0] == [True] and sent == [] and page_values(res[1], 1) == [7.0]
-        assert a._recall.seen("kv", "old") in (None, (off, tag))
+        assert a._recall.seen("kv", "old") is None  # the miss forgot where it was
 
 
 def test_unleased_reads_count_as_hits_and_keep_pages_recent(make_daemon):
@@ -162,6 +163,24 @@ def test_unleased_reads_count_as_hits_and_keep_pages_recent(make_daemon):
     m = scrape(url)
     assert sample(m, "hicached_hits_total", tier="l2", pool="kv") == 4
     assert sample(m, "hicached_bytes_moved_total", direction="l2_to_client") == 4 * 128 * 1024
+
+
+def test_reported_reads_count_only_pages_of_the_senders_namespace(daemon):
+    with daemon.client() as a, daemon.client("model-b") as b:
+        store(a, ["t0"], 1.0)
+        off, tag = a._recall.seen("kv", "t0")
+        hits = a.stats()["hits"]
+        b._send_release([], [off, tag, off], 0)  # another namespace's page (and an odd int)
+        b.ping()
+        assert a.stats()["hits"] == hits
+        stale = [off, tag + 1] * (MAX_TOUCHED - 1) + [-5, tag]
+        a._send_release([], stale + [off, tag], 1)  # past what one Release may report: unread
+        a.ping()
+        st = a.stats()
+        assert st["hits"] == hits and st["shared_gets"] == 1
+        a._send_release([], [off, tag], 0)
+        a.ping()
+        assert a.stats()["hits"] == hits + 1
 
 
 def test_small_pages_and_daemons_without_tags_lease(make_daemon):
