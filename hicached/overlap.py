@@ -41,8 +41,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from hicached.flatpages import TensorPages
 from hicached.hostpool import PageIO
 
@@ -77,20 +75,12 @@ class PageRecall:
         loc = self._where.get(f"{name}\0{key}")
         return None if loc is None else (loc >> 64, loc & _TAG_MASK)
 
-    def locate(self, name: str, keys: Sequence[str]
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The known pages among ``keys`` of pool ``name``: (positions in ``keys``, offsets,
-        tags) as int64 / int64 / uint64 arrays."""
+    def known(self, name: str, keys: Sequence[str]) -> list[tuple[int, int, int]]:
+        """(position in ``keys``, offset, tag) of every key of pool ``name`` whose page this
+        client saw."""
         where, prefix = self._where, name + "\0"
-        found = [(j, loc) for j, key in enumerate(keys)
-                 if (loc := where.get(prefix + key)) is not None]
-        if not found:
-            empty = np.zeros(0, np.int64)
-            return empty, empty, np.zeros(0, np.uint64)
-        pos = np.fromiter((j for j, _ in found), np.int64, len(found))
-        offs = np.fromiter((loc >> 64 for _, loc in found), np.int64, len(found))
-        tags = np.fromiter((loc & _TAG_MASK for _, loc in found), np.uint64, len(found))
-        return pos, offs, tags
+        return [(j, loc >> 64, loc & _TAG_MASK) for j, key in enumerate(keys)
+                if (loc := where.get(prefix + key)) is not None]
 
     def note(self, name: str, key: str, offset: int, tag: int) -> None:
         self._where[f"{name}\0{key}"] = offset << 64 | tag

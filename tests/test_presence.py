@@ -476,18 +476,16 @@ def test_slot_tags_published_cleared_and_read_by_views(tmp_path):
         assert t.tag_count == 40 and t.stats()["tag_grain"] == grain
         v = PresenceView(path, 64, epoch=3, seed=SEED)
         assert v.grain == grain and v.tags.size == 40 and v.alive()
-        offs = np.array([0, 3 * grain + 64, 39 * grain, 40 * grain, -grain], np.int64)
-        tags = np.array([11, 12, 13, 14, 15], np.uint64)
-        for off, tag in zip(offs[:3].tolist(), tags[:3].tolist()):
+        offs = [0, 3 * grain + 64, 39 * grain, 40 * grain, -grain]
+        for off, tag in zip(offs[:3], [11, 12, 13]):
             t.publish_tag(off, grain, tag)
         t.publish_tag(5 * grain, grain - 64, 99)  # a page under a grain: never published
         assert v.tags[5] == 0
-        # outside the arena (or negative): never a match, even against a 0 tag
-        assert v.tags_match(offs, tags).tolist() == [True, True, True, False, False]
-        assert not v.tags_match(np.array([40 * grain], np.int64), np.zeros(1, np.uint64))[0]
-        assert v.tags_match(offs[:2], np.array([11, 13], np.uint64)).tolist() == [True, False]
+        # outside the arena (or negative): -1, which no tag equals
+        assert [v.tag_of(off) for off in offs] == [11, 12, 13, -1, -1]
+        assert v.tag_of(3 * grain) == 12 and v.tag_of(4 * grain) == 0
         t.clear_tag(3 * grain + 64, grain)
-        assert v.tags_match(offs, tags).tolist() == [True, False, True, False, False]
+        assert [v.tag_of(off) for off in offs] == [11, 0, 13, -1, -1]
         t.set(fingerprint(SEED, "k"), 1)  # a rebuild of the key slots leaves the tags alone
         t._set_flag(F_OVERFLOW)
         assert t.rebuild([]) and v.tags[0] == 11 and v.tags[39] == 13
@@ -505,7 +503,7 @@ def test_tables_without_tags_and_bad_tag_headers(tmp_path):
     try:
         v = PresenceView(path, 64, epoch=3, seed=SEED)
         assert v.grain == 0 and v.tags.size == 0
-        assert not v.tags_match(np.zeros(1, np.int64), np.zeros(1, np.uint64)).any()
+        assert v.tag_of(0) == -1
         t.publish_tag(0, 1 << 20, 5)  # nothing to publish into: ignored
     finally:
         t.close()
