@@ -52,9 +52,8 @@ class GetCalls:
 
         Speculative copies (no slot tags: ``shared_gets`` off, or not x86): pages whose slot
         this client learnt (``PageRecall.learn``) are copied from there while the first lease
-        request is on its
-        way. The answer names every page's (offset, tag); a tag is unique to one page's stay in one
-        slot, so a copy from the same (offset, tag) read that page's final bytes (the slot held
+        request is on its way. The answer names every page's (offset, tag); a tag is unique to
+        one page's stay in one slot, so a copy from the same (offset, tag) read that page's final bytes (the slot held
         them from when this client learnt it until the lease pinned it), and any other page is
         copied again from its leased slot. So a get of pages this client used before costs about
         one copy instead of a round trip plus a copy. A miss may leave speculated bytes in its
