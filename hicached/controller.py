@@ -480,31 +480,3 @@ class Controller:
         """Drop unpinned L2 pages (dirty ones under write_back are written first), in slices of
         the loop (``flushing.L2Flush``); ``done(pages dropped)`` runs on the loop at the end."""
         self.flusher.request(done)
-
-    def stats(self) -> dict:
-        pools: dict[str, int] = {}
-        for (_, pool), table in self.index.tables.items():
-            pools[pool] = pools.get(pool, 0) + len(table)
-        return {
-            "l2_pages": len(self.index),
-            "l2_pages_by_pool": pools,
-            "l2_used_bytes": self.index.alloc.used_bytes(),
-            "arena_free_slabs": self.index.alloc.free_slab_count,
-            "evictions": self.index.evictions,
-            "reservations": len(self.leases.reservations),
-            "leases": len(self.leases.leases),
-            "expired_reservations": self.leases.expired_reservations,
-            "expired_leases": self.leases.expired_leases,
-            "set_ahead_slots": sum(len(slots) for a in self.leases.ahead.values()
-                                   for slots in a.pools.values()),
-            "set_ahead_bytes": self.leases.ahead_bytes,
-            "sessions": len(self.sessions),
-            "parked_gets": sum(isinstance(p, ParkedGet) for p in self.parked.values()),
-            "parked_exists": sum(isinstance(p, ParkedExists) for p in self.parked.values()),
-            "l2_flush": self.flusher.status(),
-            "l3_backend": self.tier.backend.name,
-            "l3_tier": self.tier.status(),
-            "l3": self.tier.backend_stats(),
-            **self.counters,
-            **self.tier.counters,
-        }

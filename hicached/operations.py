@@ -27,6 +27,7 @@ from hicached.errors import (
     ProtocolError,
     ShuttingDown,
 )
+from hicached.sessions import ParkedExists, ParkedGet
 from hicached.tier import close_quietly
 
 log = logging.getLogger(__name__)
@@ -170,11 +171,48 @@ class DaemonOperations:
     def stats(self) -> dict:
         return self.call(self.loop_stats)
 
+    def describe(self) -> str:
+        c = self.config
+        l3 = c.l3_backend + (f" at {c.l3_dir}" if c.l3_backend == "file" else "")
+        t = self.presence
+        table = "off" if t is None else f"{t.slots} slots" + (
+            f", slot tags per {t.grain // 1024} KiB" if t.grain else ", no slot tags")
+        return (f"hicached listening on {c.endpoint} (pid {os.getpid()}); "
+                f"arena {c.l2_size / 1024**3:.2f} GiB at {c.arena_path}; L3 {l3}; "
+                f"presence table {table}")
+
     def loop_stats(self) -> dict:
-        """The controller's counters, frames read and the presence table (loop thread only)."""
-        table = self.presence
-        return {**self.controller.stats(), "requests": self.requests,
-                "presence": table.stats() if table is not None else None}
+        """The controller's state and counters, frames read and the presence table (loop thread
+        only)."""
+        c, table = self.controller, self.presence
+        pools: dict[str, int] = {}
+        for (_, pool), pages in c.index.tables.items():
+            pools[pool] = pools.get(pool, 0) + len(pages)
+        return {
+            "l2_pages": len(c.index),
+            "l2_pages_by_pool": pools,
+            "l2_used_bytes": c.index.alloc.used_bytes(),
+            "arena_free_slabs": c.index.alloc.free_slab_count,
+            "evictions": c.index.evictions,
+            "reservations": len(c.leases.reservations),
+            "leases": len(c.leases.leases),
+            "expired_reservations": c.leases.expired_reservations,
+            "expired_leases": c.leases.expired_leases,
+            "set_ahead_slots": sum(len(slots) for a in c.leases.ahead.values()
+                                   for slots in a.pools.values()),
+            "set_ahead_bytes": c.leases.ahead_bytes,
+            "sessions": len(c.sessions),
+            "parked_gets": sum(isinstance(p, ParkedGet) for p in c.parked.values()),
+            "parked_exists": sum(isinstance(p, ParkedExists) for p in c.parked.values()),
+            "l2_flush": c.flusher.status(),
+            "l3_backend": c.tier.backend.name,
+            "l3_tier": c.tier.status(),
+            "l3": c.tier.backend_stats(),
+            **c.counters,
+            **c.tier.counters,
+            "requests": self.requests,
+            "presence": table.stats() if table is not None else None,
+        }
 
     def _attach_for(self, identity: bytes, msg: P.Attach) -> None:
         """A client's Attach: connect off the loop, answer from the loop."""

@@ -194,16 +194,6 @@ class Daemon(DaemonOperations):
                                      f"{type(e).__name__}: {e}") from None
         return backend
 
-    def describe(self) -> str:
-        c = self.config
-        l3 = c.l3_backend + (f" at {c.l3_dir}" if c.l3_backend == "file" else "")
-        t = self.presence
-        table = "off" if t is None else f"{t.slots} slots" + (
-            f", slot tags per {t.grain // 1024} KiB" if t.grain else ", no slot tags")
-        return (f"hicached listening on {c.endpoint} (pid {os.getpid()}); "
-                f"arena {c.l2_size / 1024**3:.2f} GiB at {c.arena_path}; L3 {l3}; "
-                f"presence table {table}")
-
     # ------------------------------------------------------------ loop
 
     def stop(self) -> None:

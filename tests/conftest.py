@@ -126,6 +126,39 @@ def daemon(make_daemon):
     return make_daemon()
 
 
+class RacingWriter:
+    """A writer process racing a test's reader for ``seconds``: ``python -c script`` (``script``
+    formatted with the tests directory) with argv (endpoint, seconds, progress file); it writes
+    the round it is at into that file as 8 little-endian bytes (``round()``). ``end``: when the
+    reader should stop; ``finish()`` waits for the writer and returns its rounds. Leaving the
+    ``with`` block on an exception kills the writer."""
+
+    def __init__(self, script: str, endpoint: str, seconds: float, tmp_path):
+        progress = tmp_path / "round"
+        progress.write_bytes(bytes(8))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", script % os.path.dirname(__file__), endpoint, str(seconds),
+             str(progress)], stdout=subprocess.PIPE, text=True)
+        self.fd = os.open(progress, os.O_RDONLY)
+        self.end = time.monotonic() + seconds
+
+    def round(self) -> int:
+        return int.from_bytes(os.pread(self.fd, 8, 0), "little")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        os.close(self.fd)
+        if exc_type is not None and self.proc.poll() is None:
+            self.proc.kill()  # the reader failed early
+
+    def finish(self) -> int:
+        out, _ = self.proc.communicate(timeout=30)
+        assert self.proc.returncode == 0, f"writer exited {self.proc.returncode}"
+        return int(out)
+
+
 def run_client_proc(script: str, *args: str, timeout_s: float = 60.0) -> str:
     """Run ``script`` in a fresh Python process; returns its stdout (raises on failure)."""
     out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,

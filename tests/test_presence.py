@@ -10,16 +10,14 @@ import numpy as np
 import pytest
 import torch
 from admin_helpers import admin_daemon, sample, scrape
-from conftest import wait_until
+from conftest import RacingWriter, wait_until
 from test_daemon import indexer_pool, kv_pool, mamba_pool, pages
 
 from hicached import PoolTransfer
-from hicached.errors import ArenaError, DaemonUnavailable
+from hicached.errors import DaemonUnavailable
 from hicached.presence import (
     F_CLOSED,
-    F_OVERFLOW,
     H_FLAGS,
-    H_TAGS,
     MAX_LOAD,
     SESSION_WORDS,
     TABLE_WORD,
@@ -431,22 +429,13 @@ def test_readers_racing_evictions_never_see_another_keys_pools(make_daemon, tmp_
     """A writer process keeps a tiny arena evicting (the table half full: long probe runs, keys
     moved by every removal) while this process answers exists from the table: a kv-only page must
     never look like it has an indexer page (another key's mask), whatever the race."""
-    import subprocess
-    import sys
     daemon = make_daemon(l2_size="1MiB", slab_size="1MiB",
                          extra=["--l3-backend", "none", "--presence-slots", "2048"])
-    progress = tmp_path / "round"
-    progress.write_bytes(bytes(8))
-    writer = subprocess.Popen([sys.executable, "-c", WRITER_LOOP % os.path.dirname(__file__),
-                               daemon.endpoint, "4", str(progress)], stdout=subprocess.PIPE,
-                              text=True)
     checked = answered = present = 0
-    fd = os.open(progress, os.O_RDONLY)
-    try:
-        c = hybrid_client(daemon)
-        end = time.monotonic() + 4
-        while time.monotonic() < end:
-            r = max(0, int.from_bytes(os.pread(fd, 8, 0), "little") - random.randrange(8))
+    with RacingWriter(WRITER_LOOP, daemon.endpoint, 4, tmp_path) as writer, \
+            hybrid_client(daemon) as c:
+        while time.monotonic() < writer.end:
+            r = max(0, writer.round() - random.randrange(8))
             key = f"k{r:07x}{random.randrange(16):08x}"  # a recent kv-only page (or evicted)
             res, calls = with_socket_calls(c, lambda k=key: c.batch_exists_v2(
                 [k], [PoolTransfer("indexer", keys=[k], hit_policy="all_pages")]))
@@ -454,66 +443,6 @@ def test_readers_racing_evictions_never_see_another_keys_pools(make_daemon, tmp_
             checked += 1
             answered += not calls
             present += res.extra_pool_hit_pages.get("kv", 0)
-        c.close()
-    finally:
-        os.close(fd)
-        if writer.poll() is None and time.monotonic() < end:
-            writer.kill()  # the reader failed early
-    rounds, _ = writer.communicate(timeout=30)
-    assert writer.returncode == 0 and int(rounds) > 10
+    assert writer.finish() > 10
     assert checked > 200 and answered > checked // 2  # mostly from the table
     assert present > checked // 4  # most asked about pages L2 held at that moment
-
-
-# ---------------------------------------------------------------- slot tags (shared_get.py)
-
-
-def test_slot_tags_published_cleared_and_read_by_views(tmp_path):
-    path = f"/dev/shm/hicached-test-tags-{os.getpid()}-{time.monotonic_ns()}"
-    grain = 64 * 1024
-    t = PresenceTable(path, 64, epoch=3, arena_bytes=40 * grain + 5, grain=grain)
-    try:
-        assert t.tag_count == 40 and t.stats()["tag_grain"] == grain
-        v = PresenceView(path, 64, epoch=3, seed=SEED)
-        assert v.grain == grain and v.tags.size == 40 and v.alive()
-        offs = [0, 3 * grain + 64, 39 * grain, 40 * grain, -grain]
-        for off, tag in zip(offs[:3], [11, 12, 13]):
-            t.publish_tag(off, grain, tag)
-        t.publish_tag(5 * grain, grain - 64, 99)  # a page under a grain: never published
-        assert v.tags[5] == 0
-        # outside the arena (or negative): -1, which no tag equals
-        assert [v.tag_of(off) for off in offs] == [11, 12, 13, -1, -1]
-        assert v.tag_of(3 * grain) == 12 and v.tag_of(4 * grain) == 0
-        t.clear_tag(3 * grain + 64, grain)
-        assert [v.tag_of(off) for off in offs] == [11, 0, 13, -1, -1]
-        t.set(fingerprint(SEED, "k"), 1)  # a rebuild of the key slots leaves the tags alone
-        t._set_flag(F_OVERFLOW)
-        assert t.rebuild([]) and v.tags[0] == 11 and v.tags[39] == 13
-        t.close()  # readers see CLOSED; the tags are still kept until the daemon exits
-        assert not v.alive()
-        t.clear_tag(0, grain)
-        assert v.tags[0] == 0
-    finally:
-        t.close()
-
-
-def test_tables_without_tags_and_bad_tag_headers(tmp_path):
-    path = f"/dev/shm/hicached-test-tags-{os.getpid()}-{time.monotonic_ns()}"
-    t = PresenceTable(path, 64, epoch=3, arena_bytes=1 << 20, grain=0)
-    try:
-        v = PresenceView(path, 64, epoch=3, seed=SEED)
-        assert v.grain == 0 and v.tags.size == 0
-        assert v.tag_of(0) == -1
-        t.publish_tag(0, 1 << 20, 5)  # nothing to publish into: ignored
-    finally:
-        t.close()
-    with pytest.raises(ValueError, match="power of 2"):
-        PresenceTable(path, 64, epoch=3, arena_bytes=1 << 20, grain=3000)
-    small = PresenceTable(path, 64, epoch=3, arena_bytes=1000, grain=4096)  # under one grain
-    try:
-        assert small.grain == 0 and small.tag_count == 0
-        small._w[H_TAGS] = 5  # a header naming tags the file does not hold
-        with pytest.raises(ArenaError, match="tags do not fit"):
-            PresenceView(path, 64, epoch=3, seed=SEED)
-    finally:
-        small.close()

@@ -7,22 +7,29 @@ must hold its own key's bytes."""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
 from admin_helpers import admin_daemon, sample, scrape
-from conftest import wait_until
+from conftest import RacingWriter, wait_until
 from test_daemon import indexer_pool
 from test_daemon import pages as indexer_tokens
 
 from hicached import HostPool, PoolTransfer
-from hicached.errors import DaemonUnavailable
+from hicached.errors import ArenaError, DaemonUnavailable
+from hicached.presence import (
+    F_OVERFLOW,
+    H_TAGS,
+    PresenceTable,
+    PresenceView,
+    fingerprint,
+    namespace_seed,
+)
 from hicached.protocol import MAX_TOUCHED
 
+SEED = namespace_seed("ns-test")
 TOKENS = 16  # 16 tokens * 4 layers * 512 * 4 bytes = 128 KiB pages: tagged (>= 64 KiB)
 
 
@@ -81,6 +88,63 @@ def load(c, keys, dst=None):
     c.register_mem_host_pool_v2(dst, "kv")
     res = c.batch_get_v2([PoolTransfer("kv", tokens(0, len(keys)), keys=keys)])["kv"]
     return res, dst
+
+
+# ---------------------------------------------------------------- the tags in the table
+
+
+def test_slot_tags_published_cleared_and_read_by_views(tmp_path):
+    path = f"/dev/shm/hicached-test-tags-{os.getpid()}-{time.monotonic_ns()}"
+    grain = 64 * 1024
+    t = PresenceTable(path, 64, epoch=3, arena_bytes=40 * grain + 5, grain=grain)
+    try:
+        assert t.tag_count == 40 and t.stats()["tag_grain"] == grain
+        v = PresenceView(path, 64, epoch=3, seed=SEED)
+        assert v.grain == grain and v.tags.size == 40 and v.alive()
+        offs = [0, 3 * grain + 64, 39 * grain, 40 * grain, -grain]
+        for off, tag in zip(offs[:3], [11, 12, 13]):
+            t.publish_tag(off, grain, tag)
+        t.publish_tag(5 * grain, grain - 64, 99)  # a page under a grain: never published
+        assert v.tags[5] == 0
+        # outside the arena (or negative): -1, which no tag equals
+        assert [v.tag_of(off) for off in offs] == [11, 12, 13, -1, -1]
+        assert v.tag_of(3 * grain) == 12 and v.tag_of(4 * grain) == 0
+        t.clear_tag(3 * grain + 64, grain)
+        assert [v.tag_of(off) for off in offs] == [11, 0, 13, -1, -1]
+        t.set(fingerprint(SEED, "k"), 1)  # a rebuild of the key slots leaves the tags alone
+        t._set_flag(F_OVERFLOW)
+        assert t.rebuild([]) and v.tags[0] == 11 and v.tags[39] == 13
+        t.close()  # readers see CLOSED; the tags are still kept until the daemon exits
+        assert not v.alive()
+        t.clear_tag(0, grain)
+        assert v.tags[0] == 0
+    finally:
+        t.close()
+
+
+def test_tables_without_tags_and_bad_tag_headers(tmp_path):
+    path = f"/dev/shm/hicached-test-tags-{os.getpid()}-{time.monotonic_ns()}"
+    t = PresenceTable(path, 64, epoch=3, arena_bytes=1 << 20, grain=0)
+    try:
+        v = PresenceView(path, 64, epoch=3, seed=SEED)
+        assert v.grain == 0 and v.tags.size == 0
+        assert v.tag_of(0) == -1
+        t.publish_tag(0, 1 << 20, 5)  # nothing to publish into: ignored
+    finally:
+        t.close()
+    with pytest.raises(ValueError, match="power of 2"):
+        PresenceTable(path, 64, epoch=3, arena_bytes=1 << 20, grain=3000)
+    small = PresenceTable(path, 64, epoch=3, arena_bytes=1000, grain=4096)  # under one grain
+    try:
+        assert small.grain == 0 and small.tag_count == 0
+        small._w[H_TAGS] = 5  # a header naming tags the file does not hold
+        with pytest.raises(ArenaError, match="tags do not fit"):
+            PresenceView(path, 64, epoch=3, seed=SEED)
+    finally:
+        small.close()
+
+
+# ---------------------------------------------------------------- gets through real daemons
 
 
 @pytest.fixture
@@ -252,40 +316,27 @@ def test_readers_racing_evictions_only_ever_get_their_own_keys_bytes(make_daemon
     pages again and again: the ones it knows with no request, checked by tags. Every page a get
     calls a hit holds exactly its key's bytes, whatever the race."""
     daemon = make_daemon(l2_size="1MiB", slab_size="1MiB", extra=["--l3-backend", "none"])
-    progress = tmp_path / "round"
-    progress.write_bytes(bytes(8))
-    writer = subprocess.Popen([sys.executable, "-c", WRITER % os.path.dirname(__file__),
-                               daemon.endpoint, "4", str(progress)], stdout=subprocess.PIPE,
-                              text=True)
     gets = hits = unleased = 0
-    fd = os.open(progress, os.O_RDONLY)
     rng = np.random.default_rng(3)
-    try:
-        with daemon.client() as c:
-            dst = pool(4)
-            c.register_mem_host_pool_v2(dst, "kv")
-            end = time.monotonic() + 4
-            while time.monotonic() < end:
-                r = int.from_bytes(os.pread(fd, 8, 0), "little") - int(rng.integers(0, 2))
-                if r < 0:
-                    continue
-                keys = [f"w{r}-{i}" for i in range(4)]
-                dst.kv_buffer.fill_(-1.0)
-                res, sent = with_requests(c, lambda k=keys: c.batch_get_v2(
-                    [PoolTransfer("kv", tokens(0, 4), keys=k)])["kv"])
-                values = page_values(dst, 4)
-                for i, ok in enumerate(res):
-                    if ok:
-                        assert values[i] == r * 16 + i, (r, i, values[i])
-                gets += 1
-                hits += sum(res)
-                unleased += not sent and any(res)
-    finally:
-        os.close(fd)
-        if writer.poll() is None and time.monotonic() < end:
-            writer.kill()  # the reader failed early
-    rounds, _ = writer.communicate(timeout=30)
-    assert writer.returncode == 0 and int(rounds) > 10
+    with RacingWriter(WRITER, daemon.endpoint, 4, tmp_path) as writer, daemon.client() as c:
+        dst = pool(4)
+        c.register_mem_host_pool_v2(dst, "kv")
+        while time.monotonic() < writer.end:
+            r = writer.round() - int(rng.integers(0, 2))
+            if r < 0:
+                continue
+            keys = [f"w{r}-{i}" for i in range(4)]
+            dst.kv_buffer.fill_(-1.0)
+            res, sent = with_requests(c, lambda k=keys: c.batch_get_v2(
+                [PoolTransfer("kv", tokens(0, 4), keys=k)])["kv"])
+            values = page_values(dst, 4)
+            for i, ok in enumerate(res):
+                if ok:
+                    assert values[i] == r * 16 + i, (r, i, values[i])
+            gets += 1
+            hits += sum(res)
+            unleased += not sent and any(res)
+    assert writer.finish() > 10
     # (here: 1000-1400 gets of ~2000 rounds, 400-1350 pages served, 100-200 with no request)
     assert gets > 100 and hits > gets // 10  # some pages asked for were still there
     assert unleased >= 10  # and some were read with no request while the writer evicted
