@@ -340,12 +340,33 @@ class NativePageIO(PageIO):
         self.page_bytes = self._copier.page_bytes
 
     def to_arena(self, token_starts, arena, offsets) -> None:
-        starts, offs = self._check(token_starts, offsets)
-        self._copier.to_arena(starts // self.page_size, arena, offs)
+        if not self._in_a_row(token_starts, arena, offsets, True):
+            starts, offs = self._check(token_starts, offsets)
+            self._copier.to_arena(starts // self.page_size, arena, offs)
 
     def from_arena(self, token_starts, arena, offsets) -> None:
-        starts, offs = self._check(token_starts, offsets)
-        self._copier.from_arena(starts // self.page_size, arena, offs)
+        if not self._in_a_row(token_starts, arena, offsets, False):
+            starts, offs = self._check(token_starts, offsets)
+            self._copier.from_arena(starts // self.page_size, arena, offs)
+
+    def _in_a_row(self, token_starts, arena, offsets, to_arena: bool) -> bool:
+        """Copy and return True when both sides run in a row (lists of pages one after the other
+        into slots one stride apart), the client's usual call; else False (the general path)."""
+        if type(token_starts) is not list or type(offsets) is not list:
+            return False
+        n, ps = len(token_starts), self.page_size
+        if n < 2 or len(offsets) != n:
+            return False
+        s0, o0 = token_starts[0], offsets[0]
+        stride = offsets[1] - o0
+        if (type(s0) is not int or type(o0) is not int or type(stride) is not int
+                or stride < self.page_bytes or s0 % ps or s0 < 0 or (self.capacity_tokens is not None
+                                          and s0 + n * ps > self.capacity_tokens)
+                or token_starts != list(range(s0, s0 + n * ps, ps))
+                or offsets != list(range(o0, o0 + n * stride, stride))):
+            return False
+        self._copier.copy_run(s0 // ps, n, arena, o0, stride, to_arena)
+        return True
 
 
 def _segment_order(pool: Any, segments_per_page: int) -> list[int] | None:

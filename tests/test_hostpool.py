@@ -153,6 +153,51 @@ def test_round_trip_whole_pool_into_a_zeroed_pool(case):
     assert all(torch.equal(a, b) for a, b in zip(_all_bytes(src), _all_bytes(dst), strict=True))
 
 
+@pytest.mark.parametrize("case", POOL_CASES, ids=_ids)
+@pytest.mark.parametrize("pad", [0, 40])  # packed slots, and slots rounded up (slabs)
+def test_pages_in_a_row_take_the_run_path_with_the_same_bytes(case, pad):
+    """Pages one after the other into slots one stride apart (the client's usual batch) skip the
+    array checks (``NativePageIO._in_a_row``): same arena bytes as the general path, same pages
+    back, gaps between slots untouched."""
+    src, dst = make_pool(*case), make_pool(*case, seed=None)
+    io = make_page_io(src)
+    stride = io.page_bytes + pad
+    starts = [p * src.page_size for p in range(2, 7)]
+    offsets = [64 + k * stride for k in range(5)]
+    fast = torch.full((64 + 5 * stride,), 0xA5, dtype=torch.uint8)
+    general = fast.clone()
+    io.to_arena(starts, fast, offsets)
+    io.to_arena(torch.tensor(starts), general, torch.tensor(offsets))  # tensors: general path
+    want = general.clone().fill_(0xA5)
+    reference.to_arena(src.kind, src.layout, src.page_size, src.buffers, starts, want, offsets)
+    assert torch.equal(fast, want) and torch.equal(general, want)
+    make_page_io(dst).from_arena(starts, fast, offsets)
+    for t in range(NUM_PAGES):
+        got = reference.read_page(dst.kind, dst.layout, dst.page_size, dst.buffers,
+                                  t * src.page_size)
+        if 2 <= t < 7:
+            assert torch.equal(got, reference.read_page(src.kind, src.layout, src.page_size,
+                                                        src.buffers, t * src.page_size)), t
+        else:
+            assert not got.any(), t
+
+
+def test_pages_in_a_row_are_checked_too():
+    pool = make_pool("mla", "page_first", 4)
+    io = make_page_io(pool)
+    pb = io.page_bytes
+    arena = torch.zeros(3 * pb, dtype=torch.uint8)
+    for call in (io.to_arena, io.from_arena):
+        with pytest.raises(ValueError, match="do not fit the arena"):
+            call([0, 4, 8], arena, [pb, 2 * pb, 3 * pb])  # last slot past the end
+        with pytest.raises(ValueError, match="outside the pool of 40 tokens"):
+            call([32, 36, 40], arena, [0, pb, 2 * pb])  # last page past the pool
+        with pytest.raises(ValueError, match="is not a multiple of page_size"):
+            call([2, 6], arena, [0, pb])
+    with pytest.raises(ValueError, match="overlap"):
+        io.to_arena([0, 4], arena, [0, pb // 2])  # slots closer than a page: general path
+
+
 def test_sglang_surface_mha_layer_first():
     pool = make_pool("mha", "layer_first", 4)
     kv = pool.kv_buffer  # [2, layers 3, tokens 40, heads 2, dim 4]

@@ -2,9 +2,17 @@
 
 Starts its own daemon (L3 off, so only the L2 path is measured) on an ipc socket in a temp dir,
 and measures side by side in one run:
-  memcpy   torch copy_ of the same bytes between two pre-faulted buffers, one before every call
+  memcpy   one torch copy_ of the same bytes, one before and one after every call:
+             for set, from the host pages into a ring of 8 pre-faulted buffers (a fresh
+             destination each call, as set's arena slots);
+             for get, from the very arena slots the get reads into its very host pages (the
+             same memory, so the same cache state: on a machine whose L3 holds the 128 MiB a
+             copy between two other buffers stays in cache and is no baseline for the get)
   set      batch_set_v2 of 64 pages of 1 MiB (reserve -> copy into the arena -> commit)
-  get      batch_get_v2 of the same 64 pages (lease -> copy out -> release)
+  get      batch_get_v2 of the same 64 pages (pages this client set: read with no lease,
+           checked by the daemon's slot tags, shared_get.py)
+Copies run on torch's intra-op threads (``--threads``; torch's default is one per core), the
+memcpy's and the calls' alike.
   exists   batch_exists_v2 of 1024 keys over 3 pools (kv, mamba trailing, indexer), p50 / p99:
            answered by the client from the daemon's shared presence table (presence.py), and
            beside it the same call through the socket (a client with shared_exists=False) and
@@ -15,7 +23,7 @@ This VM's speed drifts by 2x within seconds (and a neighbour's burst can halve o
 ratio is the median of per-call ratios: each call against the mean of the memcpy just before it
 and the one just after it. The GB/s columns are plain medians of each series.
 
-    python tools/bench_l2.py [--reps 30] [--daemon-args "--busy-poll-ms 0.5"] [--json]
+    python tools/bench_l2.py [--reps 30] [--threads N] [--daemon-args "--no-shared-gets"] [--json]
 """
 
 from __future__ import annotations
@@ -102,8 +110,35 @@ def paired(mem: Memcpy, rotating: bool, call) -> tuple[float, float]:
     return dt, (before + mem.run(rotating)) / 2
 
 
+class SameBytes:
+    """The get's own copy done plainly: its arena slots (64 in a row) -> its host pages, one
+    flat torch copy_; ``run`` as ``Memcpy.run``. Also times a copy between two private buffers
+    (``Memcpy``, fixed destination), printed beside it."""
+
+    def __init__(self, client: Client, keys: list[str], host: torch.Tensor, mem: Memcpy):
+        offsets = []
+        for k in keys:
+            seen = client._recall.seen("kv", k)  # where this client's last answer put the page
+            if seen is None:
+                raise SystemExit(f"the client does not know where page {k!r} is")
+            offsets.append(seen[0])
+        flat = host.view(torch.uint8).reshape(-1)
+        if offsets != list(range(offsets[0], offsets[0] + flat.numel(), flat.numel() // len(keys))):
+            raise SystemExit("the pages' slots are not in a row: no single copy to compare with")
+        self.slots = client._view[1].tensor[offsets[0]:offsets[0] + flat.numel()]
+        self.host, self.mem, self.times = flat, mem, []
+
+    def run(self, rotating: bool) -> float:
+        self.mem.run(False)
+        t = time.perf_counter()
+        self.host.copy_(self.slots)
+        dt = time.perf_counter() - t
+        self.times.append(dt)
+        return dt
+
+
 def bench_set_get(endpoint: str, reps: int, mem: Memcpy
-                  ) -> tuple[list[float], list[float], list[float], list[float], int]:
+                  ) -> tuple[list[float], list[float], list[float], list[float], int, list[float]]:
     with Client(endpoint, "bench-1mib") as c:
         src = HostPool.allocate_mla(PAGES, PAGE_SIZE, LAYERS, KV_DIM, dtype=torch.bfloat16)
         src.kv_buffer.normal_()
@@ -112,10 +147,10 @@ def bench_set_get(endpoint: str, reps: int, mem: Memcpy
         c.register_mem_host_pool_v2(src, "kv")
         idx = torch.arange(PAGES * PAGE_SIZE)
         nbytes = PAGES * src.page_bytes
-        def run(op, rotating: bool) -> tuple[list[float], list[float]]:
+        def run(op, rotating: bool, base) -> tuple[list[float], list[float]]:
             calls, mems = [], []
             for rep in range(reps + 1):
-                dt, mem_dt = paired(mem, rotating, lambda rep=rep: op(rep))
+                dt, mem_dt = paired(base, rotating, lambda rep=rep: op(rep))
                 if rep:  # rep 0 warms up
                     calls.append(dt)
                     mems.append(mem_dt)
@@ -132,11 +167,13 @@ def bench_set_get(endpoint: str, reps: int, mem: Memcpy
             res = c.batch_get_v2([PoolTransfer("kv", idx, keys=keys)])
             assert all(res["kv"]), res
 
-        set_t, set_mem = run(put, rotating=True)
+        set_t, set_mem = run(put, rotating=True, base=mem)
         c.register_mem_host_pool_v2(dst, "kv")
-        get_t, get_mem = run(get, rotating=False)
+        get(0)
+        same = SameBytes(c, keys, dst.kv_buffer, mem)
+        get_t, get_mem = run(get, rotating=False, base=same)
         assert torch.equal(dst.kv_buffer, src.kv_buffer), "get returned other bytes"
-        return set_t, set_mem, get_t, get_mem, nbytes
+        return set_t, set_mem, get_t, get_mem, nbytes, mem.times["fixed"]
 
 
 def bench_exists(endpoint: str, samples: int, shared: bool = True) -> dict:
@@ -180,13 +217,18 @@ def main() -> None:
     ap.add_argument("--l2-size", default="1GiB")
     ap.add_argument("--daemon-args", default="",
                     help="more `hicached serve` options, e.g. \"--busy-poll-ms 0.5\"")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads of this process (0: torch's default)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         proc, endpoint = start_daemon(tmp, args.l2_size, shlex.split(args.daemon_args))
         try:
             memcpy = Memcpy(PAGES * PAGE_SIZE * LAYERS * KV_DIM * 2, ring=8)
-            set_t, set_mem, get_t, get_mem, nbytes = bench_set_get(endpoint, args.reps, memcpy)
+            set_t, set_mem, get_t, get_mem, nbytes, private = bench_set_get(endpoint, args.reps,
+                                                                            memcpy)
             exists = bench_exists(endpoint, args.exists_samples)
             exists_socket = bench_exists(endpoint, args.exists_samples, shared=False)
         finally:
@@ -194,26 +236,32 @@ def main() -> None:
             proc.wait(30)
     set_bw, get_bw = gbps(nbytes, set_t), gbps(nbytes, get_t)
     mem_set, mem = gbps(nbytes, set_mem), gbps(nbytes, get_mem)
+    other = gbps(nbytes, private)
     out = {
-        "bytes_per_call": nbytes, "memcpy_gbps": mem, "memcpy_rotating_gbps": mem_set,
+        "bytes_per_call": nbytes, "torch_threads": torch.get_num_threads(),
+        "memcpy_same_bytes_gbps": mem, "memcpy_rotating_gbps": mem_set,
+        "memcpy_private_fixed_gbps": other,
         "set_gbps": set_bw, "get_gbps": get_bw,
         "set_over_memcpy": statistics.median(m / t for t, m in zip(set_t, set_mem)),
         "get_over_memcpy": statistics.median(m / t for t, m in zip(get_t, get_mem)),
+        "get_over_private_memcpy": get_bw["median"] / other["median"],
         "exists_1024x3": exists, "exists_1024x3_socket": exists_socket, "cpus": os.cpu_count(),
     }
     if args.json:
         print(json.dumps(out, indent=2))
         return
     print(f"{PAGES} pages x {nbytes // PAGES // 1024} KiB = {nbytes / 2**20:.0f} MiB per call, "
-          f"{args.reps} reps (median / best GB/s)")
+          f"{args.reps} reps, {torch.get_num_threads()} torch threads (median / best GB/s)")
     print(f"  memcpy, rotating  {mem_set['median']:6.2f} / {mem_set['best']:6.2f}   "
           "(fresh destination each call, as set's arena slots)")
     print(f"  batch_set_v2      {set_bw['median']:6.2f} / {set_bw['best']:6.2f}   "
           f"ratio {out['set_over_memcpy']:.2f} (target >= 0.80)")
-    print(f"  memcpy, fixed     {mem['median']:6.2f} / {mem['best']:6.2f}   "
-          "(same destination each call, as get's host pages)")
+    print(f"  memcpy, same bytes{mem['median']:6.2f} / {mem['best']:6.2f}   "
+          "(the get's arena slots -> its host pages, one copy)")
     print(f"  batch_get_v2      {get_bw['median']:6.2f} / {get_bw['best']:6.2f}   "
           f"ratio {out['get_over_memcpy']:.2f} (target >= 0.85)")
+    print(f"  (memcpy between two private buffers, fixed destination: {other['median']:.2f} GB/s; "
+          f"get / it {out['get_over_private_memcpy']:.2f})")
     where = "" if exists["from_table"] else " (no presence table: through the socket)"
     print(f"batch_exists_v2{where}, 1024 keys x 3 pools: p50 {exists['p50_ms']:.3f} ms, "
           f"p99 {exists['p99_ms']:.3f} ms, best {exists['best_ms']:.3f} ms (target p50 <= 0.3)")

@@ -14,7 +14,7 @@ direct (the daemon adds one memcpy and two control round trips per call).
 Section ``3fs``: the hf3fs backend's batch_get vs plain preadv of the same bytes
 (``tools/bench_hf3fs.py``) on /var/tmp, or on $HICACHED_BENCH_3FS_DIR (a 3FS mount).
 
-    python tools/bench_l3.py [--reps 10] [--section mooncake|3fs] [--json]
+    python tools/bench_l3.py [--reps 10] [--section mooncake|3fs] [--daemon-args "..."] [--json]
     (the mooncake section needs pip install 'hicached[mooncake]')
 """
 
@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import pathlib
+import shlex
 import signal
 import socket
 import statistics
@@ -151,14 +152,14 @@ def start_master_and_provider(procs: Procs) -> str:
     return master
 
 
-def start_daemon(procs: Procs, master: str) -> str:
+def start_daemon(procs: Procs, master: str, extra: list[str]) -> str:
     endpoint = f"ipc://{procs.logdir}/bench.sock"
     opts = {"master_server_address": master, "global_segment_size": 0,
             "local_buffer_size": "16MiB", "local_hostname": "127.0.0.1", "timeout_s": 10}
     procs.start("daemon", [sys.executable, "-m", "hicached.cli", "serve", "--endpoint", endpoint,
                            "--l2-size", "512MiB", "--state-dir", f"{procs.logdir}/state",
                            "--l3-backend", "mooncake", "--l3-options", json.dumps(opts),
-                           "--log-level", "warning"])
+                           "--log-level", "warning", *extra])
 
     def up() -> bool:
         try:
@@ -172,14 +173,14 @@ def start_daemon(procs: Procs, master: str) -> str:
     return endpoint
 
 
-def bench_mooncake(reps: int) -> dict:
+def bench_mooncake(reps: int, daemon_args: str = "") -> dict:
     """Direct Mooncake vs the same pages through a daemon (L2 cold) vs an L2 hit."""
     logdir = tempfile.mkdtemp(prefix="bench-l3-")
     procs = Procs(logdir)
     direct = buf = None
     try:
         master = start_master_and_provider(procs)
-        endpoint = start_daemon(procs, master)
+        endpoint = start_daemon(procs, master, shlex.split(daemon_args))
         with Client(endpoint, NAMESPACE) as c:
             src = HostPool.allocate_mla(PAGES, PAGE_SIZE, LAYERS, KV_DIM, dtype=torch.bfloat16)
             src.kv_buffer.normal_()
@@ -273,7 +274,7 @@ def bench_mooncake(reps: int) -> dict:
         procs.stop()
 
 
-def bench_3fs(reps: int) -> dict:
+def bench_3fs(reps: int, daemon_args: str = "") -> dict:
     """The 3FS backend's POSIX path vs a plain file read of the same bytes (tools/bench_hf3fs.py),
     on /var/tmp (or $HICACHED_BENCH_3FS_DIR, e.g. a 3FS mount)."""
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -320,9 +321,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--section", choices=sorted(SECTIONS), action="append",
                     help="run only these sections (default: all)")
+    ap.add_argument("--daemon-args", default="",
+                    help='extra hicached serve options for the mooncake section, e.g. "--l3-load-chunk 8MiB"')
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    results = {name: SECTIONS[name](args.reps) for name in (args.section or SECTIONS)}
+    results = {name: SECTIONS[name](args.reps, args.daemon_args)
+               for name in (args.section or SECTIONS)}
     if args.json:
         print(json.dumps(results, indent=2))
         return

@@ -172,6 +172,28 @@ class PageCopier:
         """
         self._copy(pages, arena, offsets, to_arena=False)
 
+    def copy_run(self, first_page: int, count: int, arena: torch.Tensor, offset: int,
+                 stride: int, to_arena: bool) -> None:
+        """Host pages ``first_page .. first_page + count - 1`` <-> the slots ``offset + k *
+        stride``: the common batch (a prefix's pages in a row, its slots handed out in a row),
+        checked with a few integer comparisons instead of the array checks of ``_copy`` (this
+        runs between large copies, with the CPU caches cold, where each numpy call costs
+        microseconds)."""
+        if count <= 0:
+            return
+        check_arena(arena)
+        last = offset + (count - 1) * stride
+        if stride < self.page_bytes or offset < 0 or last > arena.numel() - self.page_bytes:
+            raise ValueError(f"{count} slots from offset {offset} every {stride} bytes (page_bytes "
+                             f"{self.page_bytes}) do not fit the arena of {arena.numel()} bytes")
+        if first_page < 0 or first_page + count > self.num_pages:
+            raise ValueError(f"pages {first_page}..{first_page + count - 1} are outside "
+                             f"0..{self.num_pages - 1}")
+        if count == 1:
+            self._copy_one(first_page, arena, offset, to_arena)
+        else:
+            self._copy_run(first_page, count, arena, offset, stride, to_arena)
+
     def _copy(self, pages, arena: torch.Tensor, offsets, to_arena: bool) -> None:
         pages = as_index_array(pages, "pages")
         offsets = as_index_array(offsets, "offsets")
@@ -245,7 +267,18 @@ class PageCopier:
     def _copy_run(
         self, page: int, count: int, arena: torch.Tensor, offset: int, stride: int, to_arena: bool
     ) -> None:
-        for i, (part, *_) in enumerate(self._parts):
+        for i, (part, part_offset, shape, _) in enumerate(self._parts):
+            if stride == self.page_bytes == shape[0] and part.is_contiguous():
+                # one part, packed slots, contiguous host pages: a flat copy (what memcpy does;
+                # a strided 2-D view splits worse across torch's threads)
+                start = offset + part_offset
+                view = arena[start : start + count * stride]
+                host = part[page : page + count].view(-1)
+                if to_arena:
+                    view.copy_(host)
+                else:
+                    host.copy_(view)
+                continue
             view = self._grid(arena, offset, count, stride, i)
             if to_arena:
                 view.copy_(part[page : page + count])
