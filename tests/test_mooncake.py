@@ -294,8 +294,13 @@ def test_hung_master_exists_answers_within_deadline_transfer_is_never_abandoned(
     assert b.batch_put("ns", "kv", ["a"], [0], PAGE) == [True]
     master.pause()  # the master accepts nothing: Mooncake's own RPC timeout is 30 s
     result = {}
-    t = threading.Thread(target=lambda: result.update(
-        got=b.batch_get("ns", "kv", ["a"], [PAGE], PAGE)))
+    started = time.monotonic()
+
+    def get():
+        result["got"] = b.batch_get("ns", "kv", ["a"], [PAGE], PAGE)
+        result["took"] = time.monotonic() - started
+
+    t = threading.Thread(target=get)
     try:
         t.start()  # as the daemon's I/O worker would
         time.sleep(0.1)
@@ -306,8 +311,9 @@ def test_hung_master_exists_answers_within_deadline_transfer_is_never_abandoned(
         assert got == [False] and dt < 0.3 + 1.0  # not queued behind the stuck call
         st = b.stats()
         assert st["degraded"] and st["timeouts"] >= 1
-        # the transfer is not abandoned: its arena slot stays owned until Mooncake returns
-        assert t.is_alive()
+        # the transfer is not abandoned at the deadline (0.5 s): its arena slot stays owned
+        # until Mooncake returns (under load, Mooncake may give up on its own by now)
+        assert t.is_alive() or result["took"] > 2 * 0.5, result
     finally:
         master.pause(False)
     t.join(60)
