@@ -357,14 +357,15 @@ class NativePageIO(PageIO):
         n, ps = len(token_starts), self.page_size
         if n < 2 or len(offsets) != n:
             return False
-        s0, o0 = token_starts[0], offsets[0]
-        stride = offsets[1] - o0
-        if (type(s0) is not int or type(o0) is not int or type(stride) is not int
-                or stride < self.page_bytes or s0 % ps or s0 < 0 or (self.capacity_tokens is not None
-                                          and s0 + n * ps > self.capacity_tokens)
-                or token_starts != list(range(s0, s0 + n * ps, ps))
-                or offsets != list(range(o0, o0 + n * stride, stride))):
+        s0, o0, o1 = token_starts[0], offsets[0], offsets[1]
+        if type(s0) is not int or type(o0) is not int or type(o1) is not int:
             return False
+        stride, end = o1 - o0, s0 + n * ps
+        if (stride < self.page_bytes
+                or s0 < 0 or s0 % ps or end > (self.capacity_tokens or end)
+                or token_starts != list(range(s0, end, ps))
+                or offsets != list(range(o0, o0 + n * stride, stride))):
+            return False  # the general path checks (and names) whatever is wrong
         self._copier.copy_run(s0 // ps, n, arena, o0, stride, to_arena)
         return True
 

@@ -194,6 +194,10 @@ def test_pages_in_a_row_are_checked_too():
             call([32, 36, 40], arena, [0, pb, 2 * pb])  # last page past the pool
         with pytest.raises(ValueError, match="is not a multiple of page_size"):
             call([2, 6], arena, [0, pb])
+        with pytest.raises(ValueError, match="token_starts must hold integers"):
+            call([0.0, 4.0], arena, [0, pb])
+        with pytest.raises(ValueError, match="offsets must hold integers"):
+            call([0, 4], arena, [0, "x"])
     with pytest.raises(ValueError, match="overlap"):
         io.to_arena([0, 4], arena, [0, pb // 2])  # slots closer than a page: general path
 
