@@ -276,7 +276,8 @@ def bench_mooncake(reps: int, daemon_args: str = "") -> dict:
 
 def bench_3fs(reps: int, daemon_args: str = "") -> dict:
     """The 3FS backend's POSIX path vs a plain file read of the same bytes (tools/bench_hf3fs.py),
-    on /var/tmp (or $HICACHED_BENCH_3FS_DIR, e.g. a 3FS mount)."""
+    on /var/tmp (or $HICACHED_BENCH_3FS_DIR, e.g. a 3FS mount). No daemon: ``daemon_args`` is
+    taken only so every section has one signature."""
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     from bench_hf3fs import bench_hf3fs
 
@@ -322,7 +323,8 @@ def main() -> None:
     ap.add_argument("--section", choices=sorted(SECTIONS), action="append",
                     help="run only these sections (default: all)")
     ap.add_argument("--daemon-args", default="",
-                    help='extra hicached serve options for the mooncake section, e.g. "--l3-load-chunk 8MiB"')
+                    help="extra `hicached serve` options (mooncake section), "
+                    'e.g. "--l3-load-chunk 8MiB"')
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     results = {name: SECTIONS[name](args.reps, args.daemon_args)
