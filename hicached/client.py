@@ -50,6 +50,7 @@ from hicached.errors import (
 )
 from hicached.flatpages import TensorPages
 from hicached.hostpool import PageIO, make_page_io
+from hicached.liveness import own_pid_ns, own_start_ticks
 from hicached.overlap import PageRecall, SetAhead
 from hicached.piggyback import PendingReleases
 from hicached.shared_exists import SharedExists
@@ -150,7 +151,7 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
     def _handshake(self) -> None:
         self._new_socket()
         hello = P.Hello(next(self._req_ids), P.PROTOCOL_VERSION, self.namespace, os.getpid(),
-                        self.client_name, self._token)
+                        self.client_name, self._token, own_start_ticks(), own_pid_ns())
         w = self._roundtrip(hello)
         if not isinstance(w, P.Welcome):
             raise ProtocolError(f"expected Welcome, got {type(w).__name__}")

@@ -17,7 +17,6 @@ calls and hand finished jobs back through ``IOWorkers.collect``.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from collections.abc import Callable
 
@@ -29,6 +28,7 @@ from hicached.flushing import L2Flush
 from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
 from hicached.index import Entry, PageIndex, TableId
 from hicached.leases import LeaseTable
+from hicached.liveness import ProcessRef, alive
 from hicached.quotas import NoQuotas
 from hicached.sessions import ParkedExists, ParkedGet, PoolSpec, Session, namespace_digest
 from hicached.tier import L3Tier
@@ -60,14 +60,16 @@ class Controller:
 
     # ------------------------------------------------------------ sessions and pools
 
-    def open_session(self, hello: P.Hello) -> Session:
+    def open_session(self, hello: P.Hello, process: ProcessRef | None = None) -> Session:
+        """A new session for ``hello``; ``process``: how to tell the client died
+        (``liveness.identify``; None: never reaped)."""
         if not hello.namespace:
             raise ProtocolError("namespace must be a non-empty string")
         sid = secrets.randbits(62)  # never one an earlier daemon gave: a stale client must not
         while sid in self.sessions or not sid:  # act in another client's session after a restart
             sid = secrets.randbits(62)
         s = Session(sid, hello.namespace, namespace_digest(hello.namespace),
-                    hello.pid, hello.client_name)
+                    hello.pid, hello.client_name, process=process)
         self.sessions[s.id] = s
         return s
 
@@ -79,19 +81,14 @@ class Controller:
                 self.index.shared.free_session(s.presence_word)
 
     def reap_dead_sessions(self) -> int:
-        """Drop sessions whose client process is gone (same host); returns how many."""
-        dead = []
-        for s in self.sessions.values():
-            try:
-                os.kill(s.pid, 0)
-            except ProcessLookupError:
-                dead.append(s.id)
-            except PermissionError:
-                pass  # alive, another user
-        for sid in dead:
-            log.info("client pid %d is gone: releasing its reservations and leases",
-                     self.sessions[sid].pid)
-            self.close_session(sid)
+        """Drop sessions whose client process is gone (``liveness.alive``: the pid the kernel
+        gave for the socket, and the process's start time); returns how many."""
+        dead = [s for s in self.sessions.values()
+                if s.process is not None and not alive(s.process)]
+        for s in dead:
+            log.info("client pid %d (%s) is gone: releasing its reservations and leases",
+                     s.process.pid, s.name or "unnamed")
+            self.close_session(s.id)
         return len(dead)
 
     def register_pool(self, s: Session, pool: str, page_bytes: int) -> int:

@@ -32,8 +32,9 @@ from typing import Any
 
 import msgspec
 
-# 2: shared presence table (Welcome.presence_*, Registered); 3: slot tags in it, Release.touched
-PROTOCOL_VERSION = 3
+# 2: shared presence table (Welcome.presence_*, Registered); 3: slot tags in it, Release.touched;
+# 4: Hello.start_ticks / pid_ns (liveness.py)
+PROTOCOL_VERSION = 4
 
 # Negative "offsets": what a key got instead of a slot.
 SLOT_PRESENT = -1  # Reserve: already committed (nothing to copy; counts as stored)
@@ -66,7 +67,10 @@ class PoolQuery(msgspec.Struct, array_like=True, gc=False):
 
 
 class Hello(_Msg, tag="hello"):
-    """Handshake. ``token``: the daemon's ``client_token`` when it has one (``auth.py``)."""
+    """Handshake. ``token``: the daemon's ``client_token`` when it has one (``auth.py``).
+    ``pid``, ``start_ticks`` (its start time, ``/proc/self/stat``) and ``pid_ns`` (the inode of
+    its pid namespace) say which process the client is, as the client sees it; the daemon
+    prefers the kernel's word where the socket gives it (``liveness.py``)."""
 
     req_id: int
     version: int
@@ -74,6 +78,8 @@ class Hello(_Msg, tag="hello"):
     pid: int
     client_name: str = ""
     token: str = ""
+    start_ticks: int = 0
+    pid_ns: int = 0
 
 
 class RegisterPool(_Msg, tag="register_pool"):

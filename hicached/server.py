@@ -39,6 +39,7 @@ from hicached.errors import (
 )
 from hicached.index import PageIndex
 from hicached.leases import LeaseTable
+from hicached.liveness import identify, own_pid_ns, peer_pid
 from hicached.metrics import make_metrics
 from hicached.operations import DaemonOperations
 from hicached.presence import TAG_GRAIN, PresenceTable, default_slots
@@ -123,6 +124,7 @@ class Daemon(DaemonOperations):
             os.close(self._lock_fd)
             raise
         self.requests = 0
+        self._pid_ns = own_pid_ns()  # clients in it may be checked by the pid they state
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (fn, Future) for the loop
         self._call_r, self._call_w = os.pipe()
         os.set_blocking(self._call_r, False)
@@ -293,7 +295,9 @@ class Daemon(DaemonOperations):
     def _drain_socket(self) -> None:
         for _ in range(MAX_BATCH):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                # frames, not bytes: a Hello's carries the kernel's word on who sent it
+                # (liveness.py); the payload is decoded in place
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self.requests += 1
@@ -301,10 +305,10 @@ class Daemon(DaemonOperations):
                 log.warning("dropping a message of %d frames (expected identity + payload)",
                             len(frames))
                 if frames:
-                    self._send(frames[0], P.Error(0, ProtocolError.code,
-                                                  f"expected 1 payload frame, got {len(frames) - 1}"))
+                    self._send(frames[0].bytes, P.Error(
+                        0, ProtocolError.code, f"expected 1 payload frame, got {len(frames) - 1}"))
                 continue
-            self._handle(frames[0], frames[1])
+            self._handle(frames[0].bytes, frames[1])
 
     def _send(self, identity: bytes, answer) -> None:
         try:
@@ -312,8 +316,9 @@ class Daemon(DaemonOperations):
         except zmq.ZMQError as e:  # peer gone or its queue full: its problem, not ours
             log.debug("answer to a client dropped: %s", e)
 
-    def _handle(self, identity: bytes, payload: bytes) -> None:
+    def _handle(self, identity: bytes, frame: zmq.Frame | bytes) -> None:
         t0, req_id, msg = time.perf_counter(), 0, None
+        payload = frame.buffer if isinstance(frame, zmq.Frame) else frame
         try:
             try:
                 msg = P.request_decoder.decode(payload)
@@ -323,7 +328,7 @@ class Daemon(DaemonOperations):
                 raise ProtocolError(f"malformed request ({len(payload)} bytes): {e}") from None
             req_id = msg.req_id
             self.auth.admit(identity, msg)
-            answer = self._dispatch(identity, msg)
+            answer = self._dispatch(identity, msg, frame)
         except HicachedError as e:
             answer = P.Error(req_id, e.code, str(e))
         except Exception as e:  # a bug must cost one request, never the daemon
@@ -352,7 +357,17 @@ class Daemon(DaemonOperations):
             self.controller.release(s, msg.release)
         return s
 
-    def _dispatch(self, identity: bytes, msg):
+    def _peer(self, frame: zmq.Frame | bytes) -> int:
+        """The pid of the process that sent ``frame``, in this daemon's pid namespace, from the
+        socket's credentials (ipc only; 0: not known)."""
+        if not isinstance(frame, zmq.Frame) or not self.config.endpoint.startswith("ipc://"):
+            return 0
+        try:
+            return peer_pid(frame.get("Peer-Address"))
+        except zmq.ZMQError:
+            return 0
+
+    def _dispatch(self, identity: bytes, msg, frame: zmq.Frame | bytes = b""):
         c = self.controller
         if self._stop.is_set() and not isinstance(msg, _DRAIN_OK):
             raise ShuttingDown("hicached is shutting down; not accepting new requests")
@@ -382,9 +397,20 @@ class Daemon(DaemonOperations):
                     raise VersionMismatch(
                         f"client speaks protocol {msg.version}, daemon {P.PROTOCOL_VERSION}")
                 self.auth.check_hello(identity, msg)
-                s = c.open_session(msg)
+                process = identify(self._peer(frame), msg.pid, msg.start_ticks, msg.pid_ns,
+                                   self._pid_ns)
+                s = c.open_session(msg, process)
                 self.auth.bind(identity, s.id)
                 log.info("session %d: pid %d %s namespace %r", s.id, s.pid, s.name, s.namespace)
+                if process.how == "none":
+                    log.warning("session %d (pid %d as the client sees it): its process can "
+                                "not be checked from here (another pid namespace, over tcp), "
+                                "so it is kept until the daemon restarts should the client "
+                                "die; its reservations and leases still expire",
+                                s.id, s.pid)
+                elif process.pid != msg.pid:
+                    log.info("session %d: pid %d in this daemon's pid namespace", s.id,
+                             process.pid)
                 t = self.presence
                 if t is not None:
                     s.presence_word = t.take_session()

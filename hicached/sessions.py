@@ -11,6 +11,7 @@ from typing import NamedTuple
 from hicached import protocol as P
 from hicached.errors import UnknownPool
 from hicached.index import Entry
+from hicached.liveness import ProcessRef
 
 
 def namespace_digest(namespace: str) -> str:
@@ -30,9 +31,10 @@ class Session:
     id: int
     namespace: str
     ns: str  # digest
-    pid: int
+    pid: int  # as the client states it (its own pid namespace)
     name: str
     pools: dict[str, PoolSpec] = field(default_factory=dict)
+    process: ProcessRef | None = None  # what the daemon checks (liveness.py); None: unchecked
     presence_word: int = -1  # its commit word in the shared presence table (-1: none)
 
     def spec(self, pool: str) -> PoolSpec:
