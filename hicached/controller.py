@@ -292,8 +292,9 @@ class Controller:
     def commit(self, s: Session, msg: P.Commit) -> P.Committed:
         stored = [[False] * len(row) for row in msg.ok]
         r = self.leases.take_reservation(msg.reservation_id, s.id)
-        if r is None:
-            return P.Committed(msg.req_id, stored)  # expired (or foreign): nothing published
+        if r is None:  # expired (or foreign): nothing published, but read all the same, so the
+            self._ack(s, msg)  # client need not go through the socket to read its own writes
+            return P.Committed(msg.req_id, stored)
         done: list[Entry] = []
         if not msg.abort:
             self.index.fingerprint_all([e for _, _, e in r.slots])
@@ -308,9 +309,14 @@ class Controller:
             if self.pending_waiters:
                 self._wake_pending(e)
         self.tier.on_commit(done)
-        if msg.seq and self.index.shared is not None:  # read (and published): tell the client
-            self.index.shared.ack(s.presence_word, msg.seq)
+        self._ack(s, msg)
         return P.Committed(msg.req_id, stored)
+
+    def _ack(self, s: Session, msg: P.Commit) -> None:
+        """Tell the client (its word in the presence table) that its commits up to this one are
+        read, and published where they were on time."""
+        if msg.seq and self.index.shared is not None:
+            self.index.shared.ack(s.presence_word, msg.seq)
 
     def _wake_pending(self, e: Entry) -> None:
         """``e`` was committed or aborted: the gets that waited for it may be answered."""

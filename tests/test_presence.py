@@ -273,6 +273,23 @@ def test_own_writes_are_seen_and_other_namespaces_are_not(make_daemon):
         assert answered_shared(c, lambda: c.batch_exists(keys)) == 0
 
 
+def test_a_commit_after_its_reservation_expired_is_still_acknowledged(make_daemon):
+    """Nothing of it is published, but the daemon read it: the client's later exists are
+    answered from the table, not sent through the socket for want of the acknowledgement."""
+    from hicached import protocol as P
+    daemon = make_daemon(extra=["--l3-backend", "none", "--reservation-ttl-s", "0.5"])
+    with hybrid_client(daemon) as c:
+        keys = hexkeys(2, tag=300)
+        res = c._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", keys)]))
+        assert wait_until(lambda: c.stats()["expired_reservations"] == 1)
+        c._commits[0] += 1
+        c._send_only(P.Commit(0, c.session, res.reservation_id, [[True, True]], reply=False,
+                              seq=c._commits[0]))
+        assert wait_until(lambda: c._shared.view.read_up_to(c._commits[0]))
+        assert answered_shared(c, lambda: c.batch_exists(keys)) == 0  # nothing published
+        assert c.stats()["l2_pages"] == 0
+
+
 def test_with_l3_attached_keys_l2_lacks_are_asked_of_the_daemon(daemon):
     """The embedded default (file L3): what only L3 holds is found by the daemon, whole-L2 hits
     are answered from the table."""
