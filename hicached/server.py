@@ -422,7 +422,10 @@ class Daemon(DaemonOperations):
             case P.RegisterPool():
                 return P.Registered(msg.req_id, c.register_pool(self._session(msg.session),
                                                                 msg.pool, msg.page_bytes))
-            case P.ExistsTally():  # counted by the metrics hook
+            case P.ExistsTally():  # counted by the metrics hook, unless refused here
+                s = self._session(msg.session)
+                for pool in (*msg.keys, *msg.hits):  # pools become metric labels: only real ones
+                    s.spec(pool)
                 return None
             case P.Bye():
                 c.close_session(msg.session)

@@ -127,7 +127,8 @@ def _child_pid(pid: int, timeout_s: float = 10.0) -> int:
 def _unshare_works() -> bool:
     try:
         out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
-                              "echo $$"], capture_output=True, text=True, timeout=10)
+                              "echo $$"], check=False, capture_output=True, text=True,
+                             timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.returncode == 0 and out.stdout.strip() == "1"

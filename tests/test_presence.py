@@ -333,6 +333,26 @@ def test_tally_reaches_the_daemons_metrics(make_daemon):
     assert wait_until(lambda: scraped() == (3, 48, 48))
 
 
+def test_tally_of_pools_never_registered_is_refused(make_daemon):
+    """Pool names in a tally become metric labels: a client cannot make up new ones."""
+    from hicached import protocol as P
+    from hicached.errors import UnknownPool, UnknownSession
+    daemon, url = admin_daemon(make_daemon, extra=["--l3-backend", "none"])
+    with hybrid_client(daemon) as c:
+        for session, keys, hits, error in (
+                (c.session, {"kv": 1, "made-up": 5}, {}, UnknownPool),
+                (c.session, {"kv": 1}, {"other": 5}, UnknownPool),
+                (c.session ^ 1, {"kv": 1}, {"kv": 1}, UnknownSession)):
+            with pytest.raises(error):  # fire and forget normally: asked here to see the error
+                c._call(lambda s, r: P.ExistsTally(r, session, 7, keys, hits))
+        c._send_only(P.ExistsTally(0, c.session, 2, {"kv": 4}, {"kv": 3}))  # a real one counts
+        c.ping()
+        m = scrape(url)
+        assert sample(m, "hicached_requests_total", op="exists", outcome="shared") == 2
+        assert sample(m, "hicached_exists_keys_total", pool="kv") == 4
+        assert not any(label in str(m) for label in ("made-up", "other"))
+
+
 def test_daemon_gone_or_restarted_or_table_off(make_daemon):
     daemon = make_daemon(extra=["--l3-backend", "none"])
     keys = hexkeys(8, tag=11)
