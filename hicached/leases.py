@@ -13,6 +13,14 @@ Set-ahead slots: a client's next ``batch_set`` copies its pages into slots it wa
 answer to its previous one, while its ``Reserve`` travels; the ``Reserve`` names them and the
 daemon binds them to the keys (``PageIndex.bind``). Unused ones expire with the same TTL (each
 answer that lists them renews it) and die with their session.
+
+Fences: the slots of an expired reservation (or expired set-ahead slots) may still be written
+by their client, alive but stalled in the middle of its copy (it checks the TTL between pools,
+not within a copy). So expiry frees the keys at once (another client may write them) but keeps
+the slots out of the allocator one more ``reservation_ttl_s``: a late writer then only writes
+bytes nobody reads. The client's late ``Commit`` or abort of that reservation (its copy is over)
+and the end of its session (``drop_session``: closed, or its process seen dead) end the fence
+early.
 """
 
 from __future__ import annotations
@@ -40,6 +48,15 @@ class AheadSlots:
 
 
 @dataclass
+class Fence:
+    """Slots no one may be given before ``until``: their former owner may still write them."""
+
+    session: int
+    until: float
+    entries: list[Entry]
+
+
+@dataclass
 class LeaseGrant:
     id: int
     session: int
@@ -58,6 +75,8 @@ class LeaseTable:
         self.leases: dict[int, LeaseGrant] = {}
         self.ahead: dict[int, AheadSlots] = {}  # session -> its set-ahead slots
         self.ahead_bytes = 0  # of all sessions
+        self.fences: dict[int, Fence] = {}  # reservation id (or a fresh id) -> fenced slots
+        self.fenced_bytes = 0
         self._ids = itertools.count(1)
         self.expired_reservations = 0
         self.expired_leases = 0
@@ -70,9 +89,13 @@ class LeaseTable:
         return r
 
     def take_reservation(self, rid: int, session: int) -> Reservation | None:
-        """Remove and return a live reservation of ``session`` (None if expired or foreign)."""
+        """Remove and return a live reservation of ``session`` (None if expired or foreign).
+        An expired one's fence ends: its client is done copying."""
         r = self.reservations.get(rid)
         if r is None or r.session != session:
+            f = self.fences.get(rid)
+            if f is not None and f.session == session:
+                self._unfence(rid)
             return None
         del self.reservations[rid]
         return r
@@ -128,6 +151,24 @@ class LeaseTable:
         if a is not None:
             self.free_ahead(a)
 
+    # ------------------------------------------------------------ fences
+
+    def _fence(self, fid: int, session: int, entries: list[Entry], now: float) -> None:
+        """Free the keys of ``entries`` (pending or unbound, pinned) now, their slots at the
+        fence's end."""
+        for e in entries:
+            p = self.index.pending.get(e.table)
+            if p is not None and p.get(e.key) is e:
+                del p[e.key]
+            self.fenced_bytes += e.stride
+        if entries:
+            self.fences[fid] = Fence(session, now + self.reservation_ttl_s, entries)
+
+    def _unfence(self, fid: int) -> None:
+        for e in self.fences.pop(fid).entries:
+            self.fenced_bytes -= e.stride
+            self.index.abort(e)
+
     # ------------------------------------------------------------ leases
 
     def new_lease(self, session: int, entries: list[Entry], now: float) -> LeaseGrant:
@@ -155,22 +196,29 @@ class LeaseTable:
 
     def sweep(self, now: float) -> tuple[int, int]:
         """Abort expired reservations and release expired leases; returns (reservations, leases)."""
+        for fid in [fid for fid, f in self.fences.items() if f.until <= now]:
+            self._unfence(fid)
         dead_r = [r for r in self.reservations.values() if r.deadline <= now]
         for r in dead_r:
             del self.reservations[r.id]
-            self.abort_reservation(r)
+            self._fence(r.id, r.session, [e for _, _, e in r.slots if not e.committed], now)
         dead_l = [g for g in self.leases.values() if g.deadline <= now]
         for g in dead_l:
             del self.leases[g.id]
             self._unpin_all(g)
         for a in [a for a in self.ahead.values() if a.deadline <= now]:
-            self._drop_ahead(a.session)
+            del self.ahead[a.session]
+            entries = [e for slots in a.pools.values() for e in slots.values()]
+            self._count_ahead(a, -a.nbytes)
+            self._fence(next(self._ids), a.session, entries, now)
         self.expired_reservations += len(dead_r)
         self.expired_leases += len(dead_l)
         return len(dead_r), len(dead_l)
 
     def drop_session(self, session: int) -> None:
-        """Free everything a (dead or closed) session holds."""
+        """Free everything a (dead or closed) session holds, its fenced slots included."""
+        for fid in [fid for fid, f in self.fences.items() if f.session == session]:
+            self._unfence(fid)
         for r in [r for r in self.reservations.values() if r.session == session]:
             del self.reservations[r.id]
             self.abort_reservation(r)

@@ -250,6 +250,7 @@ def stats_json(snap: dict) -> dict:
                    "expired_reservations": st["expired_reservations"],
                    "set_ahead_slots": st["set_ahead_slots"],
                    "set_ahead_bytes": st["set_ahead_bytes"],
+                   "fenced_bytes": st["fenced_bytes"],
                    "parked_gets": st["parked_gets"], "parked_exists": st["parked_exists"],
                    "flush": st["l2_flush"], "presence_table": st["presence"]},
             "l3": {**tier, "hits": total(hits, "l3"), "misses": total(misses, "l3"),
@@ -330,6 +331,7 @@ class _Collector:
         for key, doc in (("sessions", "Connected clients"), ("leases", "Leases held"),
                          ("reservations", "Reservations open"),
                          ("set_ahead_bytes", "Arena bytes held as clients' set-ahead slots"),
+                         ("fenced_bytes", "Arena bytes a stalled client may still write"),
                          ("parked_gets", "Gets waiting for L3 loads"),
                          ("parked_exists", "Exists waiting for an L3 lookup")):
             yield G(f"hicached_{key}", doc, value=st[key])

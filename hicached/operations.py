@@ -201,6 +201,7 @@ class DaemonOperations:
             "set_ahead_slots": sum(len(slots) for a in c.leases.ahead.values()
                                    for slots in a.pools.values()),
             "set_ahead_bytes": c.leases.ahead_bytes,
+            "fenced_bytes": c.leases.fenced_bytes,
             "sessions": len(c.sessions),
             "parked_gets": sum(isinstance(p, ParkedGet) for p in c.parked.values()),
             "parked_exists": sum(isinstance(p, ParkedExists) for p in c.parked.values()),

@@ -237,13 +237,29 @@ def test_sigkill_between_reserve_and_commit_leaves_nothing(daemon, spawn):
 
 
 def test_stalled_client_reservation_expires_after_ttl(make_daemon, spawn):
-    d = make_daemon(extra=["--reservation-ttl-s", "1"])
-    spawn(HOLD_RESERVATION, d.endpoint)  # alive, never commits
+    """Its keys are free for others at once; its slots, which the stalled client may still be
+    writing, come back one TTL later (the fence), or as soon as the client is gone."""
+    d = make_daemon(extra=["--reservation-ttl-s", "2"])
+    p, _ = spawn(HOLD_RESERVATION, d.endpoint)  # alive, never commits
     with d.client() as c:
         assert c.stats()["reservations"] == 1
-        assert wait_until(lambda: c.stats()["expired_reservations"] == 1, 5)
+        used = c.stats()["l2_used_bytes"]
+        assert wait_until(lambda: c.stats()["expired_reservations"] == 1, 6)
         st = c.stats()
-        assert st["reservations"] == 0 and st["l2_used_bytes"] == 0
+        assert st["reservations"] == 0 and st["fenced_bytes"] == used > 0
+        c.register_mem_host_pool_v2(kv_pool(seed=4), "kv")
+        assert c.batch_set_v1(["h0"], pages(0, 1)) == [True]  # the key is free
+        assert wait_until(lambda: c.stats()["fenced_bytes"] == 0, 5)
+        c.flush("l2")
+        assert c.stats()["l2_used_bytes"] == 0
+    p2, _ = spawn(HOLD_RESERVATION, d.endpoint)
+    with d.client() as c:
+        assert wait_until(lambda: c.stats()["fenced_bytes"] > 0, 6)
+        p2.kill()
+        p2.wait()
+        assert wait_until(lambda: c.stats()["fenced_bytes"] == 0, 1.2)  # before its 2 s fence
+        c.flush("l2")
+        assert c.stats()["l2_used_bytes"] == 0
 
 
 HOLD_LEASE = _proc_script("""

@@ -72,10 +72,53 @@ def test_lease_table_expires_and_drops_set_ahead_slots():
     assert 7 in leases.ahead  # not yet
     leases.sweep(10.0)
     assert 7 not in leases.ahead and leases.ahead_bytes == 0
-    b = leases.ahead_of(8, now=0.0)
+    # the expired slot is fenced (its client may be copying into it) for one more TTL
+    assert leases.fenced_bytes == MIB and index.ns_bytes["ns"] == 2 * MIB
+    leases.sweep(19.0)
+    assert leases.fenced_bytes == MIB
+    leases.sweep(20.0)
+    assert leases.fenced_bytes == 0 and index.ns_bytes["ns"] == MIB  # the taken one only
+    b = leases.ahead_of(8, now=20.0)
     leases.add_ahead(b, "kv", index.reserve_unbound("ns", MIB))
     leases.drop_session(8)
-    assert leases.ahead_bytes == 0 and index.ns_bytes["ns"] == MIB  # the taken one only
+    assert leases.ahead_bytes == 0 and index.ns_bytes["ns"] == MIB
+    c = leases.ahead_of(9, now=20.0)
+    leases.add_ahead(c, "kv", index.reserve_unbound("ns", MIB))
+    leases.sweep(30.0)
+    assert leases.fenced_bytes == MIB
+    leases.drop_session(9)  # its session ended: no one can write it now
+    assert leases.fenced_bytes == 0 and index.ns_bytes["ns"] == MIB
+
+
+def test_expired_reservation_frees_its_keys_at_once_and_its_slots_after_a_fence():
+    """A client stalled in the middle of its copy may still write the slots of its expired
+    reservation: nobody else gets them before the fence ends, or before that client's late
+    commit (its copy is over) or the end of its session."""
+    index = PageIndex(SlabAllocator(4 * MIB, MIB))
+    leases = LeaseTable(index, reservation_ttl_s=10.0, lease_ttl_s=10.0)
+    runs = []
+    for session, key in ((1, "a"), (1, "b"), (2, "c")):
+        r = leases.new_reservation(session, now=0.0)
+        e = index.reserve(("ns", "kv"), key, MIB, MIB)
+        r.slots.append((0, 0, e))
+        runs.append((r, e))
+    assert index.reserve(("ns", "kv"), "d", MIB, MIB) is not None  # the 4th slot
+    assert leases.sweep(10.0) == (3, 0)
+    assert leases.fenced_bytes == 3 * MIB and not leases.reservations
+    # keys are free now: another writer may reserve them, but there is no slot to give
+    assert index.get_pending(("ns", "kv"), "a") is None
+    assert index.reserve(("ns", "kv"), "a", MIB, MIB) is None  # arena full: all fenced/pinned
+    (ra, ea), (rb, eb), (rc, ec) = runs
+    assert leases.take_reservation(ra.id, 2) is None and leases.fenced_bytes == 3 * MIB  # foreign
+    assert leases.take_reservation(ra.id, 1) is None  # its late commit: the fence ends
+    assert leases.fenced_bytes == 2 * MIB and ea.offset == -1
+    assert index.reserve(("ns", "kv"), "a", MIB, MIB) is not None
+    leases.drop_session(2)
+    assert leases.fenced_bytes == MIB and ec.offset == -1
+    leases.sweep(19.9)
+    assert eb.offset >= 0
+    leases.sweep(20.0)
+    assert leases.fenced_bytes == 0 and eb.offset == -1 and not leases.fences
 
 
 # ---------------------------------------------------------------- real daemons
