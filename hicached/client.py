@@ -151,7 +151,8 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
     def _handshake(self) -> None:
         self._new_socket()
         hello = P.Hello(next(self._req_ids), P.PROTOCOL_VERSION, self.namespace, os.getpid(),
-                        self.client_name, self._token, own_start_ticks(), own_pid_ns())
+                        self.client_name, self._token, own_start_ticks(), own_pid_ns(),
+                        self.session)
         w = self._roundtrip(hello)
         if not isinstance(w, P.Welcome):
             raise ProtocolError(f"expected Welcome, got {type(w).__name__}")

@@ -73,10 +73,14 @@ class Controller:
         self.sessions[s.id] = s
         return s
 
-    def close_session(self, sid: int) -> None:
+    def close_session(self, sid: int, how: str = "bye") -> None:
+        """End session ``sid``: its process is ``dead``, it said ``bye``, or a new handshake of
+        the same client ``replaced`` it (its other threads may still be copying: slots they
+        may write are fenced, leases they may read run to their TTL; ``leases.py``)."""
         s = self.sessions.pop(sid, None)
         if s is not None:
-            self.leases.drop_session(sid)
+            self.leases.drop_session(sid, None if how == "dead" else self.clock(),
+                                     keep_leases=how == "replaced", process=s.process)
             if self.index.shared is not None:
                 self.index.shared.free_session(s.presence_word)
 
@@ -88,7 +92,7 @@ class Controller:
         for s in dead:
             log.info("client pid %d (%s) is gone: releasing its reservations and leases",
                      s.process.pid, s.name or "unnamed")
-            self.close_session(s.id)
+            self.close_session(s.id, "dead")
         return len(dead)
 
     def register_pool(self, s: Session, pool: str, page_bytes: int) -> int:

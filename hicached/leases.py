@@ -19,8 +19,9 @@ by their client, alive but stalled in the middle of its copy (it checks the TTL 
 not within a copy). So expiry frees the keys at once (another client may write them) but keeps
 the slots out of the allocator one more ``reservation_ttl_s``: a late writer then only writes
 bytes nobody reads. The client's late ``Commit`` or abort of that reservation (its copy is over)
-and the end of its session (``drop_session``: closed, or its process seen dead) end the fence
-early.
+and the death of its process (``drop_session``) end the fence early. A session that ends while
+its process lives (``Bye``, a new handshake replacing it) has its reservations and set-ahead
+slots fenced the same way: another thread of that client may still be copying.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from hicached.index import Entry, PageIndex
+from hicached.liveness import ProcessRef, alive
 
 
 @dataclass
@@ -49,11 +51,13 @@ class AheadSlots:
 
 @dataclass
 class Fence:
-    """Slots no one may be given before ``until``: their former owner may still write them."""
+    """Slots no one may be given before ``until``: their former owner may still write them.
+    ``process``: that owner, once its session is closed (the fence ends when it exits)."""
 
     session: int
     until: float
     entries: list[Entry]
+    process: ProcessRef | None = None
 
 
 @dataclass
@@ -164,6 +168,13 @@ class LeaseTable:
         if entries:
             self.fences[fid] = Fence(session, now + self.reservation_ttl_s, entries)
 
+    def _fence_ahead(self, session: int, now: float) -> None:
+        a = self.ahead.pop(session, None)
+        if a is not None:
+            self._count_ahead(a, -a.nbytes)
+            self._fence(next(self._ids), session,
+                        [e for slots in a.pools.values() for e in slots.values()], now)
+
     def _unfence(self, fid: int) -> None:
         for e in self.fences.pop(fid).entries:
             self.fenced_bytes -= e.stride
@@ -196,7 +207,8 @@ class LeaseTable:
 
     def sweep(self, now: float) -> tuple[int, int]:
         """Abort expired reservations and release expired leases; returns (reservations, leases)."""
-        for fid in [fid for fid, f in self.fences.items() if f.until <= now]:
+        for fid in [fid for fid, f in self.fences.items()
+                    if f.until <= now or (f.process is not None and not alive(f.process))]:
             self._unfence(fid)
         dead_r = [r for r in self.reservations.values() if r.deadline <= now]
         for r in dead_r:
@@ -207,22 +219,36 @@ class LeaseTable:
             del self.leases[g.id]
             self._unpin_all(g)
         for a in [a for a in self.ahead.values() if a.deadline <= now]:
-            del self.ahead[a.session]
-            entries = [e for slots in a.pools.values() for e in slots.values()]
-            self._count_ahead(a, -a.nbytes)
-            self._fence(next(self._ids), a.session, entries, now)
+            self._fence_ahead(a.session, now)
         self.expired_reservations += len(dead_r)
         self.expired_leases += len(dead_l)
         return len(dead_r), len(dead_l)
 
-    def drop_session(self, session: int) -> None:
-        """Free everything a (dead or closed) session holds, its fenced slots included."""
-        for fid in [fid for fid, f in self.fences.items() if f.session == session]:
-            self._unfence(fid)
+    def drop_session(self, session: int, now: float | None = None,
+                     keep_leases: bool = False, process: ProcessRef | None = None) -> None:
+        """Free everything session ``session`` holds. Its process is gone (``now`` None): its
+        fenced slots too, at once. It only left (``Bye``, or replaced by a new handshake, while
+        its process lives: another of its threads may still be copying): its reservations and
+        set-ahead slots are fenced as if they had expired at ``now``, and with ``keep_leases``
+        its leases run to their TTL (a thread may still be reading). ``process``: its process,
+        whose exit ends those fences early."""
+        if now is None:
+            for fid in [fid for fid, f in self.fences.items() if f.session == session]:
+                self._unfence(fid)
         for r in [r for r in self.reservations.values() if r.session == session]:
             del self.reservations[r.id]
-            self.abort_reservation(r)
-        for g in [g for g in self.leases.values() if g.session == session]:
+            if now is None:
+                self.abort_reservation(r)
+            else:
+                self._fence(r.id, session, [e for _, _, e in r.slots if not e.committed], now)
+        for g in [g for g in self.leases.values() if g.session == session and not keep_leases]:
             del self.leases[g.id]
             self._unpin_all(g)
-        self._drop_ahead(session)
+        if now is None:
+            self._drop_ahead(session)
+            return
+        self._fence_ahead(session, now)
+        if process is not None:
+            for f in self.fences.values():
+                if f.session == session:
+                    f.process = process

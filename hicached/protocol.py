@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 
 # 2: shared presence table (Welcome.presence_*, Registered); 3: slot tags in it, Release.touched;
-# 4: Hello.start_ticks / pid_ns (liveness.py)
+# 4: Hello.start_ticks / pid_ns (liveness.py), Hello.replaces
 PROTOCOL_VERSION = 4
 
 # Negative "offsets": what a key got instead of a slot.
@@ -70,7 +70,9 @@ class Hello(_Msg, tag="hello"):
     """Handshake. ``token``: the daemon's ``client_token`` when it has one (``auth.py``).
     ``pid``, ``start_ticks`` (its start time, ``/proc/self/stat``) and ``pid_ns`` (the inode of
     its pid namespace) say which process the client is, as the client sees it; the daemon
-    prefers the kernel's word where the socket gives it (``liveness.py``)."""
+    prefers the kernel's word where the socket gives it (``liveness.py``). ``replaces``: the
+    session this client held before (it handshakes again on a fresh socket): the daemon ends
+    it, as a ``Bye`` would."""
 
     req_id: int
     version: int
@@ -80,6 +82,7 @@ class Hello(_Msg, tag="hello"):
     token: str = ""
     start_ticks: int = 0
     pid_ns: int = 0
+    replaces: int = 0
 
 
 class RegisterPool(_Msg, tag="register_pool"):

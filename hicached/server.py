@@ -399,7 +399,12 @@ class Daemon(DaemonOperations):
                 self.auth.check_hello(identity, msg)
                 process = identify(self._peer(frame), msg.pid, msg.start_ticks, msg.pid_ns,
                                    self._pid_ns)
+                old = c.sessions.get(msg.replaces) if msg.replaces else None
+                if old is not None and old.namespace == msg.namespace:
+                    c.close_session(old.id, "replaced")
                 s = c.open_session(msg, process)
+                if old is not None and old.namespace == msg.namespace:
+                    log.info("session %d replaces session %d", s.id, old.id)
                 self.auth.bind(identity, s.id)
                 log.info("session %d: pid %d %s namespace %r", s.id, s.pid, s.name, s.namespace)
                 if process.how == "none":

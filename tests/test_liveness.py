@@ -161,3 +161,37 @@ def test_client_in_its_own_pid_namespace_is_kept_alive_and_reaped_once_killed(da
         p.stdout.close()
         p.stderr.close()
     assert f"pid {client} in this daemon's pid namespace" in daemon.output()
+
+
+def test_a_new_handshake_of_a_live_client_ends_its_old_session(daemon):
+    """A client that handshakes again (a fresh socket after a timeout, a token daemon that did
+    not know the socket) names the session it held: the daemon ends it at once instead of
+    keeping it until the process exits; leases of the old one run to their TTL."""
+    from test_daemon import kv_pool, pages
+    with daemon.client() as c:
+        c.register_mem_host_pool_v2(kv_pool(seed=2), "kv")
+        assert c.batch_set_v1(["k0"], pages(0, 1)) == [True]
+        c._call(lambda s, r: P.Lease(r, s, [P.PoolKeys("kv", ["k0"])]))
+        old = c.session
+        with c._lock:
+            c._handshake()
+        assert c.session != old
+        st = c.stats()
+        assert st["sessions"] == 1 and st["leases"] == 1  # a thread may still be reading
+        assert c.batch_get_v1(["k0"], pages(1, 1)) == [True]  # pools registered again
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        s.connect(daemon.endpoint)
+        try:
+            s.send(P.encode(P.Exists(5, old, ["k0"])))
+            assert P.answer_decoder.decode(s.recv()).code == "unknown_session"
+            # another namespace cannot end it
+            s.send(P.encode(P.Hello(6, P.PROTOCOL_VERSION, "model-b", os.getpid(),
+                                    replaces=c.session)))
+            assert isinstance(P.answer_decoder.decode(s.recv()), P.Welcome)
+            assert c.stats()["sessions"] == 2
+        finally:
+            s.close(linger=0)
+            ctx.term()
+    assert f"replaces session {old}" in daemon.output()

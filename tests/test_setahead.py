@@ -108,7 +108,7 @@ def test_expired_reservation_frees_its_keys_at_once_and_its_slots_after_a_fence(
     # keys are free now: another writer may reserve them, but there is no slot to give
     assert index.get_pending(("ns", "kv"), "a") is None
     assert index.reserve(("ns", "kv"), "a", MIB, MIB) is None  # arena full: all fenced/pinned
-    (ra, ea), (rb, eb), (rc, ec) = runs
+    (ra, ea), (_, eb), (_, ec) = runs
     assert leases.take_reservation(ra.id, 2) is None and leases.fenced_bytes == 3 * MIB  # foreign
     assert leases.take_reservation(ra.id, 1) is None  # its late commit: the fence ends
     assert leases.fenced_bytes == 2 * MIB and ea.offset == -1
@@ -119,6 +119,45 @@ def test_expired_reservation_frees_its_keys_at_once_and_its_slots_after_a_fence(
     assert eb.offset >= 0
     leases.sweep(20.0)
     assert leases.fenced_bytes == 0 and eb.offset == -1 and not leases.fences
+
+
+def test_a_session_that_leaves_alive_fences_what_its_threads_may_still_write():
+    """Bye or a new handshake of a live client: its reservations and set-ahead slots are fenced
+    (another thread may be copying into them), until the TTL or until its process exits; a
+    replaced session's leases run to their TTL (a thread may be reading)."""
+    from hicached.liveness import identify, own_pid_ns
+    index = PageIndex(SlabAllocator(8 * MIB, MIB))
+    leases = LeaseTable(index, reservation_ttl_s=10.0, lease_ttl_s=10.0)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = identify(proc.pid, 0, 0, 0, own_pid_ns())
+        for session in (1, 2):
+            r = leases.new_reservation(session, now=0.0)
+            r.slots.append((0, 0, index.reserve(("ns", "kv"), f"r{session}", MIB, MIB)))
+            a = leases.ahead_of(session, now=0.0)
+            leases.add_ahead(a, "kv", index.reserve_unbound("ns", MIB))
+            committed = index.reserve(("ns", "kv"), f"c{session}", MIB, MIB)
+            index.commit(committed)
+            leases.new_lease(session, [committed], now=0.0)
+        leases.drop_session(1, now=1.0, process=me)  # Bye
+        assert leases.fenced_bytes == 2 * MIB
+        assert [g.session for g in leases.leases.values()] == [2]  # its lease ended
+        leases.drop_session(2, now=1.0, keep_leases=True, process=me)  # replaced
+        assert leases.fenced_bytes == 4 * MIB
+        assert [g.session for g in leases.leases.values()] == [2]  # kept: a thread may read
+        assert leases.ahead_bytes == 0 and not leases.reservations
+        leases.sweep(2.0)
+        assert leases.fenced_bytes == 4 * MIB  # the process lives: fenced
+        proc.kill()
+        proc.wait()
+        leases.sweep(3.0)  # it is gone: nobody can write them now
+        assert leases.fenced_bytes == 0 and not leases.fences
+        assert index.ns_bytes["ns"] == 2 * MIB  # the two committed pages
+        leases.sweep(10.0)
+        assert not leases.leases  # the replaced session's lease, at its TTL
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # ---------------------------------------------------------------- real daemons
