@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 
 DIRTY_HIGH = 0.5  # write_back: start writing when dirty pages fill this share of the arena
 DIRTY_TARGET = 0.4  # ... and write the oldest until they are below this share
+# Pages queued for or being written to L3 are pinned: at most this share of the arena. Past it,
+# write-through / selective writes of new pages are dropped (counted, the pages stay in L2 and
+# evictable) rather than pinning the arena full while L3 lags (sets would then find no room).
+WRITING_MAX = 0.5
 KNOWN_IN_L3 = 65536  # keys remembered as stored in L3 (a load of one skips the exists call)
 ABSENT_IN_L3 = 65536  # keys remembered as missing from L3 ...
 ABSENT_TTL_S = 2.0  # ... for this long: an exists or get of one meanwhile is a miss unasked
@@ -83,6 +87,7 @@ class L3Tier:
         self.finding: set[int] = set()  # ids of the find jobs in flight
         self.dirty: dict[Entry, None] = {}  # write_back: committed pages L3 lacks (pinned)
         self.drop_when_written: set[Entry] = set()  # flushed from L2 once in L3
+        self.writing_bytes = 0  # of the pages queued for or being written to L3 (pinned)
         self._jobs_of: dict[int, int] = {}  # id(backend) -> jobs in flight
         self._retired: list[L3Backend] = []  # detached, closed when their jobs are collected
         self._exists_failing = False
@@ -162,6 +167,7 @@ class L3Tier:
                 "write_policy": self.write_policy, "write_through_threshold": self.threshold,
                 "prefetch": self.prefetch_enabled, "dirty_pages": len(self.dirty),
                 "loading_pages": len(self.loading), "jobs_in_flight": self.workers.in_flight,
+                "writing_bytes": self.writing_bytes,
                 "degraded": self._exists_failing, **self.counters}
 
     def backend_stats(self) -> dict:
@@ -282,15 +288,19 @@ class L3Tier:
             if not e.in_l3 and not e.writing and e.committed:
                 by_table.setdefault(e.table, []).append(e)
         queued = 0
+        room = WRITING_MAX * self.index.alloc.slab_bytes * len(self.index.alloc.slabs)
         for (ns, pool), todo in by_table.items():
+            nbytes = sum(e.stride for e in todo)
             job = IOJob("put", ns, pool, [e.key for e in todo], [e.offset for e in todo],
                         todo[0].page_bytes, todo, backend=self.backend)
-            if not self._submit(job):
+            if (self.writing_bytes and self.writing_bytes + nbytes > room) \
+                    or not self._submit(job):
                 self.counters["l3_writes_dropped"] += len(todo)
                 continue
             for e in todo:
                 self.index.pin(e)
                 e.writing = True
+            self.writing_bytes += nbytes
             queued += len(todo)
         return queued
 
@@ -448,6 +458,7 @@ class L3Tier:
         ok_n = 0
         for e, ok in zip(job.entries, job.result):
             e.writing = False
+            self.writing_bytes -= e.stride
             self.index.unpin(e)
             ok_n += bool(ok)
             if ok and current:

@@ -273,6 +273,27 @@ def test_failing_l3_under_write_back_never_pins_the_arena(make_daemon, tmp_path)
         assert st["l3_tier"]["dirty_pages"] <= 8
 
 
+def test_l3_slower_than_sets_never_pins_the_arena_under_write_through(make_daemon, tmp_path):
+    """Pages waiting for their L3 write are pinned: past half the arena, write-through drops
+    new writes (counted) instead, so every set still finds room by evicting."""
+    d = make_daemon(l2_size="4MiB", extra=[*_l3_backend(tmp_path, put_delay_s=2.0),
+                                           "--write-policy", "write_through",
+                                           "--set-ahead-bytes", "0"])
+    src, dst = big_pool(24, seed=59), big_pool(24, seed=0)
+    with d.client() as c:
+        c.register_mem_host_pool_v2(src, "kv")
+        for i in range(0, 24, 2):  # 3 arenas' worth while the first write still sleeps
+            assert c.batch_set_v1([f"w{i}", f"w{i + 1}"], big_pages(i, 2)) == [True, True], i
+        st = c.stats()
+        assert st["no_space"] == 0 and st["l3_writes_dropped"] >= 16
+        assert 0 < st["l3_tier"]["writing_bytes"] <= 2 * 1024 * 1024
+        c.register_mem_host_pool_v2(dst, "kv")
+        assert c.batch_get_v1(["w22", "w23"], big_pages(22, 2)) == [True, True]
+        assert torch.equal(dst.kv_buffer[22 * 64:], src.kv_buffer[22 * 64:])
+        assert wait_until(lambda: c.stats()["l3_tier"]["writing_bytes"] == 0, 10)
+        assert c.stats()["l3_writes"] == 24 - c.stats()["l3_writes_dropped"]
+
+
 def test_l3_flush_leaves_no_page_written_before_it(make_daemon, tmp_path):
     d = make_daemon(extra=_l3_backend(tmp_path, put_delay_s=0.3))
     with d.client() as c:
