@@ -43,6 +43,7 @@ from hicached.errors import (
     DaemonUnavailable,
     LengthMismatch,
     ProtocolError,
+    RequestTooLarge,
     Unauthorized,
     UnknownPool,
     UnknownSession,
@@ -185,7 +186,12 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
             self._new_socket()
             self._commits[1] = self._commits[0]  # a fresh socket: the old one's queue is gone
         commits = self._commits[0]
-        self._sock.send(P.encode(msg))
+        payload = P.encode(msg)
+        if len(payload) > P.MAX_REQUEST_BYTES:  # the daemon would drop the connection
+            raise RequestTooLarge(
+                f"{type(msg).__name__} of {len(payload)} bytes exceeds the daemon's limit of "
+                f"{P.MAX_REQUEST_BYTES} bytes: split the call into smaller batches")
+        self._sock.send(payload)
         if while_waiting is not None:
             while_waiting()
         start = time.monotonic()

@@ -25,6 +25,12 @@ class ProtocolError(HicachedError):
     code = "malformed"
 
 
+class RequestTooLarge(ProtocolError):
+    """One request would exceed ``protocol.MAX_REQUEST_BYTES`` (split the call)."""
+
+    code = "too_large"
+
+
 class VersionMismatch(HicachedError):
     """Client and daemon speak different protocol versions."""
 
@@ -104,6 +110,7 @@ _BY_CODE = {
         HicachedError,
         DaemonUnavailable,
         ProtocolError,
+        RequestTooLarge,
         VersionMismatch,
         UnknownSession,
         UnknownPool,

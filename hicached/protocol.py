@@ -36,6 +36,11 @@ import msgspec
 # 4: Hello.start_ticks / pid_ns (liveness.py), Hello.replaces
 PROTOCOL_VERSION = 4
 
+# The largest request a daemon reads (libzmq drops the connection of a peer sending more, so one
+# client cannot make the daemon buffer or decode gigabytes); ``Client`` refuses to send one with
+# ``RequestTooLarge``. About 900k keys of 64 hex characters in one exists.
+MAX_REQUEST_BYTES = 64 << 20
+
 # Negative "offsets": what a key got instead of a slot.
 SLOT_PRESENT = -1  # Reserve: already committed (nothing to copy; counts as stored)
 SLOT_NO_SPACE = -2  # Reserve: arena full and nothing evictable

@@ -154,6 +154,7 @@ class Daemon(DaemonOperations):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_REQUEST_BYTES)
         if endpoint.startswith("ipc://"):
             path = endpoint[len("ipc://"):]
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -240,7 +240,7 @@ def test_stalled_client_reservation_expires_after_ttl(make_daemon, spawn):
     """Its keys are free for others at once; its slots, which the stalled client may still be
     writing, come back one TTL later (the fence), or as soon as the client is gone."""
     d = make_daemon(extra=["--reservation-ttl-s", "2"])
-    p, _ = spawn(HOLD_RESERVATION, d.endpoint)  # alive, never commits
+    spawn(HOLD_RESERVATION, d.endpoint)  # alive, never commits
     with d.client() as c:
         assert c.stats()["reservations"] == 1
         used = c.stats()["l2_used_bytes"]
@@ -388,6 +388,33 @@ def test_malformed_frames_and_wrong_version(daemon):
         ctx.term()
     with daemon.client() as c:
         c.ping()  # others unaffected
+    assert "internal error" not in daemon.output()
+
+
+def test_oversized_requests_are_refused_and_the_daemon_carries_on(daemon):
+    """The client refuses to send a request past the daemon's limit (a typed error, nothing
+    sent); a peer that sends one anyway loses its connection, nobody else notices."""
+    import zmq
+
+    from hicached.errors import RequestTooLarge
+    keys = [f"{i:08d}" * 1250 for i in range(7000)]  # 10 kB keys, 70 MB in all
+    with daemon.client(shared_exists=False) as c:
+        c.register_mem_host_pool_v2(kv_pool(seed=5), "kv")
+        with pytest.raises(RequestTooLarge, match="split the call"):
+            c.batch_exists(keys)
+        assert c.batch_set_v1(["ok0"], pages(0, 1)) == [True]  # the same client carries on
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.RCVTIMEO, 1000)
+        s.connect(daemon.endpoint)
+        try:
+            s.send(P.encode(P.Exists(1, c.session, keys)))
+            with pytest.raises(zmq.Again):  # dropped unread: no answer
+                s.recv()
+        finally:
+            s.close(linger=0)
+            ctx.term()
+        assert c.batch_exists(["ok0"]) == 1
     assert "internal error" not in daemon.output()
 
 
