@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 DIRTY_HIGH = 0.5  # write_back: start writing when dirty pages fill this share of the arena
 DIRTY_TARGET = 0.4  # ... and write the oldest until they are below this share
-# Pages queued for or being written to L3 are pinned: at most this share of the arena. Past it,
+# Pages queued for or being written to L3 are pinned: at most this share of the arena (dirty
+# pages of write_back, pinned until written anyway, not counted). Past it,
 # write-through / selective writes of new pages are dropped (counted, the pages stay in L2 and
 # evictable) rather than pinning the arena full while L3 lags (sets would then find no room).
 WRITING_MAX = 0.5
@@ -87,7 +88,10 @@ class L3Tier:
         self.finding: set[int] = set()  # ids of the find jobs in flight
         self.dirty: dict[Entry, None] = {}  # write_back: committed pages L3 lacks (pinned)
         self.drop_when_written: set[Entry] = set()  # flushed from L2 once in L3
-        self.writing_bytes = 0  # of the pages queued for or being written to L3 (pinned)
+        # bytes the pages queued for or being written to L3 pin (dirty ones, pinned anyway, not
+        # counted), in all and per put job (id)
+        self.writing_bytes = 0
+        self._writing_of: dict[int, int] = {}
         self._jobs_of: dict[int, int] = {}  # id(backend) -> jobs in flight
         self._retired: list[L3Backend] = []  # detached, closed when their jobs are collected
         self._exists_failing = False
@@ -290,10 +294,11 @@ class L3Tier:
         queued = 0
         room = WRITING_MAX * self.index.alloc.slab_bytes * len(self.index.alloc.slabs)
         for (ns, pool), todo in by_table.items():
-            nbytes = sum(e.stride for e in todo)
+            # dirty pages (write_back) are pinned already: their writes pin nothing more
+            nbytes = sum(e.stride for e in todo if e not in self.dirty)
             job = IOJob("put", ns, pool, [e.key for e in todo], [e.offset for e in todo],
                         todo[0].page_bytes, todo, backend=self.backend)
-            if (self.writing_bytes and self.writing_bytes + nbytes > room) \
+            if (nbytes and self.writing_bytes and self.writing_bytes + nbytes > room) \
                     or not self._submit(job):
                 self.counters["l3_writes_dropped"] += len(todo)
                 continue
@@ -301,6 +306,7 @@ class L3Tier:
                 self.index.pin(e)
                 e.writing = True
             self.writing_bytes += nbytes
+            self._writing_of[id(job)] = nbytes
             queued += len(todo)
         return queued
 
@@ -456,9 +462,9 @@ class L3Tier:
 
     def _put_done(self, job: IOJob, current: bool) -> None:
         ok_n = 0
+        self.writing_bytes -= self._writing_of.pop(id(job), 0)
         for e, ok in zip(job.entries, job.result):
             e.writing = False
-            self.writing_bytes -= e.stride
             self.index.unpin(e)
             ok_n += bool(ok)
             if ok and current:
