@@ -104,10 +104,16 @@ class LeaseTable:
         del self.reservations[rid]
         return r
 
-    def abort_reservation(self, r: Reservation) -> None:
-        for _, _, entry in r.slots:
-            if not entry.committed:
-                self.index.abort(entry)
+    def _end_reservation(self, r: Reservation, now: float | None) -> None:
+        """Drop ``r`` uncommitted: its slots freed (``now`` None: nobody can write them any
+        more) or fenced from ``now`` on."""
+        del self.reservations[r.id]
+        pending = [e for _, _, e in r.slots if not e.committed]
+        if now is not None:
+            self._fence(r.id, r.session, pending, now)
+            return
+        for e in pending:
+            self.index.abort(e)
 
     # ------------------------------------------------------------ set-ahead slots
 
@@ -212,8 +218,7 @@ class LeaseTable:
             self._unfence(fid)
         dead_r = [r for r in self.reservations.values() if r.deadline <= now]
         for r in dead_r:
-            del self.reservations[r.id]
-            self._fence(r.id, r.session, [e for _, _, e in r.slots if not e.committed], now)
+            self._end_reservation(r, now)
         dead_l = [g for g in self.leases.values() if g.deadline <= now]
         for g in dead_l:
             del self.leases[g.id]
@@ -236,11 +241,7 @@ class LeaseTable:
             for fid in [fid for fid, f in self.fences.items() if f.session == session]:
                 self._unfence(fid)
         for r in [r for r in self.reservations.values() if r.session == session]:
-            del self.reservations[r.id]
-            if now is None:
-                self.abort_reservation(r)
-            else:
-                self._fence(r.id, session, [e for _, _, e in r.slots if not e.committed], now)
+            self._end_reservation(r, now)
         for g in [g for g in self.leases.values() if g.session == session and not keep_leases]:
             del self.leases[g.id]
             self._unpin_all(g)

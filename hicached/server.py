@@ -35,11 +35,11 @@ from hicached.errors import (
     ProtocolError,
     ShuttingDown,
     UnknownSession,
-    VersionMismatch,
 )
+from hicached.handshake import Handshakes
 from hicached.index import PageIndex
 from hicached.leases import LeaseTable
-from hicached.liveness import identify, own_pid_ns, peer_pid
+from hicached.liveness import own_pid_ns
 from hicached.metrics import make_metrics
 from hicached.operations import DaemonOperations
 from hicached.presence import TAG_GRAIN, PresenceTable, default_slots
@@ -80,7 +80,7 @@ def freeze_survivors(phase: str, info: dict) -> None:
         gc.freeze()
 
 
-class Daemon(DaemonOperations):
+class Daemon(DaemonOperations, Handshakes):
     """``Daemon(config).serve_forever()`` runs until ``stop()`` (or SIGTERM/SIGINT via ``run``)."""
 
     def __init__(self, config: DaemonConfig):
@@ -317,9 +317,9 @@ class Daemon(DaemonOperations):
         except zmq.ZMQError as e:  # peer gone or its queue full: its problem, not ours
             log.debug("answer to a client dropped: %s", e)
 
-    def _handle(self, identity: bytes, frame: zmq.Frame | bytes) -> None:
+    def _handle(self, identity: bytes, frame: zmq.Frame) -> None:
         t0, req_id, msg = time.perf_counter(), 0, None
-        payload = frame.buffer if isinstance(frame, zmq.Frame) else frame
+        payload = frame.buffer
         try:
             try:
                 msg = P.request_decoder.decode(payload)
@@ -358,17 +358,7 @@ class Daemon(DaemonOperations):
             self.controller.release(s, msg.release)
         return s
 
-    def _peer(self, frame: zmq.Frame | bytes) -> int:
-        """The pid of the process that sent ``frame``, in this daemon's pid namespace, from the
-        socket's credentials (ipc only; 0: not known)."""
-        if not isinstance(frame, zmq.Frame) or not self.config.endpoint.startswith("ipc://"):
-            return 0
-        try:
-            return peer_pid(frame.get("Peer-Address"))
-        except zmq.ZMQError:
-            return 0
-
-    def _dispatch(self, identity: bytes, msg, frame: zmq.Frame | bytes = b""):
+    def _dispatch(self, identity: bytes, msg, frame: zmq.Frame):
         c = self.controller
         if self._stop.is_set() and not isinstance(msg, _DRAIN_OK):
             raise ShuttingDown("hicached is shutting down; not accepting new requests")
@@ -394,37 +384,7 @@ class Daemon(DaemonOperations):
                 answer = c.commit(self._session(msg.session), msg)
                 return answer if msg.reply else None
             case P.Hello():
-                if msg.version != P.PROTOCOL_VERSION:
-                    raise VersionMismatch(
-                        f"client speaks protocol {msg.version}, daemon {P.PROTOCOL_VERSION}")
-                self.auth.check_hello(identity, msg)
-                process = identify(self._peer(frame), msg.pid, msg.start_ticks, msg.pid_ns,
-                                   self._pid_ns)
-                old = c.sessions.get(msg.replaces) if msg.replaces else None
-                if old is not None and old.namespace == msg.namespace:
-                    c.close_session(old.id, "replaced")
-                s = c.open_session(msg, process)
-                if old is not None and old.namespace == msg.namespace:
-                    log.info("session %d replaces session %d", s.id, old.id)
-                self.auth.bind(identity, s.id)
-                log.info("session %d: pid %d %s namespace %r", s.id, s.pid, s.name, s.namespace)
-                if process.how == "none":
-                    log.warning("session %d (pid %d as the client sees it): its process can "
-                                "not be checked from here (another pid namespace, over tcp), "
-                                "so it is kept until the daemon restarts should the client "
-                                "die; its reservations and leases still expire",
-                                s.id, s.pid)
-                elif process.pid != msg.pid:
-                    log.info("session %d: pid %d in this daemon's pid namespace", s.id,
-                             process.pid)
-                t = self.presence
-                if t is not None:
-                    s.presence_word = t.take_session()
-                return P.Welcome(msg.req_id, s.id, self.arena.path, self.arena.size_bytes,
-                                 os.getpid(), self.config.reservation_ttl_s,
-                                 self.config.lease_ttl_s, *(
-                                     (t.path, t.slots, t.epoch, self.index.seed(s.ns),
-                                      s.presence_word) if t is not None else ()))
+                return self._hello(identity, msg, frame)
             case P.RegisterPool():
                 return P.Registered(msg.req_id, c.register_pool(self._session(msg.session),
                                                                 msg.pool, msg.page_bytes))

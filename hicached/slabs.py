@@ -81,6 +81,11 @@ class SlabAllocator:
             )
         return stride
 
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of all slabs (the arena, less a tail smaller than a slab)."""
+        return self.slab_bytes * len(self.slabs)
+
     def slab_of(self, offset: int) -> Slab:
         return self.slabs[offset // self.slab_bytes]
 

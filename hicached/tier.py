@@ -47,17 +47,11 @@ from hicached.config import WRITE_POLICIES
 from hicached.errors import HicachedError, ProtocolError
 from hicached.index import Entry, PageIndex, TableId
 from hicached.keymemory import KeyMemory
+from hicached.tier_writes import TierWrites
 from hicached.workers import IOJob, IOWorkers
 
 log = logging.getLogger(__name__)
 
-DIRTY_HIGH = 0.5  # write_back: start writing when dirty pages fill this share of the arena
-DIRTY_TARGET = 0.4  # ... and write the oldest until they are below this share
-# Pages queued for or being written to L3 are pinned: at most this share of the arena (dirty
-# pages of write_back, pinned until written anyway, not counted). Past it,
-# write-through / selective writes of new pages are dropped (counted, the pages stay in L2 and
-# evictable) rather than pinning the arena full while L3 lags (sets would then find no room).
-WRITING_MAX = 0.5
 KNOWN_IN_L3 = 65536  # keys remembered as stored in L3 (a load of one skips the exists call)
 ABSENT_IN_L3 = 65536  # keys remembered as missing from L3 ...
 ABSENT_TTL_S = 2.0  # ... for this long: an exists or get of one meanwhile is a miss unasked
@@ -73,7 +67,7 @@ class Woken(NamedTuple):
     follow: set[int]
 
 
-class L3Tier:
+class L3Tier(TierWrites):
     """See the module docstring."""
 
     def __init__(self, index: PageIndex, workers: IOWorkers, backend: L3Backend | None = None,
@@ -236,101 +230,6 @@ class L3Tier:
             elif not job.error:  # a store that raised said nothing: not remembered
                 absent[(table, key)] = until
 
-    # ------------------------------------------------------------ writes
-
-    def on_commit(self, entries: Sequence[Entry]) -> None:
-        if not self.attached or not entries:
-            return
-        if self.write_policy == "write_through":
-            self.write(entries)
-        elif self.write_policy == "write_back":
-            for e in entries:
-                if not e.in_l3 and e not in self.dirty:
-                    self.index.pin(e)
-                    self.dirty[e] = None
-            self.relieve_pressure()
-
-    def on_hit(self, e: Entry) -> None:
-        if (self.write_policy == "write_through_selective" and self.attached
-                and e.hits >= self.threshold and not e.in_l3 and not e.writing):
-            self.write([e])
-
-    def relieve_pressure(self, force: bool = False) -> int:
-        """write_back: write the least recently used dirty pages when they fill more than
-        DIRTY_HIGH of the arena, or at least one when ``force`` (a reservation found no room),
-        until the dirty pages not being written are below DIRTY_TARGET; returns how many."""
-        if not self.dirty or not self.attached:
-            return 0
-        arena = self.index.alloc.slab_bytes * len(self.index.alloc.slabs)
-        todo = [e for e in self.dirty if not e.writing]
-        dirty = sum(e.stride for e in todo)
-        if not force and dirty <= DIRTY_HIGH * arena:
-            return 0
-        todo.sort(key=lambda e: e.last_used)
-        pick = []
-        for e in todo:
-            if pick and dirty <= DIRTY_TARGET * arena:
-                break
-            pick.append(e)
-            dirty -= e.stride
-        n = self.write(pick)
-        self.counters["write_backs"] += n
-        return n
-
-    def write_back_all(self) -> int:
-        """Queue every dirty page (flush, shutdown, policy change); returns how many."""
-        todo = [e for e in self.dirty if not e.writing]
-        n = self.write(todo) if self.attached else 0
-        self.counters["write_backs"] += n
-        return n
-
-    def write(self, entries: Iterable[Entry]) -> int:
-        """Send committed pages not known to be in L3 to the writer thread (pinned until
-        written); it asks the store which it has first and sends only the others."""
-        by_table: dict[TableId, list[Entry]] = {}
-        for e in entries:
-            if not e.in_l3 and not e.writing and e.committed:
-                by_table.setdefault(e.table, []).append(e)
-        queued = 0
-        room = WRITING_MAX * self.index.alloc.slab_bytes * len(self.index.alloc.slabs)
-        for (ns, pool), todo in by_table.items():
-            # dirty pages (write_back) are pinned already: their writes pin nothing more
-            nbytes = sum(e.stride for e in todo if e not in self.dirty)
-            job = IOJob("put", ns, pool, [e.key for e in todo], [e.offset for e in todo],
-                        todo[0].page_bytes, todo, backend=self.backend)
-            if (nbytes and self.writing_bytes and self.writing_bytes + nbytes > room) \
-                    or not self._submit(job):
-                self.counters["l3_writes_dropped"] += len(todo)
-                continue
-            for e in todo:
-                self.index.pin(e)
-                e.writing = True
-            self.writing_bytes += nbytes
-            self._writing_of[id(job)] = nbytes
-            queued += len(todo)
-        return queued
-
-    def _known(self, e: Entry) -> None:
-        self._remember(e.table, e.key)
-
-    def _remember(self, table: TableId, key: str) -> None:
-        self.known_in_l3[(table, key)] = None
-        self.absent_in_l3.pop((table, key))
-
-    def _clean(self, e: Entry) -> None:
-        """``e`` is in L3 now: no longer dirty."""
-        e.in_l3 = True
-        self._known(e)
-        if self.dirty.pop(e, 0) is None:
-            self.index.unpin(e)
-        self._maybe_drop(e)
-
-    def _maybe_drop(self, e: Entry) -> None:
-        """A page flushed from L2 while an L3 write pinned it goes once nothing pins it."""
-        if e in self.drop_when_written and not e.writing and e not in self.dirty:
-            self.drop_when_written.discard(e)
-            self.index.drop_one(e)  # unless a lease pins it now
-
     def _submit(self, job: IOJob) -> bool:
         if not self.workers.submit(job):
             return False
@@ -459,23 +358,6 @@ class L3Tier:
         if not there or not self.attached:
             return set()
         return self._start_loads(table, there, job.page_bytes, job.stride, job.waiters)
-
-    def _put_done(self, job: IOJob, current: bool) -> None:
-        ok_n = 0
-        self.writing_bytes -= self._writing_of.pop(id(job), 0)
-        for e, ok in zip(job.entries, job.result):
-            e.writing = False
-            self.index.unpin(e)
-            ok_n += bool(ok)
-            if ok and current:
-                self._clean(e)
-            elif e in self.dirty:
-                # a failing L3 must not pin the arena full: the page stays in L2, evictable
-                del self.dirty[e]
-                self.index.unpin(e)
-            self._maybe_drop(e)
-        self.counters["l3_writes"] += ok_n - len(job.already)  # those L3 had were not sent
-        self.counters["l3_write_failures"] += len(job.result) - ok_n
 
     def clear(self, done: Callable[[int | Exception], None]) -> None:
         """Delete every L3 page, after the writes already queued (a clear on the writer thread,
