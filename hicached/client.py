@@ -68,6 +68,30 @@ OVERLAP_MIN_PAGE_BYTES = 64 * 1024
 _CARRIERS = (P.Exists, P.Lease, P.Reserve)
 
 
+class InFlight:
+    """Sets and gets running in this client's threads: ``Client.close`` lets them end (their
+    commits go out, their leased copies finish) before its ``Bye`` frees their slots."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._count = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            self._count += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._count -= 1
+            if not self._count:
+                self._cond.notify_all()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until none runs (True) or ``timeout_s`` passed (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._count, timeout_s)
+
+
 def _ident(path: str) -> tuple[int, int] | None:
     """(device, inode) of the file at ``path`` (a daemon restarted with the same pid, as pid 1 in
     a container, made a new arena file), or None when it is gone."""
@@ -112,6 +136,8 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
         self._sock: zmq.Socket | None = None
         self._pools: dict[str, PageIO] = {}
         self._closed = False
+        self._inflight = InFlight()  # sets and gets under way (close waits for them)
+        self._ended = False  # close() said Bye: no request goes out any more
         # (pool, key) -> (offset, tag) of pages this client wrote or read (see _load); at most
         # ``remember_pages`` entries (0: never copy speculatively). Only for large pages.
         self._recall = PageRecall(remember_pages, OVERLAP_MIN_PAGE_BYTES)
@@ -229,9 +255,9 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
         """``build(session, req_id) -> request``; re-joins a restarted daemon once.
         ``while_waiting``: see ``_roundtrip`` (first attempt only). ``view``: return
         (answer, (epoch, arena, shared table) of the session that answered)."""
-        if self._closed:
-            raise DaemonUnavailable("client is closed")
         with self._lock:
+            if self._ended:  # (calls of sets and gets close() waits for may still go out)
+                raise DaemonUnavailable("client is closed")
             try:
                 answer = self._roundtrip(self._carry(build(self.session, next(self._req_ids))),
                                          timeout_s, while_waiting)
@@ -325,6 +351,13 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
 
     def _store(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
                ) -> dict[str, list[bool]]:
+        with self._inflight:  # counted before the check: close() waits for it, or it sees
+            if self._closed:   # the client closed
+                raise DaemonUnavailable("client is closed")
+            return self._store_now(plan)
+
+    def _store_now(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
+                   ) -> dict[str, list[bool]]:
         sent = time.monotonic()
         epoch = self._epoch
         claim = self._ahead.claim(plan, epoch, sent, self.reservation_ttl_s)
@@ -368,7 +401,9 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
             # this; requests this client sends later are ordered after it (one socket). A commit
             # that never arrives (client killed now) only loses the pages: the slots expire.
             with self._lock:  # seq: the daemon acknowledges it in the presence table
-                if self._epoch != epoch:  # another thread joined a restarted daemon meanwhile
+                # another thread joined a restarted daemon meanwhile, or close() gave up
+                # waiting for this call: the commit cannot reach the reservation's session
+                if self._epoch != epoch or self._sock is None:
                     return {name: [False] * len(keys) for name, _, keys, _ in plan}
                 self._commits[0] += 1
                 self._send_only(P.Commit(0, self.session, res.reservation_id, ok, reply=False,
@@ -407,11 +442,21 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """End the session (its leases and reservations are freed at once). Idempotent."""
+        """End the session (its leases and reservations are freed). Idempotent.
+
+        Sets and gets other threads have under way end first (their commits go out, their
+        copies finish), for at most half a TTL (what such a call may take before it gives up
+        on its own); new ones raise ``DaemonUnavailable``."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        bound = max(self.reservation_ttl_s, self.lease_ttl_s) / 2 + 1.0
+        if not self._inflight.drain(bound):
+            log.warning("close(): sets or gets of other threads still running after %.0fs: "
+                        "their pages are misses", bound)
+        with self._lock:
+            self._ended = True
             touched, gets = self._releases.close()  # Bye ends every lease of the session
             if self._sock is not None:
                 try:

@@ -16,6 +16,7 @@ import torch
 
 from hicached import protocol as P
 from hicached.client_exists import KV
+from hicached.errors import DaemonUnavailable
 from hicached.hostpool import PageIO
 from hicached.shared_get import read_known
 from hicached.types import PoolTransfer
@@ -40,6 +41,13 @@ class GetCalls:
 
     def _load(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
               ) -> dict[str, list[bool]]:
+        with self._inflight:  # (see Client._store)
+            if self._closed:
+                raise DaemonUnavailable("client is closed")
+            return self._load_now(plan)
+
+    def _load_now(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
+                  ) -> dict[str, list[bool]]:
         """Lease, copy out, release. Streamed: when pages must come from L3 the daemon answers
         as soon as the first ones are in the arena (the rest ``SLOT_LOADING``); they are copied
         while the others load, then the loading ones are asked for again (joining the loads in

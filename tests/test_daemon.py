@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -350,6 +351,41 @@ def test_threads_share_one_client(daemon):
         c.register_mem_host_pool_v2(dst, "kv")
         assert c.batch_get_v1([f"t2-9-{i}" for i in range(4)], pages(0, 4)) == [True] * 4
         assert torch.equal(kv_tokens(dst, 0, 4), kv_tokens(src, 16, 4))
+
+
+def test_close_lets_other_threads_finish_their_sets(daemon):
+    """close() while another thread copies into its reservation: that set's commit still goes
+    out before the Bye, so what it reports True is stored; calls after close() raise."""
+    from hicached.errors import DaemonUnavailable
+    c = daemon.client()
+    src = kv_pool(seed=31)
+    c.register_mem_host_pool_v2(src, "kv")
+    io = c._pools["kv"]
+    copying, real = threading.Event(), io.to_arena
+
+    def slow_to_arena(*args):
+        copying.set()
+        time.sleep(0.5)  # close() is called meanwhile
+        return real(*args)
+
+    io.to_arena = slow_to_arena
+    keys = [f"late{i}" for i in range(4)]
+    result = {}
+    writer = threading.Thread(target=lambda: result.update(ok=c.batch_set_v1(keys, pages(0, 4))))
+    writer.start()
+    assert copying.wait(10)
+    c.close()  # returns once the writer's commit went out
+    writer.join()
+    assert result["ok"] == [True] * 4
+    with pytest.raises(DaemonUnavailable):
+        c.batch_set_v1(["after"], pages(0, 1))
+    with pytest.raises(DaemonUnavailable):
+        c.batch_get_v1(keys, pages(0, 4))
+    with daemon.client() as other:
+        dst = kv_pool()
+        other.register_mem_host_pool_v2(dst, "kv")
+        assert other.batch_get_v1(keys, pages(4, 4)) == [True] * 4
+        assert torch.equal(kv_tokens(dst, 4, 4), kv_tokens(src, 0, 4))
 
 
 def test_commit_answers_and_expired_reservation(daemon):
