@@ -10,7 +10,12 @@ from hicached.errors import (
     HicachedError,
     LengthMismatch,
     PageSizeMismatch,
+    ProtocolError,
+    RequestTooLarge,
+    ShuttingDown,
+    Unauthorized,
     UnknownPool,
+    VersionMismatch,
 )
 from hicached.types import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
 
@@ -27,7 +32,12 @@ __all__ = [
     "PoolName",
     "PoolTransfer",
     "PoolTransferResult",
+    "ProtocolError",
+    "RequestTooLarge",
+    "ShuttingDown",
+    "Unauthorized",
     "UnknownPool",
+    "VersionMismatch",
 ]
 
 

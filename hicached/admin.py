@@ -313,7 +313,8 @@ class AdminServer:
                  req.write_policy or "unchanged", request.remote)
         tier = await self._blocking(self.daemon.attach_backend, req.backend, req.options,
                                     write_policy=req.write_policy, timeout_s=ATTACH_TIMEOUT_S)
-        self._record["hicache_storage_backend_extra_config"] = req.extra_config_json
+        if req.options or not tier.get("reattached"):  # (a re-attach keeps its options)
+            self._record["hicache_storage_backend_extra_config"] = req.extra_config_json
         if req.prefetch_policy:
             self._record["hicache_storage_prefetch_policy"] = req.prefetch_policy
         self._record["engine_options"] = req.engine_options

@@ -49,7 +49,13 @@ def _serve_parser(sub) -> None:
                    help="publish no slot tags: every get leases its pages through the socket")
     p.add_argument("--presence-slots", dest="presence_slots", type=int,
                    help="slots of the shared presence table, a power of 2 (0: from l2_size)")
-    p.add_argument("--log-level", dest="log_level")
+    p.add_argument("--log-level", dest="log_level",
+                   help="debug, info (default), warning, error or critical")
+    p.add_argument("--io-queue-depth", dest="io_queue_depth", type=int,
+                   help="L3 jobs queued at most (past it: write-throughs skipped, loads and "
+                   "lookups miss)")
+    p.add_argument("--socket-mode", dest="socket_mode",
+                   help="permission mode of the ipc socket and the arena, e.g. 0600")
     p.add_argument("--admin-host", dest="admin_host", help="admin HTTP API address")
     p.add_argument("--admin-port", dest="admin_port", type=int,
                    help="admin HTTP API port (0: no admin API)")
@@ -74,7 +80,8 @@ OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l
                "reservation_ttl_s", "lease_ttl_s", "l3_load_chunk", "get_wait_s", "prefetch",
                "set_ahead_bytes", "busy_poll_ms", "shared_exists", "shared_gets", "presence_slots",
                "log_level", "admin_host", "admin_port", "admin_api_key", "drain_timeout_s",
-               "socket_group", "client_token", "allow_tcp", "namespace_quotas")
+               "socket_group", "client_token", "allow_tcp", "namespace_quotas",
+               "io_queue_depth", "socket_mode")
 
 
 def main(argv: list[str] | None = None) -> int:

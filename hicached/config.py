@@ -1,22 +1,28 @@
 """The daemon's one frozen config object, resolved once at the edge.
 
 Precedence: CLI flags > ``HICACHED_*`` environment > TOML file (``--config``) > defaults.
-Unknown keys and bad values raise ``ConfigError`` naming the key. Library code receives a
-``DaemonConfig`` and never reads the environment itself. Every key is documented, with its
+Unknown keys (file, flags) and bad values raise ``ConfigError`` naming the key; an unknown
+``HICACHED_*`` variable is logged and ignored (the engine plugin's ``HICACHED_CLIENT_TOKEN`` and
+others share the prefix). Library code receives a ``DaemonConfig``; only the defaults of paths
+(``default_runtime_dir``, ``default_state_dir``: XDG variables) read the environment here. Every key is documented, with its
 default, in ``configs/hicached.toml``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import grp
 import hashlib
 import json
+import logging
 import os
 import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+
+log = logging.getLogger(__name__)
 
 from hicached.errors import ConfigError
 
@@ -46,8 +52,8 @@ def parse_size(value: object, key: str = "size", allow_zero: bool = False) -> in
 
 
 def default_runtime_dir() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/hicached-{os.getuid()}"
-    return os.path.join(base, "hicached") if "XDG_RUNTIME_DIR" in os.environ else base
+    xdg = os.environ.get("XDG_RUNTIME_DIR")  # (set but empty: as if unset)
+    return os.path.join(xdg, "hicached") if xdg else f"/tmp/hicached-{os.getuid()}"
 
 
 def default_state_dir() -> str:
@@ -61,7 +67,7 @@ class DaemonConfig:
 
     endpoint: str = ""  # "" -> ipc://<runtime dir>/hicached.sock
     l2_size: int = 4 * 1024**3
-    state_dir: str = ""  # "" -> $XDG_STATE_HOME/hicached
+    state_dir: str = ""  # "" -> $XDG_STATE_HOME/hicached, else ~/.local/state/hicached
     arena_path: str = ""  # "" -> /dev/shm/hicached-<digest of state_dir>
     slab_size: int = 64 * 1024**2
     l3_backend: str = "file"  # a name of hicached.backends.base.BACKENDS
@@ -136,6 +142,8 @@ class DaemonConfig:
         for key in ("reservation_ttl_s", "lease_ttl_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be > 0, got {getattr(self, key)}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"log_level: unknown {self.log_level!r}; valid: {list(LOG_LEVELS)}")
         self._check_operations()
 
     def _check_operations(self) -> None:
@@ -220,6 +228,7 @@ def parse_options(value: object, key: str = "l3_options") -> dict:
     return data
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}
 
@@ -242,6 +251,8 @@ def _coerce(key: str, value: object) -> object:
             raise ValueError
         if field_type == "int":
             if isinstance(value, str):
+                if key == "socket_mode" and re.fullmatch(r"0[0-7]+", value.strip()):
+                    return int(value, 8)  # the chmod spelling, 0600
                 return int(value, 0)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError
@@ -272,6 +283,8 @@ def read_config_table(path: str) -> dict:
 # in the config object so no backend reads the process environment.
 STORE_ENV_PREFIXES = ("MOONCAKE_", "SGLANG_MOONCAKE_")
 STORE_ENV_NAMES = ("LOCAL_HOSTNAME",)
+# HICACHED_* variables that are not daemon settings: the engine side's and the tests'
+OTHER_ENV = ("HICACHED_CLIENT_TOKEN", "HICACHED_TEST_DEVICE", "HICACHED_BENCH_")
 
 
 def load_config(path: str | None = None, env: Mapping[str, str] | None = None,
@@ -291,7 +304,12 @@ def load_config(path: str | None = None, env: Mapping[str, str] | None = None,
             continue
         key = var[len("HICACHED_"):].lower()
         if key not in names:
-            continue  # other tools' HICACHED_* variables (e.g. the admin key) are not ours
+            if not var.startswith(OTHER_ENV):  # a typo would otherwise go unnoticed
+                near = difflib.get_close_matches(key, names, 1)
+                log.warning("%s is not a hicached setting: ignored%s", var,
+                            f" (did you mean HICACHED_{near[0].upper()}?)" if near else
+                            " (settings: HICACHED_ + a key of configs/hicached.toml)")
+            continue
         values[key] = _coerce(key, value)
     for key, value in (overrides or {}).items():
         if value is None:

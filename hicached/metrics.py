@@ -348,10 +348,12 @@ class _Collector:
                 value=int(tier["attached"]))
         yield G("hicached_l3_degraded", "1 while the L3 backend fails (answered as misses)",
                 value=int(tier["degraded"]))
-        for key in ("dirty_pages", "loading_pages", "jobs_in_flight"):
-            yield G(f"hicached_l3_{key}", f"L3 tier: {key.replace('_', ' ')}", value=tier[key])
+        gauges = ("dirty_pages", "loading_pages", "jobs_in_flight", "writing_bytes")
+        for key in gauges:  # levels, not counts
+            yield G(f"hicached_l3_{key}", f"L3 tier: {key.replace('_', ' ')}",
+                    value=tier.get(key, 0))
         skip = {"backend", "attached", "degraded", "write_policy", "write_through_threshold",
-                "prefetch", "dirty_pages", "loading_pages", "jobs_in_flight"}
+                "prefetch", *gauges}
         for key, value in tier.items():  # the tier's counters (l3_errors, l3_loads, ...)
             if key not in skip and isinstance(value, int) and not isinstance(value, bool):
                 name = key if key.startswith("l3_") else f"l3_{key}"

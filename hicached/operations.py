@@ -19,7 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from hicached import protocol as P
-from hicached.config import WRITE_POLICIES
+from hicached.config import WRITE_POLICIES, DaemonConfig
 from hicached.errors import (
     BackendConflict,
     BackendError,
@@ -33,6 +33,18 @@ from hicached.tier import close_quietly
 log = logging.getLogger(__name__)
 
 FLUSH_TIERS = ("l2", "l3", "all")
+
+
+def backend_options(name: str, config: DaemonConfig, options: dict | None = None) -> dict:
+    """Keyword options for backend ``name``: ``options`` (or the config's ``l3_options``), with
+    the file backend's root defaulting to the config's ``l3_dir``, and Mooncake's unset keys
+    looked up in the environment the config captured (SGLang's ``MOONCAKE_*`` variables)."""
+    opts = dict(config.l3_options if options is None else options)
+    if name == "file":
+        opts.setdefault("root", config.l3_dir)
+    elif name == "mooncake":
+        opts.setdefault("env", dict(config.store_env))
+    return opts
 
 
 class DaemonOperations:
@@ -99,6 +111,7 @@ class DaemonOperations:
                                     f"valid: {list(WRITE_POLICIES)}")
             t = self.tier
             if t.attached and t.backend.name == name:
+                self._same_options(t.backend, options)
                 t.set_policies(write_policy, threshold, prefetch)
                 return False
             if t.attached or self._attaching:
@@ -125,7 +138,22 @@ class DaemonOperations:
             except BaseException:
                 close_quietly(backend)
                 raise
-        return self.backend_status()
+            return self.backend_status()
+        return {**self.backend_status(), "reattached": True}
+
+    def _same_options(self, backend: Any, options: dict | None) -> None:
+        """A re-attach of the attached backend changes its policies only: options it gives
+        (none: keep them) must be those it was opened with, else ``BackendConflict``."""
+        if not options:
+            return
+        have = getattr(backend, "opened_with", None)
+        want = backend_options(backend.name, self.config, options)
+        if have is not None and want != have:
+            differ = sorted(k for k in {*have, *want} if have.get(k) != want.get(k))
+            raise BackendConflict(
+                f"L3 backend {backend.name!r} is attached with other options (they differ in "
+                f"{', '.join(differ)}); a re-attach changes only policies: detach it first "
+                "to attach it with new options")
 
     def detach_backend(self) -> dict:
         """Detach the L3 backend (idempotent; thread-safe). L2 keeps its pages; L3 I/O in

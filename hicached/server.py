@@ -41,7 +41,7 @@ from hicached.index import PageIndex
 from hicached.leases import LeaseTable
 from hicached.liveness import own_pid_ns
 from hicached.metrics import make_metrics
-from hicached.operations import DaemonOperations
+from hicached.operations import DaemonOperations, backend_options
 from hicached.presence import TAG_GRAIN, PresenceTable, default_slots
 from hicached.quotas import make_quotas
 from hicached.sdnotify import NullNotifier
@@ -56,18 +56,6 @@ SWEEP_INTERVAL_S = 0.5
 MAX_BATCH = 256  # requests handled before the loop looks at I/O completions and timers
 # answered while draining (they finish work in flight); everything else gets ShuttingDown
 _DRAIN_OK = (P.Commit, P.Release, P.Bye, P.ExistsTally)
-
-
-def backend_options(name: str, config: DaemonConfig, options: dict | None = None) -> dict:
-    """Keyword options for backend ``name``: ``options`` (or the config's ``l3_options``), with
-    the file backend's root defaulting to the config's ``l3_dir``, and Mooncake's unset keys
-    looked up in the environment the config captured (SGLang's ``MOONCAKE_*`` variables)."""
-    opts = dict(config.l3_options if options is None else options)
-    if name == "file":
-        opts.setdefault("root", config.l3_dir)
-    elif name == "mooncake":
-        opts.setdefault("env", dict(config.store_env))
-    return opts
 
 
 def freeze_survivors(phase: str, info: dict) -> None:
@@ -179,8 +167,9 @@ class Daemon(DaemonOperations, Handshakes):
 
     def _open_backend(self, name: str, options: dict | None) -> L3Backend:
         """Create and open a backend (blocking: never on the control loop once it runs)."""
+        opts = backend_options(name, self.config, options)
         try:
-            backend = create_backend(name, **backend_options(name, self.config, options))
+            backend = create_backend(name, **opts)
         except HicachedError:
             raise
         except (ValueError, TypeError) as e:
@@ -195,6 +184,7 @@ class Daemon(DaemonOperations, Handshakes):
                 raise
             raise BackendUnavailable(f"L3 backend {name!r} failed to open: "
                                      f"{type(e).__name__}: {e}") from None
+        backend.opened_with = opts  # a re-attach with other options is refused (operations.py)
         return backend
 
     # ------------------------------------------------------------ loop

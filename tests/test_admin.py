@@ -165,6 +165,24 @@ def test_attach_errors_map_to_statuses(make_daemon, tmp_path):
     status, ans = http("POST", url + "/flush_cache?tier=l4", key=KEY)
     assert status == 400 and "l4" in ans["error"]
     assert http("GET", url + "/hicache/storage-backend", key=KEY)[1]["attached"] is False
+    # attached: the same backend again changes policies only; other options are refused
+    root = tmp_path / "l3a"
+    cfg = f'{{"root": "{root}"}}'
+    status, ans = put({"hicache_storage_backend": "file",
+                       "hicache_storage_backend_extra_config_json": cfg})
+    assert status == 200 and ans["attached"] and ans["hicache_write_policy"] == "write_through"
+    status, ans = put({"hicache_storage_backend": "file", "hicache_write_policy": "write_back",
+                       "hicache_storage_backend_extra_config_json": cfg})
+    assert status == 200 and ans["hicache_write_policy"] == "write_back"
+    status, ans = put({"hicache_storage_backend": "file", "hicache_write_policy": "write_back",
+                       "hicache_storage_backend_extra_config_json":
+                           f'{{"root": "{tmp_path / "l3b"}"}}'})
+    assert status == 409 and "root" in ans["error"] and "detach" in ans["error"]
+    status, ans = http("GET", url + "/hicache/storage-backend", key=KEY)
+    assert ans["hicache_storage_backend_extra_config"] == cfg  # the record is unchanged
+    status, ans = put({"hicache_storage_backend": "file", "hicache_write_policy": "write_through"})
+    assert status == 200 and ans["hicache_write_policy"] == "write_through"  # no options: kept
+    assert ans["hicache_storage_backend_extra_config"] == cfg
 
 
 def test_flush_tiers_and_clear(make_daemon):
@@ -268,8 +286,9 @@ def test_metrics_move_with_traffic(make_daemon):
     assert sample(m, "hicached_presence_full") == 0
     for name in ("hicached_evictions_total", "hicached_expired_leases_total",
                  "hicached_expired_reservations_total", "hicached_l3_errors_total",
-                 "hicached_l3_degraded", "hicached_draining"):
+                 "hicached_l3_degraded", "hicached_draining", "hicached_l3_writing_bytes"):
         assert sample(m, name) == 0, name
+    assert not any(name == "hicached_l3_writing_bytes_total" for name, _ in m)  # a level
     assert all(name.startswith("hicached_") for name, _ in m)
     assert wait_until(lambda: sample(scrape(url), "hicached_sessions") == 0)  # Bye applied
 

@@ -68,3 +68,24 @@ def test_store_environment_is_captured_at_the_edge(tmp_path):
     assert "env" not in backend_options("file", cfg)
     with pytest.raises(ConfigError, match="store_env"):
         load_config(None, {}, {"state_dir": str(tmp_path), "store_env": {}})
+
+
+def test_log_level_socket_mode_and_env_typos(tmp_path, caplog, monkeypatch):
+    with pytest.raises(ConfigError, match="log_level: unknown 'loud'"):
+        load_config(None, {}, {"log_level": "loud", "state_dir": str(tmp_path)})
+    assert load_config(None, {}, {"log_level": "DEBUG", "state_dir": str(tmp_path)}).log_level
+    # chmod's spelling in the environment, as 0o600 is TOML's
+    cfg = load_config(None, {"HICACHED_SOCKET_MODE": "0660"}, {"state_dir": str(tmp_path)})
+    assert cfg.socket_mode == 0o660
+    with caplog.at_level("WARNING", logger="hicached.config"):
+        cfg = load_config(None, {"HICACHED_L2SIZE": "1GiB", "HICACHED_CLIENT_TOKEN": "t"},
+                          {"state_dir": str(tmp_path)})
+    assert cfg.l2_size == DaemonConfig.l2_size
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "HICACHED_L2SIZE" in warned[0] and "HICACHED_L2_SIZE" in warned[0]
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "")  # set but empty: as if unset
+    endpoint = load_config(None, {}, {"state_dir": str(tmp_path)}).endpoint
+    assert endpoint.startswith("ipc:///tmp/hicached-") and "/hicached/" not in endpoint
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    endpoint = load_config(None, {}, {"state_dir": str(tmp_path)}).endpoint
+    assert endpoint == f"ipc://{tmp_path}/run/hicached/hicached.sock"
