@@ -20,6 +20,9 @@ Requests (client -> daemon)             answer
   Flush        empty L2 (and/or L3)      Ok
   GetStats     counters                  Stats
   Ping         liveness                  Ok
+  Attach       attach an L3 backend      BackendStatus
+  Detach       detach it                 BackendStatus
+  GetBackend   the L3 tier's status      BackendStatus
 Any request may be answered with ``Error(code, message)`` (codes: ``errors.py``).
 
 Slot answers (``Reserved.offsets`` / ``Leased.offsets``) are byte offsets into the arena, or one of

@@ -10,7 +10,7 @@ Enable it with SGLang's dynamic backend loader (``cls(storage_config, {})`` is h
 (or ``'@/path/conf.json|.toml|.yaml'``). extra_config keys read here (``PluginSettings``):
 ``endpoint`` (default ``ipc://<runtime dir>/hicached.sock``; ``socket`` = a path also works),
 ``timeout_s`` (6.0: a daemon slower than this is a miss; a little over the daemon's own bound on
-waiting for L3 loads, ``get_wait_s`` = 5 s, so that answer comes first), ``retry_interval_s`` (1.0:
+waiting for L3 loads, ``get_wait_s``, 2 s by default, so that answer comes first), ``retry_interval_s`` (1.0:
 how long a failed connect is not retried), ``model_name``, ``model_revision``, ``namespace_salt`` (see
 ``namespace.py``), ``clear_tier`` ("all" | "l2" | "none": what ``clear()`` flushes, node-wide).
 SGLang itself reads ``interface_v1`` (1: KV through ``batch_get_v1``/``batch_set_v1``, one copy
