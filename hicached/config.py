@@ -94,6 +94,8 @@ class DaemonConfig:
     admin_port: int = 0  # admin HTTP API port (0: no admin API)
     admin_api_key: str = field(default="", repr=False)  # Bearer key of mutating admin endpoints
     drain_timeout_s: float = 10.0  # SIGTERM: longest wait for in-flight work before exiting
+    unchecked_idle_s: float = 600.0  # a client the daemon cannot check (tcp, other pid
+    # namespace): its session ends after this long without a request (it joins again)
     socket_group: str = ""  # group of the ipc socket and the arena (mode 0660 then)
     client_token: str = field(default="", repr=False)  # clients must present it in the handshake
     allow_tcp: bool = False  # tcp:// endpoints need this and a client_token
@@ -152,6 +154,8 @@ class DaemonConfig:
             raise ConfigError(f"admin_port: must be 0 (off) or a TCP port, got {self.admin_port}")
         if self.admin_port and not self.admin_host:
             raise ConfigError("admin_host: must be set when admin_port is")
+        if self.unchecked_idle_s <= 0:
+            raise ConfigError(f"unchecked_idle_s: must be > 0, got {self.unchecked_idle_s}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if not 0 <= self.socket_mode <= 0o777:

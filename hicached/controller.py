@@ -95,6 +95,25 @@ class Controller:
             self.close_session(s.id, "dead")
         return len(dead)
 
+    def reap_idle_unchecked(self, now: float, idle_s: float) -> int:
+        """End the sessions of clients the daemon cannot check (``Session.checked``) that sent
+        no request for ``idle_s``: one that died would otherwise be kept until the daemon
+        restarts. One that lives joins again at its next request (``UnknownSession``)."""
+        idle = []
+        for s in self.sessions.values():
+            if s.checked:
+                continue
+            if s.active:
+                s.active, s.idle_since = False, now
+            elif now - s.idle_since >= idle_s:
+                idle.append(s)
+        for s in idle:
+            log.info("session %d (%s, pid %d as it states) sent nothing for %.0fs and its "
+                     "process cannot be checked: ended", s.id, s.name or "unnamed", s.pid,
+                     now - s.idle_since)
+            self.close_session(s.id, "bye")
+        return len(idle)
+
     def register_pool(self, s: Session, pool: str, page_bytes: int) -> int:
         """Check and record a session's pool; its bit in the namespace's presence masks."""
         if not pool:

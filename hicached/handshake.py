@@ -49,9 +49,10 @@ class Handshakes:
             log.info("session %d replaces session %d", s.id, old.id)
         if process.how == "none":
             log.warning("session %d (pid %d as the client sees it): its process can not be "
-                        "checked from here (another pid namespace, over tcp), so it is kept "
-                        "until the daemon restarts should the client die; its reservations "
-                        "and leases still expire", s.id, s.pid)
+                        "checked from here (another pid namespace, over tcp); should the "
+                        "client die, its session ends after unchecked_idle_s (%.0fs) without "
+                        "a request; its reservations and leases still expire", s.id, s.pid,
+                        self.config.unchecked_idle_s)
         elif process.pid != msg.pid:
             log.info("session %d: pid %d in this daemon's pid namespace", s.id, process.pid)
         t = self.presence

@@ -222,6 +222,7 @@ class Daemon(DaemonOperations, Handshakes):
             self.leases.sweep(now)
             self.index.republish()
             self.controller.reap_dead_sessions()
+            self.controller.reap_idle_unchecked(now, self.config.unchecked_idle_s)
             self.auth.prune(self.controller.sessions)
             self.tier.relieve_pressure()
             self._next_sweep = now + SWEEP_INTERVAL_S
@@ -339,6 +340,7 @@ class Daemon(DaemonOperations, Handshakes):
         s = self.controller.sessions.get(sid)
         if s is None:
             raise UnknownSession(f"session {sid} unknown (daemon restarted?); handshake again")
+        s.active = True
         return s
 
     def _releasing(self, msg: P.Exists | P.Lease | P.Reserve) -> Session:
@@ -362,6 +364,7 @@ class Daemon(DaemonOperations, Handshakes):
             case P.Release():
                 s = c.sessions.get(msg.session)
                 if s is not None:
+                    s.active = True
                     c.release(s, msg.lease_ids)
                     if msg.touched or msg.shared_gets:
                         self.metrics.on_unleased(msg, c.read_unleased(s, msg))

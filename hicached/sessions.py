@@ -36,6 +36,13 @@ class Session:
     pools: dict[str, PoolSpec] = field(default_factory=dict)
     process: ProcessRef | None = None  # what the daemon checks (liveness.py); None: unchecked
     presence_word: int = -1  # its commit word in the shared presence table (-1: none)
+    active: bool = True  # a request came since the last sweep (server: ``_session``)
+    idle_since: float = 0.0  # (the sweep's clock) when requests stopped coming
+
+    @property
+    def checked(self) -> bool:
+        """Whether the daemon can tell this client's process died (``liveness.py``)."""
+        return self.process is not None and self.process.how != "none"
 
     def spec(self, pool: str) -> PoolSpec:
         try:

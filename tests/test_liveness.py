@@ -195,3 +195,49 @@ def test_a_new_handshake_of_a_live_client_ends_its_old_session(daemon):
             s.close(linger=0)
             ctx.term()
     assert f"replaces session {old}" in daemon.output()
+
+
+def test_unchecked_clients_sessions_end_when_idle_and_they_join_again(tmp_path):
+    """Over tcp from another pid namespace the daemon cannot tell a dead client: such a session
+    ends after ``unchecked_idle_s`` without a request (not while it sends them), and the client
+    joins again at its next call. Clients it can check are never ended for being idle."""
+    from admin_helpers import free_port
+    from conftest import DaemonProc
+    from test_daemon import kv_pool, pages
+
+    token = "t0ken"
+    d = DaemonProc(tmp_path, name="tcp", token=token,
+                   extra=["--allow-tcp", "--l3-backend", "none", "--unchecked-idle-s", "1.5"],
+                   env={**os.environ, "HICACHED_CLIENT_TOKEN": token})
+    d.endpoint = f"tcp://127.0.0.1:{free_port()}"
+    d.args[d.args.index("--endpoint") + 1] = d.endpoint
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.RCVTIMEO, 5000)
+    try:
+        d.start()
+        raw.connect(d.endpoint)
+        raw.send(P.encode(P.Hello(1, P.PROTOCOL_VERSION, "model-a", 7, "raw", token,
+                                  0, L.own_pid_ns() + 1)))  # another pid namespace
+        sid = P.answer_decoder.decode(raw.recv()).session
+        with d.client() as c:  # same pid namespace: checked by its stated pid and start time
+            src = kv_pool(seed=4)
+            c.register_mem_host_pool_v2(src, "kv")
+            end, req = time.monotonic() + 3, 10
+            while time.monotonic() < end:  # requests keep the unchecked session
+                raw.send(P.encode(P.RegisterPool(req, sid, "kv", 1024)))
+                assert isinstance(P.answer_decoder.decode(raw.recv()), P.Registered)
+                req += 1
+                time.sleep(0.3)
+            assert c.stats()["sessions"] == 2
+            assert wait_until(lambda: c.stats()["sessions"] == 1, 5)  # idle: ended
+            raw.send(P.encode(P.RegisterPool(req, sid, "kv", 1024)))
+            ans = P.answer_decoder.decode(raw.recv())
+            assert isinstance(ans, P.Error) and ans.code == "unknown_session"
+            time.sleep(2.5)  # the checked client idled too, and stays
+            assert c.batch_set_v1(["idle0"], pages(0, 1)) == [True]
+            assert c.stats()["sessions"] == 1
+    finally:
+        raw.close(linger=0)
+        ctx.term()
+        d.cleanup()
