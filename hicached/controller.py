@@ -475,7 +475,8 @@ class Controller:
         ``P.MAX_TOUCHED`` pairs) are hits, as leased ones would be; returns those still in L2."""
         entries = self.index.tagged(msg.touched[:2 * P.MAX_TOUCHED], s.ns)
         self.counters["hits"] += len(entries)
-        self.counters["shared_gets"] += max(0, msg.shared_gets)
+        self.counters["shared_gets"] = min(self.counters["shared_gets"] + msg.shared_gets,
+                                           P.COUNT_MAX)
         for e in entries:
             self.index.touch(e)
             e.hits += 1

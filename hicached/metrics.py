@@ -103,16 +103,16 @@ class Metrics(NullMetrics):
         """Exists calls a client answered from the presence table: counted as exists requests
         with outcome ``shared``, their keys and hits as the daemon's own."""
         key = ("exists", "shared")
-        self.requests[key] = self.requests.get(key, 0) + max(0, msg.calls)
+        self.requests[key] = min(self.requests.get(key, 0) + msg.calls, P.COUNT_MAX)
         for mine, theirs in ((self.exists_keys, msg.keys), (self.exists_hits, msg.hits)):
             for pool, n in theirs.items():
-                mine[pool] = mine.get(pool, 0) + max(0, n)
+                mine[pool] = min(mine.get(pool, 0) + n, P.COUNT_MAX)
 
     def on_unleased(self, msg: P.Release, entries: list) -> None:
         """Pages a client read without a lease (``entries``, those still in L2): L2 hits of their
         pools, and the get calls that sent no request as lease requests with outcome ``shared``."""
         key = ("lease", "shared")
-        self.requests[key] = self.requests.get(key, 0) + max(0, msg.shared_gets)
+        self.requests[key] = min(self.requests.get(key, 0) + msg.shared_gets, P.COUNT_MAX)
         for e in entries:
             self._add(self.hits, "l2", e.table[1], 1)
             self.client_bytes["l2_to_client"] += e.page_bytes

@@ -31,7 +31,7 @@ the negative sentinels below.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -43,6 +43,11 @@ PROTOCOL_VERSION = 4
 # client cannot make the daemon buffer or decode gigabytes); ``Client`` refuses to send one with
 # ``RequestTooLarge``. About 900k keys of 64 hex characters in one exists.
 MAX_REQUEST_BYTES = 64 << 20
+
+# A count a client reports (tallies, unleased gets): never negative nor absurd; the daemon's
+# totals of them saturate at COUNT_MAX (an unbounded int would break the Stats answer's encoding).
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+COUNT_MAX = (1 << 63) - 1
 
 # Negative "offsets": what a key got instead of a slot.
 SLOT_PRESENT = -1  # Reserve: already committed (nothing to copy; counts as stored)
@@ -114,7 +119,13 @@ class Exists(_Msg, tag="exists"):
     release: list[int] = []  # piggybacked Release: leases this client is done with
 
     def key_list(self) -> list[str]:
-        return self.packed.decode().split("\0") if self.packed else self.keys
+        if not self.packed:
+            return self.keys
+        try:
+            return self.packed.decode().split("\0")
+        except UnicodeDecodeError as e:
+            from hicached.errors import ProtocolError
+            raise ProtocolError(f"malformed request: packed keys are not UTF-8 ({e})") from None
 
 
 def pack_keys(keys: list[str]) -> bytes:
@@ -174,9 +185,9 @@ class ExistsTally(_Msg, tag="exists_tally"):
 
     req_id: int
     session: int
-    calls: int
-    keys: dict[str, int]
-    hits: dict[str, int]
+    calls: Count
+    keys: dict[str, Count]
+    hits: dict[str, Count]
 
 
 MAX_TOUCHED = 32768  # (offset, tag) pairs one Release reports at most (the daemon reads no more)
@@ -194,7 +205,7 @@ class Release(_Msg, tag="release"):
     session: int
     lease_ids: list[int]
     touched: list[int] = []
-    shared_gets: int = 0
+    shared_gets: Count = 0
 
 
 class Bye(_Msg, tag="bye"):

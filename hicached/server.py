@@ -257,7 +257,7 @@ class Daemon(DaemonOperations, Handshakes):
                     timeout_ms = min(200, max(0, int((wake - now) * 1000) + 1))
                 events = dict(poller.poll(timeout_ms))
                 if self.sock in events:
-                    self._drain_socket()
+                    self._guarded(self._drain_socket)
                     busy_until = time.monotonic() + busy_s
                 if self.workers.wake_r in events:
                     self._guarded(self.controller.on_io_done)
@@ -304,7 +304,13 @@ class Daemon(DaemonOperations, Handshakes):
 
     def _send(self, identity: bytes, answer) -> None:
         try:
-            self.sock.send_multipart([identity, P.encode(answer)], zmq.NOBLOCK)
+            payload = P.encode(answer)
+        except (msgspec.EncodeError, OverflowError, TypeError, ValueError) as e:  # a bug
+            log.exception("cannot encode a %s answer", type(answer).__name__)
+            payload = P.encode(P.Error(getattr(answer, "req_id", 0), "internal",
+                                       f"answer not encodable: {type(e).__name__}: {e}"))
+        try:
+            self.sock.send_multipart([identity, payload], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # peer gone or its queue full: its problem, not ours
             log.debug("answer to a client dropped: %s", e)
 

@@ -72,6 +72,24 @@ def test_malformed_frames_and_wrong_version(daemon):
         assert ans.code == "version_mismatch" and ans.req_id == 9
         s.send(P.encode(P.Exists(10, 12345, ["a"])))
         assert P.answer_decoder.decode(s.recv()).code == "unknown_session"
+        s.send(P.encode(P.Hello(13, P.PROTOCOL_VERSION, "ns", os.getpid())))
+        sid = P.answer_decoder.decode(s.recv()).session
+        s.send(P.encode(P.RegisterPool(16, sid, "kv", 1024)))
+        assert isinstance(P.answer_decoder.decode(s.recv()), P.Registered)
+        s.send(P.encode(P.Exists(14, sid, [], packed=b"k0\0\xff\xfe")))  # not UTF-8
+        assert P.answer_decoder.decode(s.recv()).code == "malformed"
+        # counts a client reports are bounded: totals that no longer encode (past 2**64) would
+        # have ended the daemon at the next Stats answer
+        huge = (1 << 63) - 1
+        for msg in (P.Release(0, sid, [], shared_gets=huge), P.Release(0, sid, [], shared_gets=-1),
+                    P.ExistsTally(0, sid, huge, {}, {}), P.ExistsTally(0, sid, 1, {"kv": -5}, {})):
+            s.send(P.encode(msg))
+            assert P.answer_decoder.decode(s.recv()).code == "malformed"
+        for _ in range(3):
+            s.send(P.encode(P.Release(0, sid, [], shared_gets=1 << 40)))
+        s.send(P.encode(P.GetStats(15)))
+        ans = P.answer_decoder.decode(s.recv())
+        assert isinstance(ans, P.Stats) and ans.stats["shared_gets"] == 3 << 40
     finally:
         s.close()
         ctx.term()
