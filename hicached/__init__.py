@@ -8,6 +8,7 @@ Daemon side: ``hicached serve`` (``hicached.server.Daemon``).
 from hicached.errors import (
     DaemonUnavailable,
     HicachedError,
+    InvalidTransfer,
     LengthMismatch,
     PageSizeMismatch,
     ProtocolError,
@@ -26,6 +27,7 @@ __all__ = [
     "DaemonUnavailable",
     "HicachedError",
     "HostPool",
+    "InvalidTransfer",
     "LengthMismatch",
     "PageSizeMismatch",
     "PoolHitPolicy",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 import threading
 import time
@@ -41,6 +42,7 @@ from hicached.client_exists import KV, ExistsCalls
 from hicached.client_get import GetCalls
 from hicached.errors import (
     DaemonUnavailable,
+    InvalidTransfer,
     LengthMismatch,
     ProtocolError,
     RequestTooLarge,
@@ -102,8 +104,10 @@ def _ident(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str) -> list[int]:
-    """Page-start token indices (``host_indices[i * page_size]``), length-checked."""
+def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str,
+                  capacity: int | None = None) -> list[int]:
+    """Page-start token indices (``host_indices[i * page_size]``), checked: one page per key,
+    integers at page starts inside the pool (``capacity`` tokens; None: unknown)."""
     n = len(host_indices) if host_indices is not None else 0
     if n != num_keys * page_size:
         raise LengthMismatch(
@@ -111,7 +115,26 @@ def _token_starts(host_indices: Any, num_keys: int, page_size: int, pool: str) -
             f"(page_size {page_size}), got {n}"
         )
     starts = host_indices[::page_size]
-    return starts.tolist() if hasattr(starts, "tolist") else list(starts)
+    starts = starts.tolist() if hasattr(starts, "tolist") else list(starts)
+    if not starts:
+        return starts
+    if not all(type(t) is int for t in starts):
+        try:  # e.g. numpy integers in a list
+            starts = [operator.index(t) for t in starts]
+        except TypeError:
+            bad = next(t for t in starts if not hasattr(t, "__index__"))
+            raise InvalidTransfer(f"pool {pool!r}: host indices must be integers, got "
+                                  f"{bad!r}") from None
+    low, high = min(starts), max(starts)
+    if low < 0 or (capacity is not None and high + page_size > capacity):
+        raise InvalidTransfer(f"pool {pool!r}: host indices {low}..{high + page_size - 1} are "
+                              f"outside the pool of {capacity} tokens")
+    if page_size > 1 and any(t % page_size for t in starts):
+        bad = next(t for t in starts if t % page_size)
+        raise InvalidTransfer(f"pool {pool!r}: host index {bad} is not a page start (page_size "
+                              f"{page_size})")
+    return starts
+
 
 
 class Client(ExistsCalls, GetCalls, ClientAdmin):
@@ -212,7 +235,11 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
             self._new_socket()
             self._commits[1] = self._commits[0]  # a fresh socket: the old one's queue is gone
         commits = self._commits[0]
-        payload = P.encode(msg)
+        try:
+            payload = P.encode(msg)
+        except (TypeError, ValueError, OverflowError) as e:  # (msgspec.EncodeError: ValueError)
+            raise InvalidTransfer(f"{type(msg).__name__} cannot be sent: {e} (keys must be "
+                                  "str, indices int)") from None
         if len(payload) > P.MAX_REQUEST_BYTES:  # the daemon would drop the connection
             raise RequestTooLarge(
                 f"{type(msg).__name__} of {len(payload)} bytes exceeds the daemon's limit of "
@@ -318,10 +345,13 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
         plan = []
         for t in transfers:
             name = pool_value(t.name)
+            if any(name == p[0] for p in plan):  # results are per pool: one would be lost
+                raise InvalidTransfer(f"pool {name!r} is named twice in one call: put its "
+                                      "keys in one transfer")
             io = self._io(name)
             keys = list(t.keys or ())
             plan.append((name, io, keys, _token_starts(t.host_indices, len(keys),
-                                                       io.page_size, name)))
+                                                       io.page_size, name, io.capacity_tokens)))
         return plan
 
     def _pages_plan(self, pool_name: Any, keys: Sequence[str], pages: Sequence[torch.Tensor]
@@ -330,7 +360,10 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
         keys = list(keys)
         if len(keys) != len(pages):
             raise LengthMismatch(f"pool {name!r}: {len(keys)} keys but {len(pages)} pages")
-        io = TensorPages(pages, self._io(name).page_bytes)
+        try:
+            io = TensorPages(pages, self._io(name).page_bytes)
+        except ValueError as e:
+            raise InvalidTransfer(f"pool {name!r}: {e}") from None
         return name, [(name, io, keys, list(range(len(keys))))]
 
     def batch_set_v2(self, transfers: Sequence[Any], extra_info: Any = None
@@ -393,7 +426,11 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
                         continue
                     if time.monotonic() - sent > self.reservation_ttl_s / 2:
                         raise TimeoutError(f"reservation too old to copy into ({name})")
-                    io.to_arena([starts[i] for i in sel], arena.tensor, [row[i] for i in sel])
+                    try:
+                        io.to_arena([starts[i] for i in sel], arena.tensor,
+                                    [row[i] for i in sel])
+                    except (ValueError, TypeError, IndexError) as e:  # PageIO._check: the
+                        raise InvalidTransfer(f"pool {name!r}: {e}") from e  # caller's indices
             except BaseException:
                 self._abort(res.reservation_id)
                 raise

@@ -16,7 +16,7 @@ import torch
 
 from hicached import protocol as P
 from hicached.client_exists import KV
-from hicached.errors import DaemonUnavailable
+from hicached.errors import DaemonUnavailable, InvalidTransfer
 from hicached.hostpool import PageIO
 from hicached.shared_get import read_known
 from hicached.types import PoolTransfer
@@ -105,8 +105,11 @@ class GetCalls:
                         if g else range(len(row))
                     sel = [j for j in new if row[j] >= 0]
                     if sel:
-                        io.from_arena([starts_of[name][idx[j]] for j in sel], arena.tensor,
-                                      [row[j] for j in sel])
+                        try:
+                            io.from_arena([starts_of[name][idx[j]] for j in sel], arena.tensor,
+                                          [row[j] for j in sel])
+                        except (ValueError, TypeError, IndexError) as e:  # (PageIO._check)
+                            raise InvalidTransfer(f"pool {name!r}: {e}") from e
                     for j, off in enumerate(row):
                         if off >= 0:
                             out[name][idx[j]] = True

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hicached import protocol as P
-from hicached.errors import PageSizeMismatch, ProtocolError
+from hicached.errors import InvalidTransfer, PageSizeMismatch, ProtocolError
 from hicached.flushing import L2Flush
 from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
 from hicached.index import Entry, PageIndex, TableId
@@ -237,6 +237,10 @@ class Controller:
 
     def reserve(self, s: Session, msg: P.Reserve) -> P.Reserved:
         specs = [s.spec(t.pool) for t in msg.transfers]
+        for t in msg.transfers:
+            if t.keys and max(map(len, t.keys)) > P.MAX_KEY_LEN:
+                raise InvalidTransfer(f"pool {t.pool!r}: a key is longer than "
+                                      f"{P.MAX_KEY_LEN} characters; nothing was stored")
         named = [off for row in msg.ahead for off in row if off >= 0]
         if len(named) != len(set(named)):  # two pages copied into one slot: neither is intact
             raise ProtocolError("Reserve.ahead names a set-ahead slot twice")

@@ -61,6 +61,14 @@ class LengthMismatch(HicachedError):
     code = "length_mismatch"
 
 
+class InvalidTransfer(HicachedError, ValueError):
+    """A call's transfers are unusable: host indices that are not integer page starts inside
+    the pool, keys that are not strings or longer than ``protocol.MAX_KEY_LEN``, a pool named
+    twice in one call. Nothing of the call was stored or copied."""
+
+    code = "invalid_transfer"
+
+
 class ArenaError(HicachedError):
     """The shared-memory arena cannot be created or mapped, or a slot is out of its bounds."""
 
@@ -116,6 +124,7 @@ _BY_CODE = {
         UnknownPool,
         PageSizeMismatch,
         LengthMismatch,
+        InvalidTransfer,
         ArenaError,
         ShuttingDown,
         Unauthorized,

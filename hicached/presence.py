@@ -116,6 +116,8 @@ def fingerprints(seed: int, keys: Sequence[str]) -> np.ndarray | None:
     n = len(keys)
     if not n:
         return np.zeros(0, np.uint64)
+    if type(keys[0]) is not str:
+        return None  # the daemon's typed error (or the client's, if it cannot be sent)
     width = len(keys[0])
     if width == 0 or width & 7:
         return None

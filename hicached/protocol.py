@@ -43,6 +43,9 @@ PROTOCOL_VERSION = 4
 # client cannot make the daemon buffer or decode gigabytes); ``Client`` refuses to send one with
 # ``RequestTooLarge``. About 900k keys of 64 hex characters in one exists.
 MAX_REQUEST_BYTES = 64 << 20
+# The longest key (characters) a page may be stored under (``Reserve``; SGLang's are 64): keys
+# name files and store objects in L3, whose headers and names have bounds of their own.
+MAX_KEY_LEN = 1024
 
 # A count a client reports (tallies, unleased gets): never negative nor absurd; the daemon's
 # totals of them saturate at COUNT_MAX (an unbounded int would break the Stats answer's encoding).

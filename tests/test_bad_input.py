@@ -17,6 +17,7 @@ from hicached.errors import (
     DaemonUnavailable,
     LengthMismatch,
     PageSizeMismatch,
+    ProtocolError,
     RequestTooLarge,
     UnknownPool,
 )
@@ -41,6 +42,39 @@ def test_bad_input_gets_typed_errors(daemon):
         with pytest.raises(ProtocolError, match="hit policy"):
             c._call(lambda s, r: P.Exists(r, s, ["a"], [P.PoolQuery("mamba", "sometimes")]))
         assert c.batch_set_v1(["ok"], pages(0, 1)) == [True]  # still serving
+
+
+def test_unusable_transfers_raise_invalid_transfer_and_store_nothing(daemon):
+    from hicached import InvalidTransfer
+    with daemon.client() as c:
+        src = kv_pool(seed=8)
+        c.register_mem_host_pool_v2(src, "kv")
+        stats = c.stats()
+        bad_indices = (torch.arange(1000 * 4, 1001 * 4),  # outside the pool
+                       torch.arange(-4, 0),  # negative
+                       torch.arange(2, 6),  # not a page start
+                       torch.arange(0, 4).float())  # not integers
+        for idx in bad_indices:
+            for call in (c.batch_set_v1, c.batch_get_v1):
+                with pytest.raises(InvalidTransfer):
+                    call(["bad0"], idx)
+        with pytest.raises(InvalidTransfer, match="named twice"):
+            c.batch_set_v2([PoolTransfer("kv", pages(0, 1), keys=["d0"]),
+                            PoolTransfer("kv", pages(1, 1), keys=["d1"])])
+        with pytest.raises(InvalidTransfer, match="longer than"):
+            c.batch_set_v1(["k" * (P.MAX_KEY_LEN + 1)], pages(0, 1))
+        with pytest.raises(InvalidTransfer):
+            c.batch_set_pages("kv", ["p0"], [torch.zeros(3)])  # not a page of this pool
+        with pytest.raises(ProtocolError, match="Expected `str`"):  # the daemon's word
+            c.batch_exists_v2([b"bytes-key"])
+        with pytest.raises(InvalidTransfer, match="keys must be str"):  # cannot even be sent
+            c.batch_exists_v2([object()])
+        assert isinstance(InvalidTransfer("x"), ValueError)  # what callers caught before
+        after = c.stats()
+        assert c.batch_exists(["bad0", "d0", "d1", "p0"]) == 0
+        assert after["reservations"] == 0 and after["leases"] == 0
+        assert after["l2_pages"] == stats["l2_pages"]
+        assert c.batch_set_v1(["ok0"], pages(0, 1)) == [True]  # the client carries on
 
 
 def test_malformed_frames_and_wrong_version(daemon):

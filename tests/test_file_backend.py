@@ -54,6 +54,25 @@ def test_odd_keys_are_hashed_and_found_after_restart(arena, tmp_path):
     assert arena.tensor[512:640].eq(5).all()
 
 
+def test_longest_keys_round_trip_and_longer_ones_fail_alone(arena, tmp_path):
+    """A key of MAX_KEY_LEN 4-byte characters fits a header and is read back; one no header
+    can hold fails on its own: the batch's other pages are stored, no temp file is left."""
+    from hicached.protocol import MAX_KEY_LEN
+    b = FileBackend(str(tmp_path))
+    b.open(arena)
+    longest, too_long = "\U0001F600" * MAX_KEY_LEN, "x" * 70000
+    fill(arena, 0, 128, 6)
+    fill(arena, 128, 128, 7)
+    assert b.batch_put("ns", "kv", [longest, too_long, "short"], [0, 128, 128], 128) == [
+        True, False, True]
+    assert not any(".tmp-" in f for _, _, fs in os.walk(tmp_path) for f in fs)
+    b2 = FileBackend(str(tmp_path))
+    b2.open(arena)
+    assert b2.exists("ns", "kv", [longest, too_long, "short"]) == [True, False, True]
+    assert b2.batch_get("ns", "kv", [longest, "short"], [1024, 2048], 128) == [True, True]
+    assert arena.tensor[1024:1152].eq(6).all() and arena.tensor[2048:2176].eq(7).all()
+
+
 def test_leftover_temp_files_are_removed(arena, tmp_path):
     d = tmp_path / "ns" / "kv" / "ab"
     d.mkdir(parents=True)

@@ -24,12 +24,14 @@ import threading
 from collections.abc import Sequence
 
 from hicached.backends.base import L3Backend
+from hicached.protocol import MAX_KEY_LEN
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"HCP1"
 _HEAD = struct.Struct("<4sHHQ")
 _PLAIN = re.compile(r"^[A-Za-z0-9_.-]{1,160}$")
+HEADER_MAX = _HEAD.size + 4 * MAX_KEY_LEN  # a header holds the key's UTF-8 bytes
 
 
 def file_name(key: str) -> str:
@@ -104,7 +106,7 @@ class FileBackend(L3Backend):
     def _read_key(self, path: str) -> str | None:
         try:
             with open(path, "rb") as f:
-                return decode_header(f.read(4096))[1]
+                return decode_header(f.read(HEADER_MAX))[1]
         except (OSError, ValueError, UnicodeDecodeError):
             return None
 
@@ -150,7 +152,7 @@ class FileBackend(L3Backend):
                 os.close(fd)
             os.rename(tmp, path)
             return True
-        except OSError as e:
+        except (OSError, struct.error, ValueError) as e:  # (a key no header can hold)
             self._count_error("write", path, e)
             try:
                 os.unlink(tmp)
@@ -176,7 +178,7 @@ class FileBackend(L3Backend):
             self._count_error("open", path, e)
             return False
         try:
-            header_len, stored_key, stored_bytes = decode_header(os.pread(fd, 4096, 0))
+            header_len, stored_key, stored_bytes = decode_header(os.pread(fd, HEADER_MAX, 0))
             if stored_key != key or stored_bytes != page_bytes:
                 log.warning("file L3: %s holds key %r of %d bytes, wanted %r of %d bytes: miss",
                             path, stored_key, stored_bytes, key, page_bytes)
