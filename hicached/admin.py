@@ -326,6 +326,9 @@ class AdminServer:
         tier = await self._blocking(self.daemon.detach_backend)
         message = ("HiCache storage backend detached." if tier.pop("detached")
                    else "No HiCache storage backend was attached.")
+        if tier.get("dirty_dropped"):
+            message += (f" {tier['dirty_dropped']} write-back pages it could not take in time "
+                        "stay in L2 only.")
         return _json({"success": True, "message": message, **self._status(tier)})
 
     async def backend_status(self, request: web.Request) -> web.Response:

@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -155,11 +156,26 @@ class DaemonOperations:
                 f"{', '.join(differ)}); a re-attach changes only policies: detach it first "
                 "to attach it with new options")
 
-    def detach_backend(self) -> dict:
-        """Detach the L3 backend (idempotent; thread-safe). L2 keeps its pages; L3 I/O in
-        flight finishes against the old backend, which is then closed."""
-        detached = self.call(self.tier.detach)
-        return {**self.backend_status(), "detached": detached}
+    def detach_backend(self, timeout_s: float | None = None) -> dict:
+        """Detach the L3 backend (idempotent; thread-safe; blocks the caller, never the loop).
+        L2 keeps its pages; L3 I/O in flight finishes against the old backend, which is then
+        closed. Under write_back, L2 holds the only copy of dirty pages: they are written first,
+        for at most ``timeout_s`` (default ``drain_timeout_s``); those left then (a failing
+        store) stay in L2 only, counted in ``l3_dirty_dropped`` and the answer's
+        ``dirty_dropped``."""
+        wait = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + wait
+        tier = self.tier
+        while self.call(lambda: tier.write_back_all() or len(tier.dirty) if tier.attached
+                        else 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+        def detach() -> tuple[bool, int]:
+            dropped = len(tier.dirty)
+            return tier.detach(), dropped
+
+        detached, dropped = self.call(detach)
+        return {**self.backend_status(), "detached": detached, "dirty_dropped": dropped}
 
     def backend_status(self) -> dict:
         return self.call(lambda: {**self.tier.status(), "backend_stats": self.tier.backend_stats()})

@@ -405,9 +405,10 @@ class Daemon(DaemonOperations, Handshakes):
             case P.Attach():
                 self._attach_for(identity, msg)
                 return None
-            case P.Detach():
-                self.tier.detach()
-                return P.BackendStatus(msg.req_id, self.tier.status())
+            case P.Detach():  # dirty write-back pages are written first: off the loop
+                self._off_loop(identity, msg.req_id, self.detach_backend,
+                               lambda status: P.BackendStatus(msg.req_id, status))
+                return None
             case P.GetBackend():
                 return P.BackendStatus(msg.req_id, {**self.tier.status(),
                                                     "backend_stats": self.tier.backend_stats()})

@@ -98,7 +98,8 @@ class L3Tier(TierWrites):
         self.clock = time.monotonic
         self.counters = {"l3_loads": 0, "l3_load_failures": 0, "l3_writes": 0,
                          "l3_write_failures": 0, "l3_writes_dropped": 0, "l3_errors": 0,
-                         "prefetched_pages": 0, "write_backs": 0, "l3_probes_dropped": 0}
+                         "prefetched_pages": 0, "write_backs": 0, "l3_probes_dropped": 0,
+                         "l3_dirty_dropped": 0}
 
     # ------------------------------------------------------------ backend and policies
 
@@ -136,6 +137,10 @@ class L3Tier(TierWrites):
             return False
         old = self.backend
         self.backend = NullBackend()
+        if self.dirty:  # (DaemonOperations.detach_backend writes them first, within a bound)
+            log.warning("L3 backend %s detached with %d write-back pages it never got: they "
+                        "stay in L2 only", old.name, len(self.dirty))
+            self.counters["l3_dirty_dropped"] += len(self.dirty)
         for e in self.dirty:
             self.index.unpin(e)
         self.dirty.clear()

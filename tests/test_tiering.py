@@ -343,6 +343,37 @@ def test_attach_detach_at_runtime(make_daemon, tmp_path):
         assert c.batch_exists(keys[3:]) == 3  # the directory's pages are found again
 
 
+def test_detach_writes_the_write_back_pages_first(make_daemon, tmp_path):
+    """Under write_back L2 holds the only copy of dirty pages: a detach writes them to the
+    store before letting go (a slow store: for drain_timeout_s, then those left are counted as
+    dropped and stay in L2)."""
+    d = make_daemon(extra=["--l3-backend", "none", "--drain-timeout-s", "1"])
+    keys = [f"wb{i}" for i in range(4)]
+    src, dst = kv_pool(seed=61), kv_pool()
+    root = str(tmp_path / "l3")
+    with d.client() as c:
+        c.attach_backend("file", {"root": root}, write_policy="write_back")
+        _set_kv(c, keys, src)
+        assert c.backend_status()["dirty_pages"] == 4
+        st = c.detach_backend()
+        assert st["detached"] and st["dirty_dropped"] == 0 and st["dirty_pages"] == 0
+        c.flush("l2")
+        c.attach_backend("file", {"root": root})
+        c.register_mem_host_pool_v2(dst, "kv")
+        assert c.batch_get_v1(keys, pages(0, 4)) == [True] * 4  # from L3
+        assert torch.equal(kv_tokens(dst, 0, 4), kv_tokens(src, 0, 4))
+        c.detach_backend()
+        c.attach_backend(SLOW, {"root": str(tmp_path / "slow"), "put_delay_s": 3},
+                         write_policy="write_back")
+        more = [f"wb{i}" for i in range(4, 7)]
+        c.register_mem_host_pool_v2(src, "kv")
+        assert c.batch_set_v1(more, pages(4, 3)) == [True] * 3
+        st = c.detach_backend()  # the store takes longer than drain_timeout_s
+        assert st["dirty_dropped"] == 3 and c.stats()["l3_dirty_dropped"] == 3
+        assert c.batch_exists(more) == 3  # L2 still has them
+    assert "3 write-back pages it never got" in d.output()
+
+
 def test_attach_errors_are_typed_and_leave_the_tier_usable(make_daemon, tmp_path):
     d = make_daemon(extra=["--l3-backend", "none"])
     with d.client() as c:
