@@ -182,7 +182,9 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
             + (" [DEGRADED: failing, answered as misses]" if l3["degraded"] else ""))
         waiting = l2.get("parked_gets", 0) + l2.get("parked_exists", 0)
         lines.append(f"          hits {l3['hits']}, loads {l3.get('l3_loads', 0)}, writes "
-                     f"{l3.get('l3_writes', 0)}, errors {l3.get('l3_errors', 0)}"
+                     f"{l3.get('l3_writes', 0)} (failed {l3.get('l3_write_failures', 0)}, "
+                     f"dropped {l3.get('l3_writes_dropped', 0)}), load failures "
+                     f"{l3.get('l3_load_failures', 0)}, errors {l3.get('l3_errors', 0)}"
                      + (f"; {waiting} requests waiting for it" if waiting else ""))
     else:
         lines.append("  L3      none attached")

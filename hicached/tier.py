@@ -89,6 +89,7 @@ class L3Tier(TierWrites):
         self._jobs_of: dict[int, int] = {}  # id(backend) -> jobs in flight
         self._retired: list[L3Backend] = []  # detached, closed when their jobs are collected
         self._exists_failing = False
+        self._writes_failing = False  # the last write job stored nothing it sent
         # (table, key) of pages this daemon stored in or loaded from L3, newest last: a get
         # that misses L2 loads them without asking the store first (a store round trip on the
         # control loop); should L3 have dropped one since, the load is a miss like any other
@@ -128,7 +129,7 @@ class L3Tier(TierWrites):
         assert not self.attached, "detach first"
         self.forget_l3_copies()
         self.backend = backend
-        self._exists_failing = False
+        self._exists_failing = self._writes_failing = False
         log.info("L3 backend %s attached (write policy %s)", backend.name, self.write_policy)
 
     def detach(self) -> bool:
@@ -171,7 +172,17 @@ class L3Tier(TierWrites):
                 "prefetch": self.prefetch_enabled, "dirty_pages": len(self.dirty),
                 "loading_pages": len(self.loading), "jobs_in_flight": self.workers.in_flight,
                 "writing_bytes": self.writing_bytes,
-                "degraded": self._exists_failing, **self.counters}
+                "degraded": self.degraded, **self.counters}
+
+    @property
+    def degraded(self) -> bool:
+        """The store fails: its lookups, its last writes, or its own breaker (Mooncake's
+        ``guard.Breaker``) say so. Its pages are misses meanwhile; ``/ready`` says so."""
+        if not self.attached:
+            return False
+        breaker = getattr(self.backend, "breaker", None)
+        return (self._exists_failing or self._writes_failing
+                or bool(getattr(breaker, "degraded", False)))
 
     def backend_stats(self) -> dict:
         try:

@@ -12,10 +12,13 @@ A mixin of ``L3Tier`` (its index, backend, workers, counters, ``dirty``, ``known
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 
 from hicached.index import Entry, TableId
 from hicached.workers import IOJob
+
+log = logging.getLogger("hicached.tier")
 
 DIRTY_HIGH = 0.5  # write_back: start writing when dirty pages fill this share of the arena
 DIRTY_TARGET = 0.4  # ... and write the oldest until they are below this share
@@ -134,3 +137,10 @@ class TierWrites:
             self._maybe_drop(e)
         self.counters["l3_writes"] += ok_n - len(job.already)  # those L3 had were not sent
         self.counters["l3_write_failures"] += len(job.result) - ok_n
+        if current and job.result:
+            failing = ok_n == 0
+            if failing != self._writes_failing:
+                log.log(logging.WARNING if failing else logging.INFO, "L3 %s writes %s",
+                        job.backend.name, "fail (pages stay in L2 only)" if failing
+                        else "succeed again")
+                self._writes_failing = failing

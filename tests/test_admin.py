@@ -306,3 +306,29 @@ def test_admin_port_taken_is_a_clear_startup_error(make_daemon, tmp_path):
             assert "admin_port" in str(e) and str(port) in str(e)
         else:
             raise AssertionError("daemon started on a taken admin port")
+
+
+def test_a_store_whose_writes_fail_is_degraded_and_not_ready(make_daemon, tmp_path):
+    """Lookups may still answer while every write fails: /ready, the metric and the tier's
+    status say the store fails, and say it no more once writes succeed again."""
+    import json as _json
+    opts = _json.dumps({"root": str(tmp_path / "l3"), "fail_puts": True})
+    d, url = admin_daemon(make_daemon, extra=["--l3-backend", "l3_doubles:SlowFileBackend",
+                                              "--l3-options", opts])
+    assert http("GET", url + "/ready")[0] == 200
+    with d.client() as c:
+        c.register_mem_host_pool_v2(kv_pool(seed=2), "kv")
+        assert c.batch_set_v1(["f0", "f1"], pages(0, 2)) == [True] * 2  # (in L2)
+        assert wait_until(lambda: c.stats()["l3_write_failures"] == 2)
+        status, ready = http("GET", url + "/ready")
+        assert status == 503 and ready["reasons"] == ["L3 backend failing"]
+        assert sample(scrape(url), "hicached_l3_degraded") == 1
+        assert c.backend_status()["degraded"] is True
+        # the same store, now writing: ready again (the policy-only re-attach keeps it)
+        http("DELETE", url + "/hicache/storage-backend", key=KEY)
+        c.attach_backend("l3_doubles:SlowFileBackend", {"root": str(tmp_path / "l3")})
+        assert c.batch_set_v1(["f2"], pages(2, 1)) == [True]
+        assert wait_until(lambda: c.stats()["l3_writes"] >= 1)
+        assert http("GET", url + "/ready")[0] == 200
+        assert sample(scrape(url), "hicached_l3_degraded") == 0
+    assert "writes fail" in d.output()
