@@ -13,6 +13,7 @@ clear error at start instead of a SIGBUS later) and both sides map with ``MAP_PO
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 
@@ -28,18 +29,37 @@ def _map(fd: int, size_bytes: int) -> mmap.mmap:
                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
+# path -> fd of the files this process created, each held with an exclusive flock for as long
+# as it is in use: another daemon given the same path refuses to start instead of replacing it
+_HELD: dict[str, int] = {}
+
+
 def create_mapped(path: str, size_bytes: int, mode: int, what: str) -> mmap.mmap:
     """A fresh shared-memory file of ``size_bytes`` (replacing a crashed daemon's), allocated
-    up front and mapped read/write, pre-faulted; ArenaError when it cannot be."""
+    up front and mapped read/write, pre-faulted, and locked until ``release_mapped``;
+    ArenaError when it cannot be, or when a running daemon holds the file at ``path``."""
     try:
-        os.unlink(path)  # a crashed daemon's file: nobody maps a file we are about to own
+        old = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        pass
+        old = None
+    except OSError as e:
+        raise ArenaError(f"cannot open the existing {what} {path}: {e}") from e
+    if old is not None:
+        try:
+            fcntl.flock(old, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ArenaError(
+                f"{what} {path} is in use by a running hicached daemon: give this one another "
+                "arena_path (or state_dir)") from None
+        finally:
+            os.close(old)
+        os.unlink(path)  # a crashed daemon's file: nobody maps a file we are about to own
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
     except OSError as e:
         raise ArenaError(f"cannot create {what} {path}: {e}") from e
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.fchmod(fd, mode)  # umask must not widen or narrow what the operator asked for
         try:
             os.posix_fallocate(fd, 0, size_bytes)
@@ -49,12 +69,26 @@ def create_mapped(path: str, size_bytes: int, mode: int, what: str) -> mmap.mmap
                 f"(is /dev/shm large enough? see `df -h /dev/shm`): {e}"
             ) from e
         buf = _map(fd, size_bytes)
+    except BlockingIOError:
+        os.close(fd)
+        raise ArenaError(f"{what} {path} is being created by another daemon") from None
     except BaseException:
         os.close(fd)
         os.unlink(path)
         raise
-    os.close(fd)
+    _HELD[path] = fd
     return buf
+
+
+def release_mapped(path: str) -> None:
+    """Remove a file ``create_mapped`` made, and its lock."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = _HELD.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 class Arena:
@@ -122,7 +156,4 @@ class Arena:
         self.tensor = None
         self.buffer = None
         if self.owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            release_mapped(self.path)

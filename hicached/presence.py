@@ -50,7 +50,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from hicached.arena import create_mapped
+from hicached.arena import create_mapped, release_mapped
 from hicached.errors import ArenaError
 
 log = logging.getLogger(__name__)
@@ -316,10 +316,7 @@ class PresenceTable:
             return
         self._set_flag(F_CLOSED)
         self._w = None
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        release_mapped(self.path)
 
 
 class PresenceView:

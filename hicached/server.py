@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from hicached.controller import Controller
 from hicached.errors import (
     BackendError,
     BackendUnavailable,
+    ConfigError,
     HicachedError,
     ProtocolError,
     ShuttingDown,
@@ -56,6 +58,19 @@ SWEEP_INTERVAL_S = 0.5
 MAX_BATCH = 256  # requests handled before the loop looks at I/O completions and timers
 # answered while draining (they finish work in flight); everything else gets ShuttingDown
 _DRAIN_OK = (P.Commit, P.Release, P.Bye, P.ExistsTally)
+
+
+def _listening(path: str) -> bool:
+    """Whether a process accepts connections on the unix socket at ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+        return True
+    except OSError:  # refused (a stale file), not a socket, ...
+        return False
+    finally:
+        probe.close()
 
 
 def freeze_survivors(phase: str, info: dict) -> None:
@@ -147,7 +162,11 @@ class Daemon(DaemonOperations, Handshakes):
             path = endpoint[len("ipc://"):]
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             if os.path.exists(path):
-                os.unlink(path)  # we hold the state lock: a leftover of a dead daemon
+                if _listening(path):  # another daemon (another state_dir) serves it
+                    raise ConfigError(f"endpoint: {endpoint} is in use by a running process "
+                                      "(another hicached daemon?): give this one another "
+                                      "endpoint")
+                os.unlink(path)  # nobody listens: a leftover of a dead daemon
             old = os.umask(0o777 & ~self.config.access_mode)
             try:
                 sock.bind(endpoint)

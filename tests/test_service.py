@@ -201,3 +201,25 @@ def test_print_config_hides_secrets(tmp_path):
     assert "admin_api_key = '<set>'" in out.stdout and "client_token = '<set>'" in out.stdout
     assert "admin_port = 8470" in out.stdout and "socket_mode = '0o600'" in out.stdout
     assert "namespace_quotas = {'model-a': 1073741824}" in out.stdout
+
+
+def test_a_second_daemon_never_takes_a_running_ones_arena_or_socket(daemon, tmp_path):
+    """Another state dir but the running daemon's arena path, or its ipc endpoint: refused at
+    start with a clear error (exit 2), and the running daemon keeps serving."""
+    import subprocess
+    import sys
+
+    def serve(*args):
+        return subprocess.run([sys.executable, "-m", "hicached.cli", "serve", "--l2-size", "16MiB",
+                               "--slab-size", "1MiB", *args], capture_output=True, text=True,
+                              timeout=60)
+
+    out = serve("--endpoint", f"ipc://{tmp_path}/other.sock", "--state-dir",
+                str(tmp_path / "other1"), "--arena-path", daemon.cfg.arena_path)
+    assert out.returncode == 2 and "in use by a running hicached daemon" in out.stderr
+    out = serve("--endpoint", daemon.endpoint, "--state-dir", str(tmp_path / "other2"))
+    assert out.returncode == 2 and "is in use by a running process" in out.stderr
+    assert os.path.exists(daemon.cfg.arena_path) and os.path.exists(daemon.endpoint[6:])
+    with daemon.client() as c:  # a new client maps the same arena and is served
+        c.ping()
+        assert c.arena.path == daemon.cfg.arena_path
