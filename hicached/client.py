@@ -147,6 +147,10 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
                  shared_gets: bool = True):
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
+        if token is None:
+            token = ""
+        if not isinstance(token, str):
+            raise TypeError(f"token must be a str, got {type(token).__name__}")
         self.endpoint = endpoint
         self.namespace = namespace
         self.timeout_s = timeout_s

@@ -355,3 +355,22 @@ def test_get_stats_returns_sglangs_storage_metrics_when_sglang_has_it(sg, plugin
     st = b.get_stats()
     assert type(st) is module.StorageMetrics
     assert st.backup_pgs == [3] and st.prefetch_pgs == [] and st.counters["written_pages"] == 3
+
+
+def test_a_daemon_with_a_client_token_serves_the_plugin(sg, plugin, make_daemon, monkeypatch):
+    """client_token on the daemon: the plugin presents extra_config's ``token``, else the
+    engine's HICACHED_CLIENT_TOKEN; without one every call is a miss (Unauthorized, counted)."""
+    token = "plugin-t0ken"
+    d = make_daemon(extra=["--client-token", token], token=token)
+    keys = keys_of("tok-", 4)
+    writer = plugin(d.endpoint, {"kv": kv_pool(seed=3)}, extra={"interface_v1": 1,
+                                                                "token": token})
+    assert backup(sg, writer, keys, idx(0, 4)) == 4
+    assert "plugin-t0ken" not in repr(writer.settings)  # never logged
+    monkeypatch.setenv("HICACHED_CLIENT_TOKEN", token)
+    reader = plugin(d.endpoint, {"kv": kv_pool()}, extra={"interface_v1": 1})
+    assert reader.batch_exists(keys) == 4
+    monkeypatch.delenv("HICACHED_CLIENT_TOKEN")
+    stranger = plugin(d.endpoint, {"kv": kv_pool()}, extra={"interface_v1": 1})
+    assert stranger.batch_exists(keys) == 0
+    assert stranger.get_stats().counters["errors"] >= 1

@@ -3,7 +3,8 @@ documents each), validated once when SGLang builds the backend."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from hicached.config import default_runtime_dir
@@ -23,10 +24,13 @@ class PluginSettings:
     namespace_salt: str = ""
     clear_tier: str = "all"
     allocator: str = ""
+    token: str = field(default="", repr=False)  # the daemon's client_token (never logged)
 
     @classmethod
-    def from_extra_config(cls, extra: dict | None) -> PluginSettings:
-        """Validated settings; raises ValueError naming the bad key (SGLang fails the attach)."""
+    def from_extra_config(cls, extra: dict | None, env: Mapping[str, str] | None = None
+                          ) -> PluginSettings:
+        """Validated settings; raises ValueError naming the bad key (SGLang fails the attach).
+        ``env``: the engine's environment (``HICACHED_CLIENT_TOKEN`` when no ``token`` key)."""
         extra = dict(extra or {})
         endpoint = extra.get("endpoint") or ""
         if not endpoint and extra.get("socket"):
@@ -51,4 +55,9 @@ class PluginSettings:
             raise ValueError(f"hicached extra_config clear_tier must be one of {CLEAR_TIERS}, "
                              f"got {tier!r}")
         out["clear_tier"] = tier
+        token = extra.get("token", (env or {}).get("HICACHED_CLIENT_TOKEN", ""))
+        if not isinstance(token, str):
+            raise ValueError(f"hicached extra_config token must be a string, got "  # noqa: TRY004
+                             f"{type(token).__name__}")  # (SGLang reports ValueErrors)
+        out["token"] = token
         return cls(**out)

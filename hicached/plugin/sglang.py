@@ -12,7 +12,8 @@ Enable it with SGLang's dynamic backend loader (``cls(storage_config, {})`` is h
 ``timeout_s`` (6.0: a daemon slower than this is a miss; a little over the daemon's own bound on
 waiting for L3 loads, ``get_wait_s``, 2 s by default, so that answer comes first), ``retry_interval_s`` (1.0:
 how long a failed connect is not retried), ``model_name``, ``model_revision``, ``namespace_salt`` (see
-``namespace.py``), ``clear_tier`` ("all" | "l2" | "none": what ``clear()`` flushes, node-wide).
+``namespace.py``), ``token`` (the daemon's ``client_token``; default: the engine's
+``HICACHED_CLIENT_TOKEN`` variable), ``clear_tier`` ("all" | "l2" | "none": what ``clear()`` flushes, node-wide).
 SGLang itself reads ``interface_v1`` (1: KV through ``batch_get_v1``/``batch_set_v1``, one copy
 per page; otherwise the generic ``batch_get``/``batch_set`` with a staging page, two copies) and
 ``allocator``.
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -95,8 +97,8 @@ class HicachedStorage(_Base):
 
     def __init__(self, storage_config: Any, kwargs: dict | None = None):
         self.storage_config = storage_config
-        self.settings = PluginSettings.from_extra_config(getattr(storage_config, "extra_config",
-                                                                 None))
+        self.settings = PluginSettings.from_extra_config(  # the engine side's edge: its env
+            getattr(storage_config, "extra_config", None), os.environ)
         tp_rank = getattr(storage_config, "tp_rank", 0)
         self.name = f"hicached plugin (tp{tp_rank})"
         self._health = PluginHealth(self.name, bool(getattr(storage_config,
@@ -184,7 +186,8 @@ class HicachedStorage(_Base):
                                             f"{self._retry_at - now:.1f} s")
                 self._retry_at = now + self.settings.retry_interval_s
                 self._client = Client(self.settings.endpoint, self.namespace.namespace,
-                                      timeout_s=self.settings.timeout_s, client_name=self.name)
+                                      timeout_s=self.settings.timeout_s, client_name=self.name,
+                                      token=self.settings.token)
                 self._pending.update(self._pools)
             for name in sorted(self._pending):
                 try:
