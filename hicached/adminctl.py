@@ -50,6 +50,8 @@ class AdminClient:
     """Blocking calls to one daemon's admin API (urllib)."""
 
     def __init__(self, url: str, api_key: str = "", timeout_s: float = 30.0):
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"--url: expected http://HOST:PORT, got {url!r}")
         self.url = url.rstrip("/")
         self._key = api_key  # never printed
         self.timeout_s = timeout_s

@@ -31,6 +31,9 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "gib": 1024**3, "tib": 1024**4}
 
 
+MAX_SIZE = 1 << 56  # 64 PiB: past any machine, and far from what a C long holds
+
+
 def parse_size(value: object, key: str = "size", allow_zero: bool = False) -> int:
     """Bytes from an int or a string such as ``4GiB``, ``512MiB``, ``1e9`` (> 0, or >= 0 with
     ``allow_zero``)."""
@@ -43,9 +46,14 @@ def parse_size(value: object, key: str = "size", allow_zero: bool = False) -> in
         if not m or m.group(2).lower() not in _UNITS:
             raise ConfigError(f"{key}: cannot read {value!r} as a size (e.g. 4GiB, 512MiB, 1e9)")
         try:
-            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-        except ValueError:
+            exact = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            n = int(exact)
+        except (ValueError, OverflowError):
             raise ConfigError(f"{key}: cannot read {value!r} as a size") from None
+        if n != exact:
+            raise ConfigError(f"{key}: {value!r} is not a whole number of bytes")
+    if n > MAX_SIZE:
+        raise ConfigError(f"{key}: {value!r} is more than {MAX_SIZE >> 50} PiB")
     if n < 0 or (n == 0 and not allow_zero):
         raise ConfigError(f"{key}: must be {'>=' if allow_zero else '>'} 0 bytes, got {value!r}")
     return n

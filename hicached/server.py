@@ -142,8 +142,12 @@ class Daemon(DaemonOperations, Handshakes):
 
     @staticmethod
     def _take_state_lock(state_dir: str) -> int:
-        os.makedirs(state_dir, exist_ok=True)
-        fd = os.open(os.path.join(state_dir, "hicached.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.makedirs(state_dir, exist_ok=True)
+            fd = os.open(os.path.join(state_dir, "hicached.lock"), os.O_RDWR | os.O_CREAT,
+                         0o600)
+        except OSError as e:
+            raise ConfigError(f"state_dir: cannot use {state_dir!r}: {e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -158,8 +162,18 @@ class Daemon(DaemonOperations, Handshakes):
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_REQUEST_BYTES)
+        try:
+            self._bind_to(sock, endpoint)
+        except (OSError, zmq.ZMQError) as e:
+            sock.close(linger=0)
+            raise ConfigError(f"endpoint: cannot listen on {endpoint}: {e}") from None
+        return sock
+
+    def _bind_to(self, sock: zmq.Socket, endpoint: str) -> None:
         if endpoint.startswith("ipc://"):
             path = endpoint[len("ipc://"):]
+            if not path:
+                raise OSError("no socket path after ipc://")
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             if os.path.exists(path):
                 if _listening(path):  # another daemon (another state_dir) serves it
@@ -175,7 +189,6 @@ class Daemon(DaemonOperations, Handshakes):
             self._set_group(path)
         else:
             sock.bind(endpoint)
-        return sock
 
     def _set_group(self, path: str) -> None:
         """``socket_group``: hand ``path`` to the group, mode 0660 (clients of other users)."""

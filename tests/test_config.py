@@ -11,7 +11,8 @@ def test_parse_size():
     assert parse_size("512MiB") == 512 * 1024**2
     assert parse_size("1e9") == 10**9
     assert parse_size(4096) == 4096
-    for bad in ("lots", "-1", 0, True, "4 parsecs"):
+    assert parse_size("1.5GiB") == 3 * 512 * 1024**2  # whole bytes
+    for bad in ("lots", "-1", 0, True, "4 parsecs", "1e99", "1.5", "0.3KiB"):
         with pytest.raises(ConfigError):
             parse_size(bad, "l2_size")
 

@@ -223,3 +223,21 @@ def test_a_second_daemon_never_takes_a_running_ones_arena_or_socket(daemon, tmp_
     with daemon.client() as c:  # a new client maps the same arena and is served
         c.ping()
         assert c.arena.path == daemon.cfg.arena_path
+
+
+def test_unusable_state_dir_or_endpoint_is_a_clear_startup_error(tmp_path):
+    import subprocess
+    import sys
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cases = ((["--state-dir", str(blocker)], "state_dir: cannot use"),
+             (["--state-dir", str(tmp_path / "s1"), "--endpoint", "ipc://"],
+              "endpoint: cannot listen"),
+             (["--state-dir", str(tmp_path / "s2"), "--endpoint", f"ipc://{blocker}/x.sock"],
+              "endpoint: cannot listen"))
+    for args, message in cases:
+        out = subprocess.run([sys.executable, "-m", "hicached.cli", "serve", "--l2-size", "16MiB",
+                              "--slab-size", "1MiB", *args], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr
