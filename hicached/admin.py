@@ -138,7 +138,7 @@ class AdminServer:
     def __init__(self, daemon, host: str, port: int, api_key: str = ""):
         self.daemon = daemon
         self.host, self.port = host, port
-        self._key = f"Bearer {api_key}".encode() if api_key else None
+        self._key = api_key.encode() if api_key else None  # (the Bearer credentials)
         self._record = {"hicache_storage_backend_extra_config": json.dumps(
                             dict(daemon.config.l3_options)),
                         "hicache_storage_prefetch_policy": "best_effort",
@@ -227,8 +227,15 @@ class AdminServer:
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except web.HTTPException:
-            raise
+        except web.HTTPException as e:
+            if e.status not in (404, 405):
+                raise
+            answer = _json({"error": f"{e.reason}: {request.method} {request.path}",
+                            "code": "not_found" if e.status == 404 else "method_not_allowed"},
+                           e.status)
+            if "Allow" in e.headers:
+                answer.headers["Allow"] = e.headers["Allow"]
+            return answer
         except HicachedError as e:
             return _error(e)
         except Exception as e:  # a bug costs this request, never the daemon
@@ -242,8 +249,9 @@ class AdminServer:
         async def checked(request: web.Request) -> web.StreamResponse:
             if self._key is None:
                 return _json({"error": NO_KEY_MESSAGE, "code": "admin_api_key_missing"}, 400)
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, self._key):
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(  # scheme: any case
+                    given.strip().encode(), self._key):
                 return web.json_response(
                     {"error": "unauthorized: send Authorization: Bearer <admin API key>",
                      "code": "unauthorized"}, status=401,

@@ -31,6 +31,13 @@ def test_admin_key_rules_and_key_never_logged(make_daemon):
         assert status == 401, (method, path)  # the key without "Bearer "
     status, ans = http("GET", url + "/hicache/storage-backend", key=KEY)
     assert status == 200 and ans["hicache_storage_backend"] == "file"
+    status, ans = http("GET", url + "/hicache/storage-backend",
+                       headers={"Authorization": f"bearer {KEY}"})
+    assert status == 200  # the scheme's case does not matter (RFC 7235)
+    status, ans = http("GET", url + "/no/such/path")
+    assert status == 404 and ans["code"] == "not_found"  # JSON, as every other error
+    status, ans = http("PATCH", url + "/hicache/storage-backend", key=KEY)
+    assert status == 405 and ans["code"] == "method_not_allowed"
     status, ans = http("POST", url + "/flush_cache", key=KEY)
     assert status == 200 and ans["tier"] == "l2"
     for path in ("/health", "/ready", "/stats", "/metrics"):  # read-only: open
