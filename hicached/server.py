@@ -8,13 +8,11 @@ nothing a client sends can stop the loop.
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import logging
 import os
 import queue
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -29,10 +27,10 @@ from hicached.auth import make_auth
 from hicached.backends.base import L3Backend, create_backend
 from hicached.config import DaemonConfig
 from hicached.controller import Controller
+from hicached.daemon_files import DaemonFiles
 from hicached.errors import (
     BackendError,
     BackendUnavailable,
-    ConfigError,
     HicachedError,
     ProtocolError,
     ShuttingDown,
@@ -60,19 +58,6 @@ MAX_BATCH = 256  # requests handled before the loop looks at I/O completions and
 _DRAIN_OK = (P.Commit, P.Release, P.Bye, P.ExistsTally)
 
 
-def _listening(path: str) -> bool:
-    """Whether a process accepts connections on the unix socket at ``path``."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-        return True
-    except OSError:  # refused (a stale file), not a socket, ...
-        return False
-    finally:
-        probe.close()
-
-
 def freeze_survivors(phase: str, info: dict) -> None:
     """``gc`` callback: after a full collection, move what survived it to the permanent
     generation, so the next full pass walks only what was created since. Without it every full
@@ -83,7 +68,7 @@ def freeze_survivors(phase: str, info: dict) -> None:
         gc.freeze()
 
 
-class Daemon(DaemonOperations, Handshakes):
+class Daemon(DaemonOperations, Handshakes, DaemonFiles):
     """``Daemon(config).serve_forever()`` runs until ``stop()`` (or SIGTERM/SIGINT via ``run``)."""
 
     def __init__(self, config: DaemonConfig):
@@ -139,63 +124,6 @@ class Daemon(DaemonOperations, Handshakes):
         self.notifier = NullNotifier()  # systemd: set by service.serve before serve_forever
 
     # ------------------------------------------------------------ setup
-
-    @staticmethod
-    def _take_state_lock(state_dir: str) -> int:
-        try:
-            os.makedirs(state_dir, exist_ok=True)
-            fd = os.open(os.path.join(state_dir, "hicached.lock"), os.O_RDWR | os.O_CREAT,
-                         0o600)
-        except OSError as e:
-            raise ConfigError(f"state_dir: cannot use {state_dir!r}: {e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise HicachedError(
-                f"another hicached daemon already uses state dir {state_dir}") from None
-        return fd
-
-    def _bind(self, endpoint: str) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_REQUEST_BYTES)
-        try:
-            self._bind_to(sock, endpoint)
-        except (OSError, zmq.ZMQError) as e:
-            sock.close(linger=0)
-            raise ConfigError(f"endpoint: cannot listen on {endpoint}: {e}") from None
-        return sock
-
-    def _bind_to(self, sock: zmq.Socket, endpoint: str) -> None:
-        if endpoint.startswith("ipc://"):
-            path = endpoint[len("ipc://"):]
-            if not path:
-                raise OSError("no socket path after ipc://")
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            if os.path.exists(path):
-                if _listening(path):  # another daemon (another state_dir) serves it
-                    raise ConfigError(f"endpoint: {endpoint} is in use by a running process "
-                                      "(another hicached daemon?): give this one another "
-                                      "endpoint")
-                os.unlink(path)  # nobody listens: a leftover of a dead daemon
-            old = os.umask(0o777 & ~self.config.access_mode)
-            try:
-                sock.bind(endpoint)
-            finally:
-                os.umask(old)
-            self._set_group(path)
-        else:
-            sock.bind(endpoint)
-
-    def _set_group(self, path: str) -> None:
-        """``socket_group``: hand ``path`` to the group, mode 0660 (clients of other users)."""
-        gid = self.config.socket_gid
-        if gid is not None:
-            os.chown(path, -1, gid)
-            os.chmod(path, self.config.access_mode)
 
     def _open_backend(self, name: str, options: dict | None) -> L3Backend:
         """Create and open a backend (blocking: never on the control loop once it runs)."""

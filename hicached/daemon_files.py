@@ -1,0 +1,87 @@
+"""The daemon's files on the node: the lock of its state dir and its listening socket (which
+refuses to take over another daemon's). A mixin of ``server.Daemon`` (its config, ctx)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+
+import zmq
+
+from hicached import protocol as P
+from hicached.errors import ConfigError, HicachedError
+
+
+def _listening(path: str) -> bool:
+    """Whether a process accepts connections on the unix socket at ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+        return True
+    except OSError:  # refused (a stale file), not a socket, ...
+        return False
+    finally:
+        probe.close()
+
+
+class DaemonFiles:
+    """``_take_state_lock``, ``_bind`` (the ROUTER socket), ``_set_group``."""
+
+    @staticmethod
+    def _take_state_lock(state_dir: str) -> int:
+        try:
+            os.makedirs(state_dir, exist_ok=True)
+            fd = os.open(os.path.join(state_dir, "hicached.lock"), os.O_RDWR | os.O_CREAT,
+                         0o600)
+        except OSError as e:
+            raise ConfigError(f"state_dir: cannot use {state_dir!r}: {e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise HicachedError(
+                f"another hicached daemon already uses state dir {state_dir}") from None
+        return fd
+
+    def _bind(self, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_REQUEST_BYTES)
+        try:
+            self._bind_to(sock, endpoint)
+        except (OSError, zmq.ZMQError) as e:
+            sock.close(linger=0)
+            raise ConfigError(f"endpoint: cannot listen on {endpoint}: {e}") from None
+        return sock
+
+    def _bind_to(self, sock: zmq.Socket, endpoint: str) -> None:
+        if endpoint.startswith("ipc://"):
+            path = endpoint[len("ipc://"):]
+            if not path:
+                raise OSError("no socket path after ipc://")
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            if os.path.exists(path):
+                if _listening(path):  # another daemon (another state_dir) serves it
+                    raise ConfigError(f"endpoint: {endpoint} is in use by a running process "
+                                      "(another hicached daemon?): give this one another "
+                                      "endpoint")
+                os.unlink(path)  # nobody listens: a leftover of a dead daemon
+            old = os.umask(0o777 & ~self.config.access_mode)
+            try:
+                sock.bind(endpoint)
+            finally:
+                os.umask(old)
+            self._set_group(path)
+        else:
+            sock.bind(endpoint)
+
+    def _set_group(self, path: str) -> None:
+        """``socket_group``: hand ``path`` to the group, mode 0660 (clients of other users)."""
+        gid = self.config.socket_gid
+        if gid is not None:
+            os.chown(path, -1, gid)
+            os.chmod(path, self.config.access_mode)
