@@ -4,8 +4,8 @@ Precedence: CLI flags > ``HICACHED_*`` environment > TOML file (``--config``) > 
 Unknown keys (file, flags) and bad values raise ``ConfigError`` naming the key; an unknown
 ``HICACHED_*`` variable is logged and ignored (the engine plugin's ``HICACHED_CLIENT_TOKEN`` and
 others share the prefix). Library code receives a ``DaemonConfig``; only the defaults of paths
-(``default_runtime_dir``, ``default_state_dir``: XDG variables) read the environment here. Every key is documented, with its
-default, in ``configs/hicached.toml``.
+(``default_runtime_dir``, ``default_state_dir``: XDG variables) read the environment here.
+Every key is documented, with its default, in ``configs/hicached.toml``.
 """
 
 from __future__ import annotations

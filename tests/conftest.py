@@ -1,9 +1,11 @@
 """Shared fixtures: arenas in /dev/shm with unique names, removed after the test."""
 
+import contextlib
 import os
 import uuid
 
 import pytest
+import zmq
 
 from hicached.arena import Arena
 
@@ -166,6 +168,21 @@ def run_client_proc(script: str, *args: str, timeout_s: float = 60.0) -> str:
     if out.returncode != 0:
         raise AssertionError(f"client process failed ({out.returncode}):\n{out.stderr}")
     return out.stdout
+
+
+@contextlib.contextmanager
+def raw_socket(endpoint: str, timeout_ms: int = 5000):
+    """A bare DEALER connected to ``endpoint``, for messages a ``Client`` would never send."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    s.connect(endpoint)
+    try:
+        yield s
+    finally:
+        s.close()
+        ctx.term()
 
 
 def wait_until(pred, timeout_s=10.0):

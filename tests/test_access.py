@@ -8,9 +8,8 @@ import subprocess
 import sys
 
 import pytest
-import zmq
 from admin_helpers import KEY, admin_daemon, free_port, http, sample, scrape
-from conftest import DaemonProc
+from conftest import DaemonProc, raw_socket
 from test_daemon import kv_pool, pages
 
 from hicached import protocol as P
@@ -76,12 +75,7 @@ def test_client_token_accepted_and_refused(make_daemon, tmp_path):
     with pytest.raises(Unauthorized, match="wrong client token"):
         Client(d.endpoint, "model-a", token="guess")
     # a connection that never shook hands: session-less requests refused, sessions not usable
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 5000)
-    s.connect(d.endpoint)
-    try:
+    with raw_socket(d.endpoint) as s:
         for msg, code in ((P.Ping(1), "unauthorized"), (P.GetStats(2), "unauthorized"),
                           (P.Flush(3, "all"), "unauthorized"),
                           (P.Detach(4), "unauthorized"),
@@ -89,9 +83,6 @@ def test_client_token_accepted_and_refused(make_daemon, tmp_path):
             s.send(P.encode(msg))
             ans = P.answer_decoder.decode(s.recv())
             assert isinstance(ans, P.Error) and ans.code == code, msg
-    finally:
-        s.close()
-        ctx.term()
     with d.client() as c:
         assert c.stats()["l2_pages"] == 2  # nothing was flushed
     assert TOKEN not in d.output()

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+from conftest import raw_socket
 from test_daemon import kv_pool, mamba_pool, pages
 
 from hicached import HostPool, PoolTransfer
@@ -80,12 +81,7 @@ def test_unusable_transfers_raise_invalid_transfer_and_store_nothing(daemon):
 def test_malformed_frames_and_wrong_version(daemon):
 
     from hicached import protocol as P
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 5000)
-    s.connect(daemon.endpoint)
-    try:
+    with raw_socket(daemon.endpoint) as s:
         for junk in (b"", b"\xc1\xc1", b"not msgpack at all", P.encode(P.Ok(3))):
             s.send(junk)
             ans = P.answer_decoder.decode(s.recv())
@@ -124,9 +120,6 @@ def test_malformed_frames_and_wrong_version(daemon):
         s.send(P.encode(P.GetStats(15)))
         ans = P.answer_decoder.decode(s.recv())
         assert isinstance(ans, P.Stats) and ans.stats["shared_gets"] == 3 << 40
-    finally:
-        s.close()
-        ctx.term()
     with daemon.client() as c:
         c.ping()  # others unaffected
     assert "internal error" not in daemon.output()
