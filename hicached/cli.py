@@ -75,7 +75,7 @@ def _serve_parser(sub) -> None:
                    help="accept a tcp:// endpoint (needs a client token)")
     p.add_argument("--namespace-quotas", dest="namespace_quotas",
                    help='per-namespace L2 quotas as JSON, e.g. \'{"tenant-a": "8GiB"}\'')
-    p.add_argument("--print-config", action="store_true", help="print the effective config")
+    p.add_argument("--print-config", action="store_true", help="print the effective config as TOML (--config reads it back; secrets left out)")
 
 
 OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l3_dir",
@@ -108,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides = {k: getattr(args, k) for k in OPTION_KEYS}
             cfg = load_config(args.config, env, overrides)
             if args.print_config:
-                for key, value in cfg.redacted().items():
-                    print(f"{key} = {value!r}")
+                print(cfg.to_toml(), end="")
                 return 0
             logging.basicConfig(level=cfg.log_level.upper(),
                                 format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -200,14 +200,35 @@ class DaemonConfig:
         ``socket_group`` is set (0600 -> 0660)."""
         return self.socket_mode | 0o060 if self.socket_group else self.socket_mode
 
-    def redacted(self) -> dict:
-        """The config as a dict with secrets masked (``--print-config``, logs)."""
-        out = dataclasses.asdict(self)
-        out["socket_mode"] = f"{self.socket_mode:#o}"
-        for key in SECRET_KEYS:
-            if out[key]:
-                out[key] = "<set>"
-        return out
+    def to_toml(self) -> str:
+        """The config as a TOML file ``--config`` reads back (``--print-config``): secrets and the
+        store's environment variables only as comments."""
+        lines = ["# hicached effective config (hicached serve --print-config)", "[hicached]"]
+        for key, value in dataclasses.asdict(self).items():
+            if key == "store_env":
+                lines += [f"# from the environment (not a key): {var}={val}"
+                          for var, val in sorted(value.items())]
+            elif key in SECRET_KEYS:
+                lines.append(f"# {key} = <{'set' if value else 'unset'}, not printed>")
+            elif key == "socket_mode":
+                lines.append(f"{key} = {value:#o}")
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: object) -> str:
+    """A TOML literal of a config value (JSON's string escapes are TOML's)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}"
+                               for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
 
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")

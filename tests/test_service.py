@@ -15,6 +15,7 @@ from conftest import wait_until
 from test_daemon import kv_pool, pages
 
 from hicached import protocol as P
+from hicached.config import load_config
 from hicached.errors import ShuttingDown
 from hicached.sdnotify import NullNotifier, SystemdNotifier
 
@@ -188,19 +189,36 @@ def test_drain_deadline_bounds_a_stalled_client(make_daemon):
     assert "drain deadline: 1 reservations, 0 waiting requests, 0 L3 jobs unfinished" in d.output()
 
 
-def test_print_config_hides_secrets(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
+def test_print_config_hides_secrets_and_reads_back_as_the_same_config(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HICACHED_", "MOONCAKE_"))}
     env["HICACHED_CLIENT_TOKEN"] = "token-from-env"
-    out = subprocess.run(
-        [sys.executable, "-m", "hicached.cli", "serve", "--print-config", "--state-dir",
-         str(tmp_path), "--admin-port", "8470", "--admin-api-key", "key-from-flag",
-         "--namespace-quotas", '{"model-a": "1GiB"}'],
-        check=False, capture_output=True, text=True, env=env, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "key-from-flag" not in out.stdout and "token-from-env" not in out.stdout
-    assert "admin_api_key = '<set>'" in out.stdout and "client_token = '<set>'" in out.stdout
-    assert "admin_port = 8470" in out.stdout and "socket_mode = '0o600'" in out.stdout
-    assert "namespace_quotas = {'model-a': 1073741824}" in out.stdout
+    env["MOONCAKE_PROTOCOL"] = "tcp"
+    flags = ["--state-dir", str(tmp_path), "--admin-port", "8470", "--admin-api-key",
+             "key-from-flag", "--namespace-quotas", '{"model-a": "1GiB", "m\\"b": 4096}',
+             "--l3-options", '{"node": "n1", "grace_s": 0.5, "direct": false}',
+             "--socket-mode", "0640", "--get-wait-s", "1e-3"]
+
+    def print_config(*args):
+        out = subprocess.run([sys.executable, "-m", "hicached.cli", "serve", "--print-config",
+                              *args], check=False, capture_output=True, text=True, env=env,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    text = print_config(*flags)
+    assert "key-from-flag" not in text and "token-from-env" not in text
+    assert "# admin_api_key = <set, not printed>" in text
+    assert "# client_token = <set, not printed>" in text
+    assert "admin_port = 8470" in text and "socket_mode = 0o640" in text
+    assert 'namespace_quotas = {"model-a" = 1073741824, "m\\"b" = 4096}' in text
+    assert "# from the environment (not a key): MOONCAKE_PROTOCOL=tcp" in text
+    (tmp_path / "printed.toml").write_text(text)
+    cfg = load_config(str(tmp_path / "printed.toml"))
+    assert cfg.namespace_quotas == {"model-a": 1 << 30, 'm"b': 4096}
+    assert cfg.l3_options == {"node": "n1", "grace_s": 0.5, "direct": False}
+    assert cfg.socket_mode == 0o640 and cfg.get_wait_s == 1e-3 and cfg.admin_api_key == ""
+    assert print_config("--config", str(tmp_path / "printed.toml")) == text.replace(
+        "admin_api_key = <set", "admin_api_key = <unset")  # the token comes from env again
 
 
 def test_a_second_daemon_never_takes_a_running_ones_arena_or_socket(daemon, tmp_path):
