@@ -309,7 +309,14 @@ def read_config_table(path: str) -> dict:
             data = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"config file {path}: {e}") from None
-    return data.get("hicached", data)
+    if "hicached" not in data:
+        return data
+    others = sorted(set(data) - {"hicached"})
+    if others:  # a key above the table, or another table: it would be silently ignored
+        raise ConfigError(f"config file {path}: {others} outside the [hicached] table")
+    if not isinstance(data["hicached"], dict):
+        raise ConfigError(f"config file {path}: hicached must be a table")
+    return data["hicached"]
 
 
 # Environment variables L3 stores read as their own settings (SGLang's Mooncake variables), kept

@@ -36,6 +36,19 @@ def test_hicached_section_and_unknown_key(tmp_path):
         load_config(str(f), {}, {})
 
 
+def test_keys_outside_the_hicached_table_are_refused_not_ignored(tmp_path):
+    f = tmp_path / "h.toml"
+    f.write_text('l2_size = "1GiB"\n[hicached]\nlease_ttl_s = 5\n')  # a key above the table
+    with pytest.raises(ConfigError, match=r"\['l2_size'\] outside the \[hicached\] table"):
+        load_config(str(f), {}, {"state_dir": str(tmp_path)})
+    f.write_text('[hicached]\nlease_ttl_s = 5\n[hicached_l3]\nnode = "a"\n')  # another table
+    with pytest.raises(ConfigError, match="hicached_l3"):
+        load_config(str(f), {}, {"state_dir": str(tmp_path)})
+    f.write_text('[hicached]\nlease_ttl_s = 5\n[hicached.l3_options]\nnode = "a"\n')
+    cfg = load_config(str(f), {}, {"state_dir": str(tmp_path)})  # a sub-table is a key
+    assert cfg.lease_ttl_s == 5 and cfg.l3_options == {"node": "a"}
+
+
 def test_bad_values_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="lease_ttl_s"):
         load_config(None, {}, {"lease_ttl_s": "soon", "state_dir": str(tmp_path)})
