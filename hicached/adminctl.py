@@ -1,6 +1,6 @@
 """``hicached status | flush | attach | detach``: the admin API's command-line client.
 
-    hicached status                          health, readiness, tiers, pools, quotas
+    hicached status                          health, readiness, tiers, pools, namespaces
     hicached flush [--tier l2|l3|all]        drop pages (default l2)
     hicached attach BACKEND [--config JSON|@file] [--write-policy P] [--prefetch-policy P]
     hicached detach
@@ -197,10 +197,12 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
                  f"{l2['reservations']} reservations, "
                  f"{human_bytes(l2.get('set_ahead_bytes', 0))} in set-ahead slots; "
                  f"{stats['requests']} requests")
-    for q in stats["namespaces"]:
-        lines.append(f"  quota   {q['namespace']}: {human_bytes(q['used_bytes'])} of "
-                     f"{human_bytes(q['quota_bytes'])}, own evictions {q['evictions']}, "
-                     f"rejections {q['rejections']}")
+    for n in stats["namespaces"]:
+        quota = (f" of a {human_bytes(n['quota_bytes'])} quota (own evictions "
+                 f"{n['evictions']}, rejections {n['rejections']})"
+                 if n.get("quota_bytes") is not None else "")
+        lines.append(f"  ns      {n['namespace']}: {human_bytes(n['used_bytes'])}{quota}, "
+                     f"{n.get('sessions', 0)} sessions")
     return "\n".join(lines)
 
 

@@ -46,6 +46,7 @@ class Controller(SessionControl):
         self.clock = clock
         self.get_wait_s = get_wait_s
         self.sessions: dict[int, Session] = {}
+        self.ns_names: dict[str, str] = {}  # namespace digest -> name (session_control.py)
         self.geometry: dict[TableId, int] = {}  # (ns, pool) -> page_bytes, fixed once seen
         self.parked: dict[int, ParkedGet | ParkedExists] = {}  # id -> request waiting for L3
         self.pending_waiters: dict[Entry, list[ParkedGet]] = {}  # uncommitted page -> its gets

@@ -204,7 +204,7 @@ class Metrics(NullMetrics):
             "arena_bytes": d.arena.size_bytes,
             "l3_bytes": {"l2_to_l3": d.workers.bytes_done["put"],
                          "l3_to_l2": d.workers.bytes_done["get"]},
-            "quotas": d.controller.quotas.snapshot(),
+            "namespaces": d.controller.namespaces(),
             "draining": d.draining,
             "requests": dict(self.requests),
             "hits": dict(self.hits),
@@ -258,7 +258,7 @@ def stats_json(snap: dict) -> dict:
         },
         "pools": pools,
         "bytes_moved": {**snap["client_bytes"], **snap["l3_bytes"]},
-        "namespaces": snap["quotas"],
+        "namespaces": snap["namespaces"],
     }
 
 
@@ -336,7 +336,7 @@ class _Collector:
                          ("parked_exists", "Exists waiting for an L3 lookup")):
             yield G(f"hicached_{key}", doc, value=st[key])
         yield from self._l3(tier, C, G)
-        yield from self._quotas(snap["quotas"], C, G)
+        yield from self._namespaces(snap["namespaces"], C, G)
 
     @staticmethod
     def _l3(tier: dict, C, G):
@@ -360,10 +360,12 @@ class _Collector:
                 yield C(f"hicached_{name}", f"L3 tier counter {key}", value=value)
 
     @staticmethod
-    def _quotas(quotas: list[dict], C, G):
+    def _namespaces(namespaces: list[dict], C, G):
+        held = G("hicached_namespace_l2_bytes", "L2 bytes a namespace holds",
+                 labels=["namespace"])
+        clients = G("hicached_namespace_sessions", "Client sessions of a namespace",
+                    labels=["namespace"])
         fams = {
-            "used_bytes": G("hicached_namespace_l2_bytes", "L2 bytes a namespace with a quota "
-                            "holds", labels=["namespace"]),
             "quota_bytes": G("hicached_namespace_l2_quota_bytes", "L2 quota of a namespace",
                              labels=["namespace"]),
             "evictions": C("hicached_namespace_quota_evictions", "Pages a namespace evicted "
@@ -372,10 +374,13 @@ class _Collector:
                             "because a namespace's quota was full of pinned pages",
                             labels=["namespace"]),
         }
-        for q in quotas:
-            for key, fam in fams.items():
-                fam.add_metric([q["namespace"]], q[key])
-        yield from fams.values()
+        for n in namespaces:
+            held.add_metric([n["namespace"]], n["used_bytes"])
+            clients.add_metric([n["namespace"]], n["sessions"])
+            if n["quota_bytes"] is not None:
+                for key, fam in fams.items():
+                    fam.add_metric([n["namespace"]], n[key])
+        yield from (held, clients, *fams.values())
 
 
 def make_metrics(daemon, enabled: bool) -> NullMetrics:

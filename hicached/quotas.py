@@ -116,8 +116,10 @@ class NamespaceQuotas(NoQuotas):
         return self._queues[ns]
 
     def snapshot(self) -> list[dict]:
-        """Per namespace with a quota: name, bytes used, quota, own evictions, rejections."""
-        return [{"namespace": name, "used_bytes": self.index.ns_bytes.get(digest, 0),
+        """Per namespace with a quota: name, digest, bytes used, quota, own evictions,
+        rejections."""
+        return [{"namespace": name, "digest": digest,
+                 "used_bytes": self.index.ns_bytes.get(digest, 0),
                  "quota_bytes": quota, **self._counts[digest]}
                 for digest, (name, quota) in sorted(self._limits.items(), key=lambda i: i[1])]
 

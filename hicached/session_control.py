@@ -14,6 +14,8 @@ from hicached.sessions import Session, namespace_digest
 
 log = logging.getLogger("hicached.controller")
 
+MAX_NAMED = 4096  # namespace names kept for /stats beyond those holding pages or clients
+
 
 class SessionControl:
     """``open_session``, ``close_session``, ``reap_dead_sessions``, ``reap_idle_unchecked``."""
@@ -29,7 +31,35 @@ class SessionControl:
         s = Session(sid, hello.namespace, namespace_digest(hello.namespace),
                     hello.pid, hello.client_name, process=process)
         self.sessions[s.id] = s
+        self._remember_namespace(s.ns, s.namespace)
         return s
+
+    def _remember_namespace(self, digest: str, name: str) -> None:
+        """The index knows namespaces by digest; ``/stats`` names them. Bounded: past
+        ``MAX_NAMED`` names, those holding no L2 bytes and no session are forgotten."""
+        names = self.ns_names
+        names[digest] = name
+        if len(names) > MAX_NAMED:
+            live = {s.ns for s in self.sessions.values()}
+            for d in [d for d in names if d not in live and not self.index.ns_bytes.get(d)]:
+                del names[d]
+
+    def namespaces(self) -> list[dict]:
+        """Each namespace that holds L2 bytes, has a client or a quota: its name, L2 bytes,
+        sessions, and quota (None: none) with the quota's own evictions and rejections."""
+        quotas = {q["digest"]: q for q in self.quotas.snapshot()}
+        sessions: dict[str, int] = {}
+        for s in self.sessions.values():
+            sessions[s.ns] = sessions.get(s.ns, 0) + 1
+        held = {d for d, n in self.index.ns_bytes.items() if n > 0}
+        out = []
+        for d in held | set(sessions) | set(quotas):
+            q = quotas.get(d, {})
+            out.append({"namespace": q.get("namespace") or self.ns_names.get(d, f"<{d}>"),
+                        "used_bytes": self.index.ns_bytes.get(d, 0),
+                        "sessions": sessions.get(d, 0), "quota_bytes": q.get("quota_bytes"),
+                        "evictions": q.get("evictions", 0), "rejections": q.get("rejections", 0)})
+        return sorted(out, key=lambda n: n["namespace"])
 
     def close_session(self, sid: int, how: str = "bye") -> None:
         """End session ``sid``: its process is ``dead``, it said ``bye``, or a new handshake of

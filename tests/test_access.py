@@ -145,8 +145,13 @@ def test_namespace_quota_enforced_with_metrics(make_daemon):
         assert sample(m, "hicached_namespace_quota_rejections_total", namespace="tenant-a") == 1
         assert sample(m, "hicached_no_space_total") == 1
         st = http("GET", url + "/stats")[1]
-        assert st["namespaces"] == [{"namespace": "tenant-a", "used_bytes": 8192,
-                                     "quota_bytes": 8192, "evictions": 4, "rejections": 1}]
+        assert st["namespaces"] == [
+            {"namespace": "tenant-a", "used_bytes": 8192, "sessions": 1, "quota_bytes": 8192,
+             "evictions": 4, "rejections": 1},
+            {"namespace": "tenant-b", "used_bytes": 20 * 1024, "sessions": 1,
+             "quota_bytes": None, "evictions": 0, "rejections": 0}]  # no quota: listed too
+        assert sample(m, "hicached_namespace_l2_bytes", namespace="tenant-b") == 20 * 1024
+        assert sample(m, "hicached_namespace_sessions", namespace="tenant-b") == 1
         assert a.batch_set_v1(["a12"], pages(0, 1)) == [True]  # released: room again
     assert KEY not in d.output()
 

@@ -39,6 +39,7 @@ def test_status_human_and_json(make_daemon):
         assert "L3      file: write_through, prefetch on; 3 pages stored" in out
         assert "pool    kv: 3 pages (3.0 KiB)" in out
         assert "clients 1 sessions" in out and "in set-ahead slots" in out
+        assert "ns      model-a: 3.0 KiB, 1 sessions" in out  # every namespace, quota or not
         rc, out, err = cli("status", "--url", url, "--json", key="")  # status needs no key
         assert rc == 0, err
         doc = json.loads(out)

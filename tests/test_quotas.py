@@ -47,7 +47,7 @@ def test_own_lru_pages_go_first_and_other_namespaces_are_untouched():
     assert keys_of(index, A) == ["a4", "a5", "a6", "a7"]
     assert len(keys_of(index, B)) == 10
     assert index.ns_bytes[A] == 4 * PAGE and index.evictions == 4
-    assert q.snapshot() == [{"namespace": "tenant-a", "used_bytes": 4 * PAGE,
+    assert q.snapshot() == [{"namespace": "tenant-a", "digest": A, "used_bytes": 4 * PAGE,
                              "quota_bytes": 4 * PAGE, "evictions": 4, "rejections": 0}]
 
 
