@@ -135,17 +135,10 @@ def test_oversized_requests_are_refused_and_the_daemon_carries_on(daemon):
         with pytest.raises(RequestTooLarge, match="split the call"):
             c.batch_exists(keys)
         assert c.batch_set_v1(["ok0"], pages(0, 1)) == [True]  # the same client carries on
-        ctx = zmq.Context()
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.RCVTIMEO, 1000)
-        s.connect(daemon.endpoint)
-        try:
+        with raw_socket(daemon.endpoint, timeout_ms=1000) as s:
             s.send(P.encode(P.Exists(1, c.session, keys)))
             with pytest.raises(zmq.Again):  # dropped unread: no answer
                 s.recv()
-        finally:
-            s.close(linger=0)
-            ctx.term()
         assert c.batch_exists(["ok0"]) == 1
     assert "internal error" not in daemon.output()
 

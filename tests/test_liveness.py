@@ -9,8 +9,7 @@ import sys
 import time
 
 import pytest
-import zmq
-from conftest import wait_until
+from conftest import raw_socket, wait_until
 from test_daemon import HOLD_RESERVATION
 
 from hicached import liveness as L
@@ -93,11 +92,7 @@ def _hello(sock, pid, start=0, pid_ns=0, req_id=1):
 def test_a_stated_pid_that_is_not_the_client_never_drops_its_session(daemon):
     """An engine in a container states the pid it sees (1, or one that names another process or
     none on the daemon's side): its live session must stay."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.RCVTIMEO, 5000)
-    s.connect(daemon.endpoint)
-    try:
+    with raw_socket(daemon.endpoint) as s:
         sessions = [_hello(s, pid, req_id=i) for i, pid in enumerate((2**22 + 12345, 1), 1)]
         with daemon.client() as c:
             time.sleep(1.5)  # three sweeps
@@ -105,9 +100,6 @@ def test_a_stated_pid_that_is_not_the_client_never_drops_its_session(daemon):
         for i, sid in enumerate(sessions, 10):
             s.send(P.encode(P.RegisterPool(i, sid, "kv", 4096)))
             assert isinstance(P.answer_decoder.decode(s.recv()), P.Registered)
-    finally:
-        s.close(linger=0)
-        ctx.term()
 
 
 def _child_pid(pid: int, timeout_s: float = 10.0) -> int:
@@ -179,11 +171,7 @@ def test_a_new_handshake_of_a_live_client_ends_its_old_session(daemon):
         st = c.stats()
         assert st["sessions"] == 1 and st["leases"] == 1  # a thread may still be reading
         assert c.batch_get_v1(["k0"], pages(1, 1)) == [True]  # pools registered again
-        ctx = zmq.Context()
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.RCVTIMEO, 5000)
-        s.connect(daemon.endpoint)
-        try:
+        with raw_socket(daemon.endpoint) as s:
             s.send(P.encode(P.Exists(5, old, ["k0"])))
             assert P.answer_decoder.decode(s.recv()).code == "unknown_session"
             # another namespace cannot end it
@@ -191,9 +179,6 @@ def test_a_new_handshake_of_a_live_client_ends_its_old_session(daemon):
                                     replaces=c.session)))
             assert isinstance(P.answer_decoder.decode(s.recv()), P.Welcome)
             assert c.stats()["sessions"] == 2
-        finally:
-            s.close(linger=0)
-            ctx.term()
     assert f"replaces session {old}" in daemon.output()
 
 
@@ -211,33 +196,28 @@ def test_unchecked_clients_sessions_end_when_idle_and_they_join_again(tmp_path):
                    env={**os.environ, "HICACHED_CLIENT_TOKEN": token})
     d.endpoint = f"tcp://127.0.0.1:{free_port()}"
     d.args[d.args.index("--endpoint") + 1] = d.endpoint
-    ctx = zmq.Context()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.RCVTIMEO, 5000)
     try:
         d.start()
-        raw.connect(d.endpoint)
-        raw.send(P.encode(P.Hello(1, P.PROTOCOL_VERSION, "model-a", 7, "raw", token,
-                                  0, L.own_pid_ns() + 1)))  # another pid namespace
-        sid = P.answer_decoder.decode(raw.recv()).session
-        with d.client() as c:  # same pid namespace: checked by its stated pid and start time
-            src = kv_pool(seed=4)
-            c.register_mem_host_pool_v2(src, "kv")
-            end, req = time.monotonic() + 3, 10
-            while time.monotonic() < end:  # requests keep the unchecked session
+        with raw_socket(d.endpoint) as raw:
+            raw.send(P.encode(P.Hello(1, P.PROTOCOL_VERSION, "model-a", 7, "raw", token,
+                                      0, L.own_pid_ns() + 1)))  # another pid namespace
+            sid = P.answer_decoder.decode(raw.recv()).session
+            with d.client() as c:  # same pid namespace: checked by its stated pid and start time
+                src = kv_pool(seed=4)
+                c.register_mem_host_pool_v2(src, "kv")
+                end, req = time.monotonic() + 3, 10
+                while time.monotonic() < end:  # requests keep the unchecked session
+                    raw.send(P.encode(P.RegisterPool(req, sid, "kv", 1024)))
+                    assert isinstance(P.answer_decoder.decode(raw.recv()), P.Registered)
+                    req += 1
+                    time.sleep(0.3)
+                assert c.stats()["sessions"] == 2
+                assert wait_until(lambda: c.stats()["sessions"] == 1, 5)  # idle: ended
                 raw.send(P.encode(P.RegisterPool(req, sid, "kv", 1024)))
-                assert isinstance(P.answer_decoder.decode(raw.recv()), P.Registered)
-                req += 1
-                time.sleep(0.3)
-            assert c.stats()["sessions"] == 2
-            assert wait_until(lambda: c.stats()["sessions"] == 1, 5)  # idle: ended
-            raw.send(P.encode(P.RegisterPool(req, sid, "kv", 1024)))
-            ans = P.answer_decoder.decode(raw.recv())
-            assert isinstance(ans, P.Error) and ans.code == "unknown_session"
-            time.sleep(2.5)  # the checked client idled too, and stays
-            assert c.batch_set_v1(["idle0"], pages(0, 1)) == [True]
-            assert c.stats()["sessions"] == 1
+                ans = P.answer_decoder.decode(raw.recv())
+                assert isinstance(ans, P.Error) and ans.code == "unknown_session"
+                time.sleep(2.5)  # the checked client idled too, and stays
+                assert c.batch_set_v1(["idle0"], pages(0, 1)) == [True]
+                assert c.stats()["sessions"] == 1
     finally:
-        raw.close(linger=0)
-        ctx.term()
         d.cleanup()
