@@ -7,10 +7,13 @@ from the same per-key pool bitmasks with the same functions (``hits.py``), when:
     the table is usable              (``PresenceView.usable``: fresh heartbeat, not full, ...;
                                      x86 only: ``presence.ORDERED_STORES``)
     every pool asked is registered   (the daemon answers an unregistered one with its typed error)
-    no L3 is attached, or L2 holds every page the answer looks at (else only the daemon can
-                                     ask L3, and start pulling pages in; after such a call
-                                     the next 1, 2, 4 ... 64 go to the daemon straight away,
-                                     so a workload L2 alone never answers pays ~nothing)
+    no L3 is attached, or L2 alone restores every key asked (else only the daemon can ask L3,
+                                     and start pulling pages in; after such a call the next
+                                     1, 2, 4 ... 64 go to the daemon straight away, so a
+                                     workload L2 alone never answers pays ~nothing). A
+                                     trailing pool (Mamba) may have holes: L3 could then add
+                                     endpoints below the last to ``restorable`` only, never
+                                     raise a hit, so the table answers with L2's endpoints
     this client's own commits were all read by the daemon (``Client`` checks: read your writes)
 
 Calls answered here are counted and reported to the daemon at most every ``TALLY_EVERY_S`` (and at
@@ -80,19 +83,7 @@ class SharedExists:
         masks = self.view.lookup(keys)
         if masks is None:
             return None
-        kv_have = (masks & anchor_bit) != 0
-        if flags & F_L3:
-            everything = anchor_bit
-            for bit in pool_bits:
-                everything |= bit
-            if not ((masks & everything) == everything).all():
-                # L3 may hold what L2 lacks: the daemon asks it (and prefetches). Skip the table
-                # for the next 1, 2, 4 ... MAX_SKIP calls while that keeps happening.
-                self._skip = self._backoff
-                self._backoff = min(2 * self._backoff, MAX_SKIP)
-                return None
-            self._backoff = 1
-        kv_pages = leading_run_array(kv_have)
+        kv_pages = leading_run_array((masks & anchor_bit) != 0)
         head = masks[:kv_pages]
         try:
             final, hits, restorable = intersect_endpoints_array(
@@ -100,6 +91,17 @@ class SharedExists:
                            for q, bit in zip(queries, pool_bits, strict=True)])
         except ValueError:
             return None  # an unknown hit policy: the daemon's typed error
+        if flags & F_L3:
+            if final < len(keys):
+                # L3 may hold what L2 lacks: the daemon asks it (and prefetches). Skip the table
+                # for the next 1, 2, 4 ... MAX_SKIP calls while that keeps happening.
+                self._skip = self._backoff
+                self._backoff = min(2 * self._backoff, MAX_SKIP)
+                return None
+            # L2 alone restores every key: L3 cannot raise any hit, and nothing needs pulling
+            # in. Only endpoints a trailing pool has holes at in L2 but not in L3 can be missing
+            # from ``restorable`` (a subset of the daemon's: same largest, kv_hit_pages).
+            self._backoff = 1
         if kv_pages:
             hits[anchor] = kv_pages
         self._count(anchor, len(keys), hits)
