@@ -26,7 +26,13 @@ A writer recycling the slot stamps the head with a new generation *before* it to
 so a page read that saw any new byte sees the new head in step 3: a torn or recycled slot is a
 miss, never wrong bytes (seqlock; the stamp CRC also rejects zeroed or foreign blocks). A stale
 pointer is harmless for the same reason. Eviction removes the pointer first and reuses the slot
-only ``grace_s`` later, so readers in flight rarely lose a page to the check.
+only ``grace_s`` later, so readers in flight rarely lose a page to the check; a pointer it
+cannot remove keeps its slot out of use until a retry removes it. A pointer that a read finds
+naming a slot with another page in it, or a deleted or cut segment (a crash, another node's
+``clear``), is "dead": one miss, then ``exists`` says missing and a put stores the key again
+(``KeyCache.dead``), on every node that saw it. A write into a segment deleted under it is never
+published. Errors (a vanished root, a segment that cannot be created or opened) are misses
+or evictions, never exceptions, and nothing readable is deleted for them.
 
 What this relies on from 3FS (checked against its FUSE client source) and any filesystem:
 - rename replaces a file atomically (3FS: metadata transactions in FoundationDB); O_EXCL create;
@@ -136,7 +142,9 @@ class Hf3fsBackend(L3Backend):
         self._logged: set[str] = set()
         self.counters = dict.fromkeys(
             ("puts", "put_failures", "no_space", "gets", "get_hits", "remote_hits",
-             "size_mismatches", "read_failures", "verify_failures"), 0)
+             "size_mismatches", "read_failures", "verify_failures", "dead_pointers"), 0)
+        self._bad_lock = threading.Lock()
+        self._bad_own: list[Slot] = []  # own slots a read found broken, for the writer thread
         self._closed = False
 
     def _prepare_root(self) -> None:
@@ -212,7 +220,12 @@ class Hf3fsBackend(L3Backend):
         if self._closed:
             return out
         with self._write_lock:
-            self._check_wiped()
+            try:
+                self._check_wiped()
+                self._evict_bad_own()
+            except (OSError, ConfigError) as e:  # (a vanished root): misses, until it can
+                self._note("put", e, len(keys))  # start again
+                return out
             for start in range(0, len(keys), self.entries):
                 end = start + self.entries
                 try:
@@ -249,8 +262,8 @@ class Hf3fsBackend(L3Backend):
                 out[i] = True
                 continue
             seen.add(kh)
-            if not self.keys.absent(kh, now) and os.path.exists(
-                    self._ptr_path(ns, pool, kh)):  # another node stored it
+            if not self.keys.absent(kh, now) and self.keys.has_record(
+                    kh, self._ptr_path(ns, pool, kh)):  # another node stored it
                 self.keys.remember(kh, None, now)
                 out[i] = True
                 continue
@@ -263,7 +276,7 @@ class Hf3fsBackend(L3Backend):
         items = [(i, Slot(seg, idx, self.space.next_gen(), page_bytes, kh, ns_name, pool_name,
                           0.0)) for (seg, idx), (i, kh) in zip(places, todo)]
         pending = dict(enumerate(items))  # slots to give back if anything below raises
-        handles = {}
+        handles, deleted = {}, []
         try:
             try:
                 for _, s in items:
@@ -273,6 +286,9 @@ class Hf3fsBackend(L3Backend):
                     (handles[s.seg.key].fd, s.seg.head.slot_off(s.index), offsets[i],
                      Stamp(s.index, s.gen, s.page_bytes, s.kh, s.seg.tag, 0)) for i, s in items],
                     self.checksum)
+                deleted = [h for h in handles.values() if os.fstat(h.fd).st_nlink == 0]
+                if deleted:  # written into a deleted segment (another node's clear): never
+                    ok = [False] * len(items)  # publish a pointer to it; start afresh
             finally:
                 for h in handles.values():
                     self.fds.release(h)
@@ -288,6 +304,11 @@ class Hf3fsBackend(L3Backend):
         finally:
             for _, s in pending.values():
                 self.space.release(s.seg, s.index)
+        if deleted:
+            log.warning("hf3fs: a segment of node %s was deleted under it (a clear by another "
+                        "node?); starting empty", self.space.node)
+            self._reset()
+            return out
         self.space.top_up(sb)
         return out
 
@@ -313,7 +334,11 @@ class Hf3fsBackend(L3Backend):
         out = [False] * len(keys)
         if self._closed:
             return out
-        self._check_wiped()
+        try:
+            self._check_wiped()
+        except (OSError, ConfigError) as e:
+            self._note("get", e)
+            return out
         with self._get_lock:  # one user of the "get" lane's scratch and ring at a time
             for start in range(0, len(keys), self.entries):
                 end = start + self.entries
@@ -346,16 +371,25 @@ class Hf3fsBackend(L3Backend):
             ptr = self._load_pointer(ns, pool, kh, now)
             if ptr is not None:
                 todo.append((i, ptr, True))
-        ok = self._read_checked(todo, offsets, page_bytes)
+        ok, dead = self._read_checked(todo, offsets, page_bytes)
         retry = []
-        for (i, ptr, fresh), good in zip(todo, ok):
+        for n, ((i, ptr, fresh), good) in enumerate(zip(todo, ok)):
             out[i] = good
-            if not good and not fresh:  # a cached pointer may be stale: read the record again
+            if good:
+                continue
+            if not fresh:  # a cached pointer may be stale: read the record again
                 new = self._load_pointer(ns, pool, ptr.key_hash, now)
                 if new is not None and new != ptr:
                     retry.append((i, new, True))
-        for (i, _, _), good in zip(retry, self._read_checked(retry, offsets, page_bytes)):
+                elif new == ptr and n in dead:
+                    self._dead(ptr, own.get(i), now)
+            elif n in dead:
+                self._dead(ptr, own.get(i), now)
+        ok, dead = self._read_checked(retry, offsets, page_bytes)
+        for n, ((i, ptr, _), good) in enumerate(zip(retry, ok)):
             out[i] = good
+            if n in dead:
+                self._dead(ptr, None, now)
         self.space.touch([slot for i, slot in own.items() if out[i]])
         self.counters["remote_hits"] += sum(out[i] for i, p, _ in todo
                                             if p.node_uuid != self.space.uuid)
@@ -373,10 +407,32 @@ class Hf3fsBackend(L3Backend):
         self.keys.remember(kh, ptr, now)
         return ptr
 
+    def _dead(self, ptr: Pointer, own: Slot | None, now: float) -> None:
+        """``ptr``, just read, names a slot that no longer holds its page (a pointer left by
+        a failed eviction, a segment deleted or cut short under it): ``exists`` says missing
+        while the record stays the same, and a put stores the key again. One of this node's
+        own slots is evicted by the writer thread (``_evict_bad_own``)."""
+        self.counters["dead_pointers"] += 1
+        self.keys.dead(ptr.key_hash, ptr, now)
+        if own is not None:
+            self.space.forget_live(own)
+            with self._bad_lock:
+                self._bad_own.append(own)
+
+    def _evict_bad_own(self) -> None:
+        """Evict own slots a read found broken (writer thread)."""
+        with self._bad_lock:
+            bad, self._bad_own = self._bad_own, []
+        if bad:
+            self.space.evict(bad)
+
     def _read_checked(self, todo: list[tuple[int, Pointer, bool]], offsets, page_bytes
-                      ) -> list[bool]:
-        """Read each pointer's slot into the arena and verify it (module docstring, read 2-3)."""
+                      ) -> tuple[list[bool], set[int]]:
+        """Read each pointer's slot into the arena and verify it (module docstring, read 2-3).
+        Returns per item whether it verified, and the items whose slot surely holds no longer
+        the pointer's page (``Failures.dead``; the segment file is gone)."""
         ok = [False] * len(todo)
+        dead: set[int] = set()
         items, handles = [], {}
         try:
             for n, (i, ptr, _) in enumerate(todo):
@@ -389,8 +445,13 @@ class Hf3fsBackend(L3Backend):
                         handles[key] = self.fds.acquire(
                             key, os.path.join(self.root, ptr.segment_relpath()),
                             writable=ptr.node_uuid == self.space.uuid)
-                    except OSError:
+                    except FileNotFoundError:
                         handles[key] = None  # segment gone (retired, cleared): a miss
+                        dead.add(n)
+                    except OSError:
+                        handles[key] = None
+                elif handles[key] is None and n - 1 in dead:
+                    dead.add(n)  # (the same missing segment as the item before)
                 if handles[key] is not None:
                     items.append((n, handles[key].fd, ptr, offsets[i]))
             ok_items, fails = read_slots(self.io, self.arena, [t[1:] for t in items],
@@ -403,7 +464,8 @@ class Hf3fsBackend(L3Backend):
                     self.fds.release(h)
         for (n, *_), good in zip(items, ok_items):
             ok[n] = good
-        return ok
+        dead.update(items[k][0] for k in fails.dead)
+        return ok, dead
 
     # ------------------------------------------------------------ maintenance
 

@@ -7,6 +7,10 @@ forever (a hung mount). So ``KeyCache`` keeps:
 
     found    kh -> (expires, Pointer | None)   a pointer record seen (None: only stat-ed)
     absent   kh -> expires                      no pointer record a moment ago
+    dead     kh -> Pointer                      a record that names a slot holding another
+                                                page now (a get found out): it counts as no
+                                                record while it stays the same, so the key is
+                                                missing to ``exists`` and stored again by a put
 
 and checks unknown keys on one helper thread, in key order, for at most ``budget_s`` per call:
 keys it has not reached by then count as misses now (a miss is always safe) and are known on
@@ -23,6 +27,7 @@ import time
 from collections import OrderedDict
 
 from hicached.backends.hf3fs_format import Pointer
+from hicached.backends.hf3fs_space import read_pointer
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +41,7 @@ class KeyCache:
         self.found_ttl_s, self.absent_ttl_s, self.budget_s = found_ttl_s, absent_ttl_s, budget_s
         self._found: OrderedDict[bytes, tuple[float, Pointer | None]] = OrderedDict()
         self._absent: OrderedDict[bytes, float] = OrderedDict()
+        self._dead: OrderedDict[bytes, Pointer] = OrderedDict()
         self._lock = threading.Lock()
         self.lookups = 0
         self.lookup_errors = 0
@@ -82,11 +88,39 @@ class KeyCache:
         """This node just published ``kh``: drop a stale miss."""
         with self._lock:
             self._absent.pop(kh, None)
+            self._dead.pop(kh, None)
+
+    def dead(self, kh: bytes, ptr: Pointer, now: float) -> None:
+        """The record ``ptr`` of ``kh`` names a slot that holds another page now."""
+        self.forget(kh, now)
+        with self._lock:
+            self._dead[kh] = ptr
+            self._dead.move_to_end(kh)
+            if len(self._dead) > CACHE_MAX:
+                self._dead.popitem(last=False)
+
+    def has_record(self, kh: bytes, path: str) -> bool:
+        """Is there a live pointer record for ``kh`` at ``path``: one that is not the dead one
+        (reads it then; a stat otherwise). OSError when that cannot be told."""
+        dead = self._dead.get(kh)
+        if dead is None:
+            try:
+                os.stat(path)
+            except FileNotFoundError:
+                return False
+            return True
+        ptr = read_pointer(path)
+        if ptr == dead:
+            return False
+        with self._lock:
+            self._dead.pop(kh, None)  # replaced (or removed): not dead any more
+        return ptr is not None
 
     def clear(self) -> None:
         with self._lock:
             self._found.clear()
             self._absent.clear()
+            self._dead.clear()
 
     # ------------------------------------------------------------ lookups
 
@@ -107,16 +141,19 @@ class KeyCache:
                 for kh, path in items:
                     self.lookups += 1
                     try:
-                        os.stat(path)
+                        present = self.has_record(kh, path)
                     except FileNotFoundError:
-                        self.forget(kh, time.monotonic())
+                        present = False
                     except OSError as e:
                         if not self.lookup_errors:
                             log.error("hf3fs pointer lookup failed: %s (further failures are "
                                       "only counted)", e)
                         self.lookup_errors += 1
-                    else:
+                        continue
+                    if present:
                         self.remember(kh, None, time.monotonic())
+                    else:
+                        self.forget(kh, time.monotonic())
             finally:
                 self._busy = False
                 done.set()

@@ -44,10 +44,13 @@ SCRATCH_PER_PAGE = 3 * STAMP_BYTES
 
 
 class Failures(NamedTuple):
-    """Per batch: ops that failed or came back short (``read``), slots that did not verify."""
+    """Per batch: ops that failed or came back short (``read``), slots that did not verify;
+    ``dead``: the reads whose slot surely no longer holds the pointer's page (its head names
+    another page, or the segment ends before it), as opposed to an I/O error or a torn read."""
 
     read: int
     verify: int
+    dead: tuple[int, ...] = ()
 
 
 def write_slots(io: SlotIO, arena: Arena, writes: list[tuple[int, int, int, Stamp]],
@@ -91,13 +94,18 @@ def read_slots(io: SlotIO, arena: Arena, reads: list[tuple[int, Pointer, int]], 
         Part(SCRATCH, k * SCRATCH_PER_PAGE + STAMP_BYTES, STAMP_BYTES)))
         for k, (fd, ptr, arena_off) in enumerate(reads)]
     short = bad = 0
+    dead: list[int] = []
     heads: dict[int, tuple[bytes, Stamp]] = {}
     for k, r in enumerate(io.submit("get", False, ops)):
         if r != page_bytes + 2 * STAMP_BYTES:
             short += 1
+            if 0 <= r < STAMP_BYTES:  # the file ends before the slot (truncated)
+                dead.append(k)
             continue
         raw = bytes(scratch[k * SCRATCH_PER_PAGE:k * SCRATCH_PER_PAGE + 2 * STAMP_BYTES])
         head = unpack_stamp(HEAD_MAGIC, raw)  # magic and CRC checked
+        if head is not None and not stamp_matches(head, reads[k][1]):
+            dead.append(k)  # the slot holds another page now
         if (head is None or raw[STAMP_BYTES:STAMP_BYTES + 4] != TRAIL_MAGIC
                 or raw[4:STAMP_BYTES - 4] != raw[STAMP_BYTES + 4:-4]  # trail: same fields
                 or not stamp_matches(head, reads[k][1])):
@@ -118,4 +126,4 @@ def read_slots(io: SlotIO, arena: Arena, reads: list[tuple[int, Pointer, int]], 
             short += r != STAMP_BYTES
             continue
         ok[k] = True
-    return ok, Failures(short, bad)
+    return ok, Failures(short, bad, tuple(dead))

@@ -45,6 +45,8 @@ from hicached.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+GROW_RETRY_S = 5.0  # after a segment could not be created, evict instead for this long
+
 
 class Segment:
     """One segment file of this node: a header, a directory and ``num_slots`` slots."""
@@ -111,13 +113,14 @@ def publish_pointer(path: str, ptr: Pointer, mode: int) -> None:
 
 def remove_pointer_if(path: str, want: Pointer) -> bool:
     """Unlink ``path`` if it still names ``want``'s slot and generation (another node may have
-    republished the key meanwhile; its pointer stays). True if removed."""
+    republished the key meanwhile; its pointer stays). True if removed, False if it names
+    another slot or is gone; OSError when that cannot be told (the pointer may remain)."""
     try:
         if read_pointer(path) != want:
             return False
         os.unlink(path)
         return True
-    except OSError:
+    except FileNotFoundError:
         return False
 
 
@@ -150,6 +153,7 @@ def bump_epoch(root: str, node: str) -> tuple[bytes, int]:
     """(uuid, epoch) of ``node``: the uuid survives restarts in ``nodes/<node>.json``; the
     epoch grows by one per call (it prefixes generations, so a restarted node never reuses
     one). The file is replaced by rename, so a crash leaves the old or the new one."""
+    os.makedirs(os.path.join(root, "nodes"), exist_ok=True)  # (gone after a wipe of the root)
     path = os.path.join(root, "nodes", f"{node}.json")
     host = socket.gethostname()
     try:
@@ -188,15 +192,17 @@ class NodeSpace:
         self.file_mode, self.clock = file_mode, clock
         self.lock = threading.Lock()  # guards live / lru against the reader and loop threads
         self._lock_fd = lock_node(root, node, file_mode, lock_wait_s)
-        try:
-            self.uuid, self.epoch = bump_epoch(root, node)
-        except BaseException:
-            self.close()
-            raise
         self.evictions = 0
         self.waits = 0  # allocations that waited out a grace period
-        self._reset_state()
-        self._load()
+        self._unremoved: list[Slot] = []  # evicted slots whose pointer removal failed
+        self._grow_failed_at = -GROW_RETRY_S  # a segment could not be created then
+        try:
+            self.uuid, self.epoch = bump_epoch(root, node)
+            self._reset_state()
+            self._load()
+        except BaseException:
+            self.close()  # (the node lock: a later attach in this process must get it)
+            raise
 
     def _reset_state(self) -> None:
         self.dir = os.path.join(self.root, "segments", self.uuid.hex())
@@ -252,8 +258,10 @@ class NodeSpace:
         try:
             with open(path, "rb") as f:
                 head = SegmentHeader.unpack(f.read(BLOCK))
-        except OSError:
-            head = None
+        except OSError as e:  # EMFILE, EIO, a hung mount...: the file may be fine, keep it
+            log.warning("hf3fs: cannot read segment %s (%s): its pages are not used until a "
+                        "restart reads it", path, e)
+            return None
         if head is None or head.node_uuid != self.uuid:
             log.warning("hf3fs: removing unreadable segment %s (crash while creating it?)", path)
             try:
@@ -285,6 +293,10 @@ class NodeSpace:
             self.live[slot.kh] = slot
             self.lru.setdefault(slot.seg.head.slot_bytes, OrderedDict())[slot.kh] = slot
 
+    def forget_live(self, slot: Slot) -> None:
+        """Stop serving ``slot`` (any thread; a read found it broken): ``evict`` it later."""
+        self._drop_live(slot)
+
     def _drop_live(self, slot: Slot) -> None:
         with self.lock:
             if self.live.get(slot.kh) is slot:
@@ -295,8 +307,9 @@ class NodeSpace:
 
     def next_gen(self) -> int:
         self._counter += 1
-        if self._counter >= 1 << 32:
-            raise OverflowError("hf3fs: 2**32 writes in one epoch; restart the daemon")
+        if self._counter >= 1 << 32:  # 2**32 writes in one epoch: go on in a new one
+            self.uuid, self.epoch = bump_epoch(self.root, self.node)
+            self._counter = 1
         return self.epoch << 32 | self._counter
 
     def allocate(self, slot_bytes: int, n: int) -> list[tuple[Segment, int]]:
@@ -344,19 +357,27 @@ class NodeSpace:
             n -= 1
         if n == 0:
             return False
+        if self.clock() - self._grow_failed_at < GROW_RETRY_S:
+            return False
         self._seq += 1
         name = f"{sb}-{self.epoch}-{self._seq}"
         head = SegmentHeader.layout(sb, n, self.uuid, time.time_ns())
         path = os.path.join(self.dir, name + ".seg")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | self.fds.open_flags,
-                     self.file_mode)
         try:
-            os.ftruncate(fd, head.file_bytes)  # sparse; 3FS sets the length now, not lazily
-            os.pwrite(fd, head.pack(), 0)
-        except OSError:
-            os.close(fd)
-            os.unlink(path)
-            raise
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | self.fds.open_flags,
+                         self.file_mode)
+            try:
+                os.ftruncate(fd, head.file_bytes)  # sparse; 3FS sets the length now
+                os.pwrite(fd, head.pack(), 0)
+            except OSError:
+                os.close(fd)
+                os.unlink(path)
+                raise
+        except OSError as e:  # quota, ENOSPC, too many files...: evict within what we have
+            log.warning("hf3fs: cannot create segment %s: %s (evicting instead; retried in "
+                        "%.0f s)", path, e, GROW_RETRY_S)
+            self._grow_failed_at = self.clock()
+            return False
         seg = self.segments[name] = Segment(name, path, head, self.uuid)
         self.fds.release(self.fds.acquire(seg.key, path, writable=True, fd=fd))
         self.used_bytes += head.file_bytes
@@ -393,7 +414,23 @@ class NodeSpace:
         log.info("hf3fs node %s: retiring segment %s (%d pages) for another page size",
                  self.node, seg.name, len(victims))
 
+    def _retry_unremoved(self) -> None:
+        """Pointers eviction could not remove: try again; their slots are free once removed."""
+        left = []
+        for slot in self._unremoved:
+            try:
+                remove_pointer_if(os.path.join(self.root, slot.pointer_rel()),
+                                  slot.pointer(self.uuid))
+            except OSError:
+                left.append(slot)
+                continue
+            if not slot.seg.retiring:
+                self.release(slot.seg, slot.index)
+        self._unremoved = left
+
     def _mature_retired(self) -> None:
+        if self._unremoved:
+            self._retry_unremoved()
         now = self.clock()
         for seg in [s for s in self.segments.values() if s.retiring and s.ready_at <= now]:
             del self.segments[seg.name]
@@ -408,8 +445,14 @@ class NodeSpace:
         """Make ``victims`` unreachable (pointer, then directory entry), then quarantine them."""
         for slot in victims:
             self._drop_live(slot)
-            remove_pointer_if(os.path.join(self.root, slot.pointer_rel()),
-                              slot.pointer(self.uuid))
+            try:
+                remove_pointer_if(os.path.join(self.root, slot.pointer_rel()),
+                                  slot.pointer(self.uuid))
+            except OSError as e:  # the pointer may remain: never reuse the slot it names
+                log.warning("hf3fs: cannot remove the pointer of slot %d of %s: %s (the slot "
+                            "is reused once it is removed)", slot.index, slot.seg.name, e)
+                self._unremoved.append(slot)
+                continue
             try:
                 self.write_dir(slot.seg, slot.index,
                                DirEntry(0, slot.gen, 0, 0, b"\0" * 16, "", ""))
@@ -469,12 +512,21 @@ class NodeSpace:
 
     def wiped(self) -> bool:
         """True when this node's segment directory vanished (another node ran ``clear``)."""
-        return not os.path.isdir(self.dir)
+        try:
+            os.stat(self.dir)
+        except FileNotFoundError:
+            return True
+        except OSError:  # cannot tell now (a transient error): not a wipe
+            return False
+        return False
 
     def reset(self) -> None:
         """Forget every slot (after the files were deleted) and start a fresh epoch."""
         for seg in self.segments.values():
             self.fds.drop(seg.key)
+        with self.lock:  # forgotten first: if the new epoch fails, nothing stale is served
+            self.segments, self.live, self.lru, self.free = {}, {}, {}, {}
+            self.used_bytes, self._unremoved = 0, []
         self.uuid, self.epoch = bump_epoch(self.root, self.node)
         with self.lock:
             self._reset_state()
