@@ -486,7 +486,7 @@ def test_a_pointer_left_by_a_failed_eviction_is_repaired_after_one_miss(arena, t
     pointer may remain, and it is reused once the pointer is removed. A pointer that names a
     slot holding another page (here: a segment deleted under it) is a miss once, then missing
     to exists and stored again by a put, on every node."""
-    import hicached.backends.hf3fs_space as sp
+    import hicached.backends.hf3fs_records as sp
     a = make(tmp_path, arena, node="A", capacity=capacity_for(1), grace_s=0)
     b = make(tmp_path, arena, node="B")
     backends += [a, b]

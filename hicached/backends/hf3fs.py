@@ -3,8 +3,9 @@
 A 3FS mount is a POSIX directory shared by every node's daemon. Each daemon ("node", option
 ``node``, default the host name) writes only into its own segment files; any daemon reads any
 node's pages. Layout and records: ``hf3fs_format.py``; this node's slots: ``hf3fs_space.py``;
-the write/read protocol of a batch of slots: ``hf3fs_slots.py``; what is known about other
-nodes' keys: ``hf3fs_keys.py``; the bytes move through ``hf3fs_io.py`` (USRBIO rings when
+pointer records and node files: ``hf3fs_records.py``; the write/read protocol of a batch of
+slots: ``hf3fs_slots.py``; what is known about other nodes' keys: ``hf3fs_keys.py``; the
+bytes move through ``hf3fs_io.py`` (USRBIO rings when
 ``hf3fs_py_usrbio`` imports and the root is on a 3FS mount, ``preadv``/``pwritev`` on the
 arena's memory otherwise; the same format either way).
 
@@ -77,8 +78,9 @@ from hicached.backends.hf3fs_format import (
 )
 from hicached.backends.hf3fs_io import FdTable, PosixIO, select_io, wants_direct
 from hicached.backends.hf3fs_keys import KeyCache
+from hicached.backends.hf3fs_records import publish_pointer, read_pointer
 from hicached.backends.hf3fs_slots import SCRATCH_PER_PAGE, read_slots, write_slots
-from hicached.backends.hf3fs_space import NodeSpace, Slot, publish_pointer, read_pointer
+from hicached.backends.hf3fs_space import NodeSpace, Slot
 from hicached.config import parse_size
 from hicached.errors import ConfigError
 

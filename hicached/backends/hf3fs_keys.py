@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 
 from hicached.backends.hf3fs_format import Pointer
-from hicached.backends.hf3fs_space import read_pointer
+from hicached.backends.hf3fs_records import read_pointer
 
 log = logging.getLogger(__name__)
 
