@@ -5,25 +5,12 @@ from __future__ import annotations
 
 import fcntl
 import os
-import socket
 
 import zmq
 
 from hicached import protocol as P
 from hicached.errors import ConfigError, HicachedError
-
-
-def _listening(path: str) -> bool:
-    """Whether a process accepts connections on the unix socket at ``path``."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-        return True
-    except OSError:  # refused (a stale file), not a socket, ...
-        return False
-    finally:
-        probe.close()
+from hicached.sockpath import refusal
 
 
 class DaemonFiles:
@@ -65,7 +52,7 @@ class DaemonFiles:
                 raise OSError("no socket path after ipc://")
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             if os.path.exists(path):
-                if _listening(path):  # another daemon (another state_dir) serves it
+                if refusal(path) is None:  # another daemon (another state_dir) serves it
                     raise ConfigError(f"endpoint: {endpoint} is in use by a running process "
                                       "(another hicached daemon?): give this one another "
                                       "endpoint")

@@ -262,14 +262,21 @@ def test_daemon_down_or_slow_is_a_counted_miss(sg, plugin, make_daemon, tmp_path
         t = time.monotonic()
         assert b.batch_exists(keys) == 0
         assert time.monotonic() - t < 3.0
+        t = time.monotonic()  # then misses at once, not one timeout each (retry_interval_s)
+        assert [b.batch_exists(keys) for _ in range(5)] == [0] * 5
+        assert time.monotonic() - t < 0.1
     finally:
         d.proc.send_signal(signal.SIGCONT)
-    assert b.batch_exists(keys) == 4
-    d.stop()  # restart: pages in L3 come back, the session is re-joined
-    d.start()
-    assert b.batch_exists(keys) in (0, 4)  # first call may land before the socket is back
     time.sleep(0.25)
     assert b.batch_exists(keys) == 4
+    d.stop(signal.SIGKILL)  # died: its socket file stays behind; calls miss at once
+    t = time.monotonic()
+    for _ in range(3):
+        assert b.batch_exists(keys) == 0
+        time.sleep(0.45)  # past the first backoffs: each retry finds nobody at once
+    assert time.monotonic() - t < 3 * 0.45 + 0.3
+    d.start()  # restart: pages in L3 come back, the session is re-joined
+    assert wait_until(lambda: b.batch_exists(keys) == 4, 5)  # after the backoff (< 1.6 s)
     assert b.batch_set_v2([mamba_t]) == {"mamba": [True]}
     st = b.get_stats().counters
     assert st["episodes"] >= 2 and st["errors"] == 0

@@ -11,7 +11,8 @@ Enable it with SGLang's dynamic backend loader (``cls(storage_config, {})`` is h
 ``endpoint`` (default ``ipc://<runtime dir>/hicached.sock``; ``socket`` = a path also works),
 ``timeout_s`` (6.0: a daemon slower than this is a miss; a little over the daemon's own bound on
 waiting for L3 loads, ``get_wait_s``, 2 s by default, so that answer comes first), ``retry_interval_s`` (1.0:
-how long a failed connect is not retried), ``model_name``, ``model_revision``, ``namespace_salt`` (see
+after a call failed for a daemon down, hung or restarting, every call misses at once for this
+long, then twice as long after each further failure, up to 30 s; a success resets it), ``model_name``, ``model_revision``, ``namespace_salt`` (see
 ``namespace.py``), ``token`` (the daemon's ``client_token``; default: the engine's
 ``HICACHED_CLIENT_TOKEN`` variable), ``clear_tier`` ("all" | "l2" | "none": what ``clear()`` flushes, node-wide).
 SGLang itself reads ``interface_v1`` (1: KV through ``batch_get_v1``/``batch_set_v1``, one copy
@@ -78,6 +79,11 @@ _RESULT_HAS_RESTORABLE = any(f.name == "restorable_prefix_pages"
 SUPPORTED_POOLS = ("kv", "mamba", "indexer", "swa")
 POLICIES = ("all_pages", "trailing_pages")
 T = TypeVar("T")
+MAX_BACKOFF_S = 30.0  # longest a failing daemon is left alone (calls miss meanwhile)
+
+
+class _Backoff(DaemonUnavailable):
+    """A call not tried: the daemon failed one a moment ago."""
 
 
 def _value(x: Any) -> str:
@@ -110,7 +116,8 @@ class HicachedStorage(_Base):
         self._pending: set[str] = set()  # pools not registered with the current client yet
         self._broken: dict[str, str] = {}  # pools whose registration failed -> why
         self._client: Client | None = None
-        self._retry_at = 0.0
+        self._retry_at = 0.0  # calls answer misses without trying until then
+        self._backoff = self.settings.retry_interval_s  # doubles per failure, up to MAX_BACKOFF_S
         self._closed = False
         self._lock = threading.Lock()  # pools, namespace, client creation and registration
         if self.settings.allocator == "shm":
@@ -171,6 +178,10 @@ class HicachedStorage(_Base):
     def _ensure_client(self) -> Client:
         """The connected client with every pool registered; raises DaemonUnavailable / typed
         errors (which ``_guard`` turns into misses)."""
+        now = time.monotonic()
+        if now < self._retry_at:  # the daemon failed a call lately: misses, at once
+            raise _Backoff(f"not retrying {self.settings.endpoint} for "
+                           f"{self._retry_at - now:.1f} s")
         client = self._client
         if client is not None and not self._pending:
             return client
@@ -180,11 +191,6 @@ class HicachedStorage(_Base):
             if self.namespace is None:
                 raise UnknownPool("no KV host pool registered (register_mem_pool_host)")
             if self._client is None:
-                now = time.monotonic()
-                if now < self._retry_at:
-                    raise DaemonUnavailable(f"not retrying {self.settings.endpoint} for "
-                                            f"{self._retry_at - now:.1f} s")
-                self._retry_at = now + self.settings.retry_interval_s
                 self._client = Client(self.settings.endpoint, self.namespace.namespace,
                                       timeout_s=self.settings.timeout_s, client_name=self.name,
                                       token=self.settings.token)
@@ -211,13 +217,20 @@ class HicachedStorage(_Base):
         """Run ``fn(client)``; any failure is counted and answered with ``miss()``."""
         try:
             result = fn(self._ensure_client())
-        except DaemonUnavailable as e:
+        except _Backoff as e:
             self._health.unavailable(op, e)
+            return miss()
+        except DaemonUnavailable as e:  # down, hung or restarting: every call would wait its
+            self._health.unavailable(op, e)  # timeout; answer misses at once for a while
+            self._retry_at = time.monotonic() + self._backoff
+            self._backoff = min(2 * self._backoff, max(MAX_BACKOFF_S,
+                                                       self.settings.retry_interval_s))
             return miss()
         except Exception as e:  # noqa: BLE001 - I/O methods answer misses, never raise
             self._health.error(op, e)
             return miss()
         self._health.ok()
+        self._backoff = self.settings.retry_interval_s
         return result
 
     def _sample(self, client: Client, kind: str, wire: str, pages: int, t0: float) -> None:
