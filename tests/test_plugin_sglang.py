@@ -55,8 +55,8 @@ def test_factory_builds_the_plugin_as_sglang_does(sg, plugin, daemon):
     assert isinstance(backend, sg.hs.HiCacheStorage)
     assert type(backend).__name__ == "HicachedStorage"
     assert backend.namespace.namespace == (
-        "sglang|model=org/model-a|rev=|kv=bfloat16|page=4|layout=page_first|tp=tp0of1|pp=0of1"
-        "|cp=0of1")
+        "sglang|model=org/model-a|rev=|kv=bfloat16|page=4|layout=page_first|bytes=512"
+        "|tp=tp0of1|pp=0of1|cp=0of1")
     assert backend.get_stats().counters["errors"] == 0
     backend.close()
     backend.close()  # idempotent
@@ -212,14 +212,14 @@ def test_exists_v2_equals_sglang_file_backend(sg, plugin, daemon, tmp_path, monk
 def test_unknown_pools_and_bad_input_answer_misses(sg, plugin, daemon):
     hs = sg.hs
     keys = keys_of("u-", 3)
-    draft = kv_pool(seed=10)
+    aux = kv_pool(seed=10)
     b = plugin(daemon.endpoint, {"kv": kv_pool(seed=11), "indexer": indexer_pool(),
-                                            "draft": draft})
+                                            "auxiliary_swa": aux})
     assert all(b.batch_set_v1(keys, idx(0, 3)))
-    draft_t = hs.PoolTransfer(name=hs.PoolName.DRAFT, host_indices=idx(0, 3), keys=keys)
-    assert b.batch_set_v2([draft_t]) == {"draft": [False] * 3}
-    assert b.batch_get_v2([draft_t]) == {"draft": [False] * 3}
-    res = b.batch_exists_v2(keys, [hs.PoolTransfer(name=hs.PoolName.DRAFT, keys=keys)])
+    aux_t = hs.PoolTransfer(name=hs.PoolName.AUXILIARY_SWA, host_indices=idx(0, 3), keys=keys)
+    assert b.batch_set_v2([aux_t]) == {"auxiliary_swa": [False] * 3}
+    assert b.batch_get_v2([aux_t]) == {"auxiliary_swa": [False] * 3}
+    res = b.batch_exists_v2(keys, [hs.PoolTransfer(name=hs.PoolName.AUXILIARY_SWA, keys=keys)])
     assert (res.kv_hit_pages, res.restorable_prefix_pages) == (0, [])
     blocks = hs.PoolTransfer(name=hs.PoolName.INDEXER, keys=keys,
                              hit_policy=hs.PoolHitPolicy.BLOCK_GROUPS)
@@ -230,6 +230,26 @@ def test_unknown_pools_and_bad_input_answer_misses(sg, plugin, daemon):
     assert b.batch_set(keys[:1], None) is False
     st = b.get_stats().counters
     assert st["unsupported_pool_pages"] >= 6 and st["unavailable"] == 0
+    b.close()
+
+
+def test_a_speculative_draft_pool_is_stored_and_restored_with_the_kv(sg, plugin, daemon):
+    """EAGLE's draft KV (SGLang's SIDECAR draft pool) rides with every prefetch query: it must hit
+    like the KV, or every prefetch hit would be 0."""
+    hs = sg.hs
+    keys = keys_of("dr-", 5)
+    src, back = kv_pool(seed=30), kv_pool(seed=31)
+    b = plugin(daemon.endpoint, {"kv": kv_pool(seed=32), "draft": src})
+    draft_t = hs.PoolTransfer(name=hs.PoolName.DRAFT, host_indices=idx(0, 5), keys=keys)
+    assert all(b.batch_set_v1(keys, idx(0, 5)))
+    assert b.batch_set_v2([draft_t]) == {"draft": [True] * 5}
+    res = b.batch_exists_v2(keys, [hs.PoolTransfer(name=hs.PoolName.DRAFT, keys=keys)])
+    assert (res.kv_hit_pages, res.restorable_prefix_pages) == (5, [1, 2, 3, 4, 5])
+    b.register_mem_host_pool_v2(back, hs.PoolName.DRAFT)
+    assert b.batch_get_v2([draft_t]) == {"draft": [True] * 5}
+    for p in range(5):
+        assert torch.equal(back.get_data_page(p * back.page_size).view(torch.int16),
+                           src.get_data_page(p * src.page_size).view(torch.int16))  # (NaNs)
     b.close()
 
 
@@ -292,7 +312,7 @@ def test_threads_share_one_plugin(sg, plugin, daemon):
     pools = {"kv": kv_pool(num_pages=200, seed=14), "mamba": mamba_pool(seed=15),
              "indexer": indexer_pool(num_pages=200, seed=16)}
     b = plugin(daemon.endpoint, pools, extra={"interface_v1": 1})
-    b.register_mem_host_pool_v2(kv_pool(), hs.PoolName.DRAFT)  # unsupported, harmless
+    b.register_mem_host_pool_v2(kv_pool(), hs.PoolName.AUXILIARY_SWA)  # unsupported, harmless
     errors = []
 
     def work(t):

@@ -187,7 +187,19 @@ def test_plugin_works_without_sglang_and_with_the_oldest_config(daemon):
     assert out == {"base": "object", "ok": [True, True], "result": "hicached.types", "hit": 2,
                    "restorable": [1, 2],
                    "ns": "sglang|model=old|rev=|kv=float32|page=4|layout=page_first"
-                         "|tp=tp0of1|pp=0of1|cp=0of1"}
+                         "|bytes=256|tp=tp0of1|pp=0of1|cp=0of1"}
+
+
+def test_kv_pages_of_another_size_get_another_namespace():
+    """One model with and without MTP draft layers packed into its KV pool: other page bytes,
+    so another namespace (the daemon fixes a pool's page size per namespace)."""
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(tp_rank=0, tp_size=1, is_mla_model=False, model_name="m")
+    plain, packed = (HostPool.allocate_mha(8, 4, layers=n, heads=1, head_dim=8,
+                                           dtype=torch.float32) for n in (2, 3))
+    a, b = build_namespace(cfg, plain), build_namespace(cfg, packed)
+    assert a.namespace != b.namespace
+    assert "|bytes=512|" in a.namespace and "|bytes=768|" in b.namespace
 
 
 def test_older_result_type_without_restorable_field(sg, plugin, daemon, monkeypatch):

@@ -6,13 +6,15 @@ namespace (fixed at the handshake; the daemon keys every table by it) therefore 
 that shapes a page's bytes and nothing else:
 
     sglang|model=<served name>|rev=<revision>|kv=<dtype>|page=<tokens>|layout=<host layout>
-          |tp=<rank>of<size> (or tp=replicated)|pp=<rank>of<size>|cp=<rank>of<size>[|salt=<salt>]
+          |bytes=<KV page bytes>|tp=<rank>of<size> (or tp=replicated)|pp=<rank>of<size>
+          |cp=<rank>of<size>[|salt=<salt>]
 
   model    ``HiCacheStorageConfig.model_name`` (SGLang appends the host pool's storage-format tag),
            or extra_config ``model_name``
   rev      extra_config ``model_revision`` (SGLang does not know the weights revision)
   kv       dtype of the KV host pool; page: tokens per page; layout: the KV host pool's layout
-           (layer_first / page_first / page_first_direct lay a page's bytes out differently)
+           (layer_first / page_first / page_first_direct lay a page's bytes out differently);
+           bytes: one KV page's size (MTP draft layers packed into the KV pool change it)
   tp       rank-sharded KV (MHA heads split across TP): one namespace per TP rank.
            Rank-replicated KV (``is_mla_model``: MLA, DeepSeek V4): ``replicated``, shared by every
            TP rank (and every TP size), as in SGLang's file backend; under decode context
@@ -42,8 +44,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 # Pools whose contents differ per TP rank even when the KV is rank-replicated (SGLang's
-# should_backup and HiCacheFile's tp_config_suffix agree: only Mamba).
-RANK_SHARDED_POOLS = frozenset({"mamba"})
+# should_backup and HiCacheFile's tp_config_suffix agree: only Mamba). The speculative draft
+# model's KV ("draft") is kept per rank too: nothing says its attention is MLA when the target's
+# is, and a page shared across ranks it should not be would be wrong reuse.
+RANK_SHARDED_POOLS = frozenset({"mamba", "draft"})
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,16 @@ def _clean(value: Any) -> str:
 def dtype_name(dtype: Any) -> str:
     """``torch.bfloat16`` -> ``bfloat16``; anything else as its string."""
     return str(dtype).removeprefix("torch.") if dtype is not None else "unknown"
+
+
+def _page_bytes(kv_pool: Any) -> int | str:
+    """Bytes of one KV page (the same model with and without packed draft layers differs
+    here only), from SGLang's host-pool surface; "unknown" where the pool cannot say."""
+    try:
+        page = kv_pool.get_dummy_flat_data_page()
+        return int(page.numel() * page.element_size())
+    except Exception:  # noqa: BLE001 - an odd pool: the other fields still separate models
+        return "unknown"
 
 
 def build_namespace(storage_config: Any, kv_pool: Any, *, model_name: str = "",
@@ -118,6 +132,7 @@ def build_namespace(storage_config: Any, kv_pool: Any, *, model_name: str = "",
         f"kv={dtype_name(getattr(kv_pool, 'dtype', None))}",
         f"page={int(getattr(kv_pool, 'page_size', 1))}",
         f"layout={_clean(getattr(kv_pool, 'layout', 'unknown'))}",
+        f"bytes={_page_bytes(kv_pool)}",  # e.g. MTP layers packed in: another page size
         f"tp={tp_part}",
         f"pp={pp_rank}of{pp_size}",
         f"cp={cp_rank}of{cp_size}",

@@ -76,7 +76,7 @@ _Result: type = _hs.PoolTransferResult if _hs is not None else _OwnResult
 _RESULT_HAS_RESTORABLE = any(f.name == "restorable_prefix_pages"
                              for f in dataclasses.fields(_Result))
 
-SUPPORTED_POOLS = ("kv", "mamba", "indexer", "swa")
+SUPPORTED_POOLS = ("kv", "mamba", "indexer", "swa", "draft")
 POLICIES = ("all_pages", "trailing_pages")
 T = TypeVar("T")
 MAX_BACKOFF_S = 30.0  # longest a failing daemon is left alone (calls miss meanwhile)
