@@ -416,8 +416,7 @@ class Hf3fsBackend(L3Backend):
         own slots is evicted by the writer thread (``_evict_bad_own``)."""
         self.counters["dead_pointers"] += 1
         self.keys.dead(ptr.key_hash, ptr, now)
-        if own is not None:
-            self.space.forget_live(own)
+        if own is not None and self.space.forget_live(own):
             with self._bad_lock:
                 self._bad_own.append(own)
 
@@ -435,6 +434,7 @@ class Hf3fsBackend(L3Backend):
         the pointer's page (``Failures.dead``; the segment file is gone)."""
         ok = [False] * len(todo)
         dead: set[int] = set()
+        gone: set[tuple] = set()  # segments whose file is not there
         items, handles = [], {}
         try:
             for n, (i, ptr, _) in enumerate(todo):
@@ -449,11 +449,11 @@ class Hf3fsBackend(L3Backend):
                             writable=ptr.node_uuid == self.space.uuid)
                     except FileNotFoundError:
                         handles[key] = None  # segment gone (retired, cleared): a miss
-                        dead.add(n)
+                        gone.add(key)
                     except OSError:
                         handles[key] = None
-                elif handles[key] is None and n - 1 in dead:
-                    dead.add(n)  # (the same missing segment as the item before)
+                if key in gone:
+                    dead.add(n)
                 if handles[key] is not None:
                     items.append((n, handles[key].fd, ptr, offsets[i]))
             ok_items, fails = read_slots(self.io, self.arena, [t[1:] for t in items],

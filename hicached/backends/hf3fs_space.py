@@ -192,9 +192,15 @@ class NodeSpace:
             self.live[slot.kh] = slot
             self.lru.setdefault(slot.seg.head.slot_bytes, OrderedDict())[slot.kh] = slot
 
-    def forget_live(self, slot: Slot) -> None:
-        """Stop serving ``slot`` (any thread; a read found it broken): ``evict`` it later."""
-        self._drop_live(slot)
+    def forget_live(self, slot: Slot) -> bool:
+        """Stop serving ``slot`` (any thread; a read found it broken); True if it was live, and
+        then only the caller evicts it (later, on the writer thread)."""
+        with self.lock:
+            if self.live.get(slot.kh) is not slot:
+                return False  # evicted meanwhile (its slot may hold another page by now)
+            del self.live[slot.kh]
+            del self.lru[slot.seg.head.slot_bytes][slot.kh]
+            return True
 
     def _drop_live(self, slot: Slot) -> None:
         with self.lock:
