@@ -185,6 +185,15 @@ def raw_socket(endpoint: str, timeout_ms: int = 5000):
         ctx.term()
 
 
+@pytest.fixture
+def backends():
+    """L3 backends a test made: closed at its end."""
+    made = []
+    yield made
+    for b in made:
+        b.close()
+
+
 def wait_until(pred, timeout_s=10.0):
     """Poll ``pred`` until it is true or ``timeout_s`` passed; returns its last value."""
     deadline = time.monotonic() + timeout_s

@@ -79,7 +79,7 @@ from hicached.backends.hf3fs_format import (
 from hicached.backends.hf3fs_io import FdTable, PosixIO, select_io, wants_direct
 from hicached.backends.hf3fs_keys import KeyCache
 from hicached.backends.hf3fs_records import publish_pointer, read_pointer
-from hicached.backends.hf3fs_slots import SCRATCH_PER_PAGE, read_slots, write_slots
+from hicached.backends.hf3fs_slots import SCRATCH_PER_PAGE, read_pointed, write_slots
 from hicached.backends.hf3fs_space import NodeSpace, Slot
 from hicached.config import parse_size
 from hicached.errors import ConfigError
@@ -264,9 +264,8 @@ class Hf3fsBackend(L3Backend):
                 out[i] = True
                 continue
             seen.add(kh)
-            if not self.keys.absent(kh, now) and self.keys.has_record(
-                    kh, self._ptr_path(ns, pool, kh)):  # another node stored it
-                self.keys.remember(kh, None, now)
+            if not self.keys.absent(kh, now) and self._has_record(ns, pool, kh):
+                self.keys.remember(kh, None, now)  # another node stored it
                 out[i] = True
                 continue
             todo.append((i, kh))
@@ -313,6 +312,14 @@ class Hf3fsBackend(L3Backend):
             return out
         self.space.top_up(sb)
         return out
+
+    def _has_record(self, ns: str, pool: str, kh: bytes) -> bool:
+        """A live pointer record for ``kh``; one that cannot be read counts as none (the
+        page is written again: a second copy, never a lost one)."""
+        try:
+            return self.keys.has_record(kh, self._ptr_path(ns, pool, kh))
+        except OSError:
+            return False
 
     def _publish(self, ns: str, pool: str, s: Slot) -> bool:
         """Directory entry, then the pointer (step 4); on failure the slot goes back."""
@@ -429,45 +436,9 @@ class Hf3fsBackend(L3Backend):
 
     def _read_checked(self, todo: list[tuple[int, Pointer, bool]], offsets, page_bytes
                       ) -> tuple[list[bool], set[int]]:
-        """Read each pointer's slot into the arena and verify it (module docstring, read 2-3).
-        Returns per item whether it verified, and the items whose slot surely holds no longer
-        the pointer's page (``Failures.dead``; the segment file is gone)."""
-        ok = [False] * len(todo)
-        dead: set[int] = set()
-        gone: set[tuple] = set()  # segments whose file is not there
-        items, handles = [], {}
-        try:
-            for n, (i, ptr, _) in enumerate(todo):
-                if ptr.page_bytes != page_bytes:
-                    self.counters["size_mismatches"] += 1
-                    continue
-                key = (ptr.node_uuid, ptr.seg)
-                if key not in handles:
-                    try:
-                        handles[key] = self.fds.acquire(
-                            key, os.path.join(self.root, ptr.segment_relpath()),
-                            writable=ptr.node_uuid == self.space.uuid)
-                    except FileNotFoundError:
-                        handles[key] = None  # segment gone (retired, cleared): a miss
-                        gone.add(key)
-                    except OSError:
-                        handles[key] = None
-                if key in gone:
-                    dead.add(n)
-                if handles[key] is not None:
-                    items.append((n, handles[key].fd, ptr, offsets[i]))
-            ok_items, fails = read_slots(self.io, self.arena, [t[1:] for t in items],
-                                         page_bytes)
-            self.counters["read_failures"] += fails.read
-            self.counters["verify_failures"] += fails.verify
-        finally:
-            for h in handles.values():
-                if h is not None:
-                    self.fds.release(h)
-        for (n, *_), good in zip(items, ok_items):
-            ok[n] = good
-        dead.update(items[k][0] for k in fails.dead)
-        return ok, dead
+        """``read_pointed`` of the pointers of ``todo`` = [(key index, pointer, fresh)]."""
+        return read_pointed(self.io, self.arena, self.fds, self.root, self.space.uuid,
+                            [(ptr, offsets[i]) for i, ptr, _ in todo], page_bytes, self.counters)
 
     # ------------------------------------------------------------ maintenance
 

@@ -21,6 +21,7 @@ Scratch per slot (``SCRATCH_PER_PAGE`` bytes at ``k * SCRATCH_PER_PAGE`` for the
 
 from __future__ import annotations
 
+import os
 import zlib
 from typing import NamedTuple
 
@@ -38,7 +39,7 @@ from hicached.backends.hf3fs_format import (
     segment_tag,
     unpack_stamp,
 )
-from hicached.backends.hf3fs_io import ARENA, SCRATCH, IOOp, Part, SlotIO
+from hicached.backends.hf3fs_io import ARENA, SCRATCH, FdTable, IOOp, Part, SlotIO
 
 SCRATCH_PER_PAGE = 3 * STAMP_BYTES
 
@@ -127,3 +128,46 @@ def read_slots(io: SlotIO, arena: Arena, reads: list[tuple[int, Pointer, int]], 
             continue
         ok[k] = True
     return ok, Failures(short, bad, tuple(dead))
+
+
+def read_pointed(io: SlotIO, arena: Arena, fds: FdTable, root: str, own_uuid: bytes,
+                 reads: list[tuple[Pointer, int]], page_bytes: int, counters: dict
+                 ) -> tuple[list[bool], set[int]]:
+    """Open the segments of ``reads`` = [(pointer, arena offset)] and ``read_slots`` them
+    (counting size mismatches and failures in ``counters``). Returns per read whether it
+    verified, and the reads whose slot surely no longer holds the pointer's page
+    (``Failures.dead``, or the segment file is gone)."""
+    ok = [False] * len(reads)
+    dead: set[int] = set()
+    gone: set[tuple] = set()  # segments whose file is not there
+    items, handles = [], {}
+    try:
+        for n, (ptr, arena_off) in enumerate(reads):
+            if ptr.page_bytes != page_bytes:
+                counters["size_mismatches"] += 1
+                continue
+            key = (ptr.node_uuid, ptr.seg)
+            if key not in handles:
+                try:
+                    handles[key] = fds.acquire(key, os.path.join(root, ptr.segment_relpath()),
+                                               writable=ptr.node_uuid == own_uuid)
+                except FileNotFoundError:
+                    handles[key] = None  # segment gone (retired, cleared): a miss
+                    gone.add(key)
+                except OSError:
+                    handles[key] = None
+            if key in gone:
+                dead.add(n)
+            if handles[key] is not None:
+                items.append((n, handles[key].fd, ptr, arena_off))
+        ok_items, fails = read_slots(io, arena, [t[1:] for t in items], page_bytes)
+        counters["read_failures"] += fails.read
+        counters["verify_failures"] += fails.verify
+    finally:
+        for h in handles.values():
+            if h is not None:
+                fds.release(h)
+    for (n, *_), good in zip(items, ok_items):
+        ok[n] = good
+    dead.update(items[k][0] for k in fails.dead)
+    return ok, dead
