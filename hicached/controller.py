@@ -269,17 +269,15 @@ class Controller(SessionControl):
             self._ack(s, msg)  # client need not go through the socket to read its own writes
             return P.Committed(msg.req_id, stored)
         done: list[Entry] = []
-        if not msg.abort:
-            self.index.fingerprint_all([e for _, _, e in r.slots])
         for p, i, e in r.slots:
-            ok = not msg.abort and p < len(msg.ok) and i < len(msg.ok[p]) and msg.ok[p][i]
-            if ok:
-                self.index.commit(e)
+            if not msg.abort and p < len(msg.ok) and i < len(msg.ok[p]) and msg.ok[p][i]:
                 stored[p][i] = True
                 done.append(e)
             else:
                 self.index.abort(e)
-            if self.pending_waiters:
+        self.index.commit_many(done)  # all of the call's pages at once (step 4)
+        if self.pending_waiters:
+            for _, _, e in r.slots:
                 self._wake_pending(e)
         self.tier.on_commit(done)
         self._ack(s, msg)

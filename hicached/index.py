@@ -222,6 +222,53 @@ class PageIndex:
         self.touch(entry)
         self.unpin(entry)
 
+    def commit_many(self, entries: Sequence[Entry]) -> None:
+        """``commit`` of each entry in turn, in one pass (a call's pages: ~1 us a key instead
+        of ~3, so a call of 16k pages holds the control loop a third as long). Every entry must
+        be pending, each once; the state afterwards is exactly that of the single commits."""
+        self.fingerprint_all(entries)
+        shared, alloc = self.shared, self.alloc
+        slabs, slab_bytes = alloc.slabs, alloc.slab_bytes
+        per_table: dict[TableId, tuple] = {}
+        touched: dict = {}  # slab -> None, in the order of their last touch
+        tick = self._tick
+        for e in entries:
+            table, key = e.table, e.key
+            t = per_table.get(table)
+            if t is None:
+                t = per_table[table] = (self.pending[table], self.table(table),
+                                        self._presence.setdefault(table[0], {}),
+                                        self.pool_bit(table))
+            pend, committed, masks, bit = t
+            if e.committed or pend.get(key) is not e:
+                raise AssertionError(f"{e!r} is not pending")
+            del pend[key]
+            e.committed = True
+            committed[key] = e
+            old = masks.get(key, 0)
+            masks[key] = new = old | bit
+            if shared is not None:
+                if new != old:
+                    shared.set(self._fp(e), new)
+                shared.publish_tag(e.offset, e.stride, e.gen)
+            lru = self._lru.get(e.stride)
+            if lru is None:
+                lru = self._lru[e.stride] = OrderedDict()
+            lru[e] = None  # new to the LRU: its end is where ``touch`` would move it
+            tick += 1
+            e.last_used = tick
+            slab = slabs[e.offset // slab_bytes]
+            slab.last_used = tick
+            touched.pop(slab, None)
+            touched[slab] = None
+            if e.pins <= 0:
+                raise AssertionError(f"{e!r} is not pinned")
+            e.pins -= 1  # unpin
+            if e.pins == 0:
+                slab.pinned -= 1
+        self._tick = tick
+        alloc.touched(touched)
+
     def abort(self, entry: Entry) -> None:
         """Drop a pending (or unbound) entry and free its slot."""
         assert not entry.committed

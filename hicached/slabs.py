@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from hicached.errors import ArenaError
 
@@ -140,6 +141,13 @@ class SlabAllocator:
         slab = self.slabs[offset // self.slab_bytes]
         slab.last_used = tick
         self._by_age[slab.stride].move_to_end(slab)
+
+    def touched(self, slabs: Iterable[Slab]) -> None:
+        """Slabs whose ``last_used`` the caller set, in the order of those touches: each
+        becomes its class's most recently used (``touch`` of many pages at once)."""
+        by_age = self._by_age
+        for slab in slabs:
+            by_age[slab.stride].move_to_end(slab)
 
     def oldest_unpinned(self, not_stride: int) -> Slab | None:
         """The least recently touched slab holding no pinned entry, of any class but

@@ -346,18 +346,20 @@ class L3Tier(TierWrites):
                     follow = self._found(job)
                 woken.extend(Woken(w, id(job), False, follow) for w in job.waiters)
                 continue
+            loaded = []
             for e, ok in zip(job.entries, job.result):
                 del self.loading[(e.table, e.key)]
                 if ok:
                     e.in_l3 = current
                     if current:
                         self._known(e)
-                    self.index.commit(e)
+                    loaded.append(e)
                     self.counters["l3_loads"] += 1
                 else:
                     self.known_in_l3.pop((e.table, e.key), None)  # ask the store next time
                     self.index.abort(e)
                     self.counters["l3_load_failures"] += 1
+            self.index.commit_many(loaded)
             woken.extend(Woken(w, id(job), True, set()) for w in job.waiters)
         self._close_idle_retired()
         return woken

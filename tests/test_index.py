@@ -5,6 +5,7 @@ import random
 import pytest
 
 from hicached.index import MAX_POOLS, PageIndex
+from hicached.presence import TABLE_WORD, PresenceTable
 from hicached.slabs import SlabAllocator
 
 T = ("ns", "kv")
@@ -190,3 +191,62 @@ def test_entries_that_survive_a_full_collection_are_frozen_out_of_later_ones():
         assert ix.get(T, "new") is not None and ix.get(T, "k0") is None
     finally:
         gc.unfreeze()
+
+
+def _state(ix, shared):
+    """Everything commit changes, comparable across two indexes built alike."""
+    return (
+        {t: sorted((k, e.offset, e.gen, e.last_used, e.pins) for k, e in d.items())
+         for t, d in ix.tables.items()},
+        {t: sorted(d) for t, d in ix.pending.items()},
+        {s: [(e.table, e.key) for e in lru] for s, lru in ix._lru.items()},
+        ix._presence, ix._tick,
+        [(s.index, s.pinned, s.last_used) for s in ix.alloc.slabs],
+        {s: [x.index for x in o] for s, o in ix.alloc._by_age.items()},
+        shared._w[TABLE_WORD:].tobytes() if shared is not None else None,  # slots and tags
+    )
+
+
+@pytest.mark.parametrize("with_table", [False, True])
+def test_commit_many_leaves_exactly_the_state_of_single_commits(tmp_path, with_table):
+
+    rng = random.Random(7)
+    plan = []  # (table, key, stride): three pools, two page sizes, keys shared between pools
+    for i in range(300):
+        table = rng.choice([T, M, ("other", "kv")])
+        plan.append((table, f"k{rng.randrange(200)}", 256 if table != M else 512))
+    states = []
+    for many in (False, True):
+        ix = make(arena=64 * 1024, slab=4096)
+        ix._gen = 0  # slot generations start at random
+        shared = None
+        if with_table:  # tags of pages of at least 512 bytes are published too
+            shared = PresenceTable(str(tmp_path / f"t{many}"), 1024, 1, arena_bytes=64 * 1024,
+                                   grain=512)
+            ix.shared = shared
+        for round_ in range(3):  # later rounds re-commit keys other pools hold, and evict
+            entries = []
+            for table, key, stride in plan[round_ * 100:(round_ + 1) * 100]:
+                if ix.get(table, key) is None and ix.get_pending(table, key) is None:
+                    entries.append(ix.reserve(table, key, stride, stride))
+            random.Random(round_).shuffle(entries)  # committed out of slot order: slabs of a
+            # class are touched in turns
+            ix.pin(entries[0])  # one entry is leased as well: still pinned after its commit
+            if T in ix.tables:
+                ix.touch(next(iter(ix.tables[T].values())))
+            if many:
+                ix.commit_many(entries)
+            else:
+                for e in entries:
+                    ix.commit(e)
+        states.append(_state(ix, shared))
+    assert states[0] == states[1]
+    assert states[1][0]  # it did commit
+
+
+def test_commit_many_refuses_an_entry_that_is_not_pending():
+    ix = make()
+    e = ix.reserve(T, "a", 256, 256)
+    ix.commit(e)
+    with pytest.raises(AssertionError):
+        ix.commit_many([e])
