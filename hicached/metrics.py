@@ -336,6 +336,7 @@ class _Collector:
                          ("parked_exists", "Exists waiting for an L3 lookup")):
             yield G(f"hicached_{key}", doc, value=st[key])
         yield from self._l3(tier, C, G)
+        yield from self._l3_store(st.get("l3") or {}, C, G)
         yield from self._namespaces(snap["namespaces"], C, G)
 
     @staticmethod
@@ -358,6 +359,20 @@ class _Collector:
             if key not in skip and isinstance(value, int) and not isinstance(value, bool):
                 name = key if key.startswith("l3_") else f"l3_{key}"
                 yield C(f"hicached_{name}", f"L3 tier counter {key}", value=value)
+
+    @staticmethod
+    def _l3_store(backend: dict, C, G):
+        """What a store that keeps its own accounts (file, hf3fs) holds; absent otherwise."""
+        for key, doc in (("pages", "Pages the L3 store holds (this node's share)"),
+                         ("bytes", "Bytes the L3 store's pages take (this node's share)"),
+                         ("capacity", "Bytes the L3 store may take (this node's share)")):
+            value = backend.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                name = "capacity_bytes" if key == "capacity" else key
+                yield G(f"hicached_l3_store_{name}", doc, value=value)
+        if isinstance(backend.get("evictions"), int):
+            yield C("hicached_l3_store_evictions", "Pages the L3 store deleted to make room",
+                    value=backend["evictions"])
 
     @staticmethod
     def _namespaces(namespaces: list[dict], C, G):

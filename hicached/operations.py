@@ -217,7 +217,11 @@ class DaemonOperations:
 
     def describe(self) -> str:
         c = self.config
-        l3 = c.l3_backend + (f" at {c.l3_dir}" if c.l3_backend == "file" else "")
+        l3 = c.l3_backend
+        b = self.tier.backend
+        if b is not None and b.name == "file":
+            l3 = (f"file at {b.root} (capacity {b.capacity / 1024**3:.2f} GiB, "
+                  f"keeps {b.min_free / 1024**3:.2f} GiB of its disk free)")
         t = self.presence
         table = "off" if t is None else f"{t.slots} slots" + (
             f", slot tags per {t.grain // 1024} KiB" if t.grain else ", no slot tags")

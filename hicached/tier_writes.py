@@ -115,6 +115,24 @@ class TierWrites:
             self.index.unpin(e)
         self._maybe_drop(e)
 
+    def _forget_evicted(self, gone: list[tuple[str, str, str]] | None) -> None:
+        """The store deleted these pages to make room: exists no longer counts on them, and
+        pages L2 still holds are no longer clean (under write_back they are dirty again: L2
+        holds their only copy)."""
+        if gone is None:
+            self.forget_l3_copies()
+            gone = []
+        for ns, pool, key in gone:
+            table = (ns, pool)
+            self.known_in_l3.pop((table, key), None)
+            e = self.index.get(table, key)
+            if e is None or not e.in_l3:
+                continue
+            e.in_l3 = False
+            if self.write_policy == "write_back" and e not in self.dirty:
+                self.index.pin(e)
+                self.dirty[e] = None
+
     def _maybe_drop(self, e: Entry) -> None:
         """A page flushed from L2 while an L3 write pinned it goes once nothing pins it."""
         if e in self.drop_when_written and not e.writing and e not in self.dirty:
@@ -136,6 +154,8 @@ class TierWrites:
                 self.index.unpin(e)
             self._maybe_drop(e)
         self.counters["l3_writes"] += ok_n - len(job.already)  # those L3 had were not sent
+        if current:
+            self._forget_evicted(job.backend.take_evicted())
         self.counters["l3_write_failures"] += len(job.result) - ok_n
         if current and job.result:
             failing = ok_n == 0

@@ -287,6 +287,10 @@ def test_metrics_move_with_traffic(make_daemon):
     assert sample(m, "hicached_l3_writes_total") == 8 and sample(m, "hicached_l3_loads_total") == 4
     assert sample(m, "hicached_l2_pages", pool="kv") == 4
     assert sample(m, "hicached_arena_used_bytes") == 4 * page_bytes
+    assert sample(m, "hicached_l3_store_pages") == 8  # the file L3's own accounts
+    assert 8 * page_bytes < sample(m, "hicached_l3_store_bytes") \
+        < sample(m, "hicached_l3_store_capacity_bytes")
+    assert sample(m, "hicached_l3_store_evictions_total") == 0
     assert sample(m, "hicached_l2_flush_slabs_left") == 0
     assert sample(m, "hicached_presence_keys") == 4  # the 4 pages L2 holds, one key each
     assert sample(m, "hicached_presence_slots") >= 1 << 14

@@ -1,11 +1,13 @@
 """The embedded file L3: atomic page files, restart scan, header checks, misses not errors."""
 
 import os
+import time
 
 import pytest
 
 from hicached.backends import create_backend
-from hicached.backends.file import FileBackend, file_name
+from hicached.backends.file import FileBackend, file_bytes, file_name
+from hicached.config import ConfigError
 
 
 def fill(arena, offset, n, value):
@@ -102,3 +104,135 @@ def test_clear_and_registry(arena, tmp_path):
         create_backend("tape")
     none = create_backend("none")
     assert none.exists("ns", "kv", ["a"]) == [False]
+
+
+# ---------------------------------------------------------------- bounded space
+
+PB = 256  # page bytes in these tests: each page file counts as one 4 KiB block
+ONE = file_bytes("k0", PB)
+
+
+def page_files(root):
+    return sorted(f for _, _, fs in os.walk(root) for f in fs)
+
+
+def put(b, arena, key, value, offset=0):
+    fill(arena, offset, PB, value)
+    return b.batch_put("ns", "kv", [key], [offset], PB)
+
+
+def tick():
+    time.sleep(0.02)  # file times move in kernel ticks: order the pages' mtimes
+
+
+def test_capacity_evicts_the_least_recently_used_page(arena, tmp_path):
+    b = FileBackend(str(tmp_path), capacity=3 * ONE, min_free=0)
+    b.open(arena)
+    for i in range(3):
+        assert put(b, arena, f"k{i}", i) == [True]
+    assert b.batch_get("ns", "kv", ["k0"], [4096], PB) == [True]  # k0 is used again
+    assert put(b, arena, "k3", 3) == [True]
+    assert b.exists("ns", "kv", ["k0", "k1", "k2", "k3"]) == [True, False, True, True]
+    assert page_files(tmp_path) == ["k0", "k2", "k3"]
+    st = b.stats()
+    assert st["pages"] == 3 and st["bytes"] == 3 * ONE <= st["capacity"]
+    assert st["evictions"] == 1 and st["refused"] == 0
+    assert b.batch_get("ns", "kv", ["k1", "k3"], [0, 4096], PB) == [False, True]
+    assert arena.tensor[4096:4096 + PB].eq(3).all()
+
+
+def test_a_restart_keeps_the_lru_order_and_a_smaller_capacity(arena, tmp_path):
+    b = FileBackend(str(tmp_path), capacity=4 * ONE, min_free=0)
+    b.open(arena)
+    for i in range(4):
+        put(b, arena, f"k{i}", i)
+        tick()
+    b.batch_get("ns", "kv", ["k1"], [4096], PB)  # order now k0 k2 k3 k1
+    tick()
+    b2 = FileBackend(str(tmp_path), capacity=4 * ONE, min_free=0)  # restart: order from mtimes
+    b2.open(arena)
+    assert put(b2, arena, "k4", 4) == [True]
+    assert page_files(tmp_path) == ["k1", "k2", "k3", "k4"]
+    b3 = FileBackend(str(tmp_path), capacity=2 * ONE, min_free=0)  # restart with less room
+    b3.open(arena)
+    assert page_files(tmp_path) == ["k1", "k4"]
+    assert b3.stats()["bytes"] == 2 * ONE and b3.stats()["evictions"] == 2
+    assert b3.batch_get("ns", "kv", ["k1", "k4"], [0, 4096], PB) == [True, True]
+    assert arena.tensor[0:PB].eq(1).all() and arena.tensor[4096:4096 + PB].eq(4).all()
+
+
+def test_a_page_larger_than_the_capacity_is_refused_and_nothing_is_left(arena, tmp_path):
+    b = FileBackend(str(tmp_path), capacity=ONE, min_free=0)
+    b.open(arena)
+    assert put(b, arena, "small", 1) == [True]
+    fill(arena, 0, 8192, 2)
+    assert b.batch_put("ns", "kv", ["big"], [0], 8192) == [False]
+    assert b.exists("ns", "kv", ["big"]) == [False]
+    assert b.stats()["refused"] == 1
+    assert not any(".tmp-" in f for f in page_files(tmp_path))
+
+
+def test_min_free_gives_the_disk_back_before_storing(arena, tmp_path):
+    """A filesystem with less free space than ``min_free``: pages already stored are deleted to
+    make room, and when that is not enough nothing is stored (puts fail; gets miss)."""
+    b = FileBackend(str(tmp_path), capacity="100%", min_free=0)
+    b.open(arena)
+    for i in range(3):
+        put(b, arena, f"k{i}", i)
+    fs = os.statvfs(tmp_path)
+    b.min_free = fs.f_blocks * fs.f_frsize  # more than the whole filesystem: never fits
+    assert put(b, arena, "k3", 3) == [False]
+    assert page_files(tmp_path) == []
+    assert b.exists("ns", "kv", ["k0", "k3"]) == [False, False]
+    st = b.stats()
+    assert st["pages"] == 0 and st["bytes"] == 0 and st["evictions"] == 3 and st["refused"] == 1
+    b.min_free = 0  # room again: stored again
+    assert put(b, arena, "k3", 3) == [True]
+
+
+def test_capacity_and_min_free_take_sizes_or_shares_of_the_filesystem(tmp_path):
+    fs = os.statvfs(tmp_path)
+    total = fs.f_blocks * fs.f_frsize
+    b = FileBackend(str(tmp_path))
+    assert b.capacity == int(total * 0.25) and b.min_free == int(total * 0.05)
+    b = FileBackend(str(tmp_path), capacity="1GiB", min_free="0")
+    assert b.capacity == 1 << 30 and b.min_free == 0
+    for bad in ({"capacity": "150%"}, {"capacity": "x%"}, {"capacity": "0%"},
+                {"capacity": 0}, {"min_free": "-1%"}, {"capacity": "lots"}):
+        with pytest.raises(ConfigError):
+            FileBackend(str(tmp_path), **bad)
+
+
+def test_a_daemon_keeps_its_file_l3_within_capacity(make_daemon, tmp_path):
+    """Write-through of more pages than the file L3 holds: the directory stays within its
+    capacity, the newest pages come back after L2 is flushed, the oldest are clean misses."""
+    import json
+
+    import torch
+    from conftest import wait_until
+    from test_daemon import kv_pool, kv_tokens, pages
+
+    from hicached import PoolTransfer
+
+    l3 = tmp_path / "l3"
+    src, dst = kv_pool(seed=5), kv_pool()
+    page_bytes = src.get_dummy_flat_data_page().numel() * src.get_dummy_flat_data_page().element_size()
+    cap = 4 * file_bytes("cap-0", page_bytes)
+    d = make_daemon(extra=["--l3-dir", str(l3), "--l3-options",
+                           json.dumps({"capacity": cap, "min_free": 0})])
+    keys = [f"cap-{i}" for i in range(8)]
+    with d.client() as c:
+        c.register_mem_host_pool_v2(src, "kv")
+        for i in range(0, 8, 2):  # one batch at a time: written in this order
+            assert c.batch_set_v1(keys[i:i + 2], pages(i, 2)) == [True, True]
+            assert wait_until(lambda i=i: c.stats()["l3_writes"] == i + 2)
+        st = c.stats()["l3"]
+        assert st["pages"] == 4 and st["bytes"] <= cap and st["evictions"] == 4
+        assert len(page_files(l3)) == 4
+        c.flush("l2")
+        assert c.batch_exists(keys[:4]) == 0
+        c.register_mem_host_pool_v2(dst, "kv")
+        got = c.batch_get_v2([PoolTransfer("kv", pages(0, 4), keys=keys[4:])])
+        assert got == {"kv": [True] * 4}
+        assert torch.equal(kv_tokens(dst, 0, 4), kv_tokens(src, 4, 4))
+        assert c.batch_get_v1(keys[:2], pages(8, 2)) == [False, False]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from hicached.arena import Arena
-from hicached.backends.file import FileBackend
+from hicached.backends.file import FileBackend, file_bytes
 from hicached.index import PageIndex
 from hicached.slabs import SlabAllocator
 from hicached.tier import ABSENT_TTL_S, L3Tier
@@ -22,8 +22,8 @@ class RecordingBackend(FileBackend):
     """The file backend, recording which keys it was asked about and sent, and from which
     thread; ``exists_fails`` makes the question fail."""
 
-    def __init__(self, root, exists_fails=False):
-        super().__init__(root)
+    def __init__(self, root, exists_fails=False, **options):
+        super().__init__(root, **options)
         self.exists_fails = exists_fails
         self.asked, self.sent, self.threads = [], [], set()
 
@@ -42,10 +42,10 @@ class RecordingBackend(FileBackend):
 
 @pytest.fixture
 def setup(tmp_path, arena):
-    def make(exists_fails=False):
+    def make(exists_fails=False, **options):
         index = PageIndex(SlabAllocator(arena.size_bytes, 64 * PAGE))
         workers = IOWorkers()
-        backend = RecordingBackend(str(tmp_path / "l3"), exists_fails)
+        backend = RecordingBackend(str(tmp_path / "l3"), exists_fails, **options)
         backend.open(arena)
         tier = L3Tier(index, workers, backend)
         made.append(workers)
@@ -244,3 +244,30 @@ def test_keys_the_store_lacks_are_not_asked_again_for_a_while(setup, arena):
     assert tier.sort_out(table, ["b"])[1] == []
     tier.detach()
     assert not tier.absent_in_l3
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_pages_the_store_evicts_are_no_longer_counted_on(setup, arena, policy):
+    """A file L3 with room for 2 pages: writing a third evicts the oldest. The tier stops
+    answering exists from its memory of it, and the L2 page is no longer clean: under
+    write_back it is dirty again (pinned, written when L2 needs room), as L2 holds its only
+    copy."""
+    index, workers, backend, tier = setup(capacity=2 * file_bytes("a", PAGE), min_free=0)
+    tier.write_policy = policy
+    table = ("ns", "kv")
+    first = commit_pages(index, arena, ["a", "b"], fill=1)
+    assert tier.write(first) == 2
+    wait_jobs(workers, tier)
+    assert tier.is_known(table, "a") and all(e.in_l3 for e in first)
+    third = commit_pages(index, arena, ["c"], fill=5)
+    assert tier.write(third) == 1
+    wait_jobs(workers, tier)
+    assert backend.exists("ns", "kv", ["a", "b", "c"]) == [False, True, True]
+    assert not tier.is_known(table, "a") and tier.is_known(table, "c")
+    a = index.get(table, "a")
+    assert not a.in_l3 and index.get(table, "b").in_l3
+    if policy == "write_back":
+        assert a in tier.dirty and a.pins == 1
+    else:
+        assert a not in tier.dirty and a.pins == 0
+    assert backend.take_evicted() == []  # each eviction is told once

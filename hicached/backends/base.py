@@ -58,6 +58,13 @@ class L3Backend(ABC):
         """Delete every stored page; returns how many (best effort)."""
         return 0
 
+    def take_evicted(self) -> list[tuple[str, str, str]] | None:
+        """The (namespace, pool, key) of the pages this backend deleted to make room since the
+        last call, so the daemon stops counting on them; None when it lost track (the daemon
+        then forgets every page it knew to be stored). Called on the daemon's control loop
+        after each write; a store that evicts on its own without telling answers []."""
+        return []
+
     def stats(self) -> dict:
         """Backend counters for the daemon's stats."""
         return {}

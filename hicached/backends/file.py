@@ -11,6 +11,13 @@ name, so a reader (or a restarted daemon) sees a whole page or none. Leftover te
 crash are removed at start. Reads check magic, page size and key before the bytes are trusted: a
 file of another page size or key is a miss, never a wrong page. The in-memory key set, rebuilt by
 scanning the directory at start, answers ``exists`` without touching the disk.
+
+Space is bounded twice (``capacity``, ``min_free``): the pages take at most ``capacity`` bytes
+(default 25 % of the filesystem), and a put never leaves the filesystem with less than
+``min_free`` free (default 5 %, whoever else fills it). Room is made by deleting the least
+recently used pages first; a get renews its file's mtime, so a restarted daemon, which orders
+the pages it finds by mtime, keeps that order. A reader that has a page open while it is evicted
+still reads the whole page (the inode lives until it is closed); later ones miss.
 """
 
 from __future__ import annotations
@@ -21,9 +28,12 @@ import os
 import re
 import struct
 import threading
+import time
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from hicached.backends.base import L3Backend
+from hicached.config import ConfigError, parse_size
 from hicached.protocol import MAX_KEY_LEN
 
 log = logging.getLogger(__name__)
@@ -32,6 +42,27 @@ MAGIC = b"HCP1"
 _HEAD = struct.Struct("<4sHHQ")
 _PLAIN = re.compile(r"^[A-Za-z0-9_.-]{1,160}$")
 HEADER_MAX = _HEAD.size + 4 * MAX_KEY_LEN  # a header holds the key's UTF-8 bytes
+BLOCK = 4096  # a page file is counted as its size rounded up to this
+SCAN_REPORT_S = 10.0  # a long start-up scan logs how far it got this often
+EVICTED_MAX = 1 << 16  # evicted keys kept for ``take_evicted``; past it, it answers None
+
+
+def file_bytes(key: str, page_bytes: int) -> int:
+    """Bytes a page file of ``key`` takes on disk, as counted against the capacity."""
+    return -(-(_HEAD.size + len(key.encode()) + page_bytes) // BLOCK) * BLOCK
+
+
+def fs_share(value: object, total: int, key: str, allow_zero: bool = False) -> int:
+    """Bytes from a size (``100GiB``) or a share of the filesystem's ``total`` (``"25%"``)."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            pct = float(value.strip()[:-1])
+        except ValueError:
+            raise ConfigError(f"{key}: cannot read {value!r} as a percentage") from None
+        if not (0 < pct <= 100 or (allow_zero and pct == 0)):
+            raise ConfigError(f"{key}: {value!r} is not a share of the filesystem")
+        return int(total * pct / 100)
+    return parse_size(value, key, allow_zero)
 
 
 def file_name(key: str) -> str:
@@ -57,18 +88,36 @@ def decode_header(raw: bytes) -> tuple[int, str, int]:
 
 
 class FileBackend(L3Backend):
-    """Pages as files under ``root``; safe for one writer and one reader thread plus the loop."""
+    """Pages as files under ``root``; safe for one writer and one reader thread plus the loop.
+
+    ``capacity``: bytes the pages may take (a size or a share of the filesystem, ``"25%"``).
+    ``min_free``: bytes a put leaves free on the filesystem at least (size or share, ``"5%"``;
+    0 turns the check off).
+    """
 
     name = "file"
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, capacity: object = "25%", min_free: object = "5%"):
         self.root = os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)
-        self._lock = threading.Lock()
-        self._keys: dict[tuple[str, str], set[str]] = {}
+        fs = os.statvfs(self.root)
+        total = fs.f_blocks * fs.f_frsize
+        self.capacity = fs_share(capacity, total, "file capacity")
+        self.min_free = fs_share(min_free, total, "file min_free", allow_zero=True)
+        self._lock = threading.Lock()  # the LRU, ``used`` and the key tables
+        self._keys: dict[tuple[str, str], dict[str, int]] = {}  # (ns, pool) -> key -> bytes
+        self._lru: OrderedDict[tuple[str, str, str], None] = OrderedDict()  # oldest first
+        self.used = 0
         self._dirs: set[str] = set()
         self.errors = 0
+        self.evictions = 0
+        self.refused = 0  # pages not stored: no room could be made for them
+        self._full_logged = False
+        self._evicted: deque[tuple[str, str, str]] = deque()
+        self._evicted_lost = False
         self._scan()
+        with self._lock:
+            self._make_room(0)  # a restart with a smaller capacity
 
     # ------------------------------------------------------------ layout
 
@@ -80,28 +129,50 @@ class FileBackend(L3Backend):
         return os.path.join(self._dir(ns, pool, name), name)
 
     def _scan(self) -> None:
-        """Rebuild the key sets from the directory; remove temp files of a crashed writer."""
-        found = 0
+        """Rebuild the key tables and the LRU (by mtime) from the directory; remove temp files
+        of a crashed writer and files that are not whole pages."""
+        found: list[tuple[float, str, str, str, int]] = []
+        started = last = time.monotonic()
         for ns in os.listdir(self.root):
             ns_dir = os.path.join(self.root, ns)
             if not os.path.isdir(ns_dir):
                 continue
             for pool in os.listdir(ns_dir):
-                keys = self._keys.setdefault((ns, pool), set())
                 for dirpath, _, files in os.walk(os.path.join(ns_dir, pool)):
                     for f in files:
-                        path = os.path.join(dirpath, f)
-                        if ".tmp-" in f:
-                            os.unlink(path)
-                        elif f.startswith("h-"):
-                            key = self._read_key(path)
-                            if key is not None:
-                                keys.add(key)
-                        else:
-                            keys.add(f)
-                found += len(keys)
+                        page = self._scan_one(os.path.join(dirpath, f), f)
+                        if page is not None:
+                            found.append((page[0], ns, pool, page[1], page[2]))
+                    if time.monotonic() - last > SCAN_REPORT_S:
+                        last = time.monotonic()
+                        log.info("file L3 at %s: scanning, %d pages so far", self.root,
+                                 len(found))
+        found.sort()
+        for _, ns, pool, key, nbytes in found:
+            self._add(ns, pool, key, nbytes)
         if found:
-            log.info("file L3 at %s: %d pages found", self.root, found)
+            log.info("file L3 at %s: %d pages found (%d bytes of a capacity of %d) in %.1f s",
+                     self.root, len(found), self.used, self.capacity,
+                     time.monotonic() - started)
+
+    def _scan_one(self, path: str, name: str) -> tuple[float, str, int] | None:
+        """(mtime, key, bytes) of a page file, or None (a temp file, removed)."""
+        if ".tmp-" in name:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return None
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        key: str | None = name
+        if name.startswith("h-"):
+            key = self._read_key(path)
+            if key is None:
+                return None
+        return st.st_mtime, key, -(-st.st_size // BLOCK) * BLOCK
 
     def _read_key(self, path: str) -> str | None:
         try:
@@ -109,6 +180,62 @@ class FileBackend(L3Backend):
                 return decode_header(f.read(HEADER_MAX))[1]
         except (OSError, ValueError, UnicodeDecodeError):
             return None
+
+    # ------------------------------------------------------------ space (under ``_lock``)
+
+    def _add(self, ns: str, pool: str, key: str, nbytes: int) -> None:
+        table = self._keys.setdefault((ns, pool), {})
+        old = table.get(key)
+        if old is not None:
+            self.used -= old
+        table[key] = nbytes
+        self.used += nbytes
+        self._lru[(ns, pool, key)] = None
+        self._lru.move_to_end((ns, pool, key))
+
+    def _forget(self, ns: str, pool: str, key: str) -> None:
+        nbytes = self._keys.get((ns, pool), {}).pop(key, None)
+        if nbytes is not None:
+            self.used -= nbytes
+            self._lru.pop((ns, pool, key), None)
+
+    def _make_room(self, need: int) -> bool:
+        """Delete least recently used pages until ``need`` more bytes fit the capacity and
+        leave ``min_free`` free on the filesystem; whether they do."""
+        while self._lru and (self.used + need > self.capacity or not self._disk_fits(need)):
+            ns, pool, key = next(iter(self._lru))
+            self._forget(ns, pool, key)
+            if len(self._evicted) < EVICTED_MAX:
+                self._evicted.append((ns, pool, key))
+            else:
+                self._evicted_lost = True
+            try:
+                os.unlink(self._path(ns, pool, key))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self._count_error("delete", self._path(ns, pool, key), e)
+            self.evictions += 1
+        fits = self.used + need <= self.capacity and self._disk_fits(need)
+        if not fits and need:
+            self.refused += 1
+            if not self._full_logged:
+                self._full_logged = True
+                log.warning("file L3 at %s: no room for a page of %d bytes (%d of %d bytes "
+                            "used, min_free %d): pages are not stored until there is",
+                            self.root, need, self.used, self.capacity, self.min_free)
+        elif fits and need:
+            self._full_logged = False
+        return fits
+
+    def _disk_fits(self, need: int) -> bool:
+        if not self.min_free:
+            return True
+        try:
+            fs = os.statvfs(self.root)
+        except OSError:
+            return True  # the write itself will tell
+        return fs.f_bavail * fs.f_frsize - need >= self.min_free
 
     # ------------------------------------------------------------ contract
 
@@ -120,15 +247,19 @@ class FileBackend(L3Backend):
 
     def batch_put(self, ns, pool, keys, offsets, page_bytes):
         with self._lock:
-            have = self._keys.setdefault((ns, pool), set())
+            have = self._keys.setdefault((ns, pool), {})
         out = []
         for key, offset in zip(keys, offsets):
             if key in have:
                 out.append(True)
                 continue
-            ok = self._put_one(ns, pool, key, offset, page_bytes)
+            nbytes = file_bytes(key, page_bytes)
+            with self._lock:
+                room = self._make_room(nbytes)
+            ok = room and self._put_one(ns, pool, key, offset, page_bytes)
             if ok:
-                have.add(key)
+                with self._lock:
+                    self._add(ns, pool, key, nbytes)
             out.append(ok)
         return out
 
@@ -161,7 +292,7 @@ class FileBackend(L3Backend):
             return False
 
     def batch_get(self, ns, pool, keys, offsets, page_bytes):
-        have = self._keys.get((ns, pool), set())
+        have = self._keys.get((ns, pool), {})
         return [
             key in have and self._get_one(ns, pool, key, offset, page_bytes)
             for key, offset in zip(keys, offsets)
@@ -172,7 +303,8 @@ class FileBackend(L3Backend):
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            self._keys.get((ns, pool), set()).discard(key)
+            with self._lock:
+                self._forget(ns, pool, key)
             return False
         except OSError as e:
             self._count_error("open", path, e)
@@ -184,12 +316,28 @@ class FileBackend(L3Backend):
                             path, stored_key, stored_bytes, key, page_bytes)
                 return False
             n = os.preadv(fd, [self.arena.view(offset, page_bytes)], header_len)
-            return n == page_bytes
+            if n != page_bytes:
+                return False
+            with self._lock:
+                if (ns, pool, key) in self._lru:
+                    self._lru.move_to_end((ns, pool, key))
+            try:
+                os.utime(fd)  # the LRU order a restart finds
+            except OSError:
+                pass
+            return True
         except (OSError, ValueError, UnicodeDecodeError) as e:
             self._count_error("read", path, e)
             return False
         finally:
             os.close(fd)
+
+    def take_evicted(self) -> list[tuple[str, str, str]] | None:
+        with self._lock:
+            out = None if self._evicted_lost else list(self._evicted)
+            self._evicted.clear()
+            self._evicted_lost = False
+        return out
 
     def _count_error(self, what: str, path: str, err: Exception) -> None:
         if self.errors == 0:
@@ -208,7 +356,11 @@ class FileBackend(L3Backend):
                     except FileNotFoundError:
                         pass
                 keys.clear()
+            self._lru.clear()
+            self.used = 0
         return n
 
     def stats(self) -> dict:
-        return {"pages": sum(len(k) for k in self._keys.values()), "errors": self.errors}
+        return {"pages": len(self._lru), "bytes": self.used, "capacity": self.capacity,
+                "min_free": self.min_free, "evictions": self.evictions,
+                "refused": self.refused, "errors": self.errors}
