@@ -56,6 +56,9 @@ class Controller(SessionControl):
         # set-ahead slots (leases.AheadSlots): bytes one session / all sessions may hold
         self.ahead_session_bytes = 0
         self.ahead_total_bytes = 0
+        # the last Leased answer and, per transfer, the rows it served from pages loaded from
+        # L3 that nobody had read yet (L3 hits to the metrics, though in L2 when asked)
+        self.first_l3_reads: tuple[object, list[list[int]]] = (None, [])
         self.flusher = L2Flush(tier)  # flushes of L2, in slices of the loop (flushing.py)
 
     # ------------------------------------------------------------ sessions and pools
@@ -193,7 +196,7 @@ class Controller(SessionControl):
         now = self.clock()
         r = self.leases.new_reservation(s.id, now)
         ahead = self.leases.ahead_of(s.id, now) if msg.want_ahead or msg.ahead else None
-        offsets, tags, bound = [], [], []
+        offsets, tags, bound, present = [], [], [], []
         for p, (t, spec) in enumerate(zip(msg.transfers, specs)):
             table = (s.ns, t.pool)
             committed = self.index.table(table)
@@ -204,6 +207,8 @@ class Controller(SessionControl):
                 if e is not None:
                     self.index.touch(e)
                     row.append(P.SLOT_PRESENT)
+                    if not e.in_l3:
+                        present.append(e)
                 elif self.index.get_pending(table, key) is not None:
                     row.append(P.SLOT_INFLIGHT)
                 else:
@@ -226,6 +231,8 @@ class Controller(SessionControl):
             offsets.append(row)
             tags.append(tag_row)
             bound.append(bound_row)
+        if present:
+            self.tier.on_present(present)
         if self.tier.dirty:  # write_back: make dirty pages evictable before the arena fills
             self.tier.relieve_pressure(force=any(P.SLOT_NO_SPACE in row for row in offsets))
         granted = self._grant_ahead(s, ahead, msg, specs) if ahead is not None else []
@@ -347,16 +354,20 @@ class Controller(SessionControl):
         entries: list[Entry] = []
         loading = self.tier.loading if msg.stream and not final else {}
         partial = False
+        from_l3: list[list[int]] = []
         for t in msg.transfers:
             table = (s.ns, t.pool)
             committed = self.index.tables.get(table) or {}
-            row, tag_row = [], [0] * len(t.keys)
+            row, tag_row, l3_row = [], [0] * len(t.keys), []
             for i, key in enumerate(t.keys):
                 e = committed.get(key)
                 if e is not None:
                     entries.append(e)
                     row.append(e.offset)
                     tag_row[i] = e.gen
+                    if e.from_l3:  # prefetched: its first read is an L3 hit
+                        e.from_l3 = False
+                        l3_row.append(i)
                 elif (table, key) in loading:
                     row.append(P.SLOT_LOADING)
                     partial = True
@@ -364,8 +375,11 @@ class Controller(SessionControl):
                     row.append(P.SLOT_MISS)
             offsets.append(row)
             tags.append(tag_row)
+            from_l3.append(l3_row)
         self.counters["partial_answers"] += partial
-        return self._grant(s, msg.req_id, entries, offsets, tags)
+        answer = self._grant(s, msg.req_id, entries, offsets, tags)
+        self.first_l3_reads = (answer, from_l3)  # for the metrics of this answer
+        return answer
 
     def _settle(self, parked: ParkedGet | ParkedExists) -> None:
         """``parked`` is answered: nothing it waited for may answer it again."""

@@ -56,6 +56,7 @@ class Entry:
     __slots__ = (
         "committed",
         "fp",
+        "from_l3",
         "gen",
         "hits",
         "in_l3",
@@ -85,6 +86,7 @@ class Entry:
         self.owner = 0  # pending: the session that reserved it (0: the daemon, an L3 load)
         self.gen = 0  # the slot's generation for this page (PageIndex.reserve; Leased.tags)
         self.fp = 0  # its key's fingerprint in the shared presence table (0: not computed)
+        self.from_l3 = False  # loaded from L3 and not read since (its first read is an L3 hit)
 
     def __repr__(self) -> str:
         state = "committed" if self.committed else "pending"

@@ -158,17 +158,22 @@ class Metrics(NullMetrics):
     def _count_get(self, msg: P.Lease, answer: P.Leased, in_l2: list[set[str]] | None) -> None:
         """``in_l2``: per transfer, the keys in L2 when a parked get was asked (None: answered
         at once, so every page served was in L2). A streamed get's ``SLOT_LOADING`` pages are
-        counted by its follow-up (``load=False``), whose served pages came from L3."""
+        counted by its follow-up (``load=False``), whose served pages came from L3; so are
+        pages an exists prefetched from L3 that this get reads first (``first_l3_reads``)."""
         l3 = self.daemon.tier.attached
+        got, from_l3 = self.daemon.controller.first_l3_reads
         for i, (t, row) in enumerate(zip(msg.transfers, answer.offsets)):
             missed = row.count(P.SLOT_MISS)
             served = len(row) - missed - row.count(P.SLOT_LOADING)
+            prefetched = set(from_l3[i]) if got is answer and i < len(from_l3) else set()
             if not msg.load:  # a stream's follow-up: its pages were L2 misses when first asked
                 l2_hits, l2_misses = 0, 0
             elif in_l2 is None:
-                l2_hits, l2_misses = served, len(row) - served
+                l2_hits = served - len(prefetched)
+                l2_misses = len(row) - l2_hits
             else:
-                l2_hits = sum(1 for k, off in zip(t.keys, row) if off >= 0 and k in in_l2[i])
+                l2_hits = sum(1 for j, (k, off) in enumerate(zip(t.keys, row))
+                              if off >= 0 and k in in_l2[i] and j not in prefetched)
                 l2_misses = len(row) - l2_hits
             self._add(self.hits, "l2", t.pool, l2_hits)
             self._add(self.misses, "l2", t.pool, l2_misses)

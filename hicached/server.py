@@ -424,8 +424,11 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         if self._closed:
             return
         self._closed = True
-        self.workers.close()
-        self.tier.close()
+        if self.workers.close():
+            self.tier.close()
+        else:  # a transfer still runs in the backend: closing it underneath could crash
+            log.warning("L3 I/O still running at exit: the backend is left open for the "
+                        "process exit to reclaim")
         self.sock.close(linger=0)
         self.ctx.term()
         ep = self.config.endpoint

@@ -152,11 +152,19 @@ class L3Tier(TierWrites):
         log.info("L3 backend %s detached", old.name)
         return True
 
-    def forget_l3_copies(self) -> None:
+    def forget_l3_copies(self, dirty_again: bool = False) -> None:
+        """Count on no page being in L3 (a detach; a store that may have lost its pages).
+        ``dirty_again``: under write_back, L2's pages known stored are dirty again, as L2
+        may hold their only copy (their writes ask the store first, sending only what it
+        lacks)."""
         self.known_in_l3.clear()
         self.absent_in_l3.clear()
+        redirty = dirty_again and self.write_policy == "write_back" and self.attached
         for table in self.index.tables.values():
             for e in table.values():
+                if redirty and e.in_l3 and e not in self.dirty:
+                    self.index.pin(e)
+                    self.dirty[e] = None
                 e.in_l3 = False
 
     def _close_idle_retired(self) -> None:
@@ -329,7 +337,10 @@ class L3Tier(TierWrites):
     def collect(self) -> list[Woken]:
         """Apply finished jobs; who waited for them (``Woken``)."""
         woken: list[Woken] = []
-        for job in self.workers.collect():
+        jobs = self.workers.collect()
+        if jobs and self.attached:  # what the store deleted (or may have lost) meanwhile
+            self._forget_evicted(self.backend.take_evicted())
+        for job in jobs:
             self._jobs_of[id(job.backend)] = self._jobs_of.get(id(job.backend), 1) - 1
             current = job.backend is self.backend
             if job.kind == "clear":
@@ -353,6 +364,7 @@ class L3Tier(TierWrites):
                     e.in_l3 = current
                     if current:
                         self._known(e)
+                    e.from_l3 = True
                     loaded.append(e)
                     self.counters["l3_loads"] += 1
                 else:

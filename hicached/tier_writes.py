@@ -40,6 +40,12 @@ class TierWrites:
                     self.dirty[e] = None
             self.relieve_pressure()
 
+    def on_present(self, entries: Sequence[Entry]) -> None:
+        """A set named pages L2 holds already: under write_through, those not known to be in
+        L3 (their write was dropped, or the store lost them) are written now."""
+        if self.write_policy == "write_through" and self.attached:
+            self.write([e for e in entries if not e.in_l3 and not e.writing])
+
     def on_hit(self, e: Entry) -> None:
         if (self.write_policy == "write_through_selective" and self.attached
                 and e.hits >= self.threshold and not e.in_l3 and not e.writing):
@@ -120,8 +126,10 @@ class TierWrites:
         pages L2 still holds are no longer clean (under write_back they are dirty again: L2
         holds their only copy)."""
         if gone is None:
-            self.forget_l3_copies()
-            gone = []
+            log.info("L3 %s may have lost pages: asking it again about every page",
+                     self.backend.name)
+            self.forget_l3_copies(dirty_again=True)
+            return
         for ns, pool, key in gone:
             table = (ns, pool)
             self.known_in_l3.pop((table, key), None)
@@ -154,8 +162,6 @@ class TierWrites:
                 self.index.unpin(e)
             self._maybe_drop(e)
         self.counters["l3_writes"] += ok_n - len(job.already)  # those L3 had were not sent
-        if current:
-            self._forget_evicted(job.backend.take_evicted())
         self.counters["l3_write_failures"] += len(job.result) - ok_n
         if current and job.result:
             failing = ok_n == 0

@@ -250,6 +250,26 @@ def test_health_ready_and_stats(make_daemon):
 PAGE_TOKENS = 4
 
 
+def test_pages_an_exists_prefetched_count_as_l3_hits(make_daemon):
+    """SGLang's flow: exists (which starts pulling L3 pages into L2), then get. The pages the
+    get reads were in L2 by then, but came from L3: L3 hits, and L2 hits only when read again."""
+    d, url = admin_daemon(make_daemon)
+    keys = [f"pf{i}" for i in range(4)]
+    with d.client(release_delay_s=0) as c:
+        c.register_mem_host_pool_v2(kv_pool(seed=3), "kv")
+        assert _write(c, keys) == [True] * 4
+        assert wait_until(lambda: c.stats()["l3_writes"] == 4)
+        c.flush("l2")
+        assert c.batch_exists(keys) == 4
+        assert wait_until(lambda: c.stats()["l2_pages"] == 4)  # prefetched
+        c.register_mem_host_pool_v2(kv_pool(), "kv")
+        assert c.batch_get_v1(keys, pages(0, 4)) == [True] * 4
+        assert c.batch_get_v1(keys[:2], pages(4, 2)) == [True] * 2  # from L2 now
+    m = scrape(url)
+    assert sample(m, "hicached_hits_total", tier="l3", pool="kv") == 4
+    assert sample(m, "hicached_hits_total", tier="l2", pool="kv") == 2
+
+
 def test_metrics_move_with_traffic(make_daemon):
     d, url = admin_daemon(make_daemon)
     before = scrape(url)

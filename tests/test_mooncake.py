@@ -35,7 +35,7 @@ from hicached.arena import Arena
 from hicached.backends import create_backend
 from hicached.backends.mooncake import MooncakeBackend, key_part, object_key
 from hicached.backends.mooncake_options import MooncakeOptions, redact
-from hicached.errors import ConfigError
+from hicached.errors import BackendError, ConfigError
 
 MASTER_BIN = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
 PAGE = 64 * 1024
@@ -117,8 +117,8 @@ def make_backend(make_arena):
     made = []
 
     def make(address, arena=None, **opts):
-        opts = {"master_server_address": address, "global_segment_size": "32MiB",
-                "local_buffer_size": "4MiB", "local_hostname": "127.0.0.1", "backoff_s": 0.2,
+        opts = {"master_server_address": address, "protocol": "tcp",
+                "global_segment_size": "32MiB", "local_buffer_size": "4MiB", "local_hostname": "127.0.0.1", "backoff_s": 0.2,
                 "max_backoff_s": 1.0, "close_timeout_s": 2.0, **opts}
         b = create_backend("mooncake", env={}, **opts)
         b.open(arena or make_arena())
@@ -285,6 +285,8 @@ def test_killed_master_misses_within_deadline_then_recovers(master, make_backend
     assert torch.equal(arena.tensor[2 * PAGE:3 * PAGE], arena.tensor[0:PAGE])
     st = b.stats()
     assert not st["degraded"] and st["degraded_episodes"] == 1 and st["setups"] == 1
+    # the store came back (empty, here): the daemon is told once to count on nothing it knew
+    assert b.take_evicted() is None and b.take_evicted() == []
 
 
 def test_hung_master_exists_answers_within_deadline_transfer_is_never_abandoned(
@@ -342,7 +344,8 @@ def test_master_started_after_the_backend(tmp_path, make_backend):
 
 
 def test_two_daemons_share_pages_through_one_master(master, make_daemon):
-    opts = {"master_server_address": master.address, "global_segment_size": "32MiB",
+    opts = {"master_server_address": master.address, "protocol": "tcp",
+            "global_segment_size": "32MiB",
             "local_buffer_size": "4MiB", "local_hostname": "127.0.0.1"}
     extra = ["--l3-backend", "mooncake", "--l3-options", json.dumps(opts)]
     d1 = make_daemon(name="one", extra=extra)
@@ -371,7 +374,8 @@ def test_two_daemons_share_pages_through_one_master(master, make_daemon):
 
 
 def test_daemon_serves_l2_while_master_is_down_and_recovers(master, make_daemon):
-    opts = {"master_server_address": master.address, "global_segment_size": "32MiB",
+    opts = {"master_server_address": master.address, "protocol": "tcp",
+            "global_segment_size": "32MiB",
             "local_buffer_size": "4MiB", "local_hostname": "127.0.0.1", "timeout_s": 1.0,
             "exists_timeout_s": 0.3, "max_backoff_s": 1.0}
     d = make_daemon(extra=["--l3-backend", "mooncake", "--l3-options", json.dumps(opts)])
@@ -401,16 +405,24 @@ def test_daemon_serves_l2_while_master_is_down_and_recovers(master, make_daemon)
             return c.stats()["l3_writes"] > 4
 
         assert wait_until(written_through, timeout_s=40)
+        # the daemon no longer counts on what the old master had: pages L2 holds are written
+        # again when set again (hot prefixes are shared again, not only new ones)
+        written = c.stats()["l3_writes"]
+        assert c.batch_set_v1(keys, pages(0, 4)) == [True] * 4  # present in L2
+        assert wait_until(lambda: c.stats()["l3_writes"] >= written + 4)  # (+ others L2 held)
         c.flush("l2")
         c.register_mem_host_pool_v2(dst, "kv")
         assert c.stats()["l3"]["degraded"] is False
         assert c.batch_get_v1(["late"], pages(0, 1)) == [False]  # lost with the old master
+        assert c.batch_get_v1(keys, pages(4, 4)) == [True] * 4  # written to the new one
+        assert torch.equal(kv_tokens(dst, 4, 4), kv_tokens(src, 0, 4))
 
 
 def test_attach_detach_attach_at_runtime(master, make_daemon):
     """The backend can be attached, detached (closed off the loop) and attached again: a second
     Mooncake client in the same daemon process sets up and registers the arena again."""
-    opts = {"master_server_address": master.address, "global_segment_size": "32MiB",
+    opts = {"master_server_address": master.address, "protocol": "tcp",
+            "global_segment_size": "32MiB",
             "local_buffer_size": "4MiB", "local_hostname": "127.0.0.1"}
     d = make_daemon(extra=["--l3-backend", "none"])
     with d.client() as c:
@@ -424,3 +436,57 @@ def test_attach_detach_attach_at_runtime(master, make_daemon):
             assert c.batch_exists(keys) == 3
             c.detach_backend()
             assert c.stats()["l3_backend"] == "none"
+
+
+def test_sglang_precedence_rdma_default_and_segment_minimum():
+    """As in SGLang: the node's own MOONCAKE_LOCAL_HOSTNAME beats the shared config's, and the
+    protocol is rdma unless said; a global segment under Mooncake's 16 MiB minimum is refused
+    at once (Mooncake's setup would fail with -600 at every retry)."""
+    o = MooncakeOptions.resolve({"master_server_address": "m:1", "local_hostname": "shared"},
+                                {"MOONCAKE_LOCAL_HOSTNAME": "node-3"})
+    assert (o.local_hostname, o.protocol) == ("node-3", "rdma")
+    o = MooncakeOptions.resolve({"master_server_address": "m:1", "local_hostname": "shared"},
+                                {"MOONCAKE_PROTOCOL": "tcp"})
+    assert (o.local_hostname, o.protocol) == ("shared", "tcp")
+    with pytest.raises(ConfigError, match="at least 16MiB"):
+        MooncakeOptions.resolve({"master_server_address": "m:1", "global_segment_size": "2MiB"},
+                                {})
+    with pytest.raises(ConfigError, match="probe_timeout_s"):
+        MooncakeOptions.resolve({"master_server_address": "m:1", "probe_timeout_s": 0}, {})
+
+
+def test_a_port_that_is_no_master_never_freezes_the_process(make_backend):
+    """A port that accepts connections but never answers Mooncake's RPC (a typo naming
+    another service, a hung master): Mooncake's own setup would hold the GIL for minutes. The
+    trial setup runs in a child process: open() returns after probe_timeout_s, degraded, and
+    other threads ran all along."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    ticks, stop = [], threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.05)
+
+    th = threading.Thread(target=ticker)
+    th.start()
+    try:
+        t = time.monotonic()
+        b = make_backend(f"127.0.0.1:{srv.getsockname()[1]}", probe_timeout_s=2.0)
+        took = time.monotonic() - t
+        st = b.stats()
+        assert took < 2.0 + 8.0 and not st["connected"] and st["degraded"]
+        assert "trial setup" in st["last_error"]
+        assert b.exists("ns", "kv", ["a"]) == [False]
+        with pytest.raises(BackendError, match="unavailable"):
+            b.clear()  # a flush of L3 cannot say it cleared what it never reached
+    finally:
+        stop.set()
+        th.join()
+        srv.close()
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert max(gaps) < 1.0, max(gaps)  # the GIL was never held for long

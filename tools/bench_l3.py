@@ -154,7 +154,7 @@ def start_master_and_provider(procs: Procs) -> str:
 
 def start_daemon(procs: Procs, master: str, extra: list[str]) -> str:
     endpoint = f"ipc://{procs.logdir}/bench.sock"
-    opts = {"master_server_address": master, "global_segment_size": 0,
+    opts = {"master_server_address": master, "protocol": "tcp", "global_segment_size": 0,
             "local_buffer_size": "16MiB", "local_hostname": "127.0.0.1", "timeout_s": 10}
     procs.start("daemon", [sys.executable, "-m", "hicached.cli", "serve", "--endpoint", endpoint,
                            "--l2-size", "512MiB", "--state-dir", f"{procs.logdir}/state",

@@ -178,6 +178,7 @@ class Breaker:
         self.episodes = 0
         self.failures = 0
         self.fast_misses = 0
+        self.recoveries = 0  # degraded -> healthy transitions (the store may have lost pages)
         self.last_error = ""
         self._backoff = backoff_s
         self._retry_at = 0.0
@@ -204,6 +205,7 @@ class Breaker:
             if not self.degraded:
                 return
             self.degraded = False
+            self.recoveries += 1
             self._backoff = self.backoff_s
             down_s = self.clock() - self.degraded_since
             fast = self.fast_misses

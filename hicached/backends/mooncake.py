@@ -35,8 +35,15 @@ SIGSTOPped one 30 s (-901). Once the master runs again at the same address the c
 and remounts its segment by itself within ~1-2 s (puts answer -200 until then), so recovery
 needs no new client; a client that never got set up (master down at start) is set up by a
 background thread. Two calls hold the GIL, which no helper thread can bound: ``setup`` (~90 s
-against a dead master, so the master's port is probed first) and ``close`` (7-16 s against a
-dead master, so such a client is left open, for Mooncake's own cleanup at process exit).
+against a dead master, minutes against a hung one or a port that is no master) and ``close``
+(7-16 s against a dead master, 1-2.5 s against a live one). So before any ``setup`` in the
+daemon, the master's port is probed, then a child process must get through ``setup`` and
+``health_check`` within ``probe_timeout_s``; a client is closed only when its master answers
+and no transfer runs in it, else left open for Mooncake's own cleanup at process exit.
+
+A store that recovers from an outage may have lost its pages (a master restarted empty):
+``take_evicted`` then answers None once, so the daemon stops counting on pages it knew stored,
+and writes pages it holds again.
 """
 
 from __future__ import annotations
@@ -44,7 +51,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -53,7 +59,8 @@ from hicached.arena import Arena
 from hicached.backends.base import L3Backend
 from hicached.backends.guard import Breaker, CallTimeout, DeadlineCaller, StoreUnavailable
 from hicached.backends.mooncake_options import MooncakeOptions, redact
-from hicached.errors import ArenaError, ConfigError
+from hicached.backends.mooncake_probe import probe_master, probe_setup
+from hicached.errors import ArenaError, BackendError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +135,8 @@ class MooncakeBackend(L3Backend):
         self._buffer = None  # the arena's mmap, kept mapped while Mooncake may touch it
         self._base = 0
         self._closed = False
+        self._transfers = 0  # transfers running in the client (it is not closed under them)
+        self._recoveries_told = 0  # breaker recoveries ``take_evicted`` has answered for
         self.counters = {"puts": 0, "put_failures": 0, "gets": 0, "get_misses": 0,
                          "exists_calls": 0, "size_mismatches": 0,
                          "no_space": 0, "timeouts": 0, "errors": 0, "setups": 0,
@@ -153,15 +162,12 @@ class MooncakeBackend(L3Backend):
             self._connect()
         except StoreUnavailable as e:
             self.breaker.failed(f"setup: {e}")
+            self._recoveries_told = -1  # connected later: the store may lack what L2 holds
             self._connector = threading.Thread(target=self._keep_connecting, daemon=True,
                                                name="hicached-mooncake-connect")
             self._connector.start()
 
-    def _connect(self) -> None:
-        """One setup attempt; raises StoreUnavailable. ``setup`` holds the GIL for its whole
-        duration (~90 s against a dead master), so the master's port is probed first."""
-        self._probe_master()
-        store = self._store_cls()
+    def _extra(self) -> dict[str, object]:
         o = self.opts
         extra: dict[str, object] = {}
         if o.tenant_id != "default":
@@ -170,13 +176,27 @@ class MooncakeBackend(L3Backend):
             extra["enable_ssd_offload"] = True
         if o.ssd_offload_path:
             extra["ssd_offload_path"] = o.ssd_offload_path
+        return extra
+
+    def _connect(self) -> None:
+        """One setup attempt; raises StoreUnavailable (ConfigError for options Mooncake
+        refuses). ``setup`` holds the GIL for its whole duration, so the master is probed
+        first: its port, then a whole setup in a child process."""
+        probe_master(self.opts)
+        probe_setup(self.opts, self._extra())
+        store = self._store_cls()
+        o = self.opts
         rc = store.setup(o.local_hostname, o.metadata_server, o.global_segment_size,
                          o.local_buffer_size, o.protocol, o.device_name,
-                         o.master_server_address, **extra)
+                         o.master_server_address, **self._extra())
         self.counters["setups"] += 1
+        if rc == INVALID_PARAMS:
+            raise ConfigError(f"mooncake L3: setup() refused the options ({code_name(rc)}): "
+                              f"check global_segment_size, local_buffer_size, protocol and "
+                              f"device_name ({o.describe()})")
         if rc != 0:
             # a client whose setup failed crashes on data calls: drop it without using it
-            raise StoreUnavailable(f"setup() returned {rc}")
+            raise StoreUnavailable(f"setup() returned {code_name(rc)}")
         rc = store.register_buffer(self._base, self.arena.size_bytes)
         if rc != 0:
             raise StoreUnavailable(f"register_buffer of the {self.arena.size_bytes}-byte arena "
@@ -187,17 +207,6 @@ class MooncakeBackend(L3Backend):
             self._store = store
         log.info("mooncake L3: connected, arena of %d bytes registered", self.arena.size_bytes)
 
-    def _probe_master(self) -> None:
-        addr = self.opts.master_server_address
-        if "://" in addr:
-            return  # an HA address (etcd://...): nothing simple to probe
-        host, _, port = addr.rpartition(":")
-        try:
-            socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)),
-                                     self.opts.connect_timeout_s).close()
-        except (OSError, ValueError) as e:
-            raise StoreUnavailable(f"master {redact(addr)} not reachable: {e}") from None
-
     def _keep_connecting(self) -> None:
         delay = self.opts.backoff_s
         while not self._stop.wait(delay):
@@ -207,6 +216,10 @@ class MooncakeBackend(L3Backend):
                 self.breaker.failed(f"setup: {e}")
                 delay = min(delay * 2, self.opts.max_backoff_s)
                 continue
+            except ConfigError as e:  # retrying cannot help: say so, and stay degraded
+                self.breaker.failed(f"setup: {e}")
+                log.error("%s; not retrying (attach the backend again with other options)", e)
+                return
             except Exception as e:  # noqa: BLE001 - a thread that dies would never retry
                 self.breaker.failed(f"setup: {type(e).__name__}: {e}")
                 delay = min(delay * 2, self.opts.max_backoff_s)
@@ -231,6 +244,9 @@ class MooncakeBackend(L3Backend):
             except StoreUnavailable as e:
                 self._failed(e)
                 return None
+            except Exception as e:  # noqa: BLE001 - the probe must report back, or none follows
+                self._failed(StoreUnavailable(f"health_check: {type(e).__name__}: {e}"))
+                return None
             if health != 0:
                 self.breaker.failed(f"health_check() = {health} (2: master unreachable)")
                 return None
@@ -249,31 +265,39 @@ class MooncakeBackend(L3Backend):
 
     def _transfer(self, fn: Callable, *args: object, nbytes: int):
         """A transfer, run to completion on this (worker) thread: never abandoned, because its
-        arena slots must not be reused while Mooncake may still touch them. None if it failed;
-        one slower than its deadline counts as a timeout (and opens the breaker)."""
+        arena slots must not be reused while Mooncake may still touch them. (return codes or
+        None if it failed, whether it was slower than its deadline: a timeout, which opens the
+        breaker.) ``close`` leaves the client open while a transfer runs in it."""
         t = time.monotonic()
+        with self._lock:
+            self._transfers += 1
         try:
             rcs = fn(*args)
         except Exception as e:  # noqa: BLE001 - a binding error is a failed call, not a crash
             self.counters["errors"] += 1
             self._failed(StoreUnavailable(f"{type(e).__name__}: {e}"))
-            return None
+            return None, False
+        finally:
+            with self._lock:
+                self._transfers -= 1
         took = time.monotonic() - t
         if took > self._deadline(nbytes):
             self._failed(CallTimeout(f"{getattr(fn, '__name__', 'transfer')} took {took:.1f} s"))
-        return rcs
+            return rcs, True
+        return rcs, False
 
     def _failed(self, e: StoreUnavailable) -> None:
         if isinstance(e, CallTimeout):
             self.counters["timeouts"] += 1
         self.breaker.failed(str(e))
 
-    def _settle(self, op: str, rcs: Sequence[int]) -> None:
-        """Open or close the breaker from a call's return codes."""
+    def _settle(self, op: str, rcs: Sequence[int], timed_out: bool = False) -> None:
+        """Open or close the breaker from a call's return codes (a call that timed out opened
+        it already: its codes do not close it again)."""
         bad = [rc for rc in rcs if rc in UNREACHABLE]
         if bad:
             self.breaker.failed(f"{op}: {code_name(bad[0])} for {len(bad)} of {len(rcs)} keys")
-        else:
+        elif not timed_out:
             self.breaker.ok()
 
     def _deadline(self, nbytes: int) -> float:
@@ -319,16 +343,17 @@ class MooncakeBackend(L3Backend):
         ptrs = self._ptrs(offsets, page_bytes)
         names = self._names(ns, pool, keys)
         store = self._admit(self.opts.timeout_s)
-        rcs = None
+        rcs, timed_out = None, False
         if store is not None:
             t = time.perf_counter()
-            rcs = self._transfer(getattr(store, method), names, ptrs, [page_bytes] * len(keys),
-                                 nbytes=len(keys) * page_bytes)
+            rcs, timed_out = self._transfer(getattr(store, method), names, ptrs,
+                                            [page_bytes] * len(keys),
+                                            nbytes=len(keys) * page_bytes)
             self.counters[f"{kind}_s"] += time.perf_counter() - t
         if rcs is None:
             self.counters[failed] += len(keys)
             return None
-        self._settle(method, rcs)
+        self._settle(method, rcs, timed_out)
         return rcs
 
     def batch_put(self, ns, pool, keys, offsets, page_bytes):
@@ -377,19 +402,32 @@ class MooncakeBackend(L3Backend):
 
     def clear(self) -> int:
         """Remove every page under our key prefix (force: a page another node read in the last
-        lease TTL, which includes any exists check, would otherwise survive). Returns how many."""
+        lease TTL, which includes any exists check, would otherwise survive). Returns how many;
+        BackendError when the store could not be cleared (unavailable, timed out, refused)."""
+        where = f"Mooncake store at {redact(self.opts.master_server_address)}"
         store = self._admit(self.opts.timeout_s)
         if store is None:
-            return 0
+            why = self.breaker.last_error or "not set up"
+            raise BackendError(f"{where} is unavailable ({why}): nothing was cleared")
         n = self._call(store.remove_by_regex, f"^{self.opts.key_prefix}/", True,
                        timeout_s=self.opts.timeout_s)  # runs on the control loop (flush)
         if n is None:
-            return 0
+            raise BackendError(f"{where}: clear failed or timed out ({self.breaker.last_error}); "
+                               "some pages may remain")
         self._settle("remove_by_regex", [n])
         if n < 0:
             self._count_errors("remove_by_regex", [n] if n not in UNREACHABLE else [])
-            return 0
+            raise BackendError(f"{where}: clear answered {code_name(n)}; some pages may remain")
         return n
+
+    def take_evicted(self) -> list[tuple[str, str, str]] | None:
+        """Mooncake evicts on its own without telling ([]); after the store recovered from an
+        outage (or was first reached late) None once: it may have lost every page."""
+        seen = self.breaker.recoveries
+        if seen == self._recoveries_told or (self._recoveries_told < 0 and self._store is None):
+            return []
+        self._recoveries_told = seen
+        return None
 
     def stats(self) -> dict:
         return {
@@ -416,10 +454,14 @@ class MooncakeBackend(L3Backend):
             self._caller.close()
             return
         idle = self._caller.wait_idle(self.opts.close_timeout_s)
+        deadline = time.monotonic() + self.opts.close_timeout_s
+        while self._transfers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        idle = idle and not self._transfers  # never close under a running transfer
         health = None
         if idle:
             try:
-                self._probe_master()  # health_check lags a dead master by a few seconds
+                probe_master(self.opts)  # health_check lags a dead master by a few seconds
                 health = self._caller.call(store.health_check, timeout_s=1.0)
             except StoreUnavailable as e:
                 health = str(e)

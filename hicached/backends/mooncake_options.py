@@ -2,14 +2,17 @@
 
 An SGLang operator's Mooncake JSON (``extra_config`` / ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``)
 works unchanged as ``--l3-options``. Each value comes from, in order: the option, the environment
-variable SGLang reads for it, the default below. Unknown keys raise ``ConfigError`` naming them.
+variable SGLang reads for it, the default below; as in SGLang, ``local_hostname`` is the exception:
+its environment variables win over the option (one config file serves every node, each node
+says its own address). Unknown keys raise ``ConfigError`` naming them.
 
     option                 environment                               default
     master_server_address  MOONCAKE_MASTER                           (required)
-    protocol               MOONCAKE_PROTOCOL                         tcp        (tcp | rdma)
+    protocol               MOONCAKE_PROTOCOL                         rdma       (tcp | rdma)
     device_name            MOONCAKE_DEVICE                           ""         (RDMA NICs)
     metadata_server        MOONCAKE_TE_META_DATA_SERVER              P2PHANDSHAKE
-    global_segment_size    MOONCAKE_GLOBAL_SEGMENT_SIZE              4GiB  (0: contribute none)
+    global_segment_size    MOONCAKE_GLOBAL_SEGMENT_SIZE              4GiB  (0: contribute none;
+                                                                     else at least 16MiB)
     local_buffer_size      SGLANG_MOONCAKE_LOCAL_BUFFER_SIZE         16MiB (only non-zero-copy
                                                                      calls use it)
     local_hostname         MOONCAKE_LOCAL_HOSTNAME, LOCAL_HOSTNAME   localhost  (others must reach
@@ -25,6 +28,9 @@ hicached's own (no environment variable; they are daemon behaviour, not Mooncake
                                  batch on a slow but working network is not abandoned midway
     exists_timeout_s   0.5       deadline of one exists call (the daemon's lookups queue on it)
     connect_timeout_s  1.0       TCP probe of the master before ``setup`` (which holds the GIL)
+    probe_timeout_s    15.0      ... then a ``setup`` in a child process must succeed within this
+                                 (a port that accepts but is no Mooncake master, or a hung one,
+                                 would hold the daemon's GIL for minutes)
     backoff_s          0.5       first retry delay once the store is found unavailable ...
     max_backoff_s      8.0       ... doubling up to this
     close_timeout_s    5.0       close() waits this long for running calls
@@ -52,6 +58,7 @@ from hicached.errors import ConfigError
 log = logging.getLogger(__name__)
 
 PROTOCOLS = ("tcp", "rdma")
+MIN_SEGMENT = 16 << 20  # Mooncake refuses a smaller global segment (setup answers -600)
 
 # option -> environment variables SGLang reads for it (first set one wins)
 ENV = {
@@ -80,7 +87,7 @@ class MooncakeOptions:
     """Resolved options (sizes in bytes, times in seconds). Build with ``resolve``."""
 
     master_server_address: str
-    protocol: str = "tcp"
+    protocol: str = "rdma"  # SGLang's default
     device_name: str = ""
     metadata_server: str = "P2PHANDSHAKE"
     global_segment_size: int = 4 * 1024**3
@@ -93,6 +100,7 @@ class MooncakeOptions:
     timeout_per_gib_s: float = 10.0
     exists_timeout_s: float = 0.5
     connect_timeout_s: float = 1.0
+    probe_timeout_s: float = 15.0
     backoff_s: float = 0.5
     max_backoff_s: float = 8.0
     close_timeout_s: float = 5.0
@@ -111,13 +119,13 @@ class MooncakeOptions:
         _check_ignored(options)
         values: dict[str, object] = {}
         for name in names:
-            if name in options and options[name] is not None:
+            from_env = next((env[var] for var in ENV.get(name, ()) if env.get(var)), None)
+            if name == "local_hostname" and from_env is not None:
+                values[name] = from_env  # SGLang's order: each node's own address wins
+            elif name in options and options[name] is not None:
                 values[name] = options[name]
-                continue
-            for var in ENV.get(name, ()):
-                if env.get(var):
-                    values[name] = env[var]
-                    break
+            elif from_env is not None:
+                values[name] = from_env
         if "master_server_address" not in values:
             raise ConfigError("l3_options: master_server_address is required for the mooncake "
                               "backend (or set MOONCAKE_MASTER=host:port)")
@@ -134,8 +142,12 @@ class MooncakeOptions:
         if not _PREFIX.match(self.key_prefix):
             raise ConfigError(f"l3_options: key_prefix must match {_PREFIX.pattern}, "
                               f"got {self.key_prefix!r}")
-        for key in ("timeout_s", "exists_timeout_s", "connect_timeout_s", "backoff_s",
-                    "max_backoff_s", "close_timeout_s"):
+        if 0 < self.global_segment_size < MIN_SEGMENT:
+            raise ConfigError(f"l3_options: global_segment_size must be 0 (contribute none) or "
+                              f"at least 16MiB (Mooncake's minimum), got "
+                              f"{self.global_segment_size} bytes")
+        for key in ("timeout_s", "exists_timeout_s", "connect_timeout_s", "probe_timeout_s",
+                    "backoff_s", "max_backoff_s", "close_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"l3_options: {key} must be > 0, got {getattr(self, key)}")
         if self.timeout_per_gib_s < 0:
