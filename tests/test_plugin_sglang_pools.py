@@ -297,3 +297,39 @@ def test_a_pool_of_an_unknown_class_is_kept_per_rank(sgp, plugin, daemon):
     shared = plugin(daemon.endpoint, {"kv": mla_pool(sgp), "swa": mla_pool(sgp, layers=1)},
                     mla=True, tp_rank=1, tp_size=2)
     assert shared._sessions.wire("swa") == "swa" and not shared._sessions.writes("swa")
+
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+def real_pools(sgp, layout):
+    """name -> a real SGLang host pool of every class the plugin may get, in ``layout``."""
+    anchor = mla_pool(sgp, layout=layout)
+    made = {"mha": mha_pool(sgp, layout=layout), "mla": anchor,
+            "dsa_indexer": dsa_indexer_pool(sgp, anchor),
+            "v4_paged": v4_paged_pool(sgp, "deepseek_v4_c4", layout=layout),
+            "v4_state": v4_state_pool(sgp, "deepseek_v4_c4_state", layout=layout)}
+    if layout != "layer_first":  # (SGLang's Mamba host pool has page-first layouts only)
+        made["mamba"] = mamba_pool(sgp, layout=layout)
+    return made
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_real_pools_put_their_flat_page_into_the_arena(sgp, layout):
+    """The client's page path for each of SGLang's host-pool classes lays a page out in the
+    arena as the pool's own flat data page (so any path, any engine, reads it back), and
+    restores it byte for byte; every class gets the pointer (memmove) path where SGLang gives
+    page pointers for the layout (not the DSA indexer's layer_first: the flat path)."""
+    from hicached.hostpool import make_page_io
+
+    for label, pool in real_pools(sgp, layout).items():
+        fill(pool, 7)
+        io = make_page_io(pool)
+        flat = label == "dsa_indexer" and layout == "layer_first"
+        assert io.path == ("flat" if flat else "pointer"), label
+        at, to = 3 * pool.page_size, 5 * pool.page_size
+        arena = torch.zeros(2 * io.page_bytes, dtype=torch.uint8)
+        io.to_arena([at], arena, [io.page_bytes])
+        assert torch.equal(arena[io.page_bytes:], page_bytes(pool, at)), label
+        io.from_arena([to], arena, [io.page_bytes])
+        assert torch.equal(page_bytes(pool, to), page_bytes(pool, at)), label
