@@ -379,6 +379,12 @@ def _segment_order(pool: Any, segments_per_page: int) -> list[int] | None:
     return None
 
 
+def _flat_page_bytes(pool: Any) -> int | None:
+    """Bytes of the pool's flat data page (``get_dummy_flat_data_page``), None without one."""
+    page = pool.get_dummy_flat_data_page() if hasattr(pool, "get_dummy_flat_data_page") else None
+    return int(page.numel() * page.element_size()) if isinstance(page, torch.Tensor) else None
+
+
 def _capacity(pool: Any) -> int | None:
     size = getattr(pool, "size", None)
     return int(size) if isinstance(size, (int, np.integer)) else None
@@ -388,7 +394,8 @@ class PointerPageIO(PageIO):
     """A pool exposing SGLang's ``get_page_buffer_meta``: memmove per segment (``pointers.py``).
 
     Probes the meta of page 0 once to learn the segments; raises ValueError if the pool refuses
-    (e.g. an unsupported layout) or its segments do not add up to ``get_size_per_token()``.
+    (e.g. an unsupported layout) or its segments do not add up to its flat data page (else, if
+    it has none, to ``get_size_per_token() * page_size``: not per token in every SGLang pool).
     """
 
     path = "pointer"
@@ -403,7 +410,8 @@ class PointerPageIO(PageIO):
         self._plan = SegmentPlan(list(sizes), _segment_order(pool, len(ptrs)))
         self.page_bytes = self._plan.page_bytes
         per_token = getattr(pool, "get_size_per_token", None)
-        expected = per_token() * self.page_size if callable(per_token) else None
+        expected = _flat_page_bytes(pool) or (per_token() * self.page_size if callable(per_token)
+                                               else None)
         if isinstance(expected, int) and expected != self.page_bytes:
             raise ValueError(f"meta segments cover {self.page_bytes} bytes per page, the pool "
                              f"says {expected}")

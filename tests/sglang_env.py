@@ -1,9 +1,10 @@
 """SGLang on CPU for the plugin tests: the real storage ABC, factory and file backend.
 
 SGLang is imported through ``hicached.plugin._sglang_compat`` (engine-plugins.md §1.5(b)): only
-torch and ``sglang --no-deps`` are needed. Its real host pools cannot be imported on CPU, so the
-tests use ``hicached.HostPool`` (real tensors, SGLang's host-pool surface) or ``SGLangLikePool``,
-which hides that it is a HostPool so the plugin takes the path a real SGLang pool gets.
+torch and ``sglang --no-deps`` are needed. Its real host pools do not import on CPU as they are
+(``sglang_pools.py`` loads them with their GPU-kernel imports replaced); the tests here use
+``hicached.HostPool`` (real tensors, SGLang's host-pool surface) or ``SGLangLikePool``, which hides
+that it is a HostPool so the plugin takes the path a real SGLang pool gets.
 
 ``hicache_file`` builds SGLang's own ``HiCacheFile`` as the differential oracle. Its LRU evictor
 imports ``sglang.srt.utils.common`` (all of SGLang) for one size parser that is only called when

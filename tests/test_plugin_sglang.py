@@ -209,17 +209,15 @@ def test_exists_v2_equals_sglang_file_backend(sg, plugin, daemon, tmp_path, monk
     ours.close()
 
 
-def test_unknown_pools_and_bad_input_answer_misses(sg, plugin, daemon):
+def test_unregistered_pools_and_bad_input_answer_misses(sg, plugin, daemon):
     hs = sg.hs
     keys = keys_of("u-", 3)
-    aux = kv_pool(seed=10)
-    b = plugin(daemon.endpoint, {"kv": kv_pool(seed=11), "indexer": indexer_pool(),
-                                            "auxiliary_swa": aux})
+    b = plugin(daemon.endpoint, {"kv": kv_pool(seed=11), "indexer": indexer_pool()})
     assert all(b.batch_set_v1(keys, idx(0, 3)))
-    aux_t = hs.PoolTransfer(name=hs.PoolName.AUXILIARY_SWA, host_indices=idx(0, 3), keys=keys)
-    assert b.batch_set_v2([aux_t]) == {"auxiliary_swa": [False] * 3}
-    assert b.batch_get_v2([aux_t]) == {"auxiliary_swa": [False] * 3}
-    res = b.batch_exists_v2(keys, [hs.PoolTransfer(name=hs.PoolName.AUXILIARY_SWA, keys=keys)])
+    never = hs.PoolTransfer(name=hs.PoolName.DRAFT_SWA, host_indices=idx(0, 3), keys=keys)
+    assert b.batch_set_v2([never]) == {"draft_swa": [False] * 3}
+    assert b.batch_get_v2([never]) == {"draft_swa": [False] * 3}
+    res = b.batch_exists_v2(keys, [hs.PoolTransfer(name=hs.PoolName.DRAFT_SWA, keys=keys)])
     assert (res.kv_hit_pages, res.restorable_prefix_pages) == (0, [])
     blocks = hs.PoolTransfer(name=hs.PoolName.INDEXER, keys=keys,
                              hit_policy=hs.PoolHitPolicy.BLOCK_GROUPS)
@@ -312,7 +310,7 @@ def test_threads_share_one_plugin(sg, plugin, daemon):
     pools = {"kv": kv_pool(num_pages=200, seed=14), "mamba": mamba_pool(seed=15),
              "indexer": indexer_pool(num_pages=200, seed=16)}
     b = plugin(daemon.endpoint, pools, extra={"interface_v1": 1})
-    b.register_mem_host_pool_v2(kv_pool(), hs.PoolName.AUXILIARY_SWA)  # unsupported, harmless
+    b.register_mem_host_pool_v2(kv_pool(), hs.PoolName.AUXILIARY_SWA)  # unused, harmless
     errors = []
 
     def work(t):

@@ -151,12 +151,13 @@ def test_dcp_shards_share_within_their_shard_only(sg):
     assert ns[0].namespace == ns[2].namespace != ns[1].namespace == ns[3].namespace
     assert "tp=replicated,dcp1of2,tp4,lp8" in ns[1].namespace
     assert [ns[r].is_writer for r in range(4)] == [True, True, False, False]
-    assert (ns[0].wire_pool("mamba"), ns[2].wire_pool("mamba")) == ("mamba@tp0of4",
-                                                                    "mamba@tp2of4")
-    assert ns[2].wire_pool("indexer") == "indexer" and not ns[2].writes("indexer")
-    assert ns[2].writes("mamba")
+    assert (ns[0].wire_pool("mamba", True), ns[2].wire_pool("mamba", True)) == (
+        "mamba@tp0of4", "mamba@tp2of4")
+    assert ns[2].wire_pool("indexer", False) == "indexer" and not ns[2].writes(False)
+    assert ns[2].writes(True)
     mha = build_namespace(storage_config(sg, tp_rank=1, tp_size=2), kv_pool())
-    assert mha.wire_pool("mamba") == "mamba" and mha.writes("kv") and "tp=tp1of2" in mha.namespace
+    assert mha.wire_pool("mamba", True) == "mamba" and mha.writes(False)
+    assert "tp=tp1of2" in mha.namespace
 
 
 NO_SGLANG = """

@@ -2,6 +2,8 @@
 
 - ``hicached.plugin.sglang.HicachedStorage``: SGLang's HiCache L3 storage backend, loaded with
   ``--hicache-storage-backend dynamic`` (see that module for the extra_config).
+- ``hicached.plugin.sessions``: the rank's pools and one daemon session (``Client``) per thread.
+- ``hicached.plugin.pools``: which SGLang pools TP ranks share; zero-byte pools as marker pages.
 - ``hicached.plugin.namespace``: how an engine rank's identity becomes a daemon namespace.
 - ``hicached.plugin.health``: the plugins' counters, once-per-episode logging and metrics.
 

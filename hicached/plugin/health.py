@@ -35,7 +35,7 @@ COUNTERS = (
     "write_pages",  # pages asked to be written
     "written_pages",  # pages stored (or already there)
     "skipped_write_pages",  # replicated pages a non-writer TP rank was asked to write
-    "unsupported_pool_pages",  # pages of pools the plugin does not serve (always misses)
+    "unsupported_pool_pages",  # pages of pools not registered or refused, or bad indices
 )
 
 

@@ -27,12 +27,14 @@ that shapes a page's bytes and nothing else:
 
 DP-attention ranks are left out on purpose: the same prefix has the same KV on every DP replica.
 
-Rank-sharded pools inside a replicated namespace: with MLA the KV (and the DSA indexer, SWA) are
-identical on every TP rank, but Mamba states are split across TP ranks. Those pools get the rank
-in their wire name (``mamba@tp0of2``), so one namespace and one daemon session hold both and a
-multi-pool commit stays atomic. ``is_writer`` (SGLang's ``is_storage_writer``: TP rank 0, or the
-DCP rank's writer) is the only rank that writes the replicated pools; every rank writes its own
-rank-sharded pools, as SGLang's ``HybridCacheController.should_backup`` does.
+Rank-sharded pools inside a replicated namespace: with MLA the KV (and the DSA indexer, DeepSeek V4's
+pools) are identical on every TP rank, but Mamba states are split across TP ranks, and so are
+the pages of an MHA pool (an EAGLE draft model's KV). Those pools get the rank in their wire name
+(``mamba@tp0of2``), so one namespace and one daemon session hold both and a multi-pool commit
+stays atomic; which pools they are is ``pools.rank_sharing``'s call (by host-pool class, per rank
+when in doubt). ``is_writer`` (SGLang's ``is_storage_writer``: TP rank 0, or the DCP rank's
+writer) is the only rank that writes the replicated pools; every rank writes its own
+rank-sharded pools (SGLang's ``HybridCacheController.should_backup`` asks every rank for Mamba).
 """
 
 from __future__ import annotations
@@ -43,13 +45,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# Pools whose contents differ per TP rank even when the KV is rank-replicated (SGLang's
-# should_backup and HiCacheFile's tp_config_suffix agree: only Mamba). The speculative draft
-# model's KV ("draft") is kept per rank too: nothing says its attention is MLA when the target's
-# is, and a page shared across ranks it should not be would be wrong reuse.
-RANK_SHARDED_POOLS = frozenset({"mamba", "draft"})
-
-
 @dataclass(frozen=True)
 class RankNamespace:
     """What one rank's plugin sends to the daemon. See the module docstring."""
@@ -59,15 +54,14 @@ class RankNamespace:
     replicated: bool
     is_writer: bool
 
-    def wire_pool(self, pool: str) -> str:
-        """Pool name as the daemon sees it (rank-sharded pools carry the rank if replicated)."""
-        if self.replicated and pool in RANK_SHARDED_POOLS:
-            return pool + self.rank_tag
-        return pool
+    def wire_pool(self, pool: str, rank_sharded: bool) -> str:
+        """Pool name as the daemon sees it: a ``rank_sharded`` pool (its pages differ per TP
+        rank) carries the rank in a replicated namespace."""
+        return pool + self.rank_tag if self.replicated and rank_sharded else pool
 
-    def writes(self, pool: str) -> bool:
-        """Whether this rank stores ``pool`` (non-writers skip the replicated pools)."""
-        return self.is_writer or (self.replicated and pool in RANK_SHARDED_POOLS)
+    def writes(self, rank_sharded: bool) -> bool:
+        """Whether this rank stores a pool (non-writers skip the replicated ones)."""
+        return self.is_writer or (self.replicated and rank_sharded)
 
 
 def _clean(value: Any) -> str:

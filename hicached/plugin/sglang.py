@@ -19,7 +19,8 @@ SGLang itself reads ``interface_v1`` (1: KV through ``batch_get_v1``/``batch_set
 per page; otherwise the generic ``batch_get``/``batch_set`` with a staging page, two copies) and
 ``allocator``.
 
-Which SGLang call does what (every call goes to one thread-safe ``hicached.Client``):
+Which SGLang call does what (each SGLang thread has a ``hicached.Client`` of its own,
+``sessions.py``, so an exists never waits behind another thread's set):
 
     register_mem_pool_host / register_mem_host_pool_v2   remember the pool; KV fixes the namespace
     on_host_pools_registered                             connect + register the pools (eager)
@@ -27,15 +28,20 @@ Which SGLang call does what (every call goes to one thread-safe ``hicached.Clien
     batch_exists_v2                                      restorable prefix over every pool
     batch_get_v1 / batch_set_v1                          KV pages <-> the registered KV host pool
     get / batch_get / set / batch_set                    KV pages <-> flat page tensors (v0)
-    batch_get_v2 / batch_set_v2                          kv, mamba, indexer (DSA), swa pools
+    batch_get_v2 / batch_set_v2                          every registered pool (``pools.py``)
     clear / get_stats / close                            flush, counters + metrics, disconnect
+
+Every pool SGLang registers is served under its name (Mamba, SWA, DSA indexer, draft pools,
+DeepSeek V4's compressed pools and states, ...); ``pools.py`` lists SGLang 0.5.23's pools and
+which of them TP ranks share. DeepSeek V4's KV anchor holds no bytes: its pages are stored as
+marker bytes, so its presence gates the other pools as SGLang expects.
 
 Failure behaviour: the I/O methods never raise. A daemon that is down, restarting or slower than
 ``timeout_s`` answers a miss (False / 0 / None); the first failure of an episode is logged, every
 one counted (``get_stats().counters``); the client reconnects on its own (a restarted daemon is
-re-joined, pools registered again). Pools other than kv/mamba/indexer/swa, pools whose
-registration failed and ``BLOCK_GROUPS`` queries answer misses. Writes of replicated pools on a
-non-writer MLA rank are skipped and reported stored (the writer rank stores them).
+re-joined, pools registered again). Pools never registered, pools whose registration failed and
+``BLOCK_GROUPS`` queries (no producer in SGLang 0.5.23) answer misses. Writes of replicated pools
+on a non-writer MLA rank are skipped and reported stored (the writer rank stores them).
 
 ``"allocator": "shm"``: SGLang then allocates the host pools as memfd shared memory. hicached has
 no use for that: this plugin runs inside the engine process and already copies straight between
@@ -56,16 +62,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 from hicached.client import Client
-from hicached.errors import DaemonUnavailable, HicachedError, UnknownPool
+from hicached.errors import DaemonUnavailable
 from hicached.plugin._sglang_compat import import_sglang
 from hicached.plugin.health import PluginHealth
-from hicached.plugin.namespace import RankNamespace, build_namespace
+from hicached.plugin.namespace import RankNamespace
+from hicached.plugin.sessions import RankSessions
 from hicached.plugin.settings import PluginSettings
 from hicached.types import PoolTransfer
 from hicached.types import PoolTransferResult as _OwnResult
@@ -76,14 +84,8 @@ _Result: type = _hs.PoolTransferResult if _hs is not None else _OwnResult
 _RESULT_HAS_RESTORABLE = any(f.name == "restorable_prefix_pages"
                              for f in dataclasses.fields(_Result))
 
-SUPPORTED_POOLS = ("kv", "mamba", "indexer", "swa", "draft")
 POLICIES = ("all_pages", "trailing_pages")
 T = TypeVar("T")
-MAX_BACKOFF_S = 30.0  # longest a failing daemon is left alone (calls miss meanwhile)
-
-
-class _Backoff(DaemonUnavailable):
-    """A call not tried: the daemon failed one a moment ago."""
 
 
 def _value(x: Any) -> str:
@@ -109,61 +111,35 @@ class HicachedStorage(_Base):
         self.name = f"hicached plugin (tp{tp_rank})"
         self._health = PluginHealth(self.name, bool(getattr(storage_config,
                                                             "enable_storage_metrics", False)))
+        self._sessions = RankSessions(self.settings, storage_config, self.name, self._health)
         self.mem_pool_host: Any = None
         self.registered_pools: dict[Any, Any] = {}
-        self.namespace: RankNamespace | None = None
-        self._pools: dict[str, Any] = {}  # SGLang pool value -> host pool
-        self._pending: set[str] = set()  # pools not registered with the current client yet
-        self._broken: dict[str, str] = {}  # pools whose registration failed -> why
-        self._client: Client | None = None
-        self._retry_at = 0.0  # calls answer misses without trying until then
-        self._backoff = self.settings.retry_interval_s  # doubles per failure, up to MAX_BACKOFF_S
-        self._closed = False
-        self._lock = threading.Lock()  # pools, namespace, client creation and registration
         if self.settings.allocator == "shm":
             self._health.warn_once("shm", f"{self.name}: allocator 'shm' accepted; hicached "
                                    "copies from the host pool in-process either way (see "
                                    "hicached.plugin.sglang)", level=logging.INFO)
+
+    @property
+    def namespace(self) -> RankNamespace | None:
+        """This rank's namespace (fixed by the KV pool), None before one is registered."""
+        return self._sessions.namespace
 
     # ------------------------------------------------------------ registration
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """The anchor KV host pool (called first, right after construction)."""
         self.mem_pool_host = mem_pool_host
-        self._add_pool("kv", mem_pool_host)
+        self._sessions.add_pool("kv", mem_pool_host)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Every pool of the host pool group (KV again, then sidecars; later dynamic ones)."""
         self.registered_pools[host_pool_name] = host_pool
-        self._add_pool(_value(host_pool_name), host_pool)
-
-    def _add_pool(self, name: str, pool: Any) -> None:
-        if name not in SUPPORTED_POOLS:
-            self._health.warn_once(f"pool:{name}", f"{self.name}: pool {name!r} is not served "
-                                   f"by hicached (served: {SUPPORTED_POOLS}); its pages miss",
-                                   level=logging.INFO)
-            return
-        with self._lock:
-            if self._pools.get(name) is pool:
-                return
-            self._pools[name] = pool
-            self._broken.pop(name, None)
-            self._pending.add(name)
-            if name == "kv":
-                ns = build_namespace(self.storage_config, pool,
-                                     model_name=self.settings.model_name,
-                                     model_revision=self.settings.model_revision,
-                                     namespace_salt=self.settings.namespace_salt)
-                if self.namespace is not None and ns != self.namespace and self._client:
-                    self._client.close()  # the namespace is fixed per session: start over
-                    self._client = None
-                    self._pending.update(self._pools)
-                self.namespace = ns
+        self._sessions.add_pool(_value(host_pool_name), host_pool)
 
     def on_host_pools_registered(self) -> None:
         """Connect now (not on the first request) so problems show at attach. Never raises."""
         try:
-            self._ensure_client()
+            self._sessions.connect()
         except DaemonUnavailable as e:  # a down daemon must not fail the attach
             self._health.unavailable("on_host_pools_registered", e)
         except Exception as e:  # noqa: BLE001 - nor anything else: I/O answers misses
@@ -173,65 +149,8 @@ class HicachedStorage(_Base):
                                    f"{self.namespace.namespace!r} at {self.settings.endpoint}",
                                    level=logging.INFO)
 
-    # ------------------------------------------------------------ connection
-
-    def _ensure_client(self) -> Client:
-        """The connected client with every pool registered; raises DaemonUnavailable / typed
-        errors (which ``_guard`` turns into misses)."""
-        now = time.monotonic()
-        if now < self._retry_at:  # the daemon failed a call lately: misses, at once
-            raise _Backoff(f"not retrying {self.settings.endpoint} for "
-                           f"{self._retry_at - now:.1f} s")
-        client = self._client
-        if client is not None and not self._pending:
-            return client
-        with self._lock:
-            if self._closed:
-                raise DaemonUnavailable("the plugin is closed")
-            if self.namespace is None:
-                raise UnknownPool("no KV host pool registered (register_mem_pool_host)")
-            if self._client is None:
-                self._client = Client(self.settings.endpoint, self.namespace.namespace,
-                                      timeout_s=self.settings.timeout_s, client_name=self.name,
-                                      token=self.settings.token)
-                self._pending.update(self._pools)
-            for name in sorted(self._pending):
-                try:
-                    self._client.register_mem_host_pool_v2(self._pools[name],
-                                                           self.namespace.wire_pool(name))
-                except DaemonUnavailable:
-                    raise
-                except Exception as e:  # noqa: BLE001 - a pool hicached cannot take: it misses
-                    self._broken[name] = f"{type(e).__name__}: {e}"
-                    self._health.warn_once(f"register:{name}", f"{self.name}: pool {name!r} "
-                                           f"cannot be registered ({self._broken[name]}); its "
-                                           "pages miss")
-                self._pending.discard(name)
-            return self._client
-
-    def _usable(self, name: str) -> bool:
-        """Registered (with a KV pool, so a namespace) and accepted by the daemon."""
-        return self.namespace is not None and name in self._pools and name not in self._broken
-
     def _guard(self, op: str, miss: Callable[[], T], fn: Callable[[Client], T]) -> T:
-        """Run ``fn(client)``; any failure is counted and answered with ``miss()``."""
-        try:
-            result = fn(self._ensure_client())
-        except _Backoff as e:
-            self._health.unavailable(op, e)
-            return miss()
-        except DaemonUnavailable as e:  # down, hung or restarting: every call would wait its
-            self._health.unavailable(op, e)  # timeout; answer misses at once for a while
-            self._retry_at = time.monotonic() + self._backoff
-            self._backoff = min(2 * self._backoff, max(MAX_BACKOFF_S,
-                                                       self.settings.retry_interval_s))
-            return miss()
-        except Exception as e:  # noqa: BLE001 - I/O methods answer misses, never raise
-            self._health.error(op, e)
-            return miss()
-        self._health.ok()
-        self._backoff = self.settings.retry_interval_s
-        return result
+        return self._sessions.guard(op, miss, fn)
 
     def _sample(self, client: Client, kind: str, wire: str, pages: int, t0: float) -> None:
         if self._health.record_metrics and pages:
@@ -272,12 +191,12 @@ class HicachedStorage(_Base):
                 name, policy = _value(t.name), _value(t.hit_policy)
                 if name == "kv":
                     continue  # the anchor itself: an ALL_PAGES KV query adds nothing
-                if not self._usable(name) or policy not in POLICIES:
+                if not self._sessions.usable(name) or policy not in POLICIES:
                     miss_all = True  # this pool restores nothing, so no prefix is restorable
                     self._health.warn_once(f"exists:{name}:{policy}", f"{self.name}: exists "
                                            f"query for pool {name!r} ({policy}) answers a miss")
                     continue
-                queries.append(PoolTransfer(self.namespace.wire_pool(name),
+                queries.append(PoolTransfer(self._sessions.wire(name),
                                             keys=list(t.keys or ()), hit_policy=policy))
             res = client.batch_exists_v2(keys, queries)
             hits = {wire.split("@")[0]: n for wire, n in res.extra_pool_hit_pages.items()}
@@ -303,6 +222,16 @@ class HicachedStorage(_Base):
 
     # ------------------------------------------------------------ KV: generic (v0) path
 
+    def _flat(self, name: str, pages: list[Any], fresh: bool = False) -> list[Any]:
+        """Flat page tensors as the client takes them: a pool whose pages hold no bytes
+        (DeepSeek V4's KV anchor) is stored as one marker byte per page (``pools.MarkerPages``);
+        ``fresh``: buffers to read into (the caller's empty pages are returned as they are)."""
+        if not self._sessions.is_marker(name):
+            return pages
+        if fresh:
+            return [torch.zeros(1, dtype=torch.uint8) for _ in pages]
+        return [torch.ones(1, dtype=torch.uint8) for _ in pages]
+
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         """One KV page into ``target_location`` (a flat page tensor); None on a miss."""
         targets = None if target_location is None else [target_location]
@@ -316,15 +245,15 @@ class HicachedStorage(_Base):
         if not keys:
             return []
         misses = [None] * len(keys)
-        if not self._usable("kv"):
+        if not self._sessions.usable("kv"):
             self._health.add(calls=1, unsupported_pool_pages=len(keys))
             return misses
 
         def run(client: Client) -> list[Any]:
             targets = (list(target_locations) if target_locations is not None else
-                       [self._pools["kv"].get_dummy_flat_data_page() for _ in keys])
+                       [self._sessions.pools["kv"].get_dummy_flat_data_page() for _ in keys])
             t0 = time.perf_counter()
-            ok = client.batch_get_pages("kv", keys, targets)
+            ok = client.batch_get_pages("kv", keys, self._flat("kv", targets, fresh=True))
             self._sample(client, "prefetch", "kv", sum(ok), t0)
             self._health.add(calls=1, read_pages=len(keys), read_hit_pages=sum(ok))
             return [t if hit else None for t, hit in zip(targets, ok, strict=True)]
@@ -342,16 +271,16 @@ class HicachedStorage(_Base):
         keys = list(keys)
         if not keys:
             return True
-        if self.namespace is not None and not self.namespace.writes("kv"):
+        if not self._sessions.writes("kv"):
             self._health.add(calls=1, skipped_write_pages=len(keys))
             return True
-        if not self._usable("kv") or values is None:
+        if not self._sessions.usable("kv") or values is None:
             self._health.add(calls=1, unsupported_pool_pages=len(keys))
             return False
 
         def run(client: Client) -> bool:
             t0 = time.perf_counter()
-            ok = client.batch_set_pages("kv", keys, list(values))
+            ok = client.batch_set_pages("kv", keys, self._flat("kv", list(values)))
             self._sample(client, "backup", "kv", sum(ok), t0)
             self._health.add(calls=1, write_pages=len(keys), written_pages=sum(ok))
             return all(ok)
@@ -370,14 +299,14 @@ class HicachedStorage(_Base):
             name, keys = _value(t.name), list(t.keys or ())
             if not keys:
                 done[t.name] = []
-            elif writing and self.namespace is not None and not self.namespace.writes(name):
+            elif writing and not self._sessions.writes(name):
                 done[t.name] = [True] * len(keys)
                 self._health.add(skipped_write_pages=len(keys))
-            elif not self._usable(name):
+            elif not self._sessions.usable(name):
                 done[t.name] = [False] * len(keys)
                 self._health.add(unsupported_pool_pages=len(keys))
             else:
-                page_size = int(getattr(self._pools[name], "page_size", 1) or 1)
+                page_size = self._sessions.page_size(name)
                 n = 0 if t.host_indices is None else len(t.host_indices)
                 if n != len(keys) * page_size:
                     self._health.warn_once(f"indices:{name}", f"{self.name}: pool {name!r}: "
@@ -385,8 +314,8 @@ class HicachedStorage(_Base):
                                            f"indices, got {n}; answering misses")
                     done[t.name] = [False] * len(keys)
                 else:
-                    wire = self.namespace.wire_pool(name)
-                    todo.append((t.name, PoolTransfer(wire, t.host_indices, keys=keys)))
+                    todo.append((t.name, PoolTransfer(self._sessions.wire(name),
+                                                      t.host_indices, keys=keys)))
         return done, todo
 
     def _batch_v2(self, transfers: list[Any], writing: bool) -> dict[Any, list[bool]]:
@@ -446,7 +375,7 @@ class HicachedStorage(_Base):
         unavailable: for engines that drive hicached through this plugin and also want daemon
         stats or ``Client.prefetch`` with a stop policy. Never raises."""
         try:
-            return self._ensure_client()
+            return self._sessions.connect()
         except Exception as e:  # noqa: BLE001 - unavailable is an answer here
             self._health.unavailable("client", e)
             return None
@@ -462,12 +391,5 @@ class HicachedStorage(_Base):
         return self._health.get_stats()
 
     def close(self) -> None:
-        """Disconnect (idempotent); later calls answer misses."""
-        with self._lock:
-            self._closed = True
-            client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except HicachedError as e:  # already gone: nothing left to release
-                self._health.warn_once("close", f"{self.name}: close: {e}")
+        """Disconnect every thread's session (idempotent); later calls answer misses."""
+        self._sessions.close()
