@@ -4,8 +4,9 @@ A 3FS mount is a POSIX directory shared by every node's daemon. Each daemon ("no
 ``node``, default the host name) writes only into its own segment files; any daemon reads any
 node's pages. Layout and records: ``hf3fs_format.py``; this node's slots: ``hf3fs_space.py``;
 pointer records and node files: ``hf3fs_records.py``; the write/read protocol of a batch of
-slots: ``hf3fs_slots.py``; what is known about other nodes' keys: ``hf3fs_keys.py``; the
-bytes move through ``hf3fs_io.py`` (USRBIO rings when
+slots: ``hf3fs_slots.py``; what is known about other nodes' keys: ``hf3fs_keys.py``; open
+segment files, at most a share of RLIMIT_NOFILE: ``hf3fs_fds.py``; the bytes move through
+``hf3fs_io.py`` (USRBIO rings when
 ``hf3fs_py_usrbio`` imports and the root is on a 3FS mount, ``preadv``/``pwritev`` on the
 arena's memory otherwise; the same format either way).
 
@@ -67,6 +68,7 @@ import time
 from collections.abc import Sequence
 
 from hicached.backends.base import L3Backend
+from hicached.backends.hf3fs_fds import FdTable, fd_budget
 from hicached.backends.hf3fs_format import (
     FORMAT,
     Pointer,
@@ -76,7 +78,7 @@ from hicached.backends.hf3fs_format import (
     safe_name,
     slot_bytes_for,
 )
-from hicached.backends.hf3fs_io import FdTable, PosixIO, select_io, wants_direct
+from hicached.backends.hf3fs_io import PosixIO, select_io, wants_direct
 from hicached.backends.hf3fs_keys import KeyCache
 from hicached.backends.hf3fs_records import publish_pointer, read_pointer
 from hicached.backends.hf3fs_slots import SCRATCH_PER_PAGE, read_pointed, write_slots
@@ -99,7 +101,8 @@ class Hf3fsBackend(L3Backend):
                  node: str | None = None, segment_bytes="256MiB", grace_s: float = 1.0,
                  lookup_budget_ms: float = 5.0, negative_ttl_s: float = 2.0,
                  remote_ttl_s: float = 10.0, batch_entries: int = 256, checksum: bool = False,
-                 io_timeout_s: float = 10.0, max_open_files: int = 256, file_mode: int = 0o600,
+                 io_timeout_s: float = 10.0, max_open_files: int | str = "auto",
+                 file_mode: int = 0o600,
                  direct: bool | str = "auto", lock_wait_s: float = 5.0, **unknown):
         if unknown:
             valid = [k for k in inspect.signature(Hf3fsBackend).parameters if k != "unknown"]
@@ -120,6 +123,8 @@ class Hf3fsBackend(L3Backend):
                 file_mode = int(file_mode.removeprefix("0o"), 8)
             except ValueError:
                 raise ConfigError(f"hf3fs: file_mode {file_mode!r} is not octal") from None
+        if max_open_files == "auto":  # a share of RLIMIT_NOFILE (hf3fs_fds.py)
+            max_open_files = fd_budget()
         for key, v in (("batch_entries", batch_entries), ("max_open_files", max_open_files),
                        ("file_mode", file_mode)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -228,8 +233,9 @@ class Hf3fsBackend(L3Backend):
             except (OSError, ConfigError) as e:  # (a vanished root): misses, until it can
                 self._note("put", e, len(keys))  # start again
                 return out
-            for start in range(0, len(keys), self.entries):
-                end = start + self.entries
+            step = self._chunk()
+            for start in range(0, len(keys), step):
+                end = start + step
                 try:
                     out[start:end] = self._put_chunk(ns, pool, keys[start:end],
                                                      offsets[start:end], page_bytes)
@@ -237,6 +243,12 @@ class Hf3fsBackend(L3Backend):
                     log.exception("hf3fs put of %d pages failed", len(keys[start:end]))
                     self._note("put", e, len(keys[start:end]))
         return out
+
+    def _chunk(self) -> int:
+        """Pages per I/O batch: ``batch_entries``, and no more than half the fd table (a batch
+        holds the fds of its segments open until it is done, and a reader's and the writer's
+        batches run at once), so any number of segments works within any fd limit."""
+        return max(1, min(self.entries, self.fds.max_open // 2))
 
     def _check_wiped(self) -> None:
         """Start empty if another node's ``clear`` deleted our segments (rate limited; the
@@ -349,8 +361,9 @@ class Hf3fsBackend(L3Backend):
             self._note("get", e)
             return out
         with self._get_lock:  # one user of the "get" lane's scratch and ring at a time
-            for start in range(0, len(keys), self.entries):
-                end = start + self.entries
+            step = self._chunk()
+            for start in range(0, len(keys), step):
+                end = start + step
                 try:
                     out[start:end] = self._get_chunk(ns, pool, keys[start:end],
                                                      offsets[start:end], page_bytes)
@@ -471,7 +484,8 @@ class Hf3fsBackend(L3Backend):
     def stats(self) -> dict:
         return {**self.space.stats(), "io": self.io.name, "io_reason": self.io_reason,
                 "direct": self.direct,
-                "open_files": len(self.fds), "lookups": self.keys.lookups,
+                "open_files": len(self.fds), "max_open_files": self.fds.max_open,
+                "fd_closes": self.fds.closes, "lookups": self.keys.lookups,
                 "lookup_errors": self.keys.lookup_errors, **self.counters}
 
     def close(self) -> None:

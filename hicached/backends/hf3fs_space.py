@@ -27,6 +27,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 
+from hicached.backends.hf3fs_fds import FdTable
 from hicached.backends.hf3fs_format import (
     BLOCK,
     DIR_ENTRY_BYTES,
@@ -37,7 +38,6 @@ from hicached.backends.hf3fs_format import (
     safe_name,
     segment_tag,
 )
-from hicached.backends.hf3fs_io import FdTable
 from hicached.backends.hf3fs_records import bump_epoch, lock_node, remove_pointer_if
 
 log = logging.getLogger(__name__)
@@ -269,8 +269,7 @@ class NodeSpace:
         head = SegmentHeader.layout(sb, n, self.uuid, time.time_ns())
         path = os.path.join(self.dir, name + ".seg")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | self.fds.open_flags,
-                         self.file_mode)
+            fd = self.fds.open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, self.file_mode)
             try:
                 os.ftruncate(fd, head.file_bytes)  # sparse; 3FS sets the length now
                 os.pwrite(fd, head.pack(), 0)
