@@ -3,8 +3,8 @@
 A 3FS mount is a POSIX directory shared by every node's daemon. Each daemon ("node", option
 ``node``, default the host name) writes only into its own segment files; any daemon reads any
 node's pages. Layout and records: ``hf3fs_format.py``; this node's slots: ``hf3fs_space.py``;
-pointer records and node files: ``hf3fs_records.py``; the write/read protocol of a batch of
-slots: ``hf3fs_slots.py``; what is known about other nodes' keys: ``hf3fs_keys.py``; open
+pointer records and the format marker: ``hf3fs_records.py``; node identity: ``hf3fs_node.py``;
+the write/read protocol of a batch of slots: ``hf3fs_slots.py``; what is known about other nodes' keys: ``hf3fs_keys.py``; open
 segment files, at most a share of RLIMIT_NOFILE: ``hf3fs_fds.py``; the bytes move through
 ``hf3fs_io.py`` (USRBIO rings when
 ``hf3fs_py_usrbio`` imports and the root is on a 3FS mount, ``preadv``/``pwritev`` on the
@@ -49,9 +49,10 @@ What this relies on from 3FS (checked against its FUSE client source) and any fi
   pointer can stay invisible to another node for seconds (a miss), a replaced or removed one
   can still be read (a stale pointer: the slot check turns it into a miss or the old page).
 It does not rely on cross-host locks, mtimes, lazily updated file lengths (segments are sized
-once at creation), or clocks agreeing across hosts. Nothing is fsynced: this is a cache; on a
-local filesystem without ordered writeback set ``checksum`` so a power loss never yields wrong
-bytes.
+once at creation), or clocks agreeing across hosts. Nothing is fsynced but the root's format
+marker and the node files (small, replaced whole: a crash never leaves one empty): this is a
+cache; on a local filesystem without ordered writeback set ``checksum`` so a power loss never
+yields wrong bytes.
 
 ``exists`` answers from memory (own slots, found pointers, recent misses) and checks unknown
 keys' pointer records on a helper thread for at most ``lookup_budget_ms``: what that does not
@@ -70,7 +71,6 @@ from collections.abc import Sequence
 from hicached.backends.base import L3Backend
 from hicached.backends.hf3fs_fds import FdTable, fd_budget
 from hicached.backends.hf3fs_format import (
-    FORMAT,
     Pointer,
     Stamp,
     key_hash,
@@ -80,15 +80,13 @@ from hicached.backends.hf3fs_format import (
 )
 from hicached.backends.hf3fs_io import PosixIO, select_io, wants_direct
 from hicached.backends.hf3fs_keys import KeyCache
-from hicached.backends.hf3fs_records import publish_pointer, read_pointer
+from hicached.backends.hf3fs_records import ensure_marker, publish_pointer, read_pointer
 from hicached.backends.hf3fs_slots import SCRATCH_PER_PAGE, read_pointed, write_slots
 from hicached.backends.hf3fs_space import NodeSpace, Slot
 from hicached.config import parse_size
 from hicached.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-MARKER = "hicached-hf3fs.json"
 
 
 class Hf3fsBackend(L3Backend):
@@ -155,21 +153,11 @@ class Hf3fsBackend(L3Backend):
         self._closed = False
 
     def _prepare_root(self) -> None:
-        marker = os.path.join(self.root, MARKER)
         try:
             os.makedirs(self.root, exist_ok=True)
             if not os.access(self.root, os.W_OK | os.X_OK):
                 raise PermissionError(f"no write permission on {self.root}")
-            try:
-                fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                with open(marker) as f:
-                    text = f.read()
-                if f'"format": {FORMAT}' not in text:
-                    raise ConfigError(f"hf3fs: {marker} holds another format: {text!r}") from None
-            else:
-                os.write(fd, b'{"format": %d}\n' % FORMAT)
-                os.close(fd)
+            ensure_marker(self.root)
         except OSError as e:
             raise ConfigError(f"hf3fs: root {self.root} is not a writable directory: {e}") from e
 

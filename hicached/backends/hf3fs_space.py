@@ -38,7 +38,14 @@ from hicached.backends.hf3fs_format import (
     safe_name,
     segment_tag,
 )
-from hicached.backends.hf3fs_records import bump_epoch, lock_node, remove_pointer_if
+from hicached.backends.hf3fs_node import (
+    NodeId,
+    bump_epoch,
+    lock_node,
+    remove_lost_segments,
+    write_owner,
+)
+from hicached.backends.hf3fs_records import remove_pointer_if
 
 log = logging.getLogger(__name__)
 
@@ -96,16 +103,23 @@ class NodeSpace:
         self._unremoved: list[Slot] = []  # evicted slots whose pointer removal failed
         self._grow_failed_at = -GROW_RETRY_S  # a segment could not be created then
         try:
-            self.uuid, self.epoch = bump_epoch(root, node)
+            self._set_id(bump_epoch(root, node, mode=file_mode))
             self._reset_state()
+            if self.id.lost:  # the node file was damaged: this is a new uuid
+                remove_lost_segments(root, node, self.uuid)
             self._load()
         except BaseException:
             self.close()  # (the node lock: a later attach in this process must get it)
             raise
 
+    def _set_id(self, node_id: NodeId) -> None:
+        self.id = node_id
+        self.uuid, self.epoch = node_id.uuid, node_id.epoch
+
     def _reset_state(self) -> None:
         self.dir = os.path.join(self.root, "segments", self.uuid.hex())
         os.makedirs(self.dir, exist_ok=True)
+        write_owner(self.dir, self.node, self.file_mode)
         self.segments: dict[str, Segment] = {}
         self.live: dict[bytes, Slot] = {}
         self.lru: dict[int, OrderedDict[bytes, Slot]] = {}
@@ -213,7 +227,7 @@ class NodeSpace:
     def next_gen(self) -> int:
         self._counter += 1
         if self._counter >= 1 << 32:  # 2**32 writes in one epoch: go on in a new one
-            self.uuid, self.epoch = bump_epoch(self.root, self.node)
+            self._set_id(bump_epoch(self.root, self.node, self.id, self.file_mode))
             self._counter = 1
         return self.epoch << 32 | self._counter
 
@@ -431,7 +445,7 @@ class NodeSpace:
         with self.lock:  # forgotten first: if the new epoch fails, nothing stale is served
             self.segments, self.live, self.lru, self.free = {}, {}, {}, {}
             self.used_bytes, self._unremoved = 0, []
-        self.uuid, self.epoch = bump_epoch(self.root, self.node)
+        self._set_id(bump_epoch(self.root, self.node, self.id, self.file_mode))
         with self.lock:
             self._reset_state()
 
