@@ -1,18 +1,25 @@
 """The 3FS backend at start: the root's format marker and the node file are written whole and
-read forgivingly (an empty marker, a damaged node file)."""
+read forgivingly (an empty marker, a damaged node file), and a restart with a smaller
+``capacity`` than the node holds retires segments down to it."""
 
 import json
 import os
 import socket
 
 import pytest
-from test_hf3fs import fill, make, same
+from test_hf3fs import capacity_for, fill, make, same
 
 from hicached.backends.hf3fs_format import MARKER
 from hicached.backends.hf3fs_records import write_file_atomic
 from hicached.errors import ConfigError
 
 P = 4096
+
+
+def seg_files(root):
+    """(path, bytes) of every segment file under ``root``."""
+    return [(os.path.join(d, f), os.path.getsize(os.path.join(d, f)))
+            for d, _, fs in os.walk(root / "segments") for f in fs if f.endswith(".seg")]
 
 
 def pointers(root):
@@ -119,3 +126,82 @@ def test_a_node_file_of_another_host_is_refused(arena, tmp_path):
     with pytest.raises(ConfigError, match="belongs to host"):
         make(tmp_path, arena, node="n1")
     assert json.loads(node_file(tmp_path).read_text()) == info
+
+
+# ---------------------------------------------------------------- a smaller capacity
+
+
+def filled(root, arena, n_keys, seg_slots=2, **kw):
+    """Node n1 with pages k0..k{n-1} (page i filled with i + 1), one put each (write order)."""
+    seg = capacity_for(seg_slots)
+    b = make(root, arena, node="n1", capacity=n_keys // seg_slots * seg, segment_bytes=seg,
+             grace_s=0, **kw)
+    for i in range(n_keys):
+        fill(arena, i * P, P, i + 1)
+        assert b.batch_put("ns", "kv", [f"k{i}"], [i * P], P) == [True]
+    return b
+
+
+def test_a_restart_with_a_smaller_capacity_retires_segments_down_to_it(arena, tmp_path,
+                                                                       backends):
+    keys = [f"k{i}" for i in range(8)]
+    b = filled(tmp_path, arena, 8)
+    reader = make(tmp_path, arena, node="n2")
+    backends.append(reader)
+    assert reader.batch_get("ns", "kv", keys, [(16 + i) * P for i in range(8)], P) == [True] * 8
+    assert len(seg_files(tmp_path)) == 4
+    b.close()
+    cap = 2 * capacity_for(2)
+    b = make(tmp_path, arena, node="n1", capacity=cap, segment_bytes=capacity_for(2), grace_s=0)
+    backends.append(b)
+    st = b.stats()
+    assert (st["pages"], st["segments"], st["bytes"]) == (4, 2, cap)
+    assert sum(size for _, size in seg_files(tmp_path)) == cap  # deleted from the disk too
+    # the newest pages stay, the oldest are gone (their pointers first)
+    assert b.exists("ns", "kv", keys) == [False] * 4 + [True] * 4
+    assert len(pointers(tmp_path)) == 4
+    got = b.batch_get("ns", "kv", keys, [(16 + i) * P for i in range(8)], P)
+    assert got == [False] * 4 + [True] * 4
+    assert all(same(arena, (16 + i) * P, i * P) for i in range(4, 8))
+    # another node that cached pointers into the retired segments: misses or the right page
+    fill(arena, 16 * P, 8 * P, 0)
+    got = reader.batch_get("ns", "kv", keys, [(16 + i) * P for i in range(8)], P)
+    assert got[4:] == [True] * 4
+    assert all(same(arena, (16 + i) * P, i * P) for i in range(8) if got[i])
+    reader.keys.clear()
+    assert reader.exists("ns", "kv", keys) == [False] * 4 + [True] * 4
+    # and the bound holds from here on: new pages evict the oldest of the kept ones
+    fill(arena, 8 * P, P, 99)
+    assert b.batch_put("ns", "kv", ["new"], [8 * P], P) == [True]
+    assert b.stats()["bytes"] == cap and b.exists("ns", "kv", ["k4", "new"]) == [False, True]
+    assert sum(size for _, size in seg_files(tmp_path)) == cap
+
+
+def test_segments_retired_at_restart_are_deleted_after_the_grace_period(arena, tmp_path,
+                                                                        backends):
+    import time
+    filled(tmp_path, arena, 6).close()
+    cap = capacity_for(2)
+    b = make(tmp_path, arena, node="n1", capacity=cap, segment_bytes=capacity_for(2),
+             grace_s=0.3)
+    backends.append(b)
+    assert b.stats()["pages"] == 2 and len(pointers(tmp_path)) == 2
+    assert len(seg_files(tmp_path)) == 3  # unreachable now, on disk until the grace passed
+    assert b.batch_get("ns", "kv", ["k4", "k5"], [8 * P, 9 * P], P) == [True, True]
+    assert same(arena, 8 * P, 4 * P) and same(arena, 9 * P, 5 * P)
+    time.sleep(0.35)
+    assert b.batch_put("ns", "kv", ["k5"], [5 * P], P) == [True]  # (stored: nothing written)
+    assert sum(size for _, size in seg_files(tmp_path)) == cap
+    assert b.stats()["segments"] == 1
+
+
+def test_a_capacity_below_one_segment_retires_them_all(arena, tmp_path, backends):
+    filled(tmp_path, arena, 4).close()
+    b = make(tmp_path, arena, node="n1", capacity=capacity_for(1), segment_bytes=capacity_for(2),
+             grace_s=0)
+    backends.append(b)
+    assert (b.stats()["pages"], seg_files(tmp_path), pointers(tmp_path)) == (0, [], [])
+    fill(arena, 0, P, 7)
+    assert b.batch_put("ns", "kv", ["x"], [0], P) == [True]  # a smaller segment now
+    assert sum(size for _, size in seg_files(tmp_path)) <= capacity_for(1)
+    assert b.batch_get("ns", "kv", ["x"], [P], P) == [True] and same(arena, P, 0)

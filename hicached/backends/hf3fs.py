@@ -2,9 +2,10 @@
 
 A 3FS mount is a POSIX directory shared by every node's daemon. Each daemon ("node", option
 ``node``, default the host name) writes only into its own segment files; any daemon reads any
-node's pages. Layout and records: ``hf3fs_format.py``; this node's slots: ``hf3fs_space.py``;
-pointer records and the format marker: ``hf3fs_records.py``; node identity: ``hf3fs_node.py``;
-the write/read protocol of a batch of slots: ``hf3fs_slots.py``; what is known about other nodes' keys: ``hf3fs_keys.py``; open
+node's pages. Layout and records: ``hf3fs_format.py``; this node's slots: ``hf3fs_space.py``
+(rebuilt at a restart: ``hf3fs_restart.py``); pointer records and the format marker:
+``hf3fs_records.py``; node identity: ``hf3fs_node.py``; the write/read protocol of a batch of
+slots: ``hf3fs_slots.py``; what is known about other nodes' keys: ``hf3fs_keys.py``; open
 segment files, at most a share of RLIMIT_NOFILE: ``hf3fs_fds.py``; the bytes move through
 ``hf3fs_io.py`` (USRBIO rings when
 ``hf3fs_py_usrbio`` imports and the root is on a 3FS mount, ``preadv``/``pwritev`` on the
@@ -218,6 +219,7 @@ class Hf3fsBackend(L3Backend):
             try:
                 self._check_wiped()
                 self._evict_bad_own()
+                self.space.maintain()
             except (OSError, ConfigError) as e:  # (a vanished root): misses, until it can
                 self._note("put", e, len(keys))  # start again
                 return out
