@@ -58,6 +58,9 @@ yields wrong bytes.
 ``exists`` answers from memory (own slots, found pointers, recent misses) and checks unknown
 keys' pointer records on a helper thread for at most ``lookup_budget_ms``: what that does not
 finish counts as a miss now and is known on the next call, so a hung mount never stalls the loop.
+So a key another node evicted still reads as stored here for up to ``remote_ttl_s`` (10 s), or
+until a get of it misses (which forgets it at once); a put looks at the record itself, so it
+never skips such a page.
 """
 
 from __future__ import annotations
@@ -262,12 +265,16 @@ class Hf3fsBackend(L3Backend):
         seen: set[bytes] = set()
         for i, key in enumerate(keys):
             kh = key_hash(ns, pool, key)
-            if kh in seen or self.space.lookup(kh) is not None or self.keys.found(kh, now):
+            if kh in seen or self.space.lookup(kh) is not None:
                 out[i] = True
                 continue
             seen.add(kh)
+            # another node's key: its record is looked at even if ``exists`` found it a moment
+            # ago (``keys.found``): that node may have evicted it since, and a put skipped on
+            # the strength of the cache would lose the page (one stat, on the writer thread)
             if not self.keys.absent(kh, now) and self._has_record(ns, pool, kh):
-                self.keys.remember(kh, None, now)  # another node stored it
+                if not self.keys.found(kh, now):  # (keep a pointer a get cached)
+                    self.keys.remember(kh, None, now)  # another node stored it
                 out[i] = True
                 continue
             todo.append((i, kh))
