@@ -1,5 +1,6 @@
 """``hicached serve``: the daemon as a service (systemd unit: ``configs/hicached.service``).
 
+    0. RLIMIT_NOFILE       soft limit raised to the hard one (``raise_open_files_limit``)
     1. Daemon(config)      the arena is mapped (pre-faulted) and the L3 backend opened
     2. admin API           listening, when ``admin_port`` is set (``admin.py``)
     3. READY=1             only now: units ordered after hicached start against a working daemon
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import resource
 import signal
 import threading
 from collections.abc import Callable
@@ -76,12 +78,38 @@ def _reload(daemon: Daemon, notifier: NullNotifier,
         notifier.ready(status="serving")
 
 
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit and return (old, new) soft
+    limits. The soft limit is often 1,024 (systemd's default), low for a daemon holding every
+    client's sockets and, with 3FS, segment files (the backend keeps half the limit open at
+    most); the hard limit is what the operator allows (``LimitNOFILE``). A failure leaves the
+    limit as it was (logged)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard
+    if hard == resource.RLIM_INFINITY:  # the kernel caps fds at fs.nr_open
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                want = int(f.read())
+        except (OSError, ValueError):
+            want = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft >= want:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (OSError, ValueError) as e:
+        log.warning("cannot raise the open files limit from %d to %d: %s", soft, want, e)
+        return soft, soft
+    log.info("open files limit raised from %d to %d", soft, want)
+    return soft, want
+
+
 def serve(config: DaemonConfig, notifier: NullNotifier | None = None,
           reload: Callable[[], DaemonConfig] | None = None,
           ready: Callable[[Daemon], None] | None = None) -> None:
     """Run a daemon in the foreground until SIGTERM / SIGINT (see the module docstring).
     ``reload`` resolves the config again for SIGHUP (None: SIGHUP only logs)."""
     notifier = notifier or NullNotifier()
+    raise_open_files_limit()  # before the L3 backend sizes its fd table from it
     daemon = Daemon(config)
     try:
         admin = start_admin(daemon)

@@ -114,7 +114,8 @@ def test_a_segment_that_cannot_be_opened_at_restart_is_kept(arena, tmp_path, bac
     a = make(tmp_path, arena, node="A", capacity=capacity_for(2) * 8,
              segment_bytes=capacity_for(2))
     monkeypatch.setattr("builtins.open", real_open)
-    assert failed and len(os.listdir(segdir)) == 2 and a.stats()["pages"] == 2
+    segs = [f for f in os.listdir(segdir) if f.endswith(".seg")]
+    assert failed and len(segs) == 2 and a.stats()["pages"] == 2
     a.close()
     a = make(tmp_path, arena, node="A", capacity=capacity_for(2) * 8,
              segment_bytes=capacity_for(2))
@@ -151,3 +152,27 @@ def test_a_failed_attach_leaves_the_node_free(arena, tmp_path, monkeypatch, back
         make(tmp_path, arena, node="A", lock_wait_s=0.2)
     monkeypatch.undo()
     backends.append(make(tmp_path, arena, node="A", lock_wait_s=0.2))  # the lock was released
+
+
+def test_a_key_another_node_evicted_is_stored_again_by_a_put(arena, tmp_path, backends):
+    """``exists`` trusts a found key for ``remote_ttl_s`` (documented); a get that misses it
+    forgets it at once, and a put looks at the record itself instead of skipping it."""
+    a = make(tmp_path, arena, node="A", capacity=capacity_for(1), grace_s=0)
+    b = make(tmp_path, arena, node="B")
+    backends += [a, b]
+    fill(arena, 0, P, 1)
+    fill(arena, P, P, 2)
+    for k, via_get in (("k1", True), ("k2", False)):
+        assert a.batch_put("ns", "kv", [k], [0], P) == [True]
+        assert b.exists("ns", "kv", [k]) == [True]  # B remembers it for remote_ttl_s
+        assert a.batch_put("ns", "kv", [k + "-evictor"], [P], P) == [True]  # A evicts k
+        assert b.exists("ns", "kv", [k]) == [True]  # the window: still "stored" here
+        if via_get:
+            assert b.batch_get("ns", "kv", [k], [4 * P], P) == [False]
+            assert b.exists("ns", "kv", [k]) == [False]  # forgotten at the miss
+        puts = b.stats()["puts"]
+        assert b.batch_put("ns", "kv", [k], [0], P) == [True]
+        assert b.stats()["puts"] == puts + 1  # written, not skipped on the cached answer
+        fill(arena, 4 * P, P, 0)
+        assert b.batch_get("ns", "kv", [k], [4 * P], P) == [True] and same(arena, 4 * P, 0)
+        assert a.batch_get("ns", "kv", [k], [5 * P], P) == [True] and same(arena, 5 * P, 0)

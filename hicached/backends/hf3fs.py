@@ -2,10 +2,12 @@
 
 A 3FS mount is a POSIX directory shared by every node's daemon. Each daemon ("node", option
 ``node``, default the host name) writes only into its own segment files; any daemon reads any
-node's pages. Layout and records: ``hf3fs_format.py``; this node's slots: ``hf3fs_space.py``;
-pointer records and node files: ``hf3fs_records.py``; the write/read protocol of a batch of
-slots: ``hf3fs_slots.py``; what is known about other nodes' keys: ``hf3fs_keys.py``; the
-bytes move through ``hf3fs_io.py`` (USRBIO rings when
+node's pages. Layout and records: ``hf3fs_format.py``; this node's slots: ``hf3fs_space.py``
+(rebuilt at a restart: ``hf3fs_restart.py``); pointer records and the format marker:
+``hf3fs_records.py``; node identity: ``hf3fs_node.py``; the write/read protocol of a batch of
+slots: ``hf3fs_slots.py``; what is known about other nodes' keys: ``hf3fs_keys.py``; open
+segment files, at most a share of RLIMIT_NOFILE: ``hf3fs_fds.py``; the bytes move through
+``hf3fs_io.py`` (USRBIO rings when
 ``hf3fs_py_usrbio`` imports and the root is on a 3FS mount, ``preadv``/``pwritev`` on the
 arena's memory otherwise; the same format either way).
 
@@ -48,13 +50,17 @@ What this relies on from 3FS (checked against its FUSE client source) and any fi
   pointer can stay invisible to another node for seconds (a miss), a replaced or removed one
   can still be read (a stale pointer: the slot check turns it into a miss or the old page).
 It does not rely on cross-host locks, mtimes, lazily updated file lengths (segments are sized
-once at creation), or clocks agreeing across hosts. Nothing is fsynced: this is a cache; on a
-local filesystem without ordered writeback set ``checksum`` so a power loss never yields wrong
-bytes.
+once at creation), or clocks agreeing across hosts. Nothing is fsynced but the root's format
+marker and the node files (small, replaced whole: a crash never leaves one empty): this is a
+cache; on a local filesystem without ordered writeback set ``checksum`` so a power loss never
+yields wrong bytes.
 
 ``exists`` answers from memory (own slots, found pointers, recent misses) and checks unknown
 keys' pointer records on a helper thread for at most ``lookup_budget_ms``: what that does not
 finish counts as a miss now and is known on the next call, so a hung mount never stalls the loop.
+So a key another node evicted still reads as stored here for up to ``remote_ttl_s`` (10 s), or
+until a get of it misses (which forgets it at once); a put looks at the record itself, so it
+never skips such a page.
 """
 
 from __future__ import annotations
@@ -67,8 +73,8 @@ import time
 from collections.abc import Sequence
 
 from hicached.backends.base import L3Backend
+from hicached.backends.hf3fs_fds import FdTable, fd_budget
 from hicached.backends.hf3fs_format import (
-    FORMAT,
     Pointer,
     Stamp,
     key_hash,
@@ -76,17 +82,15 @@ from hicached.backends.hf3fs_format import (
     safe_name,
     slot_bytes_for,
 )
-from hicached.backends.hf3fs_io import FdTable, PosixIO, select_io, wants_direct
+from hicached.backends.hf3fs_io import PosixIO, select_io, wants_direct
 from hicached.backends.hf3fs_keys import KeyCache
-from hicached.backends.hf3fs_records import publish_pointer, read_pointer
+from hicached.backends.hf3fs_records import ensure_marker, publish_pointer, read_pointer
 from hicached.backends.hf3fs_slots import SCRATCH_PER_PAGE, read_pointed, write_slots
 from hicached.backends.hf3fs_space import NodeSpace, Slot
 from hicached.config import parse_size
 from hicached.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-MARKER = "hicached-hf3fs.json"
 
 
 class Hf3fsBackend(L3Backend):
@@ -99,7 +103,8 @@ class Hf3fsBackend(L3Backend):
                  node: str | None = None, segment_bytes="256MiB", grace_s: float = 1.0,
                  lookup_budget_ms: float = 5.0, negative_ttl_s: float = 2.0,
                  remote_ttl_s: float = 10.0, batch_entries: int = 256, checksum: bool = False,
-                 io_timeout_s: float = 10.0, max_open_files: int = 256, file_mode: int = 0o600,
+                 io_timeout_s: float = 10.0, max_open_files: int | str = "auto",
+                 file_mode: int = 0o600,
                  direct: bool | str = "auto", lock_wait_s: float = 5.0, **unknown):
         if unknown:
             valid = [k for k in inspect.signature(Hf3fsBackend).parameters if k != "unknown"]
@@ -120,6 +125,8 @@ class Hf3fsBackend(L3Backend):
                 file_mode = int(file_mode.removeprefix("0o"), 8)
             except ValueError:
                 raise ConfigError(f"hf3fs: file_mode {file_mode!r} is not octal") from None
+        if max_open_files == "auto":  # a share of RLIMIT_NOFILE (hf3fs_fds.py)
+            max_open_files = fd_budget()
         for key, v in (("batch_entries", batch_entries), ("max_open_files", max_open_files),
                        ("file_mode", file_mode)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -150,21 +157,11 @@ class Hf3fsBackend(L3Backend):
         self._closed = False
 
     def _prepare_root(self) -> None:
-        marker = os.path.join(self.root, MARKER)
         try:
             os.makedirs(self.root, exist_ok=True)
             if not os.access(self.root, os.W_OK | os.X_OK):
                 raise PermissionError(f"no write permission on {self.root}")
-            try:
-                fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                with open(marker) as f:
-                    text = f.read()
-                if f'"format": {FORMAT}' not in text:
-                    raise ConfigError(f"hf3fs: {marker} holds another format: {text!r}") from None
-            else:
-                os.write(fd, b'{"format": %d}\n' % FORMAT)
-                os.close(fd)
+            ensure_marker(self.root)
         except OSError as e:
             raise ConfigError(f"hf3fs: root {self.root} is not a writable directory: {e}") from e
 
@@ -225,11 +222,13 @@ class Hf3fsBackend(L3Backend):
             try:
                 self._check_wiped()
                 self._evict_bad_own()
+                self.space.maintain()
             except (OSError, ConfigError) as e:  # (a vanished root): misses, until it can
                 self._note("put", e, len(keys))  # start again
                 return out
-            for start in range(0, len(keys), self.entries):
-                end = start + self.entries
+            step = self._chunk()
+            for start in range(0, len(keys), step):
+                end = start + step
                 try:
                     out[start:end] = self._put_chunk(ns, pool, keys[start:end],
                                                      offsets[start:end], page_bytes)
@@ -237,6 +236,12 @@ class Hf3fsBackend(L3Backend):
                     log.exception("hf3fs put of %d pages failed", len(keys[start:end]))
                     self._note("put", e, len(keys[start:end]))
         return out
+
+    def _chunk(self) -> int:
+        """Pages per I/O batch: ``batch_entries``, and no more than half the fd table (a batch
+        holds the fds of its segments open until it is done, and a reader's and the writer's
+        batches run at once), so any number of segments works within any fd limit."""
+        return max(1, min(self.entries, self.fds.max_open // 2))
 
     def _check_wiped(self) -> None:
         """Start empty if another node's ``clear`` deleted our segments (rate limited; the
@@ -260,12 +265,16 @@ class Hf3fsBackend(L3Backend):
         seen: set[bytes] = set()
         for i, key in enumerate(keys):
             kh = key_hash(ns, pool, key)
-            if kh in seen or self.space.lookup(kh) is not None or self.keys.found(kh, now):
+            if kh in seen or self.space.lookup(kh) is not None:
                 out[i] = True
                 continue
             seen.add(kh)
+            # another node's key: its record is looked at even if ``exists`` found it a moment
+            # ago (``keys.found``): that node may have evicted it since, and a put skipped on
+            # the strength of the cache would lose the page (one stat, on the writer thread)
             if not self.keys.absent(kh, now) and self._has_record(ns, pool, kh):
-                self.keys.remember(kh, None, now)  # another node stored it
+                if not self.keys.found(kh, now):  # (keep a pointer a get cached)
+                    self.keys.remember(kh, None, now)  # another node stored it
                 out[i] = True
                 continue
             todo.append((i, kh))
@@ -349,8 +358,9 @@ class Hf3fsBackend(L3Backend):
             self._note("get", e)
             return out
         with self._get_lock:  # one user of the "get" lane's scratch and ring at a time
-            for start in range(0, len(keys), self.entries):
-                end = start + self.entries
+            step = self._chunk()
+            for start in range(0, len(keys), step):
+                end = start + step
                 try:
                     out[start:end] = self._get_chunk(ns, pool, keys[start:end],
                                                      offsets[start:end], page_bytes)
@@ -471,7 +481,8 @@ class Hf3fsBackend(L3Backend):
     def stats(self) -> dict:
         return {**self.space.stats(), "io": self.io.name, "io_reason": self.io_reason,
                 "direct": self.direct,
-                "open_files": len(self.fds), "lookups": self.keys.lookups,
+                "open_files": len(self.fds), "max_open_files": self.fds.max_open,
+                "fd_closes": self.fds.closes, "lookups": self.keys.lookups,
                 "lookup_errors": self.keys.lookup_errors, **self.counters}
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ another format never decodes.
     <root>/hicached-hf3fs.json                    format marker {"format": 1}
     <root>/nodes/<node>.json                      node identity: uuid, host, epoch (atomic rename)
     <root>/nodes/<node>.lock                      flock: one daemon per node name on a host
+    <root>/segments/<uuid>/owner.json             whose directory this is: node, host
     <root>/segments/<uuid>/<seg>.seg              a node's segment files (only it writes them)
     <root>/index/<ns>/<pool>/<kh[:2]>/<kh>        pointer records, kh = key hash (32 hex)
 
@@ -33,6 +34,7 @@ import zlib
 from typing import NamedTuple
 
 FORMAT = 1
+MARKER = "hicached-hf3fs.json"  # at the root: {"format": FORMAT}
 BLOCK = 4096
 STAMP_BYTES = 64
 HEAD_OFF = BLOCK - STAMP_BYTES  # head stamp offset inside a slot

@@ -15,7 +15,7 @@ region (stamps). Each op is one file range split into parts, e.g. a read of one 
 
 Two lanes ("get", "put") each own a scratch region and (USRBIO) a read and a write ring, so the
 daemon's reader and writer threads never share a ring (a ring is single-producer).
-``FdTable`` keeps segment files open and registered, and closes one only when no I/O uses it.
+Which segment files are open (and registered) is ``hf3fs_fds.FdTable``'s business.
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ import importlib
 import logging
 import mmap
 import os
-import threading
 import uuid
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -302,99 +300,3 @@ def wants_direct(direct: bool | str, root: str) -> bool:
     if direct == "auto":
         return mount_fstype(root).startswith("fuse")
     return bool(direct)
-
-
-class FdHandle:
-    """An open segment file: ``fd`` stays valid while ``users`` > 0 (see ``FdTable``)."""
-
-    __slots__ = ("dropped", "fd", "pinned", "users")
-
-    def __init__(self, fd: int, pinned: bool):
-        self.fd, self.pinned, self.users, self.dropped = fd, pinned, 0, False
-
-
-class FdTable:
-    """Segment files kept open (and registered with the I/O path), shared by threads.
-
-    ``acquire`` / ``release`` bracket every use of an fd; ``drop`` (a segment retired, or a
-    table reset) closes the fd once its last user releases it, so no I/O ever runs on a closed
-    or recycled fd. Unpinned entries (other nodes' segments, read only) are closed least
-    recently used beyond ``max_open``; pinned ones (this node's, read/write) stay open.
-    """
-
-    def __init__(self, io: SlotIO, max_open: int = 256, open_flags: int = 0):
-        self.io = io
-        self.max_open = max_open
-        self.open_flags = open_flags  # os.O_DIRECT on FUSE mounts (see ``wants_direct``)
-        self._open: OrderedDict[tuple, FdHandle] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def acquire(self, key: tuple, path: str, writable: bool = False, fd: int = -1) -> FdHandle:
-        """The handle of ``path`` (opened on first use; ``fd`` adopts a file just created).
-        Raises OSError when the file cannot be opened or registered."""
-        with self._lock:
-            h = self._open.get(key)
-            if h is None:
-                if fd < 0:
-                    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY)
-                                 | self.open_flags)
-                try:
-                    self.io.register(fd)
-                except OSError:
-                    os.close(fd)
-                    raise
-                h = self._open[key] = FdHandle(fd, writable)
-                self._trim()
-            self._open.move_to_end(key)
-            h.users += 1
-            return h
-
-    def release(self, h: FdHandle) -> None:
-        with self._lock:
-            h.users -= 1
-            if h.dropped and h.users == 0:
-                self._finish(h)
-
-    def drop(self, key: tuple) -> None:
-        """Close ``key``'s fd as soon as nobody uses it (a retired or deleted segment)."""
-        with self._lock:
-            h = self._open.pop(key, None)
-            if h is not None:
-                h.dropped = True
-                if h.users == 0:
-                    self._finish(h)
-
-    def swap_io(self, io: SlotIO) -> None:
-        """Move every open fd to another I/O path (USRBIO found unusable at ``open``)."""
-        with self._lock:
-            for h in self._open.values():
-                try:
-                    self.io.unregister(h.fd)
-                except OSError:
-                    pass
-                io.register(h.fd)
-            self.io = io
-
-    def drop_all(self) -> None:
-        for key in list(self._open):
-            self.drop(key)
-
-    def __len__(self) -> int:
-        return len(self._open)
-
-    def _trim(self) -> None:
-        excess = len(self._open) - self.max_open
-        for key, h in list(self._open.items()):
-            if excess <= 0:
-                break
-            if not h.pinned and h.users == 0:
-                del self._open[key]
-                self._finish(h)
-                excess -= 1
-
-    def _finish(self, h: FdHandle) -> None:
-        try:
-            self.io.unregister(h.fd)
-        except OSError:
-            pass
-        os.close(h.fd)

@@ -1,17 +1,20 @@
-"""What a 3FS node keeps beside its segments: pointer records (``index/``), its node file and
-lock (``nodes/``). Small POSIX I/O; format in ``hf3fs_format.py``, slots in ``hf3fs_space.py``."""
+"""Small files of a 3FS root: pointer records (``index/``), the format marker, and how a small
+file is replaced so that a crash leaves the old or the new one whole (``write_file_atomic``).
+Small POSIX I/O; format in ``hf3fs_format.py``, node files in ``hf3fs_node.py``, slots in
+``hf3fs_space.py``."""
 
 from __future__ import annotations
 
-import fcntl
+import errno
 import json
+import logging
 import os
-import socket
-import time
 import uuid
 
-from hicached.backends.hf3fs_format import Pointer
+from hicached.backends.hf3fs_format import FORMAT, MARKER, Pointer
 from hicached.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- pointer records (small POSIX I/O)
 
@@ -58,54 +61,98 @@ def remove_pointer_if(path: str, want: Pointer) -> bool:
         return False
 
 
-# ---------------------------------------------------------------- node identity
+# ---------------------------------------------------------------- small files, replaced whole
 
 
-def lock_node(root: str, node: str, mode: int, wait_s: float = 5.0) -> int:
-    """flock ``nodes/<node>.lock``: two daemons of one host never share a node (3FS's FUSE
-    client keeps flocks local to the host; across hosts the host check of ``bump_epoch``
-    catches a name given twice). Waits up to ``wait_s`` for a holder that is closing (a
-    detached backend of this daemon, closed once its last job is collected). Returns the fd."""
-    nodes = os.path.join(root, "nodes")
-    os.makedirs(nodes, exist_ok=True)
-    lock_fd = os.open(os.path.join(nodes, f"{node}.lock"), os.O_RDWR | os.O_CREAT, mode)
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return lock_fd
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(lock_fd)
-                raise ConfigError(
-                    f"hf3fs: node {node!r} under {root} is in use by another daemon on this "
-                    f"host; give each daemon its own l3_options 'node'") from None
-            time.sleep(0.05)
-
-
-def bump_epoch(root: str, node: str) -> tuple[bytes, int]:
-    """(uuid, epoch) of ``node``: the uuid survives restarts in ``nodes/<node>.json``; the
-    epoch grows by one per call (it prefixes generations, so a restarted node never reuses
-    one). The file is replaced by rename, so a crash leaves the old or the new one."""
-    os.makedirs(os.path.join(root, "nodes"), exist_ok=True)  # (gone after a wipe of the root)
-    path = os.path.join(root, "nodes", f"{node}.json")
-    host = socket.gethostname()
+def fsync_dir(path: str) -> None:
+    """fsync directory ``path`` (a rename or link in it survives a crash); best effort: some
+    filesystems (FUSE ones among them) refuse to fsync a directory."""
     try:
-        with open(path) as f:
-            info = json.load(f)
-        node_uuid = bytes.fromhex(info["uuid"])
-        epoch = int(info["epoch"]) + 1
-    except FileNotFoundError:
-        node_uuid, epoch = uuid.uuid4().bytes, 1
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"hf3fs: cannot read node file {path}: {e}") from None
-    else:
-        if info.get("host") != host:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+_NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK)
+
+
+def write_file_atomic(path: str, data: bytes, mode: int, replace: bool = True) -> bool:
+    """Write ``data`` to ``path`` so that nobody, not even after a crash, finds it empty or
+    partial: a temp file in the same directory, written and fsynced, then renamed over
+    ``path`` (``replace``) or hard-linked to it only if there is none (``replace=False``:
+    False when there was one, which stays), then the directory fsynced. Raises OSError."""
+    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if replace:
+            os.rename(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # atomic "create if absent", with the content in place
+            except FileExistsError:
+                return False
+            except OSError as e:  # no hard links here: rename, if there still is none
+                if e.errno not in _NO_LINKS or os.path.lexists(path):
+                    raise
+                os.rename(tmp, path)
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass  # (renamed)
+    fsync_dir(os.path.dirname(path))
+    return True
+
+
+# ---------------------------------------------------------------- the root's format marker
+
+
+def marker_format(raw: bytes) -> int | None:
+    """The format a marker file's bytes name, or None when they name none."""
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return None
+    fmt = info.get("format") if isinstance(info, dict) else None
+    return fmt if isinstance(fmt, int) and not isinstance(fmt, bool) else None
+
+
+def ensure_marker(root: str, fmt: int = FORMAT) -> None:
+    """Make ``<root>/hicached-hf3fs.json`` say ``{"format": fmt}``: written (whole, see
+    ``write_file_atomic``) when missing or empty (a crash of an older version that wrote it in
+    place), accepted when it names ``fmt``. Anything else raises ``ConfigError``: the root may
+    hold another format's data, so it is never overwritten. Raises OSError on I/O errors."""
+    path = os.path.join(root, MARKER)
+    want = b'{"format": %d}\n' % fmt
+    for _ in range(3):
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(4096)
+        except FileNotFoundError:
+            if write_file_atomic(path, want, 0o644, replace=False):
+                return
+            continue  # another node wrote it meanwhile: read theirs
+        if marker_format(raw) == fmt:
+            return
+        if raw.strip():
             raise ConfigError(
-                f"hf3fs: node {node!r} under {root} belongs to host {info.get('host')!r} "
-                f"({path}), this is {host!r}; set l3_options 'node' to a name of its own")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"node": node, "uuid": node_uuid.hex(), "host": host, "epoch": epoch}, f)
-    os.rename(tmp, path)
-    return node_uuid, epoch
+                f"hf3fs: {path} does not mark format {fmt} ({raw[:200]!r}): the root holds "
+                f"another format's data, or the marker is damaged (then remove it)")
+        log.warning("hf3fs: format marker %s is empty (a crash while writing it?); writing it",
+                    path)
+        write_file_atomic(path, want, 0o644)
+        return
+    raise ConfigError(f"hf3fs: {path} keeps changing under this daemon")

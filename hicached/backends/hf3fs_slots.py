@@ -26,6 +26,7 @@ import zlib
 from typing import NamedTuple
 
 from hicached.arena import Arena
+from hicached.backends.hf3fs_fds import FdTable
 from hicached.backends.hf3fs_format import (
     HAS_CRC,
     HEAD_MAGIC,
@@ -39,7 +40,7 @@ from hicached.backends.hf3fs_format import (
     segment_tag,
     unpack_stamp,
 )
-from hicached.backends.hf3fs_io import ARENA, SCRATCH, FdTable, IOOp, Part, SlotIO
+from hicached.backends.hf3fs_io import ARENA, SCRATCH, IOOp, Part, SlotIO
 
 SCRATCH_PER_PAGE = 3 * STAMP_BYTES
 

@@ -7,7 +7,8 @@ directory regions of its segments say on disk:
     live      key hash -> Slot, one LRU per slot class (slot_bytes)
     free      per class, a FIFO of (ready_at, segment, slot): a slot freed by eviction becomes
               reusable only ``grace_s`` after its pointer was removed (quarantine)
-    segments  name -> Segment; ``used_bytes`` = sum of their file sizes <= ``capacity``
+    segments  name -> Segment; ``used_bytes`` = sum of their file sizes <= ``capacity`` (a
+              restart with a smaller capacity retires segments down to it: ``hf3fs_restart``)
 
 Allocation takes a ready free slot, else grows a new segment while the capacity allows, else
 evicts: the least recently used live slot of the class, or (a class with no live slot) retires
@@ -27,59 +28,33 @@ import threading
 import time
 from collections import OrderedDict, deque
 
+from hicached.backends.hf3fs_fds import FdTable
 from hicached.backends.hf3fs_format import (
     BLOCK,
     DIR_ENTRY_BYTES,
     DirEntry,
-    Pointer,
     SegmentHeader,
-    pointer_relpath,
     safe_name,
-    segment_tag,
 )
-from hicached.backends.hf3fs_io import FdTable
-from hicached.backends.hf3fs_records import bump_epoch, lock_node, remove_pointer_if
+from hicached.backends.hf3fs_node import (
+    NodeId,
+    bump_epoch,
+    lock_node,
+    remove_lost_segments,
+    write_owner,
+)
+from hicached.backends.hf3fs_records import remove_pointer_if
+from hicached.backends.hf3fs_restart import Segment, Slot, SpaceRestart
 
 log = logging.getLogger(__name__)
 
 GROW_RETRY_S = 5.0  # after a segment could not be created, evict instead for this long
 
 
-class Segment:
-    """One segment file of this node: a header, a directory and ``num_slots`` slots."""
-
-    __slots__ = ("head", "key", "name", "path", "ready_at", "retiring", "tag")
-
-    def __init__(self, name: str, path: str, head: SegmentHeader, node_uuid: bytes):
-        self.name, self.path, self.head = name, path, head
-        self.key = (node_uuid, name)  # FdTable key
-        self.tag = segment_tag(node_uuid, name)
-        self.retiring = False
-        self.ready_at = 0.0  # retiring: deleted once the clock passes this
-
-
-class Slot:
-    """A live page of this node: where it is and what its pointer says."""
-
-    __slots__ = ("gen", "index", "kh", "ns_name", "page_bytes", "pool_name", "seg", "used")
-
-    def __init__(self, seg: Segment, index: int, gen: int, page_bytes: int, kh: bytes,
-                 ns_name: str, pool_name: str, used: float):
-        self.seg, self.index, self.gen, self.page_bytes = seg, index, gen, page_bytes
-        self.kh, self.ns_name, self.pool_name, self.used = kh, ns_name, pool_name, used
-
-    def pointer(self, node_uuid: bytes) -> Pointer:
-        return Pointer(node_uuid, self.seg.name, self.index, self.seg.head.slot_off(self.index),
-                       self.gen, self.page_bytes, self.kh)
-
-    def pointer_rel(self) -> str:
-        return pointer_relpath(self.ns_name, self.pool_name, self.kh)
-
-
 # ---------------------------------------------------------------- the slot space
 
 
-class NodeSpace:
+class NodeSpace(SpaceRestart):
     """Slots of this node (see the module docstring). ``allocate`` / ``commit`` / ``release``
     / eviction run on the writer thread only; ``lookup`` / ``touch`` from any thread."""
 
@@ -96,81 +71,32 @@ class NodeSpace:
         self._unremoved: list[Slot] = []  # evicted slots whose pointer removal failed
         self._grow_failed_at = -GROW_RETRY_S  # a segment could not be created then
         try:
-            self.uuid, self.epoch = bump_epoch(root, node)
+            self._set_id(bump_epoch(root, node, mode=file_mode))
             self._reset_state()
+            if self.id.lost:  # the node file was damaged: this is a new uuid
+                remove_lost_segments(root, node, self.uuid)
             self._load()
+            self._shrink()
         except BaseException:
             self.close()  # (the node lock: a later attach in this process must get it)
             raise
 
+    def _set_id(self, node_id: NodeId) -> None:
+        self.id = node_id
+        self.uuid, self.epoch = node_id.uuid, node_id.epoch
+
     def _reset_state(self) -> None:
         self.dir = os.path.join(self.root, "segments", self.uuid.hex())
         os.makedirs(self.dir, exist_ok=True)
+        write_owner(self.dir, self.node, self.file_mode)
         self.segments: dict[str, Segment] = {}
+        self._retiring: list[Segment] = []  # retired, deleted at their ready_at
         self.live: dict[bytes, Slot] = {}
         self.lru: dict[int, OrderedDict[bytes, Slot]] = {}
         self.free: dict[int, deque[tuple[float, Segment, int]]] = {}
         self.used_bytes = 0
         self._seq = 0  # segments created in this epoch
         self._counter = 0  # generations handed out in this epoch
-
-    # ------------------------------------------------------------ restart
-
-    def _load(self) -> None:
-        """Rebuild live and free slots from the segment directories (one read per segment)."""
-        now, found = self.clock(), []
-        free: dict[int, list] = {}
-        for name in sorted(os.listdir(self.dir)):
-            if not name.endswith(".seg"):
-                continue
-            path = os.path.join(self.dir, name)
-            seg = self._open_existing(name[:-4], path)
-            if seg is None:
-                continue
-            sb, n = seg.head.slot_bytes, seg.head.num_slots
-            fd = self.fds.acquire(seg.key, path, writable=True)
-            try:
-                raw = os.pread(fd.fd, n * DIR_ENTRY_BYTES, seg.head.dir_off)
-            finally:
-                self.fds.release(fd)
-            for i in range(n):
-                e = DirEntry.unpack(raw[i * DIR_ENTRY_BYTES:(i + 1) * DIR_ENTRY_BYTES])
-                if e is not None and e.state == 1:
-                    found.append((e.written_ns, seg, i, e))
-                else:
-                    free.setdefault(sb, []).append((now + self.grace_s if e else now, seg, i))
-        for _, seg, i, e in sorted(found, key=lambda t: t[0]):
-            old = self.live.get(e.key_hash)
-            if old is not None:  # a key twice (a crash between two writes): keep the newer
-                self._drop_live(old)
-                free.setdefault(old.seg.head.slot_bytes, []).append(
-                    (now + self.grace_s, old.seg, old.index))
-            self._add_live(Slot(seg, i, e.gen, e.page_bytes, e.key_hash, e.ns_name, e.pool_name,
-                                now))
-        for sb, items in free.items():
-            self.free[sb] = deque(sorted(items, key=lambda t: t[0]))
-        if self.segments:
-            log.info("hf3fs node %s: %d segments, %d pages found", self.node,
-                     len(self.segments), len(self.live))
-
-    def _open_existing(self, name: str, path: str) -> Segment | None:
-        try:
-            with open(path, "rb") as f:
-                head = SegmentHeader.unpack(f.read(BLOCK))
-        except OSError as e:  # EMFILE, EIO, a hung mount...: the file may be fine, keep it
-            log.warning("hf3fs: cannot read segment %s (%s): its pages are not used until a "
-                        "restart reads it", path, e)
-            return None
-        if head is None or head.node_uuid != self.uuid:
-            log.warning("hf3fs: removing unreadable segment %s (crash while creating it?)", path)
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            return None
-        seg = self.segments[name] = Segment(name, path, head, self.uuid)
-        self.used_bytes += head.file_bytes
-        return seg
 
     # ------------------------------------------------------------ lookups (any thread)
 
@@ -213,7 +139,7 @@ class NodeSpace:
     def next_gen(self) -> int:
         self._counter += 1
         if self._counter >= 1 << 32:  # 2**32 writes in one epoch: go on in a new one
-            self.uuid, self.epoch = bump_epoch(self.root, self.node)
+            self._set_id(bump_epoch(self.root, self.node, self.id, self.file_mode))
             self._counter = 1
         return self.epoch << 32 | self._counter
 
@@ -250,7 +176,7 @@ class NodeSpace:
     def _soonest(self, sb: int) -> float | None:
         """When a quarantined slot of ``sb`` or a retiring segment becomes usable, if any."""
         times = [t for t, seg, _ in self.free.get(sb, ()) if not seg.retiring][:1]
-        times += [s.ready_at for s in self.segments.values() if s.retiring]
+        times += [s.ready_at for s in self._retiring]
         return min(times) if times else None
 
     def _grow(self, sb: int) -> bool:
@@ -269,8 +195,7 @@ class NodeSpace:
         head = SegmentHeader.layout(sb, n, self.uuid, time.time_ns())
         path = os.path.join(self.dir, name + ".seg")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | self.fds.open_flags,
-                         self.file_mode)
+            fd = self.fds.open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, self.file_mode)
             try:
                 os.ftruncate(fd, head.file_bytes)  # sparse; 3FS sets the length now
                 os.pwrite(fd, head.pack(), 0)
@@ -310,14 +235,24 @@ class NodeSpace:
         self._retire(victim_seg)
         return True
 
-    def _retire(self, seg: Segment) -> None:
-        with self.lock:
-            victims = [s for s in self.live.values() if s.seg is seg]
+    def _retire(self, seg: Segment, why: str = "for another page size",
+                victims: list[Slot] | None = None) -> None:
+        """Evict every page of ``seg`` (``victims``, when the caller knows them) and delete the
+        segment once the grace period passed; its slots are never used again."""
+        if victims is None:
+            with self.lock:
+                victims = [s for s in self.live.values() if s.seg is seg]
         self.evict(victims, quarantine=False)
         seg.retiring = True
         seg.ready_at = self.clock() + self.grace_s
-        log.info("hf3fs node %s: retiring segment %s (%d pages) for another page size",
-                 self.node, seg.name, len(victims))
+        self._retiring.append(seg)
+        log.info("hf3fs node %s: retiring segment %s (%d pages) %s", self.node, seg.name,
+                 len(victims), why)
+
+    def maintain(self) -> None:
+        """Finish what waits on the clock: pointer removals to retry, retired segments whose
+        grace passed (writer thread, before a batch; ``allocate`` does it too)."""
+        self._mature_retired()
 
     def _retry_unremoved(self) -> None:
         """Pointers eviction could not remove: try again; their slots are free once removed."""
@@ -337,7 +272,11 @@ class NodeSpace:
         if self._unremoved:
             self._retry_unremoved()
         now = self.clock()
-        for seg in [s for s in self.segments.values() if s.retiring and s.ready_at <= now]:
+        ready = [s for s in self._retiring if s.ready_at <= now]
+        if not ready:
+            return
+        self._retiring = [s for s in self._retiring if s.ready_at > now]
+        for seg in ready:
             del self.segments[seg.name]
             self.used_bytes -= seg.head.file_bytes
             self.fds.drop(seg.key)
@@ -431,8 +370,9 @@ class NodeSpace:
             self.fds.drop(seg.key)
         with self.lock:  # forgotten first: if the new epoch fails, nothing stale is served
             self.segments, self.live, self.lru, self.free = {}, {}, {}, {}
+            self._retiring = []
             self.used_bytes, self._unremoved = 0, []
-        self.uuid, self.epoch = bump_epoch(self.root, self.node)
+        self._set_id(bump_epoch(self.root, self.node, self.id, self.file_mode))
         with self.lock:
             self._reset_state()
 
