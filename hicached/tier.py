@@ -339,7 +339,12 @@ class L3Tier(TierWrites):
         woken: list[Woken] = []
         jobs = self.workers.collect()
         if jobs and self.attached:  # what the store deleted (or may have lost) meanwhile
-            self._forget_evicted(self.backend.take_evicted())
+            try:
+                gone = self.backend.take_evicted()
+            except Exception:  # a backend's bug must not stop the loop
+                log.exception("L3 %s: take_evicted failed", self.backend.name)
+                gone = []
+            self._forget_evicted(gone)
         for job in jobs:
             self._jobs_of[id(job.backend)] = self._jobs_of.get(id(job.backend), 1) - 1
             current = job.backend is self.backend
