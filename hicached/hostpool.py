@@ -32,7 +32,7 @@ from hicached.kernels.cpu import (
     check_slots,
     page_major_parts,
 )
-from hicached.kernels.pointers import SegmentPlan, mha_layer_first_order
+from hicached.kernels.pointers import SegmentPlan, segment_order
 
 log = logging.getLogger(__name__)
 
@@ -370,15 +370,6 @@ class NativePageIO(PageIO):
         return True
 
 
-def _segment_order(pool: Any, segments_per_page: int) -> list[int] | None:
-    """Arena order of the pool's meta segments; only SGLang's MHA layer_first interleaves K/V."""
-    kv = getattr(pool, "kv_buffer", None)
-    if (getattr(pool, "layout", None) == "layer_first" and isinstance(kv, torch.Tensor)
-            and kv.dim() == 5 and kv.shape[0] == 2 and segments_per_page == 2 * kv.shape[1]):
-        return mha_layer_first_order(int(kv.shape[1]))
-    return None
-
-
 def _flat_page_bytes(pool: Any) -> int | None:
     """Bytes of the pool's flat data page (``get_dummy_flat_data_page``), None without one."""
     page = pool.get_dummy_flat_data_page() if hasattr(pool, "get_dummy_flat_data_page") else None
@@ -407,7 +398,7 @@ class PointerPageIO(PageIO):
         if meta is None:
             raise ValueError(f"{type(pool).__name__}.get_page_buffer_meta returned None")
         ptrs, sizes = meta
-        self._plan = SegmentPlan(list(sizes), _segment_order(pool, len(ptrs)))
+        self._plan = SegmentPlan(list(sizes), segment_order(pool, len(ptrs)))
         self.page_bytes = self._plan.page_bytes
         per_token = getattr(pool, "get_size_per_token", None)
         expected = _flat_page_bytes(pool) or (per_token() * self.page_size if callable(per_token)

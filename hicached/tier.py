@@ -159,13 +159,9 @@ class L3Tier(TierWrites):
         lacks)."""
         self.known_in_l3.clear()
         self.absent_in_l3.clear()
-        redirty = dirty_again and self.write_policy == "write_back" and self.attached
         for table in self.index.tables.values():
             for e in table.values():
-                if redirty and e.in_l3 and e not in self.dirty:
-                    self.index.pin(e)
-                    self.dirty[e] = None
-                e.in_l3 = False
+                self._lost_copy(e, dirty_again)
 
     def _close_idle_retired(self) -> None:
         for b in [b for b in self._retired if not self._jobs_of.get(id(b))]:

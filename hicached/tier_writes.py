@@ -134,12 +134,17 @@ class TierWrites:
             table = (ns, pool)
             self.known_in_l3.pop((table, key), None)
             e = self.index.get(table, key)
-            if e is None or not e.in_l3:
-                continue
-            e.in_l3 = False
-            if self.write_policy == "write_back" and e not in self.dirty:
-                self.index.pin(e)
-                self.dirty[e] = None
+            if e is not None:
+                self._lost_copy(e)
+
+    def _lost_copy(self, e: Entry, dirty_again: bool = True) -> None:
+        """L3 may no longer hold ``e``: not clean, and under write_back dirty again (L2 may
+        hold its only copy; its write asks the store first)."""
+        if (dirty_again and e.in_l3 and self.write_policy == "write_back" and self.attached
+                and e not in self.dirty):
+            self.index.pin(e)
+            self.dirty[e] = None
+        e.in_l3 = False
 
     def _maybe_drop(self, e: Entry) -> None:
         """A page flushed from L2 while an L3 write pinned it goes once nothing pins it."""

@@ -202,3 +202,21 @@ def wait_until(pred, timeout_s=10.0):
             return True
         time.sleep(0.05)
     return pred()
+
+
+# ---------------------------------------------------------------- SGLang plugin
+
+
+@pytest.fixture
+def sg():
+    """SGLang's modules the plugin tests use (the test skips, naming the install, without)."""
+    from sglang_env import require_sglang
+    return require_sglang()
+
+
+@pytest.fixture
+def plugin(sg):
+    """``plugin(endpoint, pools, extra=..., **config)``: a plugin attached as SGLang does."""
+    from sglang_env import plugins
+    with plugins(sg) as make:
+        yield make

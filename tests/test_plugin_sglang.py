@@ -27,23 +27,9 @@ from sglang_env import (
     kv_pool,
     load_kv,
     mamba_pool,
-    plugins,
-    require_sglang,
     storage_metrics_module,
     swa_pool,
 )
-
-
-@pytest.fixture
-def sg():
-    return require_sglang()
-
-
-@pytest.fixture
-def plugin(sg):
-    """``plugin(endpoint, pools, extra=..., **config)``: a plugin attached as SGLang does."""
-    with plugins(sg) as make:
-        yield make
 
 
 # ---------------------------------------------------------------- tests

@@ -8,7 +8,6 @@ the same on every TP rank (shared; only the writer rank writes it), Mamba state 
 import dataclasses
 import json
 
-import pytest
 import torch
 from conftest import run_client_proc
 from sglang_env import (
@@ -22,26 +21,12 @@ from sglang_env import (
     load_kv,
     mamba_pool,
     page_hashes,
-    plugins,
-    require_sglang,
     storage_config,
     storage_namespace_seed,
 )
 
 from hicached import HostPool
 from hicached.plugin.namespace import build_namespace
-
-
-@pytest.fixture
-def sg():
-    return require_sglang()
-
-
-@pytest.fixture
-def plugin(sg):
-    """``plugin(endpoint, pools, extra=..., **config)``: a plugin attached as SGLang does."""
-    with plugins(sg) as make:
-        yield make
 
 
 def mla_pool(seed=None):

@@ -8,7 +8,6 @@ set-ahead slots (that copy runs under the client's lock); each thread now has it
 import threading
 import time
 
-import pytest
 import torch
 from sglang_env import (
     PAGE,
@@ -17,22 +16,9 @@ from sglang_env import (
     idx,
     keys_of,
     kv_bytes,
-    plugins,
-    require_sglang,
 )
 
 from hicached import HostPool
-
-
-@pytest.fixture
-def sg():
-    return require_sglang()
-
-
-@pytest.fixture
-def plugin(sg):
-    with plugins(sg) as make:
-        yield make
 
 
 class GatedPool(SGLangLikePool):

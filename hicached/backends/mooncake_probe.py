@@ -20,10 +20,10 @@ from hicached.errors import ConfigError
 
 INVALID_PARAMS = -600  # Mooncake's answer to options it refuses
 
-# argv[1]: the JSON of setup's arguments. Prints setup's and health_check's return codes.
+# argv[1]: the JSON of setup's arguments. Prints setup's and health_check's return codes as
+# the last line of stdout (Mooncake logs to stderr).
 PROBE_SCRIPT = """
 import json, os, sys
-os.environ["GLOG_minloglevel"] = "2"  # Mooncake's info lines are not the answer
 from mooncake.store import MooncakeDistributedStore
 a = json.loads(sys.argv[1])
 s = MooncakeDistributedStore()

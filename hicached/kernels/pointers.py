@@ -29,6 +29,15 @@ def mha_layer_first_order(num_layers: int) -> list[int]:
     return list(range(0, 2 * num_layers, 2)) + list(range(1, 2 * num_layers, 2))
 
 
+def segment_order(pool, segments_per_page: int) -> list[int] | None:
+    """Arena order of a pool's meta segments; only SGLang's MHA layer_first interleaves K/V."""
+    kv = getattr(pool, "kv_buffer", None)
+    if (getattr(pool, "layout", None) == "layer_first" and isinstance(kv, torch.Tensor)
+            and kv.dim() == 5 and kv.shape[0] == 2 and segments_per_page == 2 * kv.shape[1]):
+        return mha_layer_first_order(int(kv.shape[1]))
+    return None
+
+
 def memmove_runs(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> int:
     """``memmove(dst[i], src[i], sizes[i])`` for all i, merging touching neighbours.
 
