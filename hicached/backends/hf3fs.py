@@ -7,9 +7,8 @@ node's pages. Layout and records: ``hf3fs_format.py``; this node's slots: ``hf3f
 ``hf3fs_records.py``; node identity: ``hf3fs_node.py``; the write/read protocol of a batch of
 slots: ``hf3fs_slots.py``; what is known about other nodes' keys: ``hf3fs_keys.py``; open
 segment files, at most a share of RLIMIT_NOFILE: ``hf3fs_fds.py``; the bytes move through
-``hf3fs_io.py`` (USRBIO rings when
-``hf3fs_py_usrbio`` imports and the root is on a 3FS mount, ``preadv``/``pwritev`` on the
-arena's memory otherwise; the same format either way).
+``hf3fs_io.py`` (USRBIO rings when ``hf3fs_py_usrbio`` imports and the root is on a 3FS mount,
+``preadv``/``pwritev`` on the arena's memory otherwise; the same format either way).
 
     key (ns, pool, key) --sha256--> kh --> index/<ns>/<pool>/<kh[:2]>/<kh>   pointer record
     pointer = (node uuid, segment, slot, slot offset, generation, page_bytes, kh)
@@ -35,7 +34,8 @@ naming a slot with another page in it, or a deleted or cut segment (a crash, ano
 ``clear``), is "dead": one miss, then ``exists`` says missing and a put stores the key again
 (``KeyCache.dead``), on every node that saw it. A write into a segment deleted under it is never
 published. Errors (a vanished root, a segment that cannot be created or opened) are misses
-or evictions, never exceptions, and nothing readable is deleted for them.
+or evictions, never exceptions, and nothing readable is deleted for them. This node's
+evictions are told to the daemon (``take_evicted``: the keys of pages it put or read).
 
 What this relies on from 3FS (checked against its FUSE client source) and any filesystem:
 - rename replaces a file atomically (3FS: metadata transactions in FoundationDB); O_EXCL create;
@@ -84,7 +84,7 @@ from hicached.backends.hf3fs_format import (
 )
 from hicached.backends.hf3fs_io import PosixIO, select_io, wants_direct
 from hicached.backends.hf3fs_keys import KeyCache
-from hicached.backends.hf3fs_records import ensure_marker, publish_pointer, read_pointer
+from hicached.backends.hf3fs_records import prepare_root, publish_pointer, read_pointer
 from hicached.backends.hf3fs_slots import SCRATCH_PER_PAGE, read_pointed, write_slots
 from hicached.backends.hf3fs_space import NodeSpace, Slot
 from hicached.config import parse_size
@@ -134,7 +134,7 @@ class Hf3fsBackend(L3Backend):
         self.root = os.path.abspath(root)
         self.capacity = parse_size(capacity, "hf3fs capacity")
         seg_bytes = parse_size(segment_bytes, "hf3fs segment_bytes")
-        self._prepare_root()
+        prepare_root(self.root)
         self.grace_s = float(grace_s)
         self.entries, self.checksum, self.file_mode = batch_entries, bool(checksum), file_mode
         self.io, self.io_reason = select_io(io, self.root, 3 * batch_entries, io_timeout_s)
@@ -155,15 +155,6 @@ class Hf3fsBackend(L3Backend):
         self._bad_lock = threading.Lock()
         self._bad_own: list[Slot] = []  # own slots a read found broken, for the writer thread
         self._closed = False
-
-    def _prepare_root(self) -> None:
-        try:
-            os.makedirs(self.root, exist_ok=True)
-            if not os.access(self.root, os.W_OK | os.X_OK):
-                raise PermissionError(f"no write permission on {self.root}")
-            ensure_marker(self.root)
-        except OSError as e:
-            raise ConfigError(f"hf3fs: root {self.root} is not a writable directory: {e}") from e
 
     def open(self, arena) -> None:
         super().open(arena)
@@ -265,7 +256,7 @@ class Hf3fsBackend(L3Backend):
         seen: set[bytes] = set()
         for i, key in enumerate(keys):
             kh = key_hash(ns, pool, key)
-            if kh in seen or self.space.lookup(kh) is not None:
+            if kh in seen or self._own(kh, ns, pool, key) is not None:
                 out[i] = True
                 continue
             seen.add(kh)
@@ -284,7 +275,7 @@ class Hf3fsBackend(L3Backend):
         places = self.space.allocate(sb, len(todo))
         self.counters["no_space"] += len(todo) - len(places)
         items = [(i, Slot(seg, idx, self.space.next_gen(), page_bytes, kh, ns_name, pool_name,
-                          0.0)) for (seg, idx), (i, kh) in zip(places, todo)]
+                          0.0, (ns, pool, keys[i]))) for (seg, idx), (i, kh) in zip(places, todo)]
         pending = dict(enumerate(items))  # slots to give back if anything below raises
         handles, deleted = {}, []
         try:
@@ -321,6 +312,13 @@ class Hf3fsBackend(L3Backend):
             return out
         self.space.top_up(sb)
         return out
+
+    def _own(self, kh: bytes, ns: str, pool: str, key: str) -> Slot | None:
+        """This node's live slot of ``kh``, which learns its key (for ``take_evicted``)."""
+        slot = self.space.lookup(kh)
+        if slot is not None and slot.key is None:
+            slot.key = (ns, pool, key)
+        return slot
 
     def _has_record(self, ns: str, pool: str, kh: bytes) -> bool:
         """A live pointer record for ``kh``; one that cannot be read counts as none (the
@@ -378,7 +376,7 @@ class Hf3fsBackend(L3Backend):
         own: dict[int, Slot] = {}
         for i, key in enumerate(keys):
             kh = key_hash(ns, pool, key)
-            slot = self.space.lookup(kh)
+            slot = self._own(kh, ns, pool, key)
             if slot is not None:
                 own[i] = slot
                 todo.append((i, slot.pointer(self.space.uuid), True))
@@ -470,13 +468,18 @@ class Hf3fsBackend(L3Backend):
                         os.rmdir(dirpath)
                     except OSError:
                         pass
-            self._reset()
+            self._reset(lost=False)  # (the daemon forgets what it knew stored itself)
         return n
 
-    def _reset(self) -> None:
+    def _reset(self, lost: bool = True) -> None:
         self.fds.drop_all()
         self.space.reset()
         self.keys.clear()
+        if lost:  # another node's clear deleted pages this daemon knew stored
+            self.space.lost_track()
+
+    def take_evicted(self) -> list[tuple[str, str, str]] | None:
+        return self.space.take_evicted()
 
     def stats(self) -> dict:
         return {**self.space.stats(), "io": self.io.name, "io_reason": self.io_reason,

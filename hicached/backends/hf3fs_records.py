@@ -156,3 +156,15 @@ def ensure_marker(root: str, fmt: int = FORMAT) -> None:
         write_file_atomic(path, want, 0o644)
         return
     raise ConfigError(f"hf3fs: {path} keeps changing under this daemon")
+
+
+def prepare_root(root: str) -> None:
+    """Create ``root`` when missing and check it is a writable directory with our marker
+    (``ensure_marker``); any failure is a ``ConfigError``."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(f"no write permission on {root}")
+        ensure_marker(root)
+    except OSError as e:
+        raise ConfigError(f"hf3fs: root {root} is not a writable directory: {e}") from e

@@ -39,12 +39,17 @@ class Segment:
 class Slot:
     """A live page of this node: where it is and what its pointer says."""
 
-    __slots__ = ("gen", "index", "kh", "ns_name", "page_bytes", "pool_name", "seg", "used")
+    __slots__ = ("gen", "index", "key", "kh", "ns_name", "page_bytes", "pool_name", "seg",
+                 "used")
 
     def __init__(self, seg: Segment, index: int, gen: int, page_bytes: int, kh: bytes,
-                 ns_name: str, pool_name: str, used: float):
+                 ns_name: str, pool_name: str, used: float,
+                 key: tuple[str, str, str] | None = None):
         self.seg, self.index, self.gen, self.page_bytes = seg, index, gen, page_bytes
         self.kh, self.ns_name, self.pool_name, self.used = kh, ns_name, pool_name, used
+        # (namespace, pool, key) once this daemon put or read the page (the disk keeps only
+        # its hash): what ``take_evicted`` tells the daemon when the slot is evicted
+        self.key = key
 
     def pointer(self, node_uuid: bytes) -> Pointer:
         return Pointer(node_uuid, self.seg.name, self.index, self.seg.head.slot_off(self.index),

@@ -49,6 +49,7 @@ from hicached.backends.hf3fs_restart import Segment, Slot, SpaceRestart
 log = logging.getLogger(__name__)
 
 GROW_RETRY_S = 5.0  # after a segment could not be created, evict instead for this long
+EVICTED_MAX = 1 << 16  # evicted keys kept for ``take_evicted``; past it, it answers None
 
 
 # ---------------------------------------------------------------- the slot space
@@ -70,6 +71,9 @@ class NodeSpace(SpaceRestart):
         self.waits = 0  # allocations that waited out a grace period
         self._unremoved: list[Slot] = []  # evicted slots whose pointer removal failed
         self._grow_failed_at = -GROW_RETRY_S  # a segment could not be created then
+        self._evicted: list[tuple[str, str, str]] = []  # for ``take_evicted``
+        self._evicted_lost = False
+        self._evicted_lock = threading.Lock()
         try:
             self._set_id(bump_epoch(root, node, mode=file_mode))
             self._reset_state()
@@ -285,8 +289,11 @@ class NodeSpace(SpaceRestart):
             except OSError as e:
                 log.warning("hf3fs: cannot delete retired segment %s: %s", seg.path, e)
 
-    def evict(self, victims: list[Slot], quarantine: bool = True) -> None:
-        """Make ``victims`` unreachable (pointer, then directory entry), then quarantine them."""
+    def evict(self, victims: list[Slot], quarantine: bool = True, tell: bool = True) -> None:
+        """Make ``victims`` unreachable (pointer, then directory entry), then quarantine them;
+        ``tell``: their keys (where known) are reported by ``take_evicted``."""
+        if tell:
+            self._tell([slot.key for slot in victims if slot.key is not None])
         for slot in victims:
             self._drop_live(slot)
             try:
@@ -330,6 +337,29 @@ class NodeSpace(SpaceRestart):
         q = self.free.setdefault(seg.head.slot_bytes, deque())
         q.append((self.clock() + self.grace_s, seg, index))
 
+    # ------------------------------------------------------------ evicted keys (any thread)
+
+    def _tell(self, keys: list[tuple[str, str, str]]) -> None:
+        if not keys:
+            return
+        with self._evicted_lock:
+            if not self._evicted_lost:
+                self._evicted.extend(keys)
+                if len(self._evicted) > EVICTED_MAX:  # nobody asks: stop keeping them
+                    self._evicted_lost, self._evicted = True, []
+
+    def lost_track(self) -> None:
+        """Pages may have gone without their keys told (``take_evicted`` answers None)."""
+        with self._evicted_lock:
+            self._evicted_lost = True
+            self._evicted = []
+
+    def take_evicted(self) -> list[tuple[str, str, str]] | None:
+        with self._evicted_lock:
+            out = None if self._evicted_lost else self._evicted
+            self._evicted, self._evicted_lost = [], False
+        return out
+
     # ------------------------------------------------------------ commit (writer thread)
 
     def write_dir(self, seg: Segment, index: int, entry: DirEntry) -> None:
@@ -348,8 +378,8 @@ class NodeSpace(SpaceRestart):
                                                       slot.pool_name))
         slot.used = self.clock()
         old = self.live.get(slot.kh)
-        if old is not None:
-            self.evict([old])
+        if old is not None:  # the same key stored again: still stored, nothing to tell
+            self.evict([old], tell=False)
         self._add_live(slot)
 
     # ------------------------------------------------------------ reset, stats, close
