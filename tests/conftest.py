@@ -131,31 +131,61 @@ def daemon(make_daemon):
 class RacingWriter:
     """A writer process racing a test's reader for ``seconds``: ``python -c script`` (``script``
     formatted with the tests directory) with argv (endpoint, seconds, progress file); it writes
-    the round it is at into that file as 8 little-endian bytes (``round()``). ``end``: when the
-    reader should stop; ``finish()`` waits for the writer and returns its rounds. Leaving the
-    ``with`` block on an exception kills the writer."""
+    the round it is at into that file as 8 little-endian bytes (``round()``), and the reader
+    the round it asks about next at offset 8 (``asked``), so that a writer running on a loaded
+    machine can wait for the reader instead of evicting everything before it asks (the
+    scripts' ``keep_up``). ``end``: when the reader should stop, ``seconds`` after the writer
+    wrote its first rounds (a loaded machine may take seconds to start it); ``finish()`` waits
+    for the writer and returns its rounds. Leaving the ``with`` block on an exception kills
+    the writer."""
+
+    DONE = 1 << 62  # asked once the reader stopped: the writer no longer waits for it
+
+    # for the writer scripts: wait while the reader is more than ``lead`` rounds behind
+    KEEP_UP = """
+def keep_up(fd, r, lead, end):
+    while r - int.from_bytes(os.pread(fd, 8, 8), "little") > lead and time.monotonic() < end:
+        time.sleep(0.0005)
+"""
 
     def __init__(self, script: str, endpoint: str, seconds: float, tmp_path):
         progress = tmp_path / "round"
-        progress.write_bytes(bytes(8))
+        progress.write_bytes(bytes(16))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", script % os.path.dirname(__file__), endpoint, str(seconds),
              str(progress)], stdout=subprocess.PIPE, text=True)
-        self.fd = os.open(progress, os.O_RDONLY)
-        self.end = time.monotonic() + seconds
+        self.fd = os.open(progress, os.O_RDWR)
+        self.seconds = seconds
+        self._end: float | None = None
+
+    @property
+    def end(self) -> float:
+        if self._end is None:
+            deadline = time.monotonic() + 60
+            while self.round() < 1 and self.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self._end = time.monotonic() + self.seconds
+        return self._end
 
     def round(self) -> int:
         return int.from_bytes(os.pread(self.fd, 8, 0), "little")
+
+    def asked(self, r: int) -> None:
+        os.pwrite(self.fd, max(0, r).to_bytes(8, "little"), 8)
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
+        self.asked(self.DONE)
         os.close(self.fd)
+        self.fd = -1
         if exc_type is not None and self.proc.poll() is None:
             self.proc.kill()  # the reader failed early
 
     def finish(self) -> int:
+        if self.fd >= 0:
+            self.asked(self.DONE)
         out, _ = self.proc.communicate(timeout=30)
         assert self.proc.returncode == 0, f"writer exited {self.proc.returncode}"
         return int(out)

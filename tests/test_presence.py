@@ -407,13 +407,15 @@ import os, sys, time, torch
 sys.path.insert(0, %r)
 from test_daemon import kv_pool, indexer_pool, pages
 from hicached import Client, PoolTransfer
+""" + RacingWriter.KEEP_UP + """
 c = Client(sys.argv[1], "model-a")
 c.register_mem_host_pool_v2(kv_pool(seed=1), "kv")
 c.register_mem_host_pool_v2(indexer_pool(seed=3), "indexer")
 end = time.monotonic() + float(sys.argv[2])
 r = 0
-out = os.open(sys.argv[3], os.O_WRONLY)
+out = os.open(sys.argv[3], os.O_RDWR)
 while time.monotonic() < end:
+    keep_up(out, r, 4, end)  # never far past the rounds the reader asks about
     os.pwrite(out, r.to_bytes(8, "little"), 0)  # the round being written, for the reader  # kv-only pages ("k...") and kv+indexer pages ("b...")
     ks = [f"k{r:07x}{i:08x}" for i in range(16)]
     bs = [f"b{r:07x}{i:08x}" for i in range(16)]
@@ -436,7 +438,9 @@ def test_readers_racing_evictions_never_see_another_keys_pools(make_daemon, tmp_
     with RacingWriter(WRITER_LOOP, daemon.endpoint, 4, tmp_path) as writer, \
             hybrid_client(daemon) as c:
         while time.monotonic() < writer.end:
-            r = max(0, writer.round() - random.randrange(8))
+            now = writer.round()
+            writer.asked(now)
+            r = max(0, now - random.randrange(8))
             key = f"k{r:07x}{random.randrange(16):08x}"  # a recent kv-only page (or evicted)
             res, calls = with_socket_calls(c, lambda k=key: c.batch_exists_v2(
                 [k], [PoolTransfer("indexer", keys=[k], hit_policy="all_pages")]))

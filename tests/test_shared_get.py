@@ -294,11 +294,13 @@ import os, sys, time, torch
 sys.path.insert(0, %r)
 from test_shared_get import pool, tokens
 from hicached import Client, PoolTransfer
+""" + RacingWriter.KEEP_UP + """
 c = Client(sys.argv[1], "model-a")
 end = time.monotonic() + float(sys.argv[2])
-out = os.open(sys.argv[3], os.O_WRONLY)
+out = os.open(sys.argv[3], os.O_RDWR)
 r = 0
 while time.monotonic() < end:  # round r: keys w{r}-{i}, page i filled with r * 16 + i
+    keep_up(out, r, 2, end)  # at most 2 rounds (8 slots) past the one being read
     keys = [f"w{r}-{i}" for i in range(4)]
     src = pool(4, float(r * 16))
     c.register_mem_host_pool_v2(src, "kv")
@@ -325,6 +327,7 @@ def test_readers_racing_evictions_only_ever_get_their_own_keys_bytes(make_daemon
             r = writer.round() - int(rng.integers(0, 2))
             if r < 0:
                 continue
+            writer.asked(r)
             keys = [f"w{r}-{i}" for i in range(4)]
             dst.kv_buffer.fill_(-1.0)
             res, sent = with_requests(c, lambda k=keys: c.batch_get_v2(
