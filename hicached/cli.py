@@ -62,6 +62,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--admin-api-key", dest="admin_api_key",
                    help="Bearer key of the mutating admin endpoints (visible in ps: prefer "
                    "HICACHED_ADMIN_API_KEY or the config file)")
+    p.add_argument("--l3-audit-s", dest="l3_audit_s", type=float,
+                   help="every this many seconds ask L3 whether it still holds the pages L2 "
+                   "evicts next, and write again those it evicted (0: never)")
     p.add_argument("--unchecked-idle-s", dest="unchecked_idle_s", type=float,
                    help="end the session of a client whose process cannot be checked after "
                    "this long without a request")
@@ -84,7 +87,7 @@ OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l
                "set_ahead_bytes", "busy_poll_ms", "shared_exists", "shared_gets", "presence_slots",
                "log_level", "admin_host", "admin_port", "admin_api_key", "drain_timeout_s",
                "socket_group", "client_token", "allow_tcp", "namespace_quotas",
-               "io_queue_depth", "socket_mode", "unchecked_idle_s")
+               "io_queue_depth", "socket_mode", "unchecked_idle_s", "l3_audit_s")
 
 
 def main(argv: list[str] | None = None) -> int:

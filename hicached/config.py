@@ -87,6 +87,7 @@ class DaemonConfig:
     prefetch: bool = True  # exists that finds pages only in L3 starts pulling them into L2
     l3_load_chunk: int = 64 * 1024**2  # bytes an L3 load job moves at most (streamed gets)
     get_wait_s: float = 2.0  # longest a get / exists waits for L3 loads / lookups before missing
+    l3_audit_s: float = 10.0  # ask L3 about the copies of the pages L2 evicts next (0: never)
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 30.0
     set_ahead_bytes: int = 128 * 1024**2  # set-ahead slots one client may hold (0: none)
@@ -162,6 +163,8 @@ class DaemonConfig:
             raise ConfigError(f"admin_port: must be 0 (off) or a TCP port, got {self.admin_port}")
         if self.admin_port and not self.admin_host:
             raise ConfigError("admin_host: must be set when admin_port is")
+        if self.l3_audit_s < 0:
+            raise ConfigError(f"l3_audit_s: must be >= 0 (0: never), got {self.l3_audit_s}")
         if self.unchecked_idle_s <= 0:
             raise ConfigError(f"unchecked_idle_s: must be > 0, got {self.unchecked_idle_s}")
         if self.drain_timeout_s < 0:

@@ -90,7 +90,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             self.workers = IOWorkers(config.io_queue_depth)
             self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
                                config.write_through_threshold, config.prefetch,
-                               config.l3_load_chunk)
+                               config.l3_load_chunk, config.l3_audit_s)
             if config.l3_backend != "none":
                 self.tier.attach(self._open_backend(config.l3_backend, None))
             if self.presence is not None:  # before any client reads it (a restart with L3)
@@ -172,7 +172,8 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
 
     def _tick(self, now: float) -> None:
         """Every ``SWEEP_INTERVAL_S``: expire reservations and leases, drop dead clients, relieve
-        write-back pressure; and feed the systemd watchdog (only a running loop does)."""
+        write-back pressure, audit L3 copies when due; and feed the systemd watchdog (only a
+        running loop does)."""
         if now >= self._next_watchdog:
             interval = self.notifier.watchdog_interval_s
             if interval:
@@ -185,6 +186,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             self.controller.reap_idle_unchecked(now, self.config.unchecked_idle_s)
             self.auth.prune(self.controller.sessions)
             self.tier.relieve_pressure()
+            self.tier.audit(now)
             self._next_sweep = now + SWEEP_INTERVAL_S
 
     def serve_forever(self) -> None:

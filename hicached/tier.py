@@ -25,6 +25,8 @@ the arena (L2) and the backend (L3).
                               off the control loop, and answers when the prober has
     prefetch                  an exists that finds pages only in L3 starts the same loads with
                               nobody waiting; a get that follows joins the loads in flight
+    audit                     the store is asked now and then whether it still holds the copies
+                              of the pages L2 evicts next (``tier_audit.py``)
 
 Attach / detach swap the backend while clients run: jobs carry the backend they were queued
 for, so in-flight writes finish against the old one (and do not mark pages as stored in the new
@@ -47,6 +49,7 @@ from hicached.config import WRITE_POLICIES
 from hicached.errors import HicachedError, ProtocolError
 from hicached.index import Entry, PageIndex, TableId
 from hicached.keymemory import KeyMemory
+from hicached.tier_audit import TierAudit
 from hicached.tier_writes import TierWrites
 from hicached.workers import IOJob, IOWorkers
 
@@ -67,13 +70,15 @@ class Woken(NamedTuple):
     follow: set[int]
 
 
-class L3Tier(TierWrites):
+class L3Tier(TierWrites, TierAudit):
     """See the module docstring."""
 
     def __init__(self, index: PageIndex, workers: IOWorkers, backend: L3Backend | None = None,
                  write_policy: str = "write_through", threshold: int = 2, prefetch: bool = True,
-                 load_chunk_bytes: int = 64 << 20):
+                 load_chunk_bytes: int = 64 << 20, audit_s: float | None = None):
         self.index = index
+        if audit_s is not None:
+            self.audit_s = audit_s  # (tier_audit.py)
         self.workers = workers
         self.backend: L3Backend = backend or NullBackend()
         self.set_policies(write_policy, threshold, prefetch)
@@ -100,7 +105,7 @@ class L3Tier(TierWrites):
         self.counters = {"l3_loads": 0, "l3_load_failures": 0, "l3_writes": 0,
                          "l3_write_failures": 0, "l3_writes_dropped": 0, "l3_errors": 0,
                          "prefetched_pages": 0, "write_backs": 0, "l3_probes_dropped": 0,
-                         "l3_dirty_dropped": 0}
+                         "l3_dirty_dropped": 0, "l3_copies_lost": 0}
 
     # ------------------------------------------------------------ backend and policies
 
@@ -349,6 +354,9 @@ class L3Tier(TierWrites):
                 continue
             if job.kind == "put":
                 self._put_done(job, current)
+                continue
+            if job.kind == "audit":
+                self._audit_done(job, current)
                 continue
             if job.kind in ("exists", "find"):
                 self._probe_done(job, current)

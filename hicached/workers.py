@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 class IOJob:
     """One batched backend call. ``result`` (one bool per key) is filled by the worker."""
 
-    kind: str  # "put" | "get" | "clear" | "exists" | "find" (exists, then the tier loads)
+    kind: str  # "put" | "get" | "clear" | "exists" | "find" (exists, then the tier loads) |
+    # "audit" (exists of pages known stored: tier_audit.py)
     ns: str
     pool: str
     keys: list[str]
@@ -43,7 +44,8 @@ class IOJob:
 
 
 # the queue (and thread) of each job kind
-QUEUE_OF = {"put": "put", "clear": "put", "get": "get", "exists": "probe", "find": "probe"}
+QUEUE_OF = {"put": "put", "clear": "put", "get": "get", "exists": "probe", "find": "probe",
+            "audit": "probe"}
 
 
 class IOWorkers:
