@@ -68,8 +68,9 @@ class RankNamespace:
 
 
 def _clean(value: Any) -> str:
-    """A namespace component: no separators, no surrounding space."""
-    return str(value).strip().replace("|", "/").replace("=", ":")
+    """A namespace component: no separators, no surrounding space. Escaped, not replaced: two
+    different salts or model names ("tenant=1", "tenant:1") must never give one namespace."""
+    return str(value).strip().replace("%", "%25").replace("|", "%7C").replace("=", "%3D")
 
 
 def dtype_name(dtype: Any) -> str:
