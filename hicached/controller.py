@@ -65,8 +65,11 @@ class Controller(SessionControl):
 
     def register_pool(self, s: Session, pool: str, page_bytes: int) -> int:
         """Check and record a session's pool; its bit in the namespace's presence masks."""
-        if not pool:
-            raise ProtocolError("pool name must be non-empty")
+        if not pool or pool in (".", "..") or any(c in pool for c in "/\\\0"):
+            # L3 backends name files and objects after the pool: "../<other namespace>/kv"
+            # would reach another namespace's pages on a directory store
+            raise ProtocolError(f"pool name {pool!r} must be non-empty, not '.' or '..', and "
+                                "hold no '/', '\\' or NUL")
         stride = self.index.alloc.check_page_bytes(page_bytes)
         table = (s.ns, pool)
         try:

@@ -205,6 +205,32 @@ def test_tenants_do_not_share_pages(models, make_daemon, engine):
     assert engine(lm, daemon, tenant="a").generate(prompt(11), 2).l2_tokens == 40
 
 
+def test_same_weights_under_another_config_share_no_pages(models, make_daemon, engine,
+                                                          tmp_path):
+    """The same safetensors loaded with another RoPE base write other KV for the same tokens:
+    an engine of that config must compute, never take the first config's pages (before the
+    fix its namespace was the same and it continued from them, 0.1 off a live continuation)."""
+    import os
+    import shutil
+
+    lm = models["deepseek_v32"]
+    path = str(tmp_path / "rope")
+    shutil.copytree(lm.path, path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["rope_parameters"]["rope_theta"] *= 50
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    other = load_model("deepseek_v32", path=path, device=TEST_DEVICE)
+    daemon = make_daemon()
+    first = engine(lm, daemon)
+    first.generate(A, 2)
+    second = engine(other, daemon)
+    assert second.namespace != first.namespace
+    check(other, second.generate(prompt(12), 2), l1=0, l2=0, l3=0)
+    second.check_idle()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefetch_stop_policies(models, make_daemon, engine, arch):
     """``timeout`` waits for the pages within its budget (here: all of them, exactly as

@@ -236,3 +236,48 @@ def test_a_daemon_keeps_its_file_l3_within_capacity(make_daemon, tmp_path):
         assert got == {"kv": [True] * 4}
         assert torch.equal(kv_tokens(dst, 0, 4), kv_tokens(src, 4, 4))
         assert c.batch_get_v1(keys[:2], pages(8, 2)) == [False, False]
+
+
+def test_a_pool_name_never_leaves_its_namespace_directory(arena, tmp_path):
+    """A pool named like a path ("../<other namespace>/kv") is refused by the backend itself:
+    it would otherwise write over, and read, another namespace's page files."""
+    b = FileBackend(str(tmp_path / "l3"))
+    b.open(arena)
+    fill(arena, 0, 256, 1)
+    assert b.batch_put("nsB", "kv", ["k"], [0], 256) == [True]
+    fill(arena, 256, 256, 7)
+    for pool in ("../nsB/kv", "..", ".", "a/b", "a\\b", "a\0b", ""):
+        assert b.batch_put("nsA", pool, ["k"], [256], 256) == [False]
+        assert b.exists("nsA", pool, ["k"]) == [False]
+        assert b.batch_get("nsA", pool, ["k"], [512], 256) == [False]
+    assert b.batch_get("nsB", "kv", ["k"], [1024], 256) == [True]
+    assert arena.tensor[1024:1280].eq(1).all()  # nsB's page, not nsA's
+    assert sorted(os.listdir(tmp_path)) == ["l3"]
+
+
+def test_a_client_cannot_reach_another_namespace_through_a_pool_name(daemon):
+    """Tenant A registering the pool "../<B's namespace digest>/kv" is refused, so A's pages
+    never replace B's in L3 (before the fix, B read A's bytes once L2 was flushed)."""
+    import torch
+    from conftest import wait_until
+    from test_daemon import kv_pool, kv_tokens, pages
+
+    from hicached.errors import ProtocolError
+    from hicached.sessions import namespace_digest
+
+    keys = [f"p{i}" for i in range(4)]
+    own = kv_pool(seed=1)
+    with daemon.client("tenant-b") as b:
+        b.register_mem_host_pool_v2(own, "kv")
+        assert b.batch_set_v1(keys, pages(0, 4)) == [True] * 4
+        assert wait_until(lambda: b.stats()["l3_writes"] == 4)
+    with daemon.client("tenant-a") as a:
+        for pool in (f"../{namespace_digest('tenant-b')}/kv", "..", ".", "x/y", "x\\y"):
+            with pytest.raises(ProtocolError, match="pool name"):
+                a.register_mem_host_pool_v2(kv_pool(seed=99), pool)
+        a.flush("l2")
+    dst = kv_pool()
+    with daemon.client("tenant-b") as b:
+        b.register_mem_host_pool_v2(dst, "kv")
+        assert b.batch_get_v1(keys, pages(0, 4)) == [True] * 4
+        assert torch.equal(kv_tokens(dst, 0, 4), kv_tokens(own, 0, 4))

@@ -201,3 +201,22 @@ def test_older_result_type_without_restorable_field(sg, plugin, daemon, monkeypa
     b = plugin(daemon.endpoint, {"kv": kv_pool(seed=7)})
     b.batch_set_v1(["x"], idx(0, 1))
     assert b.batch_exists_v2(["x", "y"]) == OldResult(1, {"kv": 1})
+
+
+def test_distinct_salts_and_model_names_never_give_one_namespace():
+    """Separators in a component are escaped, not replaced: before the fix "tenant=1" and
+    "tenant:1" (or models "org|x" and "org/x") gave one namespace, so those tenants shared
+    pages."""
+    from types import SimpleNamespace
+    pool = HostPool.allocate_mha(8, 4, layers=2, heads=1, head_dim=8, dtype=torch.float32)
+
+    def ns(model="m", **kw):
+        cfg = SimpleNamespace(tp_rank=0, tp_size=1, is_mla_model=False, model_name=model)
+        return build_namespace(cfg, pool, **kw).namespace
+
+    salts = ["tenant=1", "tenant:1", "tenant%3D1", "tenant|1", "tenant/1", "tenant%7C1"]
+    assert len({ns(namespace_salt=s) for s in salts}) == len(salts)
+    models = ["org|x", "org/x", "org=x", "org:x", "org%7Cx"]
+    assert len({ns(m) for m in models}) == len(models)
+    assert ns("org/model") == ns(" org/model ")  # plain names are as they were
+    assert "|model=org/model|" in ns("org/model")

@@ -333,3 +333,26 @@ def test_real_pools_put_their_flat_page_into_the_arena(sgp, layout):
         assert torch.equal(arena[io.page_bytes:], page_bytes(pool, at)), label
         io.from_arena([to], arena, [io.page_bytes])
         assert torch.equal(page_bytes(pool, to), page_bytes(pool, at)), label
+
+
+def test_fp8_kv_formats_never_share_pages(sgp, plugin, daemon, caplog):
+    """SGLang stores every fp8 KV cache as uint8 (``store_dtype``), so its host pools of an
+    fp8_e4m3 and an fp8_e5m2 deployment of one model look alike: the same dtype, page bytes,
+    layout and model name. ``kv_cache_dtype`` in extra_config (the engine's --kv-cache-dtype)
+    tells them apart (before the fix it was ignored and e5m2 engines read e4m3 pages); a uint8
+    KV pool without it is warned about."""
+    keys = keys_of("fp8-", 2)
+    src = mha_pool(sgp, dtype=torch.uint8)  # what SGLang hands the host pool for any fp8
+    fill(src, seed=8)
+    e4m3 = plugin(daemon.endpoint, {"kv": src}, extra={"kv_cache_dtype": "fp8_e4m3"})
+    assert e4m3.batch_set_v1(keys, torch.arange(2 * PAGE)) == [True, True]
+    same = plugin(daemon.endpoint, {"kv": mha_pool(sgp, dtype=torch.uint8)},
+                  extra={"kv_cache_dtype": "fp8_e4m3"})
+    assert same.batch_exists(keys) == 2  # control: the same format hits
+    e5m2 = plugin(daemon.endpoint, {"kv": mha_pool(sgp, dtype=torch.uint8)},
+                  extra={"kv_cache_dtype": "fp8_e5m2"})
+    assert e5m2.namespace.namespace != e4m3.namespace.namespace
+    assert e5m2.batch_exists(keys) == 0
+    with caplog.at_level("WARNING", logger="hicached.plugin.namespace"):
+        plugin(daemon.endpoint, {"kv": mha_pool(sgp, dtype=torch.uint8)})
+    assert "kv_cache_dtype" in caplog.text

@@ -1,6 +1,8 @@
 """The embedded L3: one file per page under a local directory (``<state_dir>/l3``).
 
     l3/<namespace digest>/<pool>/<2-char fan-out>/<file name>
+    pool      one path component: a pool named "..", "." or with a '/' is refused (the daemon
+              refuses to register one), it would reach another namespace's directory
     file name = the key when it is a plain token ([A-Za-z0-9_.-], <= 160 chars),
                 else "h-" + sha256(key)  (the key itself is in the header either way)
     file      = header | page bytes
@@ -70,6 +72,12 @@ def file_name(key: str) -> str:
     if _PLAIN.match(key) and not key.startswith((".", "h-")):
         return key
     return "h-" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def safe_pool(pool: str) -> bool:
+    """Whether ``pool`` is one path component under its namespace's directory: a name such
+    as "../<other namespace>/kv" would read and overwrite another namespace's pages."""
+    return bool(pool) and pool not in (".", "..") and not any(c in pool for c in "/\\\0")
 
 
 def encode_header(key: str, page_bytes: int) -> bytes:
@@ -242,11 +250,13 @@ class FileBackend(L3Backend):
 
     def exists(self, ns: str, pool: str, keys: Sequence[str]) -> list[bool]:
         have = self._keys.get((ns, pool))
-        if not have:
+        if not have or not safe_pool(pool):
             return [False] * len(keys)
         return [k in have for k in keys]
 
     def batch_put(self, ns, pool, keys, offsets, page_bytes):
+        if not safe_pool(pool):
+            return [False] * len(keys)
         with self._lock:
             have = self._keys.setdefault((ns, pool), {})
         out = []
@@ -293,7 +303,7 @@ class FileBackend(L3Backend):
             return False
 
     def batch_get(self, ns, pool, keys, offsets, page_bytes):
-        have = self._keys.get((ns, pool), {})
+        have = self._keys.get((ns, pool), {}) if safe_pool(pool) else {}
         return [
             key in have and self._get_one(ns, pool, key, offset, page_bytes)
             for key, offset in zip(keys, offsets)

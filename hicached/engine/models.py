@@ -3,7 +3,8 @@
 No hub access: a model is built from a tiny config with ``torch.manual_seed(seed)``, written with
 ``save_pretrained`` into a directory and loaded back with ``from_pretrained`` (the real loading
 path), so every process that builds the same (arch, seed, overrides) gets bit-identical weights.
-The weights digest (SHA-256 of the safetensors bytes) is part of the cache namespace.
+The checkpoint digest (SHA-256 of config.json and the safetensors bytes) is part of the cache
+namespace: the same weights under another config (a RoPE base or scaling, say) write other KV.
 
     arch           cache per layer (transformers' DynamicCache)           hicached pools
     qwen3_next     full attention: K/V [1, kv_heads, T, head_dim]          kv (MHA)
@@ -148,9 +149,12 @@ def _probe_geometry(model, config) -> CacheGeometry:
 
 
 def _digest(path: str) -> str:
+    """Digest of a checkpoint: its config and its weights. Both shape the cache: the same
+    weights loaded under another RoPE base or scaling write other KV for the same tokens."""
     h = hashlib.sha256()
     for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
+        if name == "config.json" or name.endswith(".safetensors"):
+            h.update(f"{name}\0".encode())
             with open(os.path.join(path, name), "rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
                     h.update(block)

@@ -5,14 +5,17 @@ the backend's job: two engines must share a page exactly when its bytes would be
 namespace (fixed at the handshake; the daemon keys every table by it) therefore names everything
 that shapes a page's bytes and nothing else:
 
-    sglang|model=<served name>|rev=<revision>|kv=<dtype>|page=<tokens>|layout=<host layout>
-          |bytes=<KV page bytes>|tp=<rank>of<size> (or tp=replicated)|pp=<rank>of<size>
-          |cp=<rank>of<size>[|salt=<salt>]
+    sglang|model=<served name>|rev=<revision>|kv=<dtype>[|kvfmt=<format>]|page=<tokens>
+          |layout=<host layout>|bytes=<KV page bytes>|tp=<rank>of<size> (or tp=replicated)
+          |pp=<rank>of<size>|cp=<rank>of<size>[|salt=<salt>]
 
   model    ``HiCacheStorageConfig.model_name`` (SGLang appends the host pool's storage-format tag),
            or extra_config ``model_name``
   rev      extra_config ``model_revision`` (SGLang does not know the weights revision)
   kv       dtype of the KV host pool; page: tokens per page; layout: the KV host pool's layout
+  kvfmt    extra_config ``kv_cache_dtype`` (SGLang's ``--kv-cache-dtype``): an fp8 KV cache is
+           stored as uint8 whatever its format (``store_dtype``), so the host pool cannot tell
+           fp8_e4m3 from fp8_e5m2 pages; a uint8 KV pool without it is warned about
            (layer_first / page_first / page_first_direct lay a page's bytes out differently);
            bytes: one KV page's size (MTP draft layers packed into the KV pool change it)
   tp       rank-sharded KV (MHA heads split across TP): one namespace per TP rank.
@@ -65,8 +68,9 @@ class RankNamespace:
 
 
 def _clean(value: Any) -> str:
-    """A namespace component: no separators, no surrounding space."""
-    return str(value).strip().replace("|", "/").replace("=", ":")
+    """A namespace component: no separators, no surrounding space. Escaped, not replaced: two
+    different salts or model names ("tenant=1", "tenant:1") must never give one namespace."""
+    return str(value).strip().replace("%", "%25").replace("|", "%7C").replace("=", "%3D")
 
 
 def dtype_name(dtype: Any) -> str:
@@ -85,7 +89,8 @@ def _page_bytes(kv_pool: Any) -> int | str:
 
 
 def build_namespace(storage_config: Any, kv_pool: Any, *, model_name: str = "",
-                    model_revision: str = "", namespace_salt: str = "") -> RankNamespace:
+                    model_revision: str = "", namespace_salt: str = "",
+                    kv_cache_dtype: str = "") -> RankNamespace:
     """The namespace of this rank from SGLang's ``HiCacheStorageConfig`` and its KV host pool.
 
     Fields newer SGLang added (dcp_*, logical_page_size, is_storage_writer, attn_cp_*) are read
@@ -111,6 +116,12 @@ def build_namespace(storage_config: Any, kv_pool: Any, *, model_name: str = "",
         log.warning("hicached: heterogeneous-TP head splitting (tp_lcm_size) is not supported; "
                     "pages stay per TP rank, so ranks of different TP sizes share nothing")
 
+    kv_dtype = dtype_name(getattr(kv_pool, "dtype", None))
+    if kv_dtype == "uint8" and not kv_cache_dtype:
+        log.warning("hicached: the KV host pool stores uint8 (an fp8 KV cache): its fp8 format "
+                    "is not visible here; set extra_config kv_cache_dtype to the engine's "
+                    "--kv-cache-dtype so that engines of another fp8 format never take these "
+                    "pages")
     rank = f"tp{tp_rank}of{tp_size}"
     if replicated:
         tp_part = "replicated"
@@ -123,7 +134,8 @@ def build_namespace(storage_config: Any, kv_pool: Any, *, model_name: str = "",
         "sglang",
         f"model={_clean(model)}",
         f"rev={_clean(model_revision)}",
-        f"kv={dtype_name(getattr(kv_pool, 'dtype', None))}",
+        f"kv={kv_dtype}",
+        *([f"kvfmt={_clean(kv_cache_dtype)}"] if kv_cache_dtype else []),
         f"page={int(getattr(kv_pool, 'page_size', 1))}",
         f"layout={_clean(getattr(kv_pool, 'layout', 'unknown'))}",
         f"bytes={_page_bytes(kv_pool)}",  # e.g. MTP layers packed in: another page size

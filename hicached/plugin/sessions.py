@@ -95,7 +95,8 @@ class RankSessions:
                 ns = build_namespace(self.storage_config, pool,
                                      model_name=self.settings.model_name,
                                      model_revision=self.settings.model_revision,
-                                     namespace_salt=self.settings.namespace_salt)
+                                     namespace_salt=self.settings.namespace_salt,
+                                     kv_cache_dtype=self.settings.kv_cache_dtype)
                 if self.namespace is not None and ns != self.namespace:
                     stale = [ts.client for ts in self._threads.values()]  # fixed per session
                     self._threads.clear()

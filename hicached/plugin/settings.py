@@ -22,6 +22,7 @@ class PluginSettings:
     model_name: str = ""
     model_revision: str = ""
     namespace_salt: str = ""
+    kv_cache_dtype: str = ""  # SGLang's --kv-cache-dtype (fp8 formats all store as uint8)
     clear_tier: str = "all"
     allocator: str = ""
     token: str = field(default="", repr=False)  # the daemon's client_token (never logged)
@@ -47,7 +48,8 @@ class PluginSettings:
                     raise ValueError(f"hicached extra_config {key} must be a number > 0, "
                                      f"got {value!r}")
                 out[key] = float(value)
-        for key in ("model_name", "model_revision", "namespace_salt", "allocator"):
+        for key in ("model_name", "model_revision", "namespace_salt", "kv_cache_dtype",
+                    "allocator"):
             if extra.get(key) is not None:
                 out[key] = str(extra[key])
         tier = extra.get("clear_tier", "all")

@@ -12,7 +12,7 @@ Enable it with SGLang's dynamic backend loader (``cls(storage_config, {})`` is h
 ``timeout_s`` (6.0: a daemon slower than this is a miss; a little over the daemon's own bound on
 waiting for L3 loads, ``get_wait_s``, 2 s by default, so that answer comes first), ``retry_interval_s`` (1.0:
 after a call failed for a daemon down, hung or restarting, every call misses at once for this
-long, then twice as long after each further failure, up to 30 s; a success resets it), ``model_name``, ``model_revision``, ``namespace_salt`` (see
+long, then twice as long after each further failure, up to 30 s; a success resets it), ``model_name``, ``model_revision``, ``namespace_salt``, ``kv_cache_dtype`` (see
 ``namespace.py``), ``token`` (the daemon's ``client_token``; default: the engine's
 ``HICACHED_CLIENT_TOKEN`` variable), ``clear_tier`` ("all" | "l2" | "none": what ``clear()`` flushes, node-wide).
 SGLang itself reads ``interface_v1`` (1: KV through ``batch_get_v1``/``batch_set_v1``, one copy
