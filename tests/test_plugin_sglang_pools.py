@@ -7,6 +7,9 @@ hit policy, KV batches with their KV-derived sidecars, then the trailing sidecar
 Bytes are compared page by page with SGLang's own ``get_data_page``.
 """
 
+import sys
+import types
+
 import pytest
 import torch
 from sglang_env import PAGE, hicache_file, keys_of, plugins
@@ -356,3 +359,28 @@ def test_fp8_kv_formats_never_share_pages(sgp, plugin, daemon, caplog):
     with caplog.at_level("WARNING", logger="hicached.plugin.namespace"):
         plugin(daemon.endpoint, {"kv": mha_pool(sgp, dtype=torch.uint8)})
     assert "kv_cache_dtype" in caplog.text
+
+
+def test_the_fp8_format_is_read_from_sglangs_server_args(sgp, plugin, daemon, monkeypatch,
+                                                         caplog):
+    """Inside SGLang the plugin needs no extra_config: the scheduler process published its
+    server args (``sglang.srt.runtime_context``), whose ``kv_cache_dtype`` names the format.
+    That module needs all of SGLang's dependencies, so a stand-in with the same call holds the
+    value here; without it (outside SGLang) the warning stays."""
+    context = types.ModuleType("sglang.srt.runtime_context")
+    args = types.SimpleNamespace(kv_cache_dtype="fp8_e5m2")
+    context.get_server_args = lambda: args
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", context)
+    keys = keys_of("fp8auto-", 2)
+    src = mha_pool(sgp, dtype=torch.uint8)
+    fill(src, seed=9)
+    with caplog.at_level("WARNING", logger="hicached.plugin.namespace"):
+        e5m2 = plugin(daemon.endpoint, {"kv": src})
+    assert "kv_cache_dtype" not in caplog.text
+    assert "|kvfmt=fp8_e5m2|" in e5m2.namespace.namespace
+    assert e5m2.batch_set_v1(keys, torch.arange(2 * PAGE)) == [True, True]
+    explicit = plugin(daemon.endpoint, {"kv": mha_pool(sgp, dtype=torch.uint8)},
+                      extra={"kv_cache_dtype": "fp8_e5m2"})
+    assert explicit.batch_exists(keys) == 2  # the same format, however it was learnt
+    args.kv_cache_dtype = "fp8_e4m3"
+    assert plugin(daemon.endpoint, {"kv": mha_pool(sgp, dtype=torch.uint8)}).batch_exists(keys) == 0

@@ -13,9 +13,11 @@ that shapes a page's bytes and nothing else:
            or extra_config ``model_name``
   rev      extra_config ``model_revision`` (SGLang does not know the weights revision)
   kv       dtype of the KV host pool; page: tokens per page; layout: the KV host pool's layout
-  kvfmt    extra_config ``kv_cache_dtype`` (SGLang's ``--kv-cache-dtype``): an fp8 KV cache is
-           stored as uint8 whatever its format (``store_dtype``), so the host pool cannot tell
-           fp8_e4m3 from fp8_e5m2 pages; a uint8 KV pool without it is warned about
+  kvfmt    extra_config ``kv_cache_dtype``; for a uint8 KV pool without it, SGLang's own
+           ``--kv-cache-dtype`` from its published server args (``engine_kv_cache_dtype``): an
+           fp8 KV cache is stored as uint8 whatever its format (``store_dtype``), so the host
+           pool cannot tell fp8_e4m3 from fp8_e5m2 pages; when neither is known it is warned
+           about
            (layer_first / page_first / page_first_direct lay a page's bytes out differently);
            bytes: one KV page's size (MTP draft layers packed into the KV pool change it)
   tp       rank-sharded KV (MHA heads split across TP): one namespace per TP rank.
@@ -43,6 +45,7 @@ rank-sharded pools (SGLang's ``HybridCacheController.should_backup`` asks every 
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +91,17 @@ def _page_bytes(kv_pool: Any) -> int | str:
         return "unknown"
 
 
+def engine_kv_cache_dtype() -> str:
+    """``--kv-cache-dtype`` of the SGLang process this runs in (its published server args), or
+    "" outside SGLang or before it published them. Never imports SGLang."""
+    context = sys.modules.get("sglang.srt.runtime_context")
+    try:
+        value = getattr(context.get_server_args(), "kv_cache_dtype", None) if context else None
+    except Exception:  # noqa: BLE001 - an SGLang without it, or args not published yet
+        return ""
+    return value if isinstance(value, str) else ""
+
+
 def build_namespace(storage_config: Any, kv_pool: Any, *, model_name: str = "",
                     model_revision: str = "", namespace_salt: str = "",
                     kv_cache_dtype: str = "") -> RankNamespace:
@@ -118,10 +132,12 @@ def build_namespace(storage_config: Any, kv_pool: Any, *, model_name: str = "",
 
     kv_dtype = dtype_name(getattr(kv_pool, "dtype", None))
     if kv_dtype == "uint8" and not kv_cache_dtype:
-        log.warning("hicached: the KV host pool stores uint8 (an fp8 KV cache): its fp8 format "
-                    "is not visible here; set extra_config kv_cache_dtype to the engine's "
-                    "--kv-cache-dtype so that engines of another fp8 format never take these "
-                    "pages")
+        kv_cache_dtype = engine_kv_cache_dtype()
+        if not kv_cache_dtype:
+            log.warning("hicached: the KV host pool stores uint8 (an fp8 KV cache): its fp8 "
+                        "format is not visible here; set extra_config kv_cache_dtype to the "
+                        "engine's --kv-cache-dtype so that engines of another fp8 format never "
+                        "take these pages")
     rank = f"tp{tp_rank}of{tp_size}"
     if replicated:
         tp_part = "replicated"
