@@ -309,6 +309,19 @@ class FileBackend(L3Backend):
             for key, offset in zip(keys, offsets)
         ]
 
+    def _drop_stale(self, ns: str, pool: str, key: str, path: str, fd: int) -> None:
+        """Remove a file that can never be this key's page (another page size: the namespace
+        came back with another geometry; another key): a put skips keys the store has, so
+        left in place it would make the key a miss for good."""
+        try:
+            if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                return  # replaced meanwhile by a put of the right page
+            os.unlink(path)
+        except OSError:
+            return
+        with self._lock:
+            self._forget(ns, pool, key)
+
     def _get_one(self, ns: str, pool: str, key: str, offset: int, page_bytes: int) -> bool:
         path = self._path(ns, pool, key)
         try:
@@ -323,8 +336,10 @@ class FileBackend(L3Backend):
         try:
             header_len, stored_key, stored_bytes = decode_header(os.pread(fd, HEADER_MAX, 0))
             if stored_key != key or stored_bytes != page_bytes:
-                log.warning("file L3: %s holds key %r of %d bytes, wanted %r of %d bytes: miss",
-                            path, stored_key, stored_bytes, key, page_bytes)
+                log.warning("file L3: %s holds key %r of %d bytes, wanted %r of %d bytes: miss "
+                            "(removed, so the page is stored again)", path, stored_key,
+                            stored_bytes, key, page_bytes)
+                self._drop_stale(ns, pool, key, path, fd)
                 return False
             n = os.preadv(fd, [self.arena.view(offset, page_bytes)], header_len)
             if n != page_bytes:
