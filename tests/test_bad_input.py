@@ -160,3 +160,21 @@ def test_unreachable_daemon_fails_fast(tmp_path, daemon):
         daemon.proc.send_signal(signal.SIGCONT)
     c.ping()  # recovers once the daemon answers again
     c.close()
+
+
+def test_exists_with_a_window_past_int64_is_malformed_not_lost(daemon):
+    """A trailing window the daemon's int64 arithmetic cannot hold was an internal error, and
+    unanswered when the request waited for L3 (keys L2 lacks): the client hung to its deadline."""
+    with raw_socket(daemon.endpoint, timeout_ms=3000) as s:
+        s.send(P.encode(P.Hello(1, P.PROTOCOL_VERSION, "model-a", os.getpid())))
+        sid = P.answer_decoder.decode(s.recv()).session
+        s.send(P.encode(P.RegisterPool(2, sid, "kv", 1024)))
+        assert isinstance(P.answer_decoder.decode(s.recv()), P.Registered)
+        for req_id, window in ((3, (1 << 64) - 1), (4, 1 << 63), (5, (1 << 40) + 1)):
+            s.send(P.encode(P.Exists(req_id, sid, ["w0", "w1"],
+                                     [P.PoolQuery("kv", "trailing_pages", window)])))
+            ans = P.answer_decoder.decode(s.recv())
+            assert (type(ans), ans.req_id, ans.code) == (P.Error, req_id, "malformed"), ans
+        s.send(P.encode(P.Exists(6, sid, ["w0"], [P.PoolQuery("kv", "trailing_pages", 1 << 40)])))
+        assert isinstance(P.answer_decoder.decode(s.recv()), P.ExistsResult)
+    assert "internal error" not in daemon.output()
