@@ -178,3 +178,33 @@ def test_exists_with_a_window_past_int64_is_malformed_not_lost(daemon):
         s.send(P.encode(P.Exists(6, sid, ["w0"], [P.PoolQuery("kv", "trailing_pages", 1 << 40)])))
         assert isinstance(P.answer_decoder.decode(s.recv()), P.ExistsResult)
     assert "internal error" not in daemon.output()
+
+
+def test_a_malformed_answer_is_a_protocol_error(tmp_path):
+    """Whatever answers on the socket, the client raises a typed error (not msgspec's)."""
+    import threading
+
+    from hicached import Client
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.ROUTER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.bind(endpoint)
+    answers = [b"\xc1", msgspec.msgpack.encode(["welcome", 1, "x"]), b"\x91" * 5000]
+
+    def serve():
+        for answer in answers:
+            if not peer.poll(5000):
+                return
+            identity, _ = peer.recv_multipart()
+            peer.send_multipart([identity, answer])
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        for _ in answers:
+            with pytest.raises(ProtocolError, match="malformed answer to Hello"):
+                Client(endpoint, "ns", timeout_s=5)
+    finally:
+        t.join()
+        peer.close()
+        ctx.term()
