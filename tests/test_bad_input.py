@@ -208,3 +208,22 @@ def test_a_malformed_answer_is_a_protocol_error(tmp_path):
         t.join()
         peer.close()
         ctx.term()
+
+
+def test_a_pool_name_cannot_take_l3_writes_outside_the_l3_root(daemon, tmp_path):
+    """The file L3 named directories after pools: a client's pool "../../../escaped" made the
+    daemon write page files beside its state directory (anywhere it could write)."""
+    from conftest import wait_until
+    with raw_socket(daemon.endpoint) as s:
+        s.send(P.encode(P.Hello(1, P.PROTOCOL_VERSION, "model-a", os.getpid())))
+        sid = P.answer_decoder.decode(s.recv()).session
+        for pool in ("../../../escaped", str(tmp_path / "abs")):
+            s.send(P.encode(P.RegisterPool(2, sid, pool, 1024)))
+            assert isinstance(P.answer_decoder.decode(s.recv()), P.Registered)
+            s.send(P.encode(P.Reserve(3, sid, [P.PoolKeys(pool, ["k0"])])))
+            res = P.answer_decoder.decode(s.recv())
+            s.send(P.encode(P.Commit(4, sid, res.reservation_id, [[True]])))
+            assert P.answer_decoder.decode(s.recv()).stored == [[True]]
+        assert wait_until(lambda: s.send(P.encode(P.GetStats(5))) or
+                          P.answer_decoder.decode(s.recv()).stats["l3_writes"] == 2)
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "abs").exists()

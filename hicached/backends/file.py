@@ -1,6 +1,10 @@
 """The embedded L3: one file per page under a local directory (``<state_dir>/l3``).
 
-    l3/<namespace digest>/<pool>/<2-char fan-out>/<file name>
+    l3/<namespace digest>/<pool dir>/<2-char fan-out>/<file name>
+    pool dir  = the pool name when it is one plain path component (no "/", NUL, "." or "..",
+                <= 128 bytes, not "h-..."), else "h-" + sha256(pool): a client names pools, and
+                a name such as "../../x" or "/etc" must not take the daemon's writes outside
+                the root (pages of a digest-named pool are not found again after a restart)
     file name = the key when it is a plain token ([A-Za-z0-9_.-], <= 160 chars),
                 else "h-" + sha256(key)  (the key itself is in the header either way)
     file      = header | page bytes
@@ -72,6 +76,14 @@ def file_name(key: str) -> str:
     return "h-" + hashlib.sha256(key.encode()).hexdigest()
 
 
+def pool_dir(pool: str) -> str:
+    """Directory name of a pool (see the module docstring): never a path of its own."""
+    if (pool not in ("", ".", "..") and "/" not in pool and "\0" not in pool
+            and not pool.startswith("h-") and len(pool.encode()) <= 128):
+        return pool
+    return "h-" + hashlib.sha256(pool.encode()).hexdigest()
+
+
 def encode_header(key: str, page_bytes: int) -> bytes:
     kb = key.encode()
     return _HEAD.pack(MAGIC, _HEAD.size + len(kb), len(kb), page_bytes) + kb
@@ -122,7 +134,7 @@ class FileBackend(L3Backend):
     # ------------------------------------------------------------ layout
 
     def _dir(self, ns: str, pool: str, name: str) -> str:
-        return os.path.join(self.root, ns, pool, name[-2:])
+        return os.path.join(self.root, ns, pool_dir(pool), name[-2:])
 
     def _path(self, ns: str, pool: str, key: str) -> str:
         name = file_name(key)
