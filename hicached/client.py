@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Self
 
+import msgspec
 import torch
 import zmq
 
@@ -228,7 +229,13 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
                     f"no answer from hicached at {self.endpoint} within {timeout_s}s "
                     f"({type(msg).__name__})" if why is None else
                     f"hicached at {self.endpoint} is gone ({why}; {type(msg).__name__})")
-            answer = P.answer_decoder.decode(self._sock.recv())
+            raw = self._sock.recv()
+            try:
+                answer = P.answer_decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError,
+                    RecursionError) as e:  # not a hicached daemon, or a broken one
+                raise ProtocolError(f"malformed answer to {type(msg).__name__} from "
+                                    f"{self.endpoint} ({len(raw)} bytes): {e}") from None
             if answer.req_id != msg.req_id:
                 continue  # the late answer of a request we gave up on
             self._commits[1] = max(self._commits[1], commits)  # one socket: read in order

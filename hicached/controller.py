@@ -396,12 +396,19 @@ class Controller(SessionControl):
                     del self.pending_waiters[e]
 
     def _answer_parked(self, parked: ParkedGet | ParkedExists, final: bool = False) -> None:
-        if isinstance(parked, ParkedExists):
-            self._answer_exists(parked)
-            return
-        self._settle(parked)
-        if parked.session.id in self.sessions:
-            parked.reply(self._lease_present(parked.session, parked.msg, final))
+        """Answer a parked request; a bug in building its answer costs this request only, and
+        its client hears an ``Error`` instead of waiting for its deadline (as ``_handle``)."""
+        try:
+            if isinstance(parked, ParkedExists):
+                self._answer_exists(parked)
+                return
+            self._settle(parked)
+            if parked.session.id in self.sessions:
+                parked.reply(self._lease_present(parked.session, parked.msg, final))
+        except Exception as e:
+            log.exception("internal error answering a parked %s", type(parked.msg).__name__)
+            self._settle(parked)
+            parked.reply(P.Error(parked.msg.req_id, "internal", f"{type(e).__name__}: {e}"))
 
     def expire_parked(self, now: float) -> None:
         """Answer requests that waited ``get_wait_s`` for L3: what is loaded now is served (a

@@ -51,6 +51,10 @@ MAX_KEY_LEN = 1024
 # totals of them saturate at COUNT_MAX (an unbounded int would break the Stats answer's encoding).
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 COUNT_MAX = (1 << 63) - 1
+# A trailing window (pages) an Exists may name: longer than any prefix (so no hit differs), and
+# small enough for the int64 arithmetic of ``hits.trailing_mask`` (a window past 2**63 ended
+# every answer to it as an internal error, and a parked one was never answered at all).
+Window = Annotated[int, msgspec.Meta(le=1 << 40)]
 
 # Negative "offsets": what a key got instead of a slot.
 SLOT_PRESENT = -1  # Reserve: already committed (nothing to copy; counts as stored)
@@ -76,7 +80,7 @@ class PoolQuery(msgspec.Struct, array_like=True, gc=False):
 
     pool: str
     policy: str
-    window: int = 1
+    window: Window = 1
 
 
 # ---------------------------------------------------------------- requests

@@ -271,9 +271,11 @@ class L3Tier(TierWrites, TierAudit):
         (unless ``known_in_l3``) are first looked up by a ``find`` job on the prober thread,
         whose completion starts their loads; those found missing within ``ABSENT_TTL_S`` are
         misses, not asked again. Returns the ids of the jobs ``waiter`` (if any) now
-        waits for."""
+        waits for. A key named twice is loaded once (into one slot: ``collect`` applies each
+        key of a job once)."""
         if not self.attached or not keys:
             return set()
+        keys = list(dict.fromkeys(keys))
         ns, pool = table
         waits: set[int] = set()
         for key in keys:

@@ -160,3 +160,67 @@ def test_unreachable_daemon_fails_fast(tmp_path, daemon):
         daemon.proc.send_signal(signal.SIGCONT)
     c.ping()  # recovers once the daemon answers again
     c.close()
+
+
+def test_exists_with_a_window_past_int64_is_malformed_not_lost(daemon):
+    """A trailing window the daemon's int64 arithmetic cannot hold was an internal error, and
+    unanswered when the request waited for L3 (keys L2 lacks): the client hung to its deadline."""
+    with raw_socket(daemon.endpoint, timeout_ms=3000) as s:
+        s.send(P.encode(P.Hello(1, P.PROTOCOL_VERSION, "model-a", os.getpid())))
+        sid = P.answer_decoder.decode(s.recv()).session
+        s.send(P.encode(P.RegisterPool(2, sid, "kv", 1024)))
+        assert isinstance(P.answer_decoder.decode(s.recv()), P.Registered)
+        for req_id, window in ((3, (1 << 64) - 1), (4, 1 << 63), (5, (1 << 40) + 1)):
+            s.send(P.encode(P.Exists(req_id, sid, ["w0", "w1"],
+                                     [P.PoolQuery("kv", "trailing_pages", window)])))
+            ans = P.answer_decoder.decode(s.recv())
+            assert (type(ans), ans.req_id, ans.code) == (P.Error, req_id, "malformed"), ans
+        s.send(P.encode(P.Exists(6, sid, ["w0"], [P.PoolQuery("kv", "trailing_pages", 1 << 40)])))
+        assert isinstance(P.answer_decoder.decode(s.recv()), P.ExistsResult)
+    assert "internal error" not in daemon.output()
+
+
+def test_a_malformed_answer_is_a_protocol_error(tmp_path):
+    """Whatever answers on the socket, the client raises a typed error (not msgspec's)."""
+    import threading
+
+    from hicached import Client
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.ROUTER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.bind(endpoint)
+    answers = [b"\xc1", msgspec.msgpack.encode(["welcome", 1, "x"]), b"\x91" * 5000]
+
+    def serve():
+        for answer in answers:
+            if not peer.poll(5000):
+                return
+            identity, _ = peer.recv_multipart()
+            peer.send_multipart([identity, answer])
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        for _ in answers:
+            with pytest.raises(ProtocolError, match="malformed answer to Hello"):
+                Client(endpoint, "ns", timeout_s=5)
+    finally:
+        t.join()
+        peer.close()
+        ctx.term()
+
+
+def test_a_pool_name_cannot_take_l3_writes_outside_the_l3_root(daemon, tmp_path):
+    """The file L3 named directories after pools: a client's pool "../../../escaped" made the
+    daemon write page files beside its state directory (anywhere it could write). Such a name
+    is refused at registration, and the session goes on."""
+    with raw_socket(daemon.endpoint) as s:
+        s.send(P.encode(P.Hello(1, P.PROTOCOL_VERSION, "model-a", os.getpid())))
+        sid = P.answer_decoder.decode(s.recv()).session
+        for pool in ("../../../escaped", str(tmp_path / "abs")):
+            s.send(P.encode(P.RegisterPool(2, sid, pool, 1024)))
+            answer = P.answer_decoder.decode(s.recv())
+            assert isinstance(answer, P.Error) and "pool name" in answer.message, answer
+        s.send(P.encode(P.RegisterPool(3, sid, "kv", 1024)))
+        assert isinstance(P.answer_decoder.decode(s.recv()), P.Registered)
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "abs").exists()

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from hicached.backends import create_backend
-from hicached.backends.file import FileBackend, file_bytes, file_name
+from hicached.backends.file import FileBackend, file_bytes, file_name, pool_dir
 from hicached.config import ConfigError
 
 
@@ -62,6 +62,29 @@ def test_odd_keys_are_hashed_and_found_after_restart(arena, tmp_path):
     assert b2.exists("ns", "kv", [key]) == [True]
     assert b2.batch_get("ns", "kv", [key], [512], 128) == [True]
     assert arena.tensor[512:640].eq(5).all()
+
+
+def test_pool_names_never_lead_outside_the_root(arena, tmp_path):
+    """Clients name pools: "../.." or an absolute path put the daemon's page files anywhere
+    it could write (now refused), and a name longer than a path component failed every write
+    of its pool (now a digest directory)."""
+    root = tmp_path / "l3"
+    b = FileBackend(str(root))
+    b.open(arena)
+    refused = ["../../escaped", "/" + str(tmp_path / "abs"), "..", ".", "a/b", "a\\b"]
+    digested = ["p" * 300, "h-x"]  # not a path, but not a plain directory name either
+    fill(arena, 0, 128, 7)
+    for pool in refused:
+        assert pool_dir(pool).startswith("h-") and "/" not in pool_dir(pool)
+        assert b.batch_put("ns", pool, ["k"], [0], 128) == [False], pool
+        assert b.batch_get("ns", pool, ["k"], [512], 128) == [False]
+    for pool in digested:
+        assert pool_dir(pool).startswith("h-")
+        assert b.batch_put("ns", pool, ["k"], [0], 128) == [True], pool
+        assert b.batch_get("ns", pool, ["k"], [512], 128) == [True]
+    assert {p.name for p in tmp_path.iterdir()} == {"l3"}
+    assert b.exists("ns", "kv@tp0of2", ["k"]) == [False]
+    assert pool_dir("kv@tp0of2") == "kv@tp0of2" and pool_dir("kv") == "kv"  # as before
 
 
 def test_longest_keys_round_trip_and_longer_ones_fail_alone(arena, tmp_path):

@@ -1,8 +1,12 @@
 """The embedded L3: one file per page under a local directory (``<state_dir>/l3``).
 
-    l3/<namespace digest>/<pool>/<2-char fan-out>/<file name>
-    pool      one path component: a pool named "..", "." or with a '/' is refused (the daemon
-              refuses to register one), it would reach another namespace's directory
+    l3/<namespace digest>/<pool dir>/<2-char fan-out>/<file name>
+    pool dir  = the pool name when it is one plain path component (no "/", NUL, "." or "..",
+                <= 128 bytes, not "h-..."), else "h-" + sha256(pool) (pages of a digest-named
+                pool are not found again after a restart). Pool names with "/", "\\", NUL, or
+                "." / ".." alone are refused outright, by the daemon at registration and by this
+                backend (``safe_pool``): they would reach another namespace's directory, or
+                take the daemon's writes outside the root
     file name = the key when it is a plain token ([A-Za-z0-9_.-], <= 160 chars),
                 else "h-" + sha256(key)  (the key itself is in the header either way)
     file      = header | page bytes
@@ -80,6 +84,13 @@ def safe_pool(pool: str) -> bool:
     return bool(pool) and pool not in (".", "..") and not any(c in pool for c in "/\\\0")
 
 
+def pool_dir(pool: str) -> str:
+    """Directory name of a pool (see the module docstring): never a path of its own."""
+    if safe_pool(pool) and not pool.startswith("h-") and len(pool.encode()) <= 128:
+        return pool
+    return "h-" + hashlib.sha256(pool.encode()).hexdigest()
+
+
 def encode_header(key: str, page_bytes: int) -> bytes:
     kb = key.encode()
     return _HEAD.pack(MAGIC, _HEAD.size + len(kb), len(kb), page_bytes) + kb
@@ -130,7 +141,7 @@ class FileBackend(L3Backend):
     # ------------------------------------------------------------ layout
 
     def _dir(self, ns: str, pool: str, name: str) -> str:
-        return os.path.join(self.root, ns, pool, name[-2:])
+        return os.path.join(self.root, ns, pool_dir(pool), name[-2:])
 
     def _path(self, ns: str, pool: str, key: str) -> str:
         name = file_name(key)
