@@ -259,6 +259,8 @@ def admin_settings(path: str | None, env) -> dict:
 
 def client_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> AdminClient:
     """Resolve the admin address and key (see the module docstring)."""
+    if not args.timeout > 0:  # 0 made the socket non-blocking, < 0 a traceback, NaN both
+        raise ConfigError(f"--timeout: must be > 0 seconds, got {args.timeout}")
     path = args.daemon_config
     if path is None and os.access(DEFAULT_DAEMON_CONFIG, os.R_OK):
         path = DEFAULT_DAEMON_CONFIG

@@ -124,6 +124,10 @@ def test_failures_exit_non_zero_with_a_clear_message(make_daemon, tmp_path):
     assert rc == 2 and "no admin API address" in err
     rc, _out, err = cli("flush", "--tier", "l9", "--url", url)
     assert rc == 2 and "invalid choice" in err  # argparse
+    for timeout in ("0", "-1", "nan"):  # were a non-blocking socket's EINPROGRESS, a traceback
+        rc, out, err = cli("status", "--url", url, "--timeout", timeout)
+        assert (rc, out) == (2, "") and "--timeout: must be > 0 seconds" in err, err
+        assert "Traceback" not in err
 
 
 def test_address_and_key_from_the_daemon_config(make_daemon, tmp_path):
