@@ -41,8 +41,8 @@ def backend_options(name: str, config: DaemonConfig, options: dict | None = None
     the file backend's root defaulting to the config's ``l3_dir``, and Mooncake's unset keys
     looked up in the environment the config captured (SGLang's ``MOONCAKE_*`` variables)."""
     opts = dict(config.l3_options if options is None else options)
-    if name == "file":
-        opts.setdefault("root", config.l3_dir)
+    if name == "file" and opts.get("root") in (None, ""):  # "" as in the config: the default
+        opts["root"] = config.l3_dir
     elif name == "mooncake":
         opts.setdefault("env", dict(config.store_env))
     return opts
