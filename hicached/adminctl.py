@@ -188,6 +188,9 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
             + (f"; {stored} pages stored" if stored is not None else "")
             + (" [DEGRADED: failing, answered as misses]" if l3["degraded"] else ""))
         waiting = l2.get("parked_gets", 0) + l2.get("parked_exists", 0)
+        if l3.get("dirty_pages"):  # write_back: only in L2 until evicted, flushed or detached
+            lines.append(f"          {l3['dirty_pages']} dirty pages (in L2 only, not yet "
+                         "written to L3)")
         lines.append(f"          hits {l3['hits']}, loads {l3.get('l3_loads', 0)}, writes "
                      f"{l3.get('l3_writes', 0)} (failed {l3.get('l3_write_failures', 0)}, "
                      f"dropped {l3.get('l3_writes_dropped', 0)}), load failures "

@@ -76,6 +76,12 @@ def test_status_shows_requests_waiting_for_l3():
                         {"tiers": tiers, "pools": {}, "sessions": 1, "requests": 9,
                          "namespaces": []})
     assert "presence table full (16384 slots)" in out
+    assert "dirty" not in out
+    tiers["l3"].update(write_policy="write_back", dirty_pages=42)  # what a detach writes first
+    out = format_status("u", {"status": "ok"}, {"ready": True},
+                        {"tiers": tiers, "pools": {}, "sessions": 1, "requests": 9,
+                         "namespaces": []})
+    assert "42 dirty pages (in L2 only, not yet written to L3)" in out
 
 
 def test_flush_attach_detach_commands(make_daemon, tmp_path):
