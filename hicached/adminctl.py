@@ -13,7 +13,7 @@ Where and how (first found wins):
 Human output by default, ``--json`` for scripts. Exit status: 0 done (status: ready), 1 the
 daemon answered an error or could not be reached (the message says which), 2 bad usage or
 config, 3 (status only) reachable but not ready. Long calls (flushing a large L3, attaching a
-store) show progress on stderr. Only the standard library: this runs on any node.
+store, a detach writing back dirty pages) show progress on stderr. Only the standard library: this runs on any node.
 """
 
 from __future__ import annotations
@@ -75,6 +75,11 @@ class AdminClient:
             if e.code in ok_statuses:
                 return payload
             raise AdminError(_explain(e.code, payload), e.code, payload) from None
+        except TimeoutError:  # sent, but no answer in time: the daemon may still be at it
+            raise AdminError(f"no answer from the hicached admin API at {self.url} within "
+                             f"{timeout_s or self.timeout_s:g} s: the daemon may still be "
+                             f"working on {method} {path} (see its log; raise --timeout)"
+                             ) from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise AdminError(f"cannot reach the hicached admin API at {self.url}: {reason} "
@@ -183,6 +188,9 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
             + (f"; {stored} pages stored" if stored is not None else "")
             + (" [DEGRADED: failing, answered as misses]" if l3["degraded"] else ""))
         waiting = l2.get("parked_gets", 0) + l2.get("parked_exists", 0)
+        if l3.get("dirty_pages"):  # write_back: only in L2 until evicted, flushed or detached
+            lines.append(f"          {l3['dirty_pages']} dirty pages (in L2 only, not yet "
+                         "written to L3)")
         lines.append(f"          hits {l3['hits']}, loads {l3.get('l3_loads', 0)}, writes "
                      f"{l3.get('l3_writes', 0)} (failed {l3.get('l3_write_failures', 0)}, "
                      f"dropped {l3.get('l3_writes_dropped', 0)}), load failures "
@@ -254,6 +262,8 @@ def admin_settings(path: str | None, env) -> dict:
 
 def client_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> AdminClient:
     """Resolve the admin address and key (see the module docstring)."""
+    if not args.timeout > 0:  # 0 made the socket non-blocking, < 0 a traceback, NaN both
+        raise ConfigError(f"--timeout: must be > 0 seconds, got {args.timeout}")
     path = args.daemon_config
     if path is None and os.access(DEFAULT_DAEMON_CONFIG, os.R_OK):
         path = DEFAULT_DAEMON_CONFIG
@@ -312,8 +322,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             with Progress(f"attaching {args.backend}"):
                 res = client.request("PUT", "/hicache/storage-backend", body,
                                      timeout_s=max(args.timeout, 600.0))
-        elif args.command == "detach":
-            res = client.request("DELETE", "/hicache/storage-backend")
+        elif args.command == "detach":  # write_back: dirty pages first (drain_timeout_s)
+            with Progress("detaching"):
+                res = client.request("DELETE", "/hicache/storage-backend",
+                                     timeout_s=max(args.timeout, 600.0))
         else:
             raise AssertionError(args.command)
     except ConfigError as e:

@@ -38,6 +38,8 @@ def create_mapped(path: str, size_bytes: int, mode: int, what: str) -> mmap.mmap
     """A fresh shared-memory file of ``size_bytes`` (replacing a crashed daemon's), allocated
     up front and mapped read/write, pre-faulted, and locked until ``release_mapped``;
     ArenaError when it cannot be, or when a running daemon holds the file at ``path``."""
+    if os.path.isdir(path):
+        raise ArenaError(f"{what} path {path} is a directory: name a file (in /dev/shm)")
     try:
         old = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -53,7 +55,10 @@ def create_mapped(path: str, size_bytes: int, mode: int, what: str) -> mmap.mmap
                 "arena_path (or state_dir)") from None
         finally:
             os.close(old)
-        os.unlink(path)  # a crashed daemon's file: nobody maps a file we are about to own
+        try:  # a crashed daemon's file: nobody maps a file we are about to own
+            os.unlink(path)
+        except OSError as e:
+            raise ArenaError(f"cannot replace the existing {what} {path}: {e}") from None
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
     except OSError as e:

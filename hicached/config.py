@@ -16,6 +16,7 @@ import grp
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import tomllib
@@ -148,6 +149,8 @@ class DaemonConfig:
         p = self.presence_slots
         if p < 0 or (p and (p < 2 or p & (p - 1))):
             raise ConfigError(f"presence_slots: must be 0 (auto) or a power of 2, got {p}")
+        if self.io_queue_depth < 1:  # queue.Queue(0) would be unbounded
+            raise ConfigError(f"io_queue_depth: must be >= 1, got {self.io_queue_depth}")
         if self.busy_poll_ms < 0:
             raise ConfigError(f"busy_poll_ms: must be >= 0, got {self.busy_poll_ms}")
         for key in ("reservation_ttl_s", "lease_ttl_s"):
@@ -294,7 +297,10 @@ def _coerce(key: str, value: object) -> object:
                 raise ValueError
             return value
         if field_type == "float":
-            return float(value)
+            number = float(value)
+            if math.isnan(number):  # NaN passes every `<= 0` check, then breaks every deadline
+                raise ValueError
+            return number
         if field_type == "str":
             if not isinstance(value, str):
                 raise ValueError

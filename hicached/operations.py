@@ -20,6 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from hicached import protocol as P
+from hicached.backends.base import BACKENDS, is_backend_name
 from hicached.config import WRITE_POLICIES, DaemonConfig
 from hicached.errors import (
     BackendConflict,
@@ -41,8 +42,8 @@ def backend_options(name: str, config: DaemonConfig, options: dict | None = None
     the file backend's root defaulting to the config's ``l3_dir``, and Mooncake's unset keys
     looked up in the environment the config captured (SGLang's ``MOONCAKE_*`` variables)."""
     opts = dict(config.l3_options if options is None else options)
-    if name == "file":
-        opts.setdefault("root", config.l3_dir)
+    if name == "file" and opts.get("root") in (None, ""):  # "" as in the config: the default
+        opts["root"] = config.l3_dir
     elif name == "mooncake":
         opts.setdefault("env", dict(config.store_env))
     return opts
@@ -110,6 +111,9 @@ class DaemonOperations:
             if write_policy and write_policy not in WRITE_POLICIES:
                 raise ProtocolError(f"unknown write policy {write_policy!r}; "
                                     f"valid: {list(WRITE_POLICIES)}")
+            if not is_backend_name(name):  # before any conflict: a typo is no reason to detach
+                raise BackendError(f"unknown L3 backend {name!r}; valid: {sorted(BACKENDS)} or "
+                                   "'package.module:Class'")
             t = self.tier
             if t.attached and t.backend.name == name:
                 self._same_options(t.backend, options)

@@ -190,6 +190,12 @@ def test_attach_errors_map_to_statuses(make_daemon, tmp_path):
     status, ans = put({"hicache_storage_backend": "file", "hicache_write_policy": "write_through"})
     assert status == 200 and ans["hicache_write_policy"] == "write_through"  # no options: kept
     assert ans["hicache_storage_backend_extra_config"] == cfg
+    # a mistyped name while one is attached: 400 naming the valid ones (was 409 "detach it
+    # first", and after the detach a 400 anyway); the attached backend stays
+    status, ans = put({"hicache_storage_backend": "mooncak"})
+    assert (status, ans["code"]) == (400, "backend") and "unknown L3 backend 'mooncak'" in ans[
+        "error"] and "mooncake" in ans["error"], ans
+    assert http("GET", url + "/hicache/storage-backend", key=KEY)[1]["backend"] == "file"
 
 
 def test_flush_tiers_and_clear(make_daemon):

@@ -76,6 +76,12 @@ def test_status_shows_requests_waiting_for_l3():
                         {"tiers": tiers, "pools": {}, "sessions": 1, "requests": 9,
                          "namespaces": []})
     assert "presence table full (16384 slots)" in out
+    assert "dirty" not in out
+    tiers["l3"].update(write_policy="write_back", dirty_pages=42)  # what a detach writes first
+    out = format_status("u", {"status": "ok"}, {"ready": True},
+                        {"tiers": tiers, "pools": {}, "sessions": 1, "requests": 9,
+                         "namespaces": []})
+    assert "42 dirty pages (in L2 only, not yet written to L3)" in out
 
 
 def test_flush_attach_detach_commands(make_daemon, tmp_path):
@@ -124,6 +130,10 @@ def test_failures_exit_non_zero_with_a_clear_message(make_daemon, tmp_path):
     assert rc == 2 and "no admin API address" in err
     rc, _out, err = cli("flush", "--tier", "l9", "--url", url)
     assert rc == 2 and "invalid choice" in err  # argparse
+    for timeout in ("0", "-1", "nan"):  # were a non-blocking socket's EINPROGRESS, a traceback
+        rc, out, err = cli("status", "--url", url, "--timeout", timeout)
+        assert (rc, out) == (2, "") and "--timeout: must be > 0 seconds" in err, err
+        assert "Traceback" not in err
 
 
 def test_address_and_key_from_the_daemon_config(make_daemon, tmp_path):
@@ -172,3 +182,33 @@ def test_progress_shows_elapsed_time_and_detail():
     with Progress("fast", stream=quiet, delay_s=5.0):
         pass
     assert quiet.getvalue() == ""
+
+
+def test_a_slow_detach_waits_with_progress_and_a_silent_daemon_is_not_called_unreachable(
+        make_daemon, tmp_path):
+    """detach under write_back writes the dirty pages first (up to drain_timeout_s): the CLI
+    waits for it with progress, as attach does, instead of giving up after --timeout and
+    calling a working daemon unreachable. A daemon that takes the request but does not answer
+    in time is reported as such."""
+    import socket
+
+    d, url = admin_daemon(make_daemon, extra=[
+        "--l3-backend", "l3_doubles:SlowFileBackend", "--write-policy", "write_back",
+        "--l3-options", json.dumps({"root": str(tmp_path / "l3"), "put_delay_s": 3.0})])
+    with d.client() as c:
+        c.register_mem_host_pool_v2(kv_pool(seed=4), "kv")
+        assert c.batch_set_v1(["w0", "w1"], pages(0, 2)) == [True, True]
+        c.ping()  # the commit has landed: both pages are dirty
+    rc, out, err = cli("detach", "--url", url, "--timeout", "1")
+    assert (rc, out.strip()) == (0, "HiCache storage backend detached."), err
+    assert "detaching: " in err
+    written = [p for p in (tmp_path / "l3").rglob("*") if p.is_file()]
+    assert len(written) == 2  # the dirty pages were written first
+    with socket.socket() as silent:  # accepts (the backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        mute = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        rc, out, err = cli("status", "--url", mute, "--timeout", "0.5")
+    assert rc == 1 and out == ""
+    assert f"no answer from the hicached admin API at {mute} within 0.5 s" in err
+    assert "cannot reach" not in err

@@ -103,3 +103,14 @@ def test_log_level_socket_mode_and_env_typos(tmp_path, caplog, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
     endpoint = load_config(None, {}, {"state_dir": str(tmp_path)}).endpoint
     assert endpoint == f"ipc://{tmp_path}/run/hicached/hicached.sock"
+
+
+def test_io_queue_depth_and_nan_times_are_refused(tmp_path):
+    """io_queue_depth 0 (or less) made the L3 queues unbounded; a NaN time passed every check."""
+    for depth in (0, -5, "0"):
+        with pytest.raises(ConfigError, match="io_queue_depth: must be >= 1"):
+            load_config(None, {}, {"io_queue_depth": depth, "state_dir": str(tmp_path)})
+    for key in ("get_wait_s", "lease_ttl_s", "drain_timeout_s", "unchecked_idle_s"):
+        with pytest.raises(ConfigError, match=f"{key}: expected float, got 'nan'"):
+            load_config(None, {f"HICACHED_{key.upper()}": "nan"}, {"state_dir": str(tmp_path)})
+    assert load_config(None, {}, {"io_queue_depth": 1, "state_dir": str(tmp_path)}).io_queue_depth == 1

@@ -1,5 +1,6 @@
 """The embedded file L3: atomic page files, restart scan, header checks, misses not errors."""
 
+import json
 import os
 import time
 
@@ -312,3 +313,30 @@ def test_a_client_cannot_reach_another_namespace_through_a_pool_name(daemon):
         b.register_mem_host_pool_v2(dst, "kv")
         assert b.batch_get_v1(keys, pages(0, 4)) == [True] * 4
         assert torch.equal(kv_tokens(dst, 0, 4), kv_tokens(own, 0, 4))
+
+
+def test_bad_options_are_config_errors_and_an_empty_root_is_l3_dir(make_daemon, tmp_path):
+    """An unknown or mistyped option named itself only through a Python TypeError; an empty
+    root ({"root": ""} over the admin API) put the L3 in the daemon's working directory (under
+    systemd: /), whose every file it would scan as a page. Now: ConfigError naming the option,
+    and "" means the default, l3_dir, as an empty l3_dir does in the config."""
+    from admin_helpers import KEY, admin_daemon, http
+
+    with pytest.raises(ConfigError, match=r"file: unknown option 'capasity'; valid: \['root'"):
+        FileBackend(str(tmp_path), capasity="1GiB")
+    for root in (5, "", None):
+        with pytest.raises(ConfigError, match="file: option 'root' must name a directory"):
+            FileBackend(root)
+    d, url = admin_daemon(make_daemon, extra=["--l3-backend", "none"])
+    attach = "/hicache/storage-backend"
+    for opts, error in (({"root": 5}, "option 'root' must name a directory, got 5"),
+                        ({"capasity": 1}, "unknown option 'capasity'")):
+        status, body = http("PUT", url + attach, {"hicache_storage_backend": "file",
+                            "hicache_storage_backend_extra_config_json": json.dumps(opts)}, KEY)
+        assert (status, body["code"]) == (400, "config") and error in body["error"], body
+    status, body = http("PUT", url + attach, {"hicache_storage_backend": "file",
+                        "hicache_storage_backend_extra_config_json": '{"root": ""}'}, KEY)
+    assert status == 200, body
+    with d.client() as c:
+        assert c.stats()["l3"]["pages"] == 0
+    assert os.path.isdir(os.path.join(d.state_dir, "l3"))  # l3_dir: <state_dir>/l3

@@ -259,3 +259,18 @@ def test_unusable_state_dir_or_endpoint_is_a_clear_startup_error(tmp_path):
                              timeout=60)
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
         assert "Traceback" not in out.stderr
+
+
+def test_an_arena_path_that_is_a_directory_is_a_clear_startup_error(tmp_path):
+    """--arena-path naming a directory: one line, exit 2 (was a traceback from unlink)."""
+    import subprocess
+    import sys
+    arena_dir = tmp_path / "arena-dir"
+    arena_dir.mkdir()
+    out = subprocess.run([sys.executable, "-m", "hicached.cli", "serve", "--l2-size", "16MiB",
+                          "--slab-size", "1MiB", "--state-dir", str(tmp_path / "s"),
+                          "--endpoint", f"ipc://{tmp_path}/d.sock", "--arena-path",
+                          str(arena_dir)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert f"arena path {arena_dir} is a directory" in out.stderr
+    assert "Traceback" not in out.stderr and arena_dir.is_dir()

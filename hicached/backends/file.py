@@ -116,7 +116,13 @@ class FileBackend(L3Backend):
 
     name = "file"
 
-    def __init__(self, root: str, capacity: object = "25%", min_free: object = "5%"):
+    def __init__(self, root: str, capacity: object = "25%", min_free: object = "5%",
+                 **unknown):
+        if unknown:
+            raise ConfigError(f"file: unknown option {min(unknown)!r}; valid: "
+                              "['root', 'capacity', 'min_free']")
+        if not isinstance(root, str) or not root:  # "" would be the daemon's working directory
+            raise ConfigError(f"file: option 'root' must name a directory, got {root!r}")
         self.root = os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)
         fs = os.statvfs(self.root)

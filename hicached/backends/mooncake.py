@@ -60,7 +60,7 @@ from hicached.backends.base import L3Backend
 from hicached.backends.guard import Breaker, CallTimeout, DeadlineCaller, StoreUnavailable
 from hicached.backends.mooncake_options import MooncakeOptions, redact
 from hicached.backends.mooncake_probe import probe_master, probe_setup
-from hicached.errors import ArenaError, BackendError, ConfigError
+from hicached.errors import ArenaError, BackendError, BackendUnavailable, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -403,21 +403,23 @@ class MooncakeBackend(L3Backend):
     def clear(self) -> int:
         """Remove every page under our key prefix (force: a page another node read in the last
         lease TTL, which includes any exists check, would otherwise survive). Returns how many;
-        BackendError when the store could not be cleared (unavailable, timed out, refused)."""
+        BackendUnavailable when the store could not be reached (unavailable, timed out: a 502
+        over HTTP), BackendError when it refused."""
         where = f"Mooncake store at {redact(self.opts.master_server_address)}"
         store = self._admit(self.opts.timeout_s)
         if store is None:
             why = self.breaker.last_error or "not set up"
-            raise BackendError(f"{where} is unavailable ({why}): nothing was cleared")
+            raise BackendUnavailable(f"{where} is unavailable ({why}): nothing was cleared")
         n = self._call(store.remove_by_regex, f"^{self.opts.key_prefix}/", True,
                        timeout_s=self.opts.timeout_s)  # runs on the control loop (flush)
         if n is None:
-            raise BackendError(f"{where}: clear failed or timed out ({self.breaker.last_error}); "
-                               "some pages may remain")
+            raise BackendUnavailable(f"{where}: clear failed or timed out "
+                                     f"({self.breaker.last_error}); some pages may remain")
         self._settle("remove_by_regex", [n])
         if n < 0:
             self._count_errors("remove_by_regex", [n] if n not in UNREACHABLE else [])
-            raise BackendError(f"{where}: clear answered {code_name(n)}; some pages may remain")
+            error = BackendUnavailable if n in UNREACHABLE else BackendError
+            raise error(f"{where}: clear answered {code_name(n)}; some pages may remain")
         return n
 
     def take_evicted(self) -> list[tuple[str, str, str]] | None:
