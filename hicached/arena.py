@@ -32,6 +32,21 @@ def _map(fd: int, size_bytes: int) -> mmap.mmap:
 # path -> fd of the files this process created, each held with an exclusive flock for as long
 # as it is in use: another daemon given the same path refuses to start instead of replacing it
 _HELD: dict[str, int] = {}
+# files a daemon of this state dir made before (its lock file records the arena path): a crash
+# leaves them behind, and they are replaced like files named hicached-*
+_MADE_BEFORE: set[str] = set()
+
+
+def made_before(*paths: str) -> None:
+    """Let ``create_mapped`` replace these existing files (a crashed daemon's, by its record)."""
+    _MADE_BEFORE.update(paths)
+
+
+def _replaceable(path: str) -> bool:
+    """Whether an unlocked file at ``path`` is a crashed daemon's, never someone else's file:
+    a mistyped arena_path must not delete an unrelated file."""
+    return (os.path.basename(path).startswith("hicached-") or path in _MADE_BEFORE) \
+        and not os.path.islink(path) and os.path.isfile(path)
 
 
 def create_mapped(path: str, size_bytes: int, mode: int, what: str) -> mmap.mmap:
@@ -55,6 +70,11 @@ def create_mapped(path: str, size_bytes: int, mode: int, what: str) -> mmap.mmap
                 "arena_path (or state_dir)") from None
         finally:
             os.close(old)
+        if not _replaceable(path):
+            raise ArenaError(
+                f"{what} path {path} holds a file hicached did not make (its name does not start "
+                "with hicached-, and the state dir's last daemon did not use it): choose another "
+                "arena_path, or remove the file if it is a stale arena")
         try:  # a crashed daemon's file: nobody maps a file we are about to own
             os.unlink(path)
         except OSError as e:

@@ -9,6 +9,7 @@ import os
 import zmq
 
 from hicached import protocol as P
+from hicached.arena import made_before
 from hicached.errors import ConfigError, HicachedError
 from hicached.sockpath import refusal
 
@@ -31,6 +32,20 @@ class DaemonFiles:
             raise HicachedError(
                 f"another hicached daemon already uses state dir {state_dir}") from None
         return fd
+
+    @staticmethod
+    def _recorded_arena(lock_fd: int, arena_path: str, record: bool) -> None:
+        """Before the arena is made: the path the state dir's last daemon recorded in its lock
+        file may be replaced (its files, left by a crash: ``arena.made_before``). ``record``
+        (once this daemon made its arena): record its path."""
+        try:
+            if record:
+                os.ftruncate(lock_fd, 0)
+                os.pwrite(lock_fd, arena_path.encode() + b"\n", 0)
+            elif os.pread(lock_fd, 4096, 0).decode(errors="replace").strip() == arena_path:
+                made_before(arena_path, arena_path + ".presence")
+        except OSError:  # a record is a convenience: without it only hicached-* is replaced
+            pass
 
     def _bind(self, endpoint: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)

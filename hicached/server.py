@@ -76,7 +76,9 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         self._stop = threading.Event()
         self._lock_fd = self._take_state_lock(config.state_dir)
         try:
+            self._recorded_arena(self._lock_fd, config.arena_path, record=False)
             self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.access_mode)
+            self._recorded_arena(self._lock_fd, config.arena_path, record=True)
             self._set_group(config.arena_path)
         except BaseException:
             os.close(self._lock_fd)

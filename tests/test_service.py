@@ -274,3 +274,59 @@ def test_an_arena_path_that_is_a_directory_is_a_clear_startup_error(tmp_path):
     assert out.returncode == 2, out.stderr
     assert f"arena path {arena_dir} is a directory" in out.stderr
     assert "Traceback" not in out.stderr and arena_dir.is_dir()
+
+
+def test_an_arena_path_naming_someone_elses_file_never_deletes_it(tmp_path):
+    """A mistyped --arena-path naming an existing file that no daemon locks: it was deleted
+    and replaced. Now only files named hicached-* or recorded by the state dir's last daemon
+    (a crash left them) are replaced; anything else is a one-line startup error, untouched."""
+    precious = f"/dev/shm/precious-{uuid.uuid4().hex[:8]}"
+    arena = f"/dev/shm/custom-arena-{uuid.uuid4().hex[:8]}"
+    with open(precious, "wb") as f:
+        f.write(b"someone's data")
+
+    def serve(path, state):
+        return subprocess.Popen(
+            [sys.executable, "-m", "hicached.cli", "serve", "--l2-size", "16MiB", "--slab-size",
+             "1MiB", "--state-dir", str(tmp_path / state), "--l3-backend", "none",
+             "--endpoint", f"ipc://{tmp_path}/{state}.sock", "--arena-path", path],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def ready(state):
+        return wait_until(lambda: os.path.exists(f"{tmp_path}/{state}.sock"), timeout_s=60)
+
+    procs = []
+    try:
+        p = serve(precious, "s1")
+        procs.append(p)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 2 and "holds a file hicached did not make" in err, err
+        assert "Traceback" not in err
+        with open(precious, "rb") as f:
+            assert f.read() == b"someone's data"
+        # a custom path this state dir's daemon used: after a crash it is replaced
+        p = serve(arena, "s2")
+        procs.append(p)
+        assert ready("s2") and os.path.getsize(arena) == 16 * 1024**2
+        p.send_signal(signal.SIGKILL)
+        p.communicate(timeout=30)
+        os.unlink(f"{tmp_path}/s2.sock")
+        assert os.path.exists(arena)  # left by the crash
+        p = serve(arena, "s2")
+        procs.append(p)
+        assert ready("s2"), p.communicate()[1] if p.poll() is not None else "not ready"
+        # but another state dir's daemon does not replace it (it never recorded that path)
+        p.send_signal(signal.SIGKILL)
+        p.communicate(timeout=30)
+        q = serve(arena, "s3")
+        procs.append(q)
+        _, err = q.communicate(timeout=60)
+        assert q.returncode == 2 and "holds a file hicached did not make" in err, err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+        for path in (precious, arena, arena + ".presence"):
+            if os.path.exists(path):
+                os.unlink(path)
