@@ -44,7 +44,7 @@ class Handshakes:
             c.close_session(old.id, "replaced")
         s = c.open_session(msg, process)
         self.auth.bind(identity, s.id)
-        log.info("session %d: pid %d %s namespace %r", s.id, s.pid, s.name, s.namespace)
+        log.info("session %d: pid %d %r namespace %r", s.id, s.pid, s.name, s.namespace)
         if old is not None:
             log.info("session %d replaces session %d", s.id, old.id)
         if process.how == "none":
