@@ -340,3 +340,22 @@ def test_bad_options_are_config_errors_and_an_empty_root_is_l3_dir(make_daemon, 
     with d.client() as c:
         assert c.stats()["l3"]["pages"] == 0
     assert os.path.isdir(os.path.join(d.state_dir, "l3"))  # l3_dir: <state_dir>/l3
+
+
+def test_a_restart_deletes_the_pages_of_digest_named_pools(arena, tmp_path):
+    """Their directory does not name the pool, so after a restart they are never found again,
+    and evictions and clears (which go by pool name) would never delete them: the file L3
+    grew past its capacity on disk."""
+    def page_files():
+        return sorted(f for _, _, fs in os.walk(tmp_path) for f in fs if not f.startswith("."))
+
+    cap = 2 * file_bytes("k0", 256)
+    b = FileBackend(str(tmp_path), capacity=cap, min_free=0)
+    b.open(arena)
+    assert b.batch_put("ns", "p" * 200, ["k0"], [0], 256) == [True]  # a long name: digest dir
+    assert b.batch_put("ns", "h-x", ["k1"], [0], 256) == [True]  # ("h-..." too)
+    b2 = FileBackend(str(tmp_path), capacity=cap, min_free=0)
+    b2.open(arena)
+    assert b2.used == 0 and page_files() == []
+    assert b2.batch_put("ns", "kv", ["n0", "n1"], [0, 256], 256) == [True, True]
+    assert page_files() == ["n0", "n1"]

@@ -3,10 +3,11 @@
     l3/<namespace digest>/<pool dir>/<2-char fan-out>/<file name>
     pool dir  = the pool name when it is one plain path component (no "/", NUL, "." or "..",
                 <= 128 bytes, not "h-..."), else "h-" + sha256(pool) (pages of a digest-named
-                pool are not found again after a restart). Pool names with "/", "\\", NUL, or
-                "." / ".." alone are refused outright, by the daemon at registration and by this
-                backend (``safe_pool``): they would reach another namespace's directory, or
-                take the daemon's writes outside the root
+                pool are not found again after a restart, so the restart scan deletes them).
+                Pool names with "/", "\\", NUL, or "." / ".." alone are refused outright, by
+                the daemon at registration and by this backend (``safe_pool``): they would
+                reach another namespace's directory, or take the daemon's writes outside the
+                root
     file name = the key when it is a plain token ([A-Za-z0-9_.-], <= 160 chars),
                 else "h-" + sha256(key)  (the key itself is in the header either way)
     file      = header | page bytes
@@ -163,8 +164,14 @@ class FileBackend(L3Backend):
             if not os.path.isdir(ns_dir):
                 continue
             for pool in os.listdir(ns_dir):
+                # a digest directory names no pool: its pages are never found again, and
+                # evictions and clears (which go by pool name) would never delete them
+                unreachable = pool.startswith("h-")
                 for dirpath, _, files in os.walk(os.path.join(ns_dir, pool)):
                     for f in files:
+                        if unreachable:
+                            self._remove(os.path.join(dirpath, f))
+                            continue
                         page = self._scan_one(os.path.join(dirpath, f), f)
                         if page is not None:
                             found.append((page[0], ns, pool, page[1], page[2]))
@@ -183,10 +190,7 @@ class FileBackend(L3Backend):
     def _scan_one(self, path: str, name: str) -> tuple[float, str, int] | None:
         """(mtime, key, bytes) of a page file, or None (a temp file, removed)."""
         if ".tmp-" in name:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            self._remove(path)
             return None
         try:
             st = os.stat(path)
@@ -198,6 +202,13 @@ class FileBackend(L3Backend):
             if key is None:
                 return None
         return st.st_mtime, key, -(-st.st_size // BLOCK) * BLOCK
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
     def _read_key(self, path: str) -> str | None:
         try:
