@@ -106,3 +106,34 @@ def test_the_tier_stops_counting_on_pages_3fs_evicted(arena, tmp_path, backends,
             assert a.in_l3 and b.exists("ns", "kv", ["a"]) == [True]
     finally:
         workers.close()
+
+
+def test_after_a_restart_a_page_the_tier_finds_stored_is_told_when_evicted(arena, tmp_path,
+                                                                            backends):
+    """The tier's writes ask ``exists`` first and send only what the store lacks, so a page
+    stored before a restart is counted on without ``batch_put`` ever seeing it: ``exists``
+    must learn its key too, or its eviction goes untold and the tier keeps counting on it."""
+    b = make(tmp_path / "l3", arena, node="n1", capacity=capacity_for(2), grace_s=0)
+    for i in range(2):
+        fill(arena, i * P, P, i + 1)
+    assert b.batch_put("ns", "kv", ["a", "b"], [0, P], P) == [True, True]
+    b.close()
+    b = make(tmp_path / "l3", arena, node="n1", capacity=capacity_for(2), grace_s=0)
+    backends.append(b)
+    index = PageIndex(SlabAllocator(arena.size_bytes, 64 * P))
+    workers = IOWorkers()
+    tier = L3Tier(index, workers, b, "write_back")
+    try:
+        a = commit_pages(index, arena, ["a"], fill=1)[0]
+        tier.on_commit([a])  # dirty ...
+        assert tier.write_back_all() == 1
+        wait_jobs(workers, tier)
+        assert a.in_l3 and a not in tier.dirty and tier.counters["l3_writes"] == 0  # ... stored
+        new = commit_pages(index, arena, ["c", "d"], fill=7)
+        tier.on_commit(new)
+        assert tier.write_back_all() == 2  # evicts a and b from the store
+        wait_jobs(workers, tier)
+        assert b.exists("ns", "kv", ["a", "c", "d"]) == [False, True, True]
+        assert not a.in_l3 and a in tier.dirty  # told: L2 holds the only copy again
+    finally:
+        workers.close()

@@ -35,7 +35,8 @@ naming a slot with another page in it, or a deleted or cut segment (a crash, ano
 (``KeyCache.dead``), on every node that saw it. A write into a segment deleted under it is never
 published. Errors (a vanished root, a segment that cannot be created or opened) are misses
 or evictions, never exceptions, and nothing readable is deleted for them. This node's
-evictions are told to the daemon (``take_evicted``: the keys of pages it put or read).
+evictions are told to the daemon (``take_evicted``: the keys of pages it put, read or
+found with ``exists``, which the daemon's writes ask first).
 
 What this relies on from 3FS (checked against its FUSE client source) and any filesystem:
 - rename replaces a file atomically (3FS: metadata transactions in FoundationDB); O_EXCL create;
@@ -194,7 +195,7 @@ class Hf3fsBackend(L3Backend):
         unknown = []
         for i, key in enumerate(keys):
             kh = key_hash(ns, pool, key)
-            if self.space.lookup(kh) is not None or self.keys.found(kh, now):
+            if self._own(kh, ns, pool, key) is not None or self.keys.found(kh, now):
                 out[i] = True
             elif not self.keys.absent(kh, now):
                 unknown.append((i, kh))
@@ -314,7 +315,8 @@ class Hf3fsBackend(L3Backend):
         return out
 
     def _own(self, kh: bytes, ns: str, pool: str, key: str) -> Slot | None:
-        """This node's live slot of ``kh``, which learns its key (for ``take_evicted``)."""
+        """This node's live slot of ``kh``, which learns its key (``take_evicted``): a restored
+        slot knows only its hash, and after an exists, put or get the daemon counts on it."""
         slot = self.space.lookup(kh)
         if slot is not None and slot.key is None:
             slot.key = (ns, pool, key)
