@@ -10,7 +10,7 @@ restart, and it is the hot pages that go.
 
 So every ``audit_s`` (``l3_audit_s`` in the config; 0: never) the tier asks the store, on the
 prober thread like any exists, about the ``AUDIT_PAGES`` least recently used L2 pages of each
-slot class that it knows to be in L3: those L2 evicts next. A page the store no longer has is
+slot class that it knows to be in L3 among the ``AUDIT_WINDOW`` it evicts next. A page the store no longer has is
 no longer clean: under write_through it is written again now (under selective writes, once its
 hits reach the threshold), under write_back it is dirty again (written when L2 needs its room).
 A store that cannot answer changes nothing. Counted in ``l3_copies_lost``.
@@ -30,6 +30,9 @@ log = logging.getLogger("hicached.tier")
 
 AUDIT_S = 10.0  # default interval
 AUDIT_PAGES = 512  # pages asked about per slot class and audit
+# unpinned pages looked at per slot class and audit: those L2 evicts next. A page further on
+# is not at risk yet, and the control loop must not walk a million-page LRU every audit_s
+AUDIT_WINDOW = 4 * AUDIT_PAGES
 
 
 class TierAudit:
@@ -46,9 +49,10 @@ class TierAudit:
             return 0
         self._next_audit = now + self.audit_s
         by_table: dict[TableId, list[Entry]] = {}
-        for stride in list(self.index._lru):
-            oldest = (e for e in self.index._lru[stride]
-                      if e.in_l3 and e.committed and not e.writing and e.pins == 0)
+        for lru in self.index._lru.values():
+            # pinned pages are passed over (as eviction does): they are not evicted next
+            evictable = itertools.islice((e for e in lru if e.pins == 0), AUDIT_WINDOW)
+            oldest = (e for e in evictable if e.in_l3 and e.committed and not e.writing)
             for e in itertools.islice(oldest, AUDIT_PAGES):
                 by_table.setdefault(e.table, []).append(e)
         asked = 0

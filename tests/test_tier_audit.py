@@ -91,3 +91,20 @@ def test_an_audit_runs_only_when_due_and_a_failing_store_changes_nothing(silent,
     assert all(e.in_l3 for e in pages) and tier.counters["l3_copies_lost"] == 0
     tier.audit_s = 0  # off
     assert run_audit(tier, workers, 1000.0) == 0
+
+
+def test_an_audit_looks_only_at_the_pages_l2_evicts_next(silent, arena, monkeypatch):
+    """Only the first ``AUDIT_WINDOW`` unpinned pages of a class: a copy further on is not at
+    risk yet, and walking a whole LRU every audit_s stalled the control loop (0.2 s for a
+    million pages none of which were in L3)."""
+    from hicached import tier_audit
+    monkeypatch.setattr(tier_audit, "AUDIT_WINDOW", 2)
+    index, workers, backend, tier = silent
+    a, _, c = commit_pages(index, arena, ["a", "b", "c"], fill=1)
+    c.in_l3 = True  # (not written: the store is asked about c only)
+    assert run_audit(tier, workers, 100.0) == 0  # a and b go first
+    index.pin(a)  # pinned pages are passed over, as eviction passes over them
+    assert run_audit(tier, workers, 200.0) == 1
+    assert tier.counters["l3_copies_lost"] == 1  # (and written again: write_through)
+    assert c.in_l3 and backend.exists("ns", "kv", ["a", "b", "c"]) == [False, False, True]
+    index.unpin(a)
