@@ -47,6 +47,15 @@ class DaemonFiles:
         except OSError:  # a record is a convenience: without it only hicached-* is replaced
             pass
 
+    @staticmethod
+    def _forget_arena(lock_fd: int) -> None:
+        """The arena's files are gone (a clean exit): the record goes too, or a file someone
+        makes at that path later would be replaced by the next start as a crashed arena."""
+        try:
+            os.ftruncate(lock_fd, 0)
+        except OSError:
+            pass
+
     def _bind(self, endpoint: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)

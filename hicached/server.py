@@ -111,6 +111,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             if getattr(self, "presence", None) is not None:
                 self.presence.close()
             self.arena.close()
+            self._forget_arena(self._lock_fd)
             os.close(self._lock_fd)
             raise
         self.requests = 0
@@ -444,6 +445,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         if self.presence is not None:
             self.presence.close()
         self.arena.close()
+        self._forget_arena(self._lock_fd)
         os.close(self._call_r)
         os.close(self._call_w)
         os.close(self._lock_fd)

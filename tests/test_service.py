@@ -330,3 +330,33 @@ def test_an_arena_path_naming_someone_elses_file_never_deletes_it(tmp_path):
         for path in (precious, arena, arena + ".presence"):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_after_a_clean_exit_a_file_made_later_at_the_arena_path_is_not_replaced(tmp_path):
+    """A clean exit removes the arena's files, so the state dir's record of its path goes too:
+    a file someone makes there afterwards is not a crashed daemon's arena (it was deleted)."""
+    arena = f"/dev/shm/custom-arena-{uuid.uuid4().hex[:8]}"
+    sock = f"{tmp_path}/d.sock"
+    cmd = [sys.executable, "-m", "hicached.cli", "serve", "--l2-size", "16MiB", "--slab-size",
+           "1MiB", "--state-dir", str(tmp_path / "s"), "--l3-backend", "none", "--endpoint",
+           f"ipc://{sock}", "--arena-path", arena]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: os.path.exists(sock), timeout_s=60)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0 and not os.path.exists(arena), err
+        with open(arena, "wb") as f:
+            f.write(b"someone's data")
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "holds a file hicached did not make" in out.stderr, \
+            out.stderr
+        with open(arena, "rb") as f:
+            assert f.read() == b"someone's data"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+        for path in (arena, arena + ".presence"):
+            if os.path.exists(path):
+                os.unlink(path)
