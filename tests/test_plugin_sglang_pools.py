@@ -384,3 +384,8 @@ def test_the_fp8_format_is_read_from_sglangs_server_args(sgp, plugin, daemon, mo
     assert explicit.batch_exists(keys) == 2  # the same format, however it was learnt
     args.kv_cache_dtype = "fp8_e4m3"
     assert plugin(daemon.endpoint, {"kv": mha_pool(sgp, dtype=torch.uint8)}).batch_exists(keys) == 0
+    args.kv_cache_dtype = "auto"  # resolved by SGLang from the checkpoint later: not known here
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hicached.plugin.namespace"):
+        auto = plugin(daemon.endpoint, {"kv": mha_pool(sgp, dtype=torch.uint8)})
+    assert "kvfmt" not in auto.namespace.namespace and "kv_cache_dtype" in caplog.text

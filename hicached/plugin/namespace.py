@@ -93,13 +93,14 @@ def _page_bytes(kv_pool: Any) -> int | str:
 
 def engine_kv_cache_dtype() -> str:
     """``--kv-cache-dtype`` of the SGLang process this runs in (its published server args), or
-    "" outside SGLang or before it published them. Never imports SGLang."""
+    "" outside SGLang, before it published them, or when it is "auto". Never imports SGLang."""
     context = sys.modules.get("sglang.srt.runtime_context")
     try:
         value = getattr(context.get_server_args(), "kv_cache_dtype", None) if context else None
     except Exception:  # noqa: BLE001 - an SGLang without it, or args not published yet
         return ""
-    return value if isinstance(value, str) else ""
+    # "auto": SGLang resolves it later from the checkpoint; not a format (the warning stays)
+    return value if isinstance(value, str) and value != "auto" else ""
 
 
 def build_namespace(storage_config: Any, kv_pool: Any, *, model_name: str = "",
