@@ -62,7 +62,8 @@ class L3Backend(ABC):
         """The (namespace, pool, key) of the pages this backend deleted to make room since the
         last call, so the daemon stops counting on them; None when it lost track (the daemon
         then forgets every page it knew to be stored). Called on the daemon's control loop
-        after each write; a store that evicts on its own without telling answers []."""
+        after each write; a store that evicts on its own without telling answers [] (the tier's
+        audit, ``tier_audit.py``, then finds the copies it lost)."""
         return []
 
     def stats(self) -> dict:
