@@ -475,28 +475,3 @@ def test_a_client_never_waits_for_its_own_uncommitted_page(daemon):
         assert time.monotonic() - t0 < 1.0  # a miss at once, not after get_wait_s
         c._call(lambda s, q: P.Commit(q, s, res.reservation_id, [[True]]))
         assert c.batch_get_v1(["own"], pages(3, 1)) == [True]
-
-
-def test_a_key_named_twice_in_one_call_is_loaded_from_l3_once(daemon):
-    """A get (or an exists that prefetches) naming an L3 page twice reserved two slots for it
-    and failed applying the load: the key stayed "in flight" for good (never loaded, never
-    stored again) and both slots leaked."""
-    keys = ["d0", "d1", "e0"]
-    src, dst = kv_pool(seed=61), kv_pool()
-    with daemon.client() as c:
-        _set_kv(c, keys, src)
-        assert wait_until(lambda: c.stats()["l3_writes"] == 3)
-        c.flush("l2")
-        c.register_mem_host_pool_v2(dst, "kv")
-        assert c.batch_get_v1(["d0", "d0", "d1"], pages(10, 3)) == [True] * 3
-        for i, page in enumerate((0, 0, 1)):
-            assert torch.equal(kv_tokens(dst, 10 + i, 1), kv_tokens(src, page, 1))
-        assert c.batch_exists(["e0", "e0"]) == 2  # prefetches e0 (once)
-        assert wait_until(lambda: c.stats()["l2_pages"] == 3)
-        st = c.stats()
-        assert (st["l3_loads"], st["l3_tier"]["loading_pages"]) == (3, 0), st
-        c.flush("l2")
-        assert c.stats()["l2_used_bytes"] == 0  # no slot left behind
-        assert c.batch_get_v1(["d0"], pages(20, 1)) == [True]  # loads again
-        assert c.batch_set_v1(["d0"], pages(0, 1)) == [True]
-    assert "internal error" not in daemon.output()

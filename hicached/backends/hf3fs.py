@@ -485,8 +485,7 @@ class Hf3fsBackend(L3Backend):
 
     def stats(self) -> dict:
         return {**self.space.stats(), "io": self.io.name, "io_reason": self.io_reason,
-                "direct": self.direct,
-                "open_files": len(self.fds), "max_open_files": self.fds.max_open,
+                "direct": self.direct, "open_files": len(self.fds), "max_open_files": self.fds.max_open,
                 "fd_closes": self.fds.closes, "lookups": self.keys.lookups,
                 "lookup_errors": self.keys.lookup_errors, **self.counters}
 
