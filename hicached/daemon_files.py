@@ -34,25 +34,24 @@ class DaemonFiles:
         return fd
 
     @staticmethod
-    def _recorded_arena(lock_fd: int, arena_path: str, record: bool) -> None:
+    def _recorded_arena(lock_fd: int, arena_path: str) -> None:
         """Before the arena is made: the path the state dir's last daemon recorded in its lock
-        file may be replaced (its files, left by a crash: ``arena.made_before``). ``record``
-        (once this daemon made its arena): record its path."""
+        file (``_record_arena``) may be replaced: its files, left by a crash
+        (``arena.made_before``)."""
         try:
-            if record:
-                os.ftruncate(lock_fd, 0)
-                os.pwrite(lock_fd, arena_path.encode() + b"\n", 0)
-            elif os.pread(lock_fd, 4096, 0).decode(errors="replace").strip() == arena_path:
+            if os.pread(lock_fd, 4096, 0).decode(errors="replace").strip() == arena_path:
                 made_before(arena_path, arena_path + ".presence")
         except OSError:  # a record is a convenience: without it only hicached-* is replaced
             pass
 
     @staticmethod
-    def _forget_arena(lock_fd: int) -> None:
-        """The arena's files are gone (a clean exit): the record goes too, or a file someone
-        makes at that path later would be replaced by the next start as a crashed arena."""
+    def _record_arena(lock_fd: int, arena_path: str = "") -> None:
+        """Record the arena this daemon made; "" once its files are gone (a clean exit), or a
+        file someone makes at that path later would be replaced by the next start."""
         try:
             os.ftruncate(lock_fd, 0)
+            if arena_path:
+                os.pwrite(lock_fd, arena_path.encode() + b"\n", 0)
         except OSError:
             pass
 

@@ -76,9 +76,9 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         self._stop = threading.Event()
         self._lock_fd = self._take_state_lock(config.state_dir)
         try:
-            self._recorded_arena(self._lock_fd, config.arena_path, record=False)
+            self._recorded_arena(self._lock_fd, config.arena_path)
             self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.access_mode)
-            self._recorded_arena(self._lock_fd, config.arena_path, record=True)
+            self._record_arena(self._lock_fd, config.arena_path)
             self._set_group(config.arena_path)
         except BaseException:
             os.close(self._lock_fd)
@@ -111,7 +111,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             if getattr(self, "presence", None) is not None:
                 self.presence.close()
             self.arena.close()
-            self._forget_arena(self._lock_fd)
+            self._record_arena(self._lock_fd)
             os.close(self._lock_fd)
             raise
         self.requests = 0
@@ -445,7 +445,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         if self.presence is not None:
             self.presence.close()
         self.arena.close()
-        self._forget_arena(self._lock_fd)
+        self._record_arena(self._lock_fd)
         os.close(self._call_r)
         os.close(self._call_w)
         os.close(self._lock_fd)

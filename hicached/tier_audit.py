@@ -10,9 +10,10 @@ restart, and it is the hot pages that go.
 
 So every ``audit_s`` (``l3_audit_s`` in the config; 0: never) the tier asks the store, on the
 prober thread like any exists, about the ``AUDIT_PAGES`` least recently used L2 pages of each
-slot class that it knows to be in L3 among the ``AUDIT_WINDOW`` it evicts next. A page the store no longer has is
-no longer clean: under write_through it is written again now (under selective writes, once its
-hits reach the threshold), under write_back it is dirty again (written when L2 needs its room).
+slot class that it knows to be in L3, among the ``AUDIT_WINDOW`` pages L2 evicts next. A page
+the store no longer has is no longer clean (``_forget_evicted``, as when a store tells): under
+write_through it is written again now (under selective writes, once its hits reach the
+threshold), under write_back it is dirty again (written when L2 needs its room).
 A store that cannot answer changes nothing. Counted in ``l3_copies_lost``.
 
 A mixin of ``L3Tier`` (its index, backend, workers, counters, write policy, ``write`` ...).
@@ -75,11 +76,10 @@ class TierAudit:
             if have:
                 self._remember(e.table, e.key)
             elif e.in_l3 and self.index.get(e.table, e.key) is e:
-                self.known_in_l3.pop((e.table, e.key), None)
-                self._lost_copy(e)
                 lost.append(e)
         if not lost:
             return
+        self._forget_evicted([(*e.table, e.key) for e in lost])
         self.counters["l3_copies_lost"] += len(lost)
         log.info("L3 %s no longer holds %d pages L2 will evict next (the store evicted them); "
                  "%s", job.backend.name, len(lost),
