@@ -2,7 +2,7 @@
 
 Engine side: ``Client`` speaks SGLang's HiCache v2 storage API (``batch_exists_v2`` /
 ``batch_get_v2`` / ``batch_set_v2`` and the v1 KV calls) to the node's daemon.
-Daemon side: ``hicached serve`` (``hicached.server.Daemon``).
+Daemon side: ``hicached serve`` (``hicached.daemon.server.Daemon``).
 """
 
 from hicached.errors import (
@@ -47,11 +47,11 @@ def __getattr__(name: str):
     # Client and HostPool pull in torch and zmq; the daemon's CLI can start without paying that
     # until it needs them.
     if name == "Client":
-        from hicached.client import Client
+        from hicached.client.api import Client
 
         return Client
     if name == "HostPool":
-        from hicached.hostpool import HostPool
+        from hicached.client.hostpool import HostPool
 
         return HostPool
     raise AttributeError(f"module 'hicached' has no attribute {name!r}")

@@ -38,8 +38,8 @@ import subprocess
 import sys
 import time
 
-from hicached.client import Client
-from hicached.config import load_config
+from hicached.client.api import Client
+from hicached.ops.config import load_config
 from hicached.errors import DaemonUnavailable
 
 
@@ -64,7 +64,7 @@ class DaemonProc:
 
     def start(self, timeout_s=30.0):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hicached.cli", "serve", *self.args],
+            [sys.executable, "-m", "hicached", "serve", *self.args],
             stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

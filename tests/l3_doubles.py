@@ -5,6 +5,7 @@ Daemons load these as ``--l3-backend l3_doubles:SlowFileBackend`` (an out-of-tre
 page still goes through the real ``FileBackend``.
 """
 
+import threading
 import time
 
 from hicached.backends.file import FileBackend
@@ -37,3 +38,46 @@ class SlowFileBackend(FileBackend):
         if self.fail_puts:
             raise OSError("injected: store unreachable")
         return super().batch_put(ns, pool, keys, offsets, page_bytes)
+
+
+class RecordingBackend(FileBackend):
+    """The file backend, recording which keys it was asked about and sent, and from which
+    thread; ``exists_fails`` makes the question fail."""
+
+    def __init__(self, root, exists_fails=False, **options):
+        super().__init__(root, **options)
+        self.exists_fails = exists_fails
+        self.asked, self.sent, self.threads = [], [], set()
+
+    def exists(self, ns, pool, keys):
+        self.threads.add(threading.current_thread().name)
+        self.asked.extend(keys)
+        if self.exists_fails:
+            raise OSError("injected: exists unreachable")
+        return super().exists(ns, pool, keys)
+
+    def batch_put(self, ns, pool, keys, offsets, page_bytes):
+        self.threads.add(threading.current_thread().name)
+        self.sent.extend(keys)
+        return super().batch_put(ns, pool, keys, offsets, page_bytes)
+
+
+PAGE = 4096  # bytes of the pages commit_pages writes
+
+
+def commit_pages(index, arena, keys, fill):
+    out = []
+    for i, key in enumerate(keys):
+        e = index.reserve(("ns", "kv"), key, PAGE, PAGE)
+        arena.tensor[e.offset:e.offset + PAGE].fill_(fill + i)
+        index.commit(e)
+        out.append(e)
+    return out
+
+
+def wait_jobs(workers, tier):
+    deadline = time.monotonic() + 10
+    while workers.in_flight and time.monotonic() < deadline:
+        tier.collect()
+        time.sleep(0.01)
+    assert workers.in_flight == 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 from admin_helpers import admin_daemon, sample, scrape
 from conftest import RacingWriter, wait_until
-from test_daemon import indexer_pool, kv_pool, mamba_pool, pages
+from pools import indexer_pool, kv_pool, mamba_pool, pages
 
 from hicached import PoolTransfer
 from hicached.errors import DaemonUnavailable
@@ -405,7 +405,7 @@ def test_tally_never_waits_for_another_threads_request(make_daemon):
 WRITER_LOOP = """
 import os, sys, time, torch
 sys.path.insert(0, %r)
-from test_daemon import kv_pool, indexer_pool, pages
+from pools import kv_pool, indexer_pool, pages
 from hicached import Client, PoolTransfer
 """ + RacingWriter.KEEP_UP + """
 c = Client(sys.argv[1], "model-a")

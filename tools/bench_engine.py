@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from hicached.client import Client
+from hicached.client.api import Client
 from hicached.engine.config import EngineConfig
 from hicached.engine.demo import DaemonLauncher, settle_l3
 from hicached.engine.engine import Engine

@@ -32,8 +32,8 @@ import uuid
 import torch
 
 from hicached.arena import Arena
-from hicached.backends.hf3fs import Hf3fsBackend
-from hicached.config import parse_size
+from hicached.backends.hf3fs.backend import Hf3fsBackend
+from hicached.settings import parse_size
 
 
 def _rates(nbytes: int, seconds: list[float]) -> dict:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from hicached.hostpool import HostPool, make_page_io
+from hicached.client.hostpool import HostPool, make_page_io
 
 MIB = 1 << 20
 

@@ -53,7 +53,7 @@ def start_daemon(tmp: str, l2_size: str, extra: Sequence[str] = ()
                  ) -> tuple[subprocess.Popen, str]:
     endpoint = f"ipc://{tmp}/bench.sock"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hicached.cli", "serve", "--endpoint", endpoint, "--l2-size",
+        [sys.executable, "-m", "hicached", "serve", "--endpoint", endpoint, "--l2-size",
          l2_size, "--state-dir", f"{tmp}/state", "--l3-backend", "none", "--log-level", "warning",
          *extra],
         stdout=subprocess.DEVNULL)

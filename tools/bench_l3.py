@@ -38,9 +38,9 @@ import torch
 
 from hicached import Client, HostPool, PoolTransfer
 from hicached.arena import Arena
-from hicached.backends.mooncake import object_key
+from hicached.backends.mooncake.backend import object_key
 from hicached.errors import DaemonUnavailable
-from hicached.sessions import namespace_digest
+from hicached.daemon.sessions import namespace_digest
 
 PAGES, PAGE_SIZE, LAYERS, KV_DIM = 64, 64, 16, 512  # MLA bf16: 64*16*512*2 = 1 MiB a page
 NAMESPACE = "bench-l3-mla-1mib"
@@ -156,7 +156,7 @@ def start_daemon(procs: Procs, master: str, extra: list[str]) -> str:
     endpoint = f"ipc://{procs.logdir}/bench.sock"
     opts = {"master_server_address": master, "protocol": "tcp", "global_segment_size": 0,
             "local_buffer_size": "16MiB", "local_hostname": "127.0.0.1", "timeout_s": 10}
-    procs.start("daemon", [sys.executable, "-m", "hicached.cli", "serve", "--endpoint", endpoint,
+    procs.start("daemon", [sys.executable, "-m", "hicached", "serve", "--endpoint", endpoint,
                            "--l2-size", "512MiB", "--state-dir", f"{procs.logdir}/state",
                            "--l3-backend", "mooncake", "--l3-options", json.dumps(opts),
                            "--log-level", "warning", *extra])

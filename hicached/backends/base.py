@@ -93,8 +93,8 @@ class NullBackend(L3Backend):
 BACKENDS = {
     "none": "hicached.backends.base:NullBackend",
     "file": "hicached.backends.file:FileBackend",
-    "hf3fs": "hicached.backends.hf3fs:Hf3fsBackend",
-    "mooncake": "hicached.backends.mooncake:MooncakeBackend",
+    "hf3fs": "hicached.backends.hf3fs.backend:Hf3fsBackend",
+    "mooncake": "hicached.backends.mooncake.backend:MooncakeBackend",
 }
 
 

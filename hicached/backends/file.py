@@ -40,7 +40,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from hicached.backends.base import L3Backend
-from hicached.config import ConfigError, parse_size
+from hicached.errors import ConfigError
+from hicached.settings import parse_size
 from hicached.protocol import MAX_KEY_LEN
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 STORAGE_BACKENDS = ("hicached", "none")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("wait_complete", "timeout", "best_effort")  # hicached.prefetch
+PREFETCH_POLICIES = ("wait_complete", "timeout", "best_effort")  # hicached.client.prefetch
 
 
 @dataclass(frozen=True)

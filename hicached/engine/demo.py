@@ -63,7 +63,7 @@ class DaemonLauncher:
         # the child writes here for its whole life; closed in close()
         self.log = open(os.path.join(self.dir, "daemon.log"), "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hicached.cli", "serve", "--endpoint", self.endpoint,
+            [sys.executable, "-m", "hicached.ops.cli", "serve", "--endpoint", self.endpoint,
              "--l2-size", l2_size, "--slab-size", slab_size, "--state-dir",
              os.path.join(self.dir, "state")], stdout=self.log, stderr=subprocess.STDOUT)
         wait_for_daemon(self.endpoint, self.proc)
@@ -83,7 +83,7 @@ class DaemonLauncher:
 def wait_for_daemon(endpoint: str, proc: subprocess.Popen | None = None,
                     timeout_s: float = 30.0) -> None:
     """Return once a daemon answers at ``endpoint``; raise if it does not (or ``proc`` died)."""
-    from hicached.client import Client
+    from hicached.client.api import Client
     from hicached.errors import DaemonUnavailable
 
     deadline = time.monotonic() + timeout_s
@@ -194,7 +194,7 @@ def settle_l3(admin, timeout_s: float = 20.0) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The demo (see the module docstring); prints the report to stdout."""
-    from hicached.client import Client
+    from hicached.client.api import Client
     from hicached.engine.models import load_model
 
     archs = [a.strip() for a in args.models.split(",") if a.strip()]

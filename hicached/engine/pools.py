@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from hicached.errors import HicachedError
-from hicached.hostpool import HostPool
+from hicached.client.hostpool import HostPool
 
 
 class PoolError(HicachedError):

@@ -14,7 +14,7 @@ Pools registered with the daemon (the device pools' host geometry, ``pools.py``)
     indexer  DSA indexer keys, same keys and page ids as kv          ALL_PAGES
     mamba    one state per key: the state after that page            TRAILING_PAGES, window 1
 
-Stop policies (``prefetch_policy``, SGLang's names, ``hicached.prefetch``): ``wait_complete``
+Stop policies (``prefetch_policy``, SGLang's names, ``hicached.client.prefetch``): ``wait_complete``
 gets every page the exists answer named in one call. ``timeout`` and ``best_effort`` run the get
 as a ``PrefetchOperation`` (chunks on a background thread) and keep what arrived when the policy
 says stop: up to the timeout (base + per 1024 tokens, capped), or nothing more than is there at
@@ -123,7 +123,7 @@ class HicachedStorage(Storage):
         ``namespace`` (model, weights, dtype, layout, slice, tenant: ``hicached.keys``) is the
         plugin's model name, so the plugin's namespace carries all of it."""
         from hicached.plugin.sglang import HicachedStorage as Plugin
-        from hicached.prefetch import make_policy
+        from hicached.client.prefetch import make_policy
 
         self.policy = make_policy(prefetch_policy)  # ValueError names the valid ones
         self.endpoint, self.namespace, self.timeout_s = endpoint, namespace, timeout_s

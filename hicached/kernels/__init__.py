@@ -4,7 +4,7 @@
 - ``cpu``: fast torch copies over page-major views of a pool's tensors (``PageCopier``).
 - ``pointers``: ``memmove`` of SGLang ``get_page_buffer_meta`` segments (``SegmentPlan``).
 
-``hicached.hostpool.make_page_io`` picks among them for a given pool.
+``hicached.client.hostpool.make_page_io`` picks among them for a given pool.
 """
 
 from hicached.kernels.cpu import PageCopier, page_major_parts

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from hicached.errors import ArenaError
-from hicached.hostpool import PageIO
+from hicached.client.hostpool import PageIO
 from hicached.kernels import reference
 from hicached.kernels.cpu import (
     as_index_array,

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicached.hostpool import HostPool, PageIO
+from hicached.client.hostpool import HostPool, PageIO
 from hicached.kernels.cpu import check_arena, check_slots
 
 # Host-pool classes (any class in the pool's MRO, nearest first) whose pages are the same on

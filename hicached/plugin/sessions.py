@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from hicached.client import Client
+from hicached.client.api import Client
 from hicached.errors import DaemonUnavailable, HicachedError, UnknownPool
 from hicached.plugin.health import PluginHealth
 from hicached.plugin.namespace import RankNamespace, build_namespace

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicached.config import default_runtime_dir
+from hicached.settings import default_runtime_dir
 
 CLEAR_TIERS = ("all", "l2", "none")
 

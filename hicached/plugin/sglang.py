@@ -68,7 +68,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from hicached.client import Client
+from hicached.client.api import Client
 from hicached.errors import DaemonUnavailable
 from hicached.plugin._sglang_compat import import_sglang
 from hicached.plugin.health import PluginHealth

@@ -1,0 +1,500 @@
+"""The 3FS L3 backend: pages in fixed-size slots of per-node segment files on a shared mount.
+
+A 3FS mount is a POSIX directory shared by every node's daemon. Each daemon ("node", option
+``node``, default the host name) writes only into its own segment files; any daemon reads any
+node's pages. Layout and records: ``hf3fs_format.py``; this node's slots: ``hf3fs_space.py``
+(rebuilt at a restart: ``hf3fs_restart.py``); pointer records and the format marker:
+``hf3fs_records.py``; node identity: ``hf3fs_node.py``; the write/read protocol of a batch of
+slots: ``hf3fs_slots.py``; what is known about other nodes' keys: ``hf3fs_keys.py``; open
+segment files, at most a share of RLIMIT_NOFILE: ``hf3fs_fds.py``; the bytes move through
+``hf3fs_io.py`` (USRBIO rings when ``hf3fs_py_usrbio`` imports and the root is on a 3FS mount,
+``preadv``/``pwritev`` on the arena's memory otherwise; the same format either way).
+
+    key (ns, pool, key) --sha256--> kh --> index/<ns>/<pool>/<kh[:2]>/<kh>   pointer record
+    pointer = (node uuid, segment, slot, slot offset, generation, page_bytes, kh)
+    slot    = [.. | head stamp | page bytes | trail stamp | ..]   stamp = (slot, gen, size, kh,
+                                                                    segment tag[, page crc])
+
+Write (one node, its writer thread), per batch:
+  1. allocate slots (``NodeSpace``: free slot, new segment, or LRU eviction at ``capacity``);
+  2. write every head stamp (a new, never reused generation: epoch << 32 | counter), wait;
+  3. write page bytes + trail stamp, wait;
+  4. write the slot's directory entry, then publish the pointer (temp file + rename).
+Read (any node, its reader thread):
+  1. resolve kh -> pointer (own slots from memory, others' from a cache or the record);
+  2. read [head | page | trail] in one vectored op per page, page bytes straight into the arena;
+  3. check head and trail against the pointer, then read the head again and check it once more.
+A writer recycling the slot stamps the head with a new generation *before* it touches the page,
+so a page read that saw any new byte sees the new head in step 3: a torn or recycled slot is a
+miss, never wrong bytes (seqlock; the stamp CRC also rejects zeroed or foreign blocks). A stale
+pointer is harmless for the same reason. Eviction removes the pointer first and reuses the slot
+only ``grace_s`` later, so readers in flight rarely lose a page to the check; a pointer it
+cannot remove keeps its slot out of use until a retry removes it. A pointer that a read finds
+naming a slot with another page in it, or a deleted or cut segment (a crash, another node's
+``clear``), is "dead": one miss, then ``exists`` says missing and a put stores the key again
+(``KeyCache.dead``), on every node that saw it. A write into a segment deleted under it is never
+published. Errors (a vanished root, a segment that cannot be created or opened) are misses
+or evictions, never exceptions, and nothing readable is deleted for them. This node's
+evictions are told to the daemon (``take_evicted``: the keys of pages it put, read or
+found with ``exists``, which the daemon's writes ask first).
+
+What this relies on from 3FS (checked against its FUSE client source) and any filesystem:
+- rename replaces a file atomically (3FS: metadata transactions in FoundationDB); O_EXCL create;
+- a read that starts after a write returned sees the write, from any client (3FS storage:
+  CRAQ chains). The FUSE client would break this for plain fds: it buffers writes per inode
+  (``io_bufs.write_buf_size``, 1 MB) and reads through the kernel page cache
+  (``enable_read_cache``). So on a FUSE mount segment files are opened O_DIRECT (option
+  ``direct``, "auto"): each write reaches storage before it returns, reads skip the cache.
+  USRBIO bypasses both anyway. Pointer files are plain: close() flushes them (FUSE flush ->
+  fsync) before the rename publishes them;
+- lookups may be stale for a while (``entry_timeout`` 30 s, ``negative_timeout`` 5 s): a new
+  pointer can stay invisible to another node for seconds (a miss), a replaced or removed one
+  can still be read (a stale pointer: the slot check turns it into a miss or the old page).
+It does not rely on cross-host locks, mtimes, lazily updated file lengths (segments are sized
+once at creation), or clocks agreeing across hosts. Nothing is fsynced but the root's format
+marker and the node files (small, replaced whole: a crash never leaves one empty): this is a
+cache; on a local filesystem without ordered writeback set ``checksum`` so a power loss never
+yields wrong bytes.
+
+``exists`` answers from memory (own slots, found pointers, recent misses) and checks unknown
+keys' pointer records on a helper thread for at most ``lookup_budget_ms``: what that does not
+finish counts as a miss now and is known on the next call, so a hung mount never stalls the loop.
+So a key another node evicted still reads as stored here for up to ``remote_ttl_s`` (10 s), or
+until a get of it misses (which forgets it at once); a put looks at the record itself, so it
+never skips such a page.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+from hicached.backends.base import L3Backend
+from hicached.backends.hf3fs.fds import FdTable, fd_budget
+from hicached.backends.hf3fs.format import (
+    Pointer,
+    Stamp,
+    key_hash,
+    pointer_relpath,
+    safe_name,
+    slot_bytes_for,
+)
+from hicached.backends.hf3fs.io import PosixIO, select_io, wants_direct
+from hicached.backends.hf3fs.keys import KeyCache
+from hicached.backends.hf3fs.records import prepare_root, publish_pointer, read_pointer
+from hicached.backends.hf3fs.slots import SCRATCH_PER_PAGE, read_pointed, write_slots
+from hicached.backends.hf3fs.space import NodeSpace, Slot
+from hicached.settings import parse_size
+from hicached.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class Hf3fsBackend(L3Backend):
+    """Pages on a 3FS (or any shared POSIX) directory; see the module docstring."""
+
+    name = "hf3fs"
+    wipe_check_s = 1.0  # how often the workers check that another node's clear left us alone
+
+    def __init__(self, root: str | None = None, capacity="64GiB", io: str = "auto",
+                 node: str | None = None, segment_bytes="256MiB", grace_s: float = 1.0,
+                 lookup_budget_ms: float = 5.0, negative_ttl_s: float = 2.0,
+                 remote_ttl_s: float = 10.0, batch_entries: int = 256, checksum: bool = False,
+                 io_timeout_s: float = 10.0, max_open_files: int | str = "auto",
+                 file_mode: int = 0o600,
+                 direct: bool | str = "auto", lock_wait_s: float = 5.0, **unknown):
+        if unknown:
+            valid = [k for k in inspect.signature(Hf3fsBackend).parameters if k != "unknown"]
+            raise ConfigError(f"hf3fs: unknown option {min(unknown)!r}; valid: {valid}")
+        if not root or not isinstance(root, str):
+            raise ConfigError("hf3fs: option 'root' (a directory on the 3FS mount) is required")
+        if io not in ("auto", "posix", "usrbio"):
+            raise ConfigError(f"hf3fs: io must be 'auto', 'posix' or 'usrbio', got {io!r}")
+        if direct not in ("auto", True, False):
+            raise ConfigError(f"hf3fs: direct must be 'auto', true or false, got {direct!r}")
+        for key, v in (("grace_s", grace_s), ("lookup_budget_ms", lookup_budget_ms),
+                       ("negative_ttl_s", negative_ttl_s), ("remote_ttl_s", remote_ttl_s),
+                       ("io_timeout_s", io_timeout_s), ("lock_wait_s", lock_wait_s)):
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+                raise ConfigError(f"hf3fs: {key} must be a number >= 0, got {v!r}")
+        if isinstance(file_mode, str):  # JSON has no octal literals: "0o640" / "640"
+            try:
+                file_mode = int(file_mode.removeprefix("0o"), 8)
+            except ValueError:
+                raise ConfigError(f"hf3fs: file_mode {file_mode!r} is not octal") from None
+        if max_open_files == "auto":  # a share of RLIMIT_NOFILE (hf3fs_fds.py)
+            max_open_files = fd_budget()
+        for key, v in (("batch_entries", batch_entries), ("max_open_files", max_open_files),
+                       ("file_mode", file_mode)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"hf3fs: {key} must be an integer >= 1, got {v!r}")
+        self.root = os.path.abspath(root)
+        self.capacity = parse_size(capacity, "hf3fs capacity")
+        seg_bytes = parse_size(segment_bytes, "hf3fs segment_bytes")
+        prepare_root(self.root)
+        self.grace_s = float(grace_s)
+        self.entries, self.checksum, self.file_mode = batch_entries, bool(checksum), file_mode
+        self.io, self.io_reason = select_io(io, self.root, 3 * batch_entries, io_timeout_s)
+        self._io_option = io
+        self.direct = wants_direct(direct, self.root)
+        self.fds = FdTable(self.io, max_open_files, os.O_DIRECT if self.direct else 0)
+        self.space = NodeSpace(self.root, safe_name(node) if node else NodeSpace.default_node(),
+                               self.capacity, seg_bytes, self.grace_s, self.fds, file_mode,
+                               lock_wait_s=float(lock_wait_s))
+        self._write_lock = threading.RLock()  # batch_put vs clear / close; the "put" lane
+        self._get_lock = threading.Lock()  # the "get" lane
+        self.keys = KeyCache(float(remote_ttl_s), float(negative_ttl_s), lookup_budget_ms / 1000)
+        self._wipe_checked = float("-inf")
+        self._logged: set[str] = set()
+        self.counters = dict.fromkeys(
+            ("puts", "put_failures", "no_space", "gets", "get_hits", "remote_hits",
+             "size_mismatches", "read_failures", "verify_failures", "dead_pointers"), 0)
+        self._bad_lock = threading.Lock()
+        self._bad_own: list[Slot] = []  # own slots a read found broken, for the writer thread
+        self._closed = False
+
+    def open(self, arena) -> None:
+        super().open(arena)
+        scratch = self.entries * SCRATCH_PER_PAGE
+        try:
+            self.io.attach(arena, scratch)
+        except (OSError, ConfigError) as e:
+            if self._io_option == "usrbio":
+                raise ConfigError(f"hf3fs: io='usrbio' cannot use the arena: {e}") from e
+            log.warning("hf3fs: USRBIO unusable (%s); using POSIX I/O", e)
+            self.io.close()
+            self.io, self.io_reason = PosixIO(), f"usrbio failed: {e}"
+            self.fds.swap_io(self.io)
+            self.io.attach(arena, scratch)
+        log.info("hf3fs L3 at %s: node %s, io %s (%s), capacity %d bytes", self.root,
+                 self.space.node, self.io.name, self.io_reason, self.capacity)
+
+    # ------------------------------------------------------------ key caches
+
+    def _ptr_path(self, ns: str, pool: str, kh: bytes) -> str:
+        return os.path.join(self.root, pointer_relpath(safe_name(ns), safe_name(pool), kh))
+
+    def _note(self, what: str, err: Exception, count: int = 1) -> None:
+        """Count ``count`` failures of ``what`` (put | get | read); log only the first."""
+        self.counters["put_failures" if what == "put" else "read_failures"] += count
+        if what not in self._logged:
+            self._logged.add(what)
+            log.error("hf3fs %s failed: %s (further failures are only counted)", what, err)
+
+    # ------------------------------------------------------------ contract
+
+    def exists(self, ns: str, pool: str, keys: Sequence[str]) -> list[bool]:
+        out = [False] * len(keys)
+        if self._closed:
+            return out
+        now = time.monotonic()
+        unknown = []
+        for i, key in enumerate(keys):
+            kh = key_hash(ns, pool, key)
+            if self._own(kh, ns, pool, key) is not None or self.keys.found(kh, now):
+                out[i] = True
+            elif not self.keys.absent(kh, now):
+                unknown.append((i, kh))
+        if unknown:
+            self.keys.lookup([(kh, self._ptr_path(ns, pool, kh)) for _, kh in unknown])
+            now = time.monotonic()
+            for i, kh in unknown:
+                out[i] = self.keys.found(kh, now)
+        return out
+
+    def batch_put(self, ns, pool, keys, offsets, page_bytes):
+        out = [False] * len(keys)
+        if self._closed:
+            return out
+        with self._write_lock:
+            try:
+                self._check_wiped()
+                self._evict_bad_own()
+                self.space.maintain()
+            except (OSError, ConfigError) as e:  # (a vanished root): misses, until it can
+                self._note("put", e, len(keys))  # start again
+                return out
+            step = self._chunk()
+            for start in range(0, len(keys), step):
+                end = start + step
+                try:
+                    out[start:end] = self._put_chunk(ns, pool, keys[start:end],
+                                                     offsets[start:end], page_bytes)
+                except Exception as e:  # a failing store is a miss, never an exception
+                    log.exception("hf3fs put of %d pages failed", len(keys[start:end]))
+                    self._note("put", e, len(keys[start:end]))
+        return out
+
+    def _chunk(self) -> int:
+        """Pages per I/O batch: ``batch_entries``, and no more than half the fd table (a batch
+        holds the fds of its segments open until it is done, and a reader's and the writer's
+        batches run at once), so any number of segments works within any fd limit."""
+        return max(1, min(self.entries, self.fds.max_open // 2))
+
+    def _check_wiped(self) -> None:
+        """Start empty if another node's ``clear`` deleted our segments (rate limited; the
+        write lock is taken only then, so loads never wait behind writes here)."""
+        now = time.monotonic()
+        if now - self._wipe_checked < self.wipe_check_s:
+            return
+        self._wipe_checked = now
+        if self.space.wiped():
+            with self._write_lock:
+                if self.space.wiped():
+                    log.warning("hf3fs: segments of node %s were deleted (clear by another "
+                                "node?); starting empty", self.space.node)
+                    self._reset()
+
+    def _put_chunk(self, ns, pool, keys, offsets, page_bytes) -> list[bool]:
+        out = [False] * len(keys)
+        ns_name, pool_name = safe_name(ns), safe_name(pool)
+        now = time.monotonic()
+        todo: list[tuple[int, bytes]] = []
+        seen: set[bytes] = set()
+        for i, key in enumerate(keys):
+            kh = key_hash(ns, pool, key)
+            if kh in seen or self._own(kh, ns, pool, key) is not None:
+                out[i] = True
+                continue
+            seen.add(kh)
+            # another node's key: its record is looked at even if ``exists`` found it a moment
+            # ago (``keys.found``): that node may have evicted it since, and a put skipped on
+            # the strength of the cache would lose the page (one stat, on the writer thread)
+            if not self.keys.absent(kh, now) and self._has_record(ns, pool, kh):
+                if not self.keys.found(kh, now):  # (keep a pointer a get cached)
+                    self.keys.remember(kh, None, now)  # another node stored it
+                out[i] = True
+                continue
+            todo.append((i, kh))
+        if not todo:
+            return out
+        sb = slot_bytes_for(page_bytes)
+        places = self.space.allocate(sb, len(todo))
+        self.counters["no_space"] += len(todo) - len(places)
+        items = [(i, Slot(seg, idx, self.space.next_gen(), page_bytes, kh, ns_name, pool_name,
+                          0.0, (ns, pool, keys[i]))) for (seg, idx), (i, kh) in zip(places, todo)]
+        pending = dict(enumerate(items))  # slots to give back if anything below raises
+        handles, deleted = {}, []
+        try:
+            try:
+                for _, s in items:
+                    if s.seg.key not in handles:
+                        handles[s.seg.key] = self.fds.acquire(s.seg.key, s.seg.path, True)
+                ok = write_slots(self.io, self.arena, [
+                    (handles[s.seg.key].fd, s.seg.head.slot_off(s.index), offsets[i],
+                     Stamp(s.index, s.gen, s.page_bytes, s.kh, s.seg.tag, 0)) for i, s in items],
+                    self.checksum)
+                deleted = [h for h in handles.values() if os.fstat(h.fd).st_nlink == 0]
+                if deleted:  # written into a deleted segment (another node's clear): never
+                    ok = [False] * len(items)  # publish a pointer to it; start afresh
+            finally:
+                for h in handles.values():
+                    self.fds.release(h)
+            for n, ((i, s), good) in enumerate(zip(items, ok)):
+                del pending[n]
+                if good:
+                    out[i] = self._publish(ns, pool, s)
+                else:
+                    self.space.release(s.seg, s.index)
+            stored = sum(out[i] for i, _ in items)
+            self.counters["puts"] += stored
+            self.counters["put_failures"] += len(items) - stored
+        finally:
+            for _, s in pending.values():
+                self.space.release(s.seg, s.index)
+        if deleted:
+            log.warning("hf3fs: a segment of node %s was deleted under it (a clear by another "
+                        "node?); starting empty", self.space.node)
+            self._reset()
+            return out
+        self.space.top_up(sb)
+        return out
+
+    def _own(self, kh: bytes, ns: str, pool: str, key: str) -> Slot | None:
+        """This node's live slot of ``kh``, which learns its key (``take_evicted``): a restored
+        slot knows only its hash, and after an exists, put or get the daemon counts on it."""
+        slot = self.space.lookup(kh)
+        if slot is not None and slot.key is None:
+            slot.key = (ns, pool, key)
+        return slot
+
+    def _has_record(self, ns: str, pool: str, kh: bytes) -> bool:
+        """A live pointer record for ``kh``; one that cannot be read counts as none (the
+        page is written again: a second copy, never a lost one)."""
+        try:
+            return self.keys.has_record(kh, self._ptr_path(ns, pool, kh))
+        except OSError:
+            return False
+
+    def _publish(self, ns: str, pool: str, s: Slot) -> bool:
+        """Directory entry, then the pointer (step 4); on failure the slot goes back."""
+        try:
+            self.space.commit(s)
+        except OSError as e:
+            self._note("put", e, 0)  # counted with the batch
+            self.space.release(s.seg, s.index)
+            return False
+        try:
+            publish_pointer(self._ptr_path(ns, pool, s.kh), s.pointer(self.space.uuid),
+                            self.file_mode)
+        except OSError as e:
+            self._note("put", e, 0)
+            self.space.evict([s])
+            return False
+        self.keys.stored(s.kh)
+        return True
+
+    def batch_get(self, ns, pool, keys, offsets, page_bytes):
+        out = [False] * len(keys)
+        if self._closed:
+            return out
+        try:
+            self._check_wiped()
+        except (OSError, ConfigError) as e:
+            self._note("get", e)
+            return out
+        with self._get_lock:  # one user of the "get" lane's scratch and ring at a time
+            step = self._chunk()
+            for start in range(0, len(keys), step):
+                end = start + step
+                try:
+                    out[start:end] = self._get_chunk(ns, pool, keys[start:end],
+                                                     offsets[start:end], page_bytes)
+                except Exception as e:
+                    log.exception("hf3fs get of %d pages failed", len(keys[start:end]))
+                    self._note("get", e)
+        self.counters["gets"] += len(keys)
+        self.counters["get_hits"] += sum(out)
+        return out
+
+    def _get_chunk(self, ns, pool, keys, offsets, page_bytes) -> list[bool]:
+        out = [False] * len(keys)
+        now = time.monotonic()
+        todo: list[tuple[int, Pointer, bool]] = []  # (index, pointer, pointer read just now)
+        own: dict[int, Slot] = {}
+        for i, key in enumerate(keys):
+            kh = key_hash(ns, pool, key)
+            slot = self._own(kh, ns, pool, key)
+            if slot is not None:
+                own[i] = slot
+                todo.append((i, slot.pointer(self.space.uuid), True))
+                continue
+            cached = self.keys.pointer(kh, now)
+            if cached is not None:
+                todo.append((i, cached, False))
+                continue
+            ptr = self._load_pointer(ns, pool, kh, now)
+            if ptr is not None:
+                todo.append((i, ptr, True))
+        ok, dead = self._read_checked(todo, offsets, page_bytes)
+        retry = []
+        for n, ((i, ptr, fresh), good) in enumerate(zip(todo, ok)):
+            out[i] = good
+            if good:
+                continue
+            if not fresh:  # a cached pointer may be stale: read the record again
+                new = self._load_pointer(ns, pool, ptr.key_hash, now)
+                if new is not None and new != ptr:
+                    retry.append((i, new, True))
+                elif new == ptr and n in dead:
+                    self._dead(ptr, own.get(i), now)
+            elif n in dead:
+                self._dead(ptr, own.get(i), now)
+        ok, dead = self._read_checked(retry, offsets, page_bytes)
+        for n, ((i, ptr, _), good) in enumerate(zip(retry, ok)):
+            out[i] = good
+            if n in dead:
+                self._dead(ptr, None, now)
+        self.space.touch([slot for i, slot in own.items() if out[i]])
+        self.counters["remote_hits"] += sum(out[i] for i, p, _ in todo
+                                            if p.node_uuid != self.space.uuid)
+        return out
+
+    def _load_pointer(self, ns: str, pool: str, kh: bytes, now: float) -> Pointer | None:
+        try:
+            ptr = read_pointer(self._ptr_path(ns, pool, kh))
+        except OSError as e:
+            self._note("read", e)
+            return None
+        if ptr is None or ptr.key_hash != kh:
+            self.keys.forget(kh, now)
+            return None
+        self.keys.remember(kh, ptr, now)
+        return ptr
+
+    def _dead(self, ptr: Pointer, own: Slot | None, now: float) -> None:
+        """``ptr``, just read, names a slot that no longer holds its page (a pointer left by
+        a failed eviction, a segment deleted or cut short under it): ``exists`` says missing
+        while the record stays the same, and a put stores the key again. One of this node's
+        own slots is evicted by the writer thread (``_evict_bad_own``)."""
+        self.counters["dead_pointers"] += 1
+        self.keys.dead(ptr.key_hash, ptr, now)
+        if own is not None and self.space.forget_live(own):
+            with self._bad_lock:
+                self._bad_own.append(own)
+
+    def _evict_bad_own(self) -> None:
+        """Evict own slots a read found broken (writer thread)."""
+        with self._bad_lock:
+            bad, self._bad_own = self._bad_own, []
+        if bad:
+            self.space.evict(bad)
+
+    def _read_checked(self, todo: list[tuple[int, Pointer, bool]], offsets, page_bytes
+                      ) -> tuple[list[bool], set[int]]:
+        """``read_pointed`` of the pointers of ``todo`` = [(key index, pointer, fresh)]."""
+        return read_pointed(self.io, self.arena, self.fds, self.root, self.space.uuid,
+                            [(ptr, offsets[i]) for i, ptr, _ in todo], page_bytes, self.counters)
+
+    # ------------------------------------------------------------ maintenance
+
+    def clear(self) -> int:
+        """Delete every pointer and segment under the root (all nodes'); returns how many
+        pages (pointer records) were removed. Other nodes notice and start empty."""
+        n = 0
+        with self._write_lock:
+            for top in ("index", "segments"):
+                for dirpath, _, files in os.walk(os.path.join(self.root, top), topdown=False):
+                    for f in files:
+                        try:
+                            os.unlink(os.path.join(dirpath, f))
+                        except OSError:
+                            continue
+                        if top == "index" and ".tmp-" not in f:
+                            n += 1
+                    try:
+                        os.rmdir(dirpath)
+                    except OSError:
+                        pass
+            self._reset(lost=False)  # (the daemon forgets what it knew stored itself)
+        return n
+
+    def _reset(self, lost: bool = True) -> None:
+        self.fds.drop_all()
+        self.space.reset()
+        self.keys.clear()
+        if lost:  # another node's clear deleted pages this daemon knew stored
+            self.space.lost_track()
+
+    def take_evicted(self) -> list[tuple[str, str, str]] | None:
+        return self.space.take_evicted()
+
+    def stats(self) -> dict:
+        return {**self.space.stats(), "io": self.io.name, "io_reason": self.io_reason,
+                "direct": self.direct, "open_files": len(self.fds), "max_open_files": self.fds.max_open,
+                "fd_closes": self.fds.closes, "lookups": self.keys.lookups,
+                "lookup_errors": self.keys.lookup_errors, **self.counters}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.keys.close()
+        with self._write_lock:
+            self.fds.drop_all()
+            self.io.close()
+            self.space.close()

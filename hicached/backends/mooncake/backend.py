@@ -1,0 +1,487 @@
+"""L3 on Mooncake Store: pages move zero-copy between the arena and the distributed store.
+
+    open(arena)   setup() the client, register_buffer(the whole arena) once
+    batch_put     batch_put_from(object keys, arena base + slot offsets, page_bytes)
+    batch_get     batch_get_into(object keys, arena base + slot offsets, page_bytes)
+    exists        batch_is_exist(object keys)
+    clear         remove_by_regex("^<key_prefix>/", force): our pages only, other users' stay
+
+    object key = <key_prefix>/<namespace digest>/<pool>/<key>
+                 (a part that is not a plain token of [A-Za-z0-9_.=+-], <= 128 chars, becomes
+                  "h-" + sha256(part): stable across daemons and restarts, never colliding
+                  with a plain part because plain parts never start with "h-")
+
+Return codes become per-key answers at this edge: a put answering 0 (or -705, already there:
+Mooncake keeps the first value) is stored; a get answering page_bytes is a hit; -704 (not found)
+is a miss; a get answering another byte count, or -600 (the stored object is larger than the
+slot), is a miss counted as ``size_mismatches``; -900 / -901 (master RPC failed / timed out)
+mean the store is unreachable.
+
+Deadlines and degradation (``guard.py``): calls that touch no arena bytes (``batch_is_exist``
+on the prober thread, ``health_check``) run on a helper thread and are abandoned past their
+deadline (``exists_timeout_s``). Transfers (``batch_put_from`` / ``batch_get_into``) run on the
+daemon's I/O worker thread and are never abandoned: Mooncake cannot cancel a transfer, and an
+abandoned one could still write (get) or read (put) arena slots after the controller reused them.
+The slots stay pinned until the call returns, which Mooncake's own RPC timeouts bound (~4 s dead
+master, ~30 s hung one); meanwhile a waiting get is answered by the controller after
+``get_wait_s`` and further jobs are refused by the full worker queue, so nobody hangs. A transfer
+that took longer than ``timeout_s`` plus ``timeout_per_gib_s`` per GiB counts as a timeout. A
+timeout or an unreachable-store code opens the breaker: logged once, counted, and calls answer
+misses at once until a backoff passes; then one call probes (after a free ``health_check``), and
+success closes the breaker.
+
+Measured with 0.3.13.post1: against a killed master calls take ~4.3 s (-900), against a
+SIGSTOPped one 30 s (-901). Once the master runs again at the same address the client reconnects
+and remounts its segment by itself within ~1-2 s (puts answer -200 until then), so recovery
+needs no new client; a client that never got set up (master down at start) is set up by a
+background thread. Two calls hold the GIL, which no helper thread can bound: ``setup`` (~90 s
+against a dead master, minutes against a hung one or a port that is no master) and ``close``
+(7-16 s against a dead master, 1-2.5 s against a live one). So before any ``setup`` in the
+daemon, the master's port is probed, then a child process must get through ``setup`` and
+``health_check`` within ``probe_timeout_s``; a client is closed only when its master answers
+and no transfer runs in it, else left open for Mooncake's own cleanup at process exit.
+
+A store that recovers from an outage may have lost its pages (a master restarted empty):
+``take_evicted`` then answers None once, so the daemon stops counting on pages it knew stored,
+and writes pages it holds again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from hicached.arena import Arena
+from hicached.backends.base import L3Backend
+from hicached.backends.guard import Breaker, CallTimeout, DeadlineCaller, StoreUnavailable
+from hicached.backends.mooncake.options import MooncakeOptions, redact
+from hicached.backends.mooncake.probe import probe_master, probe_setup
+from hicached.errors import ArenaError, BackendError, BackendUnavailable, ConfigError
+
+log = logging.getLogger(__name__)
+
+# Mooncake ErrorCode values (mooncake-store/include/types.h); Python gets plain ints.
+NO_AVAILABLE_HANDLE = -200  # no segment space (also right after a master restart: not remounted)
+INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+UNREACHABLE = {RPC_FAIL, RPC_TIMEOUT, -1010, -1011}  # + UNAVAILABLE_IN_CURRENT_STATUS / _MODE
+CODE_NAMES = {-1: "INTERNAL_ERROR", NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE",
+              INVALID_PARAMS: "INVALID_PARAMS", OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
+              OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE",
+              -707: "LEASE_EXPIRED", TRANSFER_FAIL: "TRANSFER_FAIL", RPC_FAIL: "RPC_FAIL",
+              RPC_TIMEOUT: "RPC_TIMEOUT", -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
+              -1011: "UNAVAILABLE_IN_CURRENT_MODE"}
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_.=+-]{1,128}$")
+
+
+def key_part(part: str) -> str:
+    """A key component as it appears in an object key: itself when plain, else its digest."""
+    if _PLAIN.match(part) and not part.startswith("h-"):
+        return part
+    return "h-" + hashlib.sha256(part.encode()).hexdigest()
+
+
+def object_key(prefix: str, ns: str, pool: str, key: str) -> str:
+    """The Mooncake key of page ``key`` of ``pool`` in namespace digest ``ns``."""
+    return f"{prefix}/{key_part(ns)}/{key_part(pool)}/{key_part(key)}"
+
+
+def code_name(rc: int) -> str:
+    return f"{rc} {CODE_NAMES.get(rc, '')}".strip()
+
+
+def import_store_class() -> type:
+    """``mooncake.store.MooncakeDistributedStore``, or a ConfigError naming the extra."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise ConfigError(
+            "l3_backend 'mooncake' needs the Mooncake client: pip install 'hicached[mooncake]' "
+            "(mooncake-transfer-engine-non-cuda; on Debian also apt-get install libibverbs1 "
+            f"librdmacm1 libnuma1). Import failed: {e}") from e
+    return MooncakeDistributedStore
+
+
+class MooncakeBackend(L3Backend):
+    """Mooncake Store as L3. Thread-safe for the control loop plus the two I/O workers.
+
+    ``MooncakeBackend(env=None, **options)``: options as in ``mooncake_options``; ``env`` is
+    where unset options are looked up: SGLang's ``MOONCAKE_*`` variables, which the daemon's
+    config captures from the environment at its edge (``DaemonConfig.store_env``) and
+    ``backend_options`` passes here. None: no environment.
+    """
+
+    name = "mooncake"
+
+    def __init__(self, env: Mapping[str, str] | None = None, **options: object):
+        self.opts = MooncakeOptions.resolve(options, env or {})
+        self._store_cls = import_store_class()
+        self.breaker = Breaker(f"Mooncake store at {redact(self.opts.master_server_address)}",
+                               self.opts.backoff_s, self.opts.max_backoff_s)
+        self._caller = DeadlineCaller("mooncake", self.opts.max_call_threads)
+        self._store = None  # a set-up MooncakeDistributedStore, or None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._connector: threading.Thread | None = None
+        self._buffer = None  # the arena's mmap, kept mapped while Mooncake may touch it
+        self._base = 0
+        self._closed = False
+        self._transfers = 0  # transfers running in the client (it is not closed under them)
+        self._recoveries_told = 0  # breaker recoveries ``take_evicted`` has answered for
+        self.counters = {"puts": 0, "put_failures": 0, "gets": 0, "get_misses": 0,
+                         "exists_calls": 0, "size_mismatches": 0,
+                         "no_space": 0, "timeouts": 0, "errors": 0, "setups": 0,
+                         "put_bytes": 0, "get_bytes": 0, "put_s": 0.0, "get_s": 0.0}
+
+    # ------------------------------------------------------------ connection
+
+    def open(self, arena: Arena) -> None:
+        """Set up the client and register the arena; on failure start degraded and keep trying
+        in the background (the daemon serves L2 meanwhile)."""
+        super().open(arena)
+        self._buffer = arena.buffer
+        self._base = arena.tensor.data_ptr()
+        log.info("mooncake L3: %s", self.opts.describe())
+        o = self.opts
+        loopback = ("localhost", "127.0.0.1", "::1")
+        if (o.local_hostname in loopback and o.global_segment_size
+                and not o.master_server_address.startswith(loopback)):
+            log.warning("mooncake L3: local_hostname is %s but the master is remote: other nodes "
+                        "cannot reach this node's segment; set local_hostname (or "
+                        "MOONCAKE_LOCAL_HOSTNAME) to this node's address", o.local_hostname)
+        try:
+            self._connect()
+        except StoreUnavailable as e:
+            self.breaker.failed(f"setup: {e}")
+            self._recoveries_told = -1  # connected later: the store may lack what L2 holds
+            self._connector = threading.Thread(target=self._keep_connecting, daemon=True,
+                                               name="hicached-mooncake-connect")
+            self._connector.start()
+
+    def _extra(self) -> dict[str, object]:
+        o = self.opts
+        extra: dict[str, object] = {}
+        if o.tenant_id != "default":
+            extra["tenant_id"] = o.tenant_id
+        if o.enable_ssd_offload:
+            extra["enable_ssd_offload"] = True
+        if o.ssd_offload_path:
+            extra["ssd_offload_path"] = o.ssd_offload_path
+        return extra
+
+    def _connect(self) -> None:
+        """One setup attempt; raises StoreUnavailable (ConfigError for options Mooncake
+        refuses). ``setup`` holds the GIL for its whole duration, so the master is probed
+        first: its port, then a whole setup in a child process."""
+        probe_master(self.opts)
+        probe_setup(self.opts, self._extra())
+        store = self._store_cls()
+        o = self.opts
+        rc = store.setup(o.local_hostname, o.metadata_server, o.global_segment_size,
+                         o.local_buffer_size, o.protocol, o.device_name,
+                         o.master_server_address, **self._extra())
+        self.counters["setups"] += 1
+        if rc == INVALID_PARAMS:
+            raise ConfigError(f"mooncake L3: setup() refused the options ({code_name(rc)}): "
+                              f"check global_segment_size, local_buffer_size, protocol and "
+                              f"device_name ({o.describe()})")
+        if rc != 0:
+            # a client whose setup failed crashes on data calls: drop it without using it
+            raise StoreUnavailable(f"setup() returned {code_name(rc)}")
+        rc = store.register_buffer(self._base, self.arena.size_bytes)
+        if rc != 0:
+            raise StoreUnavailable(f"register_buffer of the {self.arena.size_bytes}-byte arena "
+                                   f"returned {code_name(rc)}")
+        with self._lock:
+            if self._closed:
+                return  # closed meanwhile: leave it (close() would hold the GIL again)
+            self._store = store
+        log.info("mooncake L3: connected, arena of %d bytes registered", self.arena.size_bytes)
+
+    def _keep_connecting(self) -> None:
+        delay = self.opts.backoff_s
+        while not self._stop.wait(delay):
+            try:
+                self._connect()
+            except StoreUnavailable as e:
+                self.breaker.failed(f"setup: {e}")
+                delay = min(delay * 2, self.opts.max_backoff_s)
+                continue
+            except ConfigError as e:  # retrying cannot help: say so, and stay degraded
+                self.breaker.failed(f"setup: {e}")
+                log.error("%s; not retrying (attach the backend again with other options)", e)
+                return
+            except Exception as e:  # noqa: BLE001 - a thread that dies would never retry
+                self.breaker.failed(f"setup: {type(e).__name__}: {e}")
+                delay = min(delay * 2, self.opts.max_backoff_s)
+                continue
+            self.breaker.ok()
+            return
+
+    # ------------------------------------------------------------ guarded calls
+
+    def _admit(self, timeout_s: float):
+        """The client to call now, or None: not connected, closed, or the breaker is open.
+        A probe (the first call after a backoff) first asks the free ``health_check``."""
+        store = self._store
+        if store is None:
+            self.breaker.refuse()
+            return None
+        if not self.breaker.admit():
+            return None
+        if self.breaker.degraded:
+            try:
+                health = self._caller.call(store.health_check, timeout_s=timeout_s)
+            except StoreUnavailable as e:
+                self._failed(e)
+                return None
+            except Exception as e:  # noqa: BLE001 - the probe must report back, or none follows
+                self._failed(StoreUnavailable(f"health_check: {type(e).__name__}: {e}"))
+                return None
+            if health != 0:
+                self.breaker.failed(f"health_check() = {health} (2: master unreachable)")
+                return None
+        return store
+
+    def _call(self, fn: Callable, *args: object, timeout_s: float):
+        """``fn(*args)`` within ``timeout_s``; None (after counting) if it failed or timed out."""
+        try:
+            return self._caller.call(fn, *args, timeout_s=timeout_s)
+        except StoreUnavailable as e:
+            self._failed(e)
+        except Exception as e:  # noqa: BLE001 - a binding error is a failed call, not a crash
+            self.counters["errors"] += 1
+            self._failed(StoreUnavailable(f"{type(e).__name__}: {e}"))
+        return None
+
+    def _transfer(self, fn: Callable, *args: object, nbytes: int):
+        """A transfer, run to completion on this (worker) thread: never abandoned, because its
+        arena slots must not be reused while Mooncake may still touch them. (return codes or
+        None if it failed, whether it was slower than its deadline: a timeout, which opens the
+        breaker.) ``close`` leaves the client open while a transfer runs in it."""
+        t = time.monotonic()
+        with self._lock:
+            self._transfers += 1
+        try:
+            rcs = fn(*args)
+        except Exception as e:  # noqa: BLE001 - a binding error is a failed call, not a crash
+            self.counters["errors"] += 1
+            self._failed(StoreUnavailable(f"{type(e).__name__}: {e}"))
+            return None, False
+        finally:
+            with self._lock:
+                self._transfers -= 1
+        took = time.monotonic() - t
+        if took > self._deadline(nbytes):
+            self._failed(CallTimeout(f"{getattr(fn, '__name__', 'transfer')} took {took:.1f} s"))
+            return rcs, True
+        return rcs, False
+
+    def _failed(self, e: StoreUnavailable) -> None:
+        if isinstance(e, CallTimeout):
+            self.counters["timeouts"] += 1
+        self.breaker.failed(str(e))
+
+    def _settle(self, op: str, rcs: Sequence[int], timed_out: bool = False) -> None:
+        """Open or close the breaker from a call's return codes (a call that timed out opened
+        it already: its codes do not close it again)."""
+        bad = [rc for rc in rcs if rc in UNREACHABLE]
+        if bad:
+            self.breaker.failed(f"{op}: {code_name(bad[0])} for {len(bad)} of {len(rcs)} keys")
+        elif not timed_out:
+            self.breaker.ok()
+
+    def _deadline(self, nbytes: int) -> float:
+        """Deadline of a transfer of ``nbytes``: ``timeout_s`` + ``timeout_per_gib_s`` per GiB."""
+        return self.opts.timeout_s + nbytes / 2**30 * self.opts.timeout_per_gib_s
+
+    def _names(self, ns: str, pool: str, keys: Sequence[str]) -> list[str]:
+        prefix = self.opts.key_prefix
+        return [object_key(prefix, ns, pool, k) for k in keys]
+
+    def _ptrs(self, offsets: Sequence[int], page_bytes: int) -> list[int]:
+        """Absolute addresses of arena slots; a slot outside the arena is a bug upstream, and
+        a wrong pointer handed to C would corrupt memory, so it is checked here."""
+        size = self.arena.size_bytes
+        for off in offsets:
+            if off < 0 or off + page_bytes > size:
+                raise ArenaError(f"slot [{off}, {off + page_bytes}) outside the arena of "
+                                 f"{size} bytes")
+        return [self._base + off for off in offsets]
+
+    # ------------------------------------------------------------ contract
+
+    def exists(self, ns: str, pool: str, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        names = self._names(ns, pool, keys)
+        store = self._admit(self.opts.exists_timeout_s)
+        if store is None:
+            return [False] * len(keys)
+        self.counters["exists_calls"] += 1
+        rcs = self._call(store.batch_is_exist, names, timeout_s=self.opts.exists_timeout_s)
+        if rcs is None:
+            return [False] * len(keys)
+        self._settle("batch_is_exist", rcs)
+        return [rc == 1 for rc in rcs]
+
+    def _batch(self, method: str, kind: str, ns: str, pool: str, keys: Sequence[str],
+               offsets: Sequence[int], page_bytes: int) -> list[int] | None:
+        """One transfer (``batch_put_from`` / ``batch_get_into``) of arena slots: its return
+        codes, or None when the store is unavailable or the call failed (counted as failed
+        puts / missed gets of ``kind``)."""
+        failed = "put_failures" if kind == "put" else "get_misses"
+        ptrs = self._ptrs(offsets, page_bytes)
+        names = self._names(ns, pool, keys)
+        store = self._admit(self.opts.timeout_s)
+        rcs, timed_out = None, False
+        if store is not None:
+            t = time.perf_counter()
+            rcs, timed_out = self._transfer(getattr(store, method), names, ptrs,
+                                            [page_bytes] * len(keys),
+                                            nbytes=len(keys) * page_bytes)
+            self.counters[f"{kind}_s"] += time.perf_counter() - t
+        if rcs is None:
+            self.counters[failed] += len(keys)
+            return None
+        self._settle(method, rcs, timed_out)
+        return rcs
+
+    def batch_put(self, ns, pool, keys, offsets, page_bytes):
+        if not keys:
+            return []
+        rcs = self._batch("batch_put_from", "put", ns, pool, keys, offsets, page_bytes)
+        if rcs is None:
+            return [False] * len(keys)
+        out = [rc in (0, OBJECT_ALREADY_EXISTS) for rc in rcs]  # already stored: a success
+        self.counters["puts"] += sum(out)
+        self.counters["put_bytes"] += sum(out) * page_bytes
+        self.counters["put_failures"] += len(out) - sum(out)
+        self.counters["no_space"] += sum(rc == NO_AVAILABLE_HANDLE for rc in rcs)
+        others = [rc for rc in rcs if rc < 0 and rc not in UNREACHABLE
+                  and rc not in (OBJECT_ALREADY_EXISTS, NO_AVAILABLE_HANDLE)]
+        self._count_errors("batch_put_from", others)
+        return out
+
+    def batch_get(self, ns, pool, keys, offsets, page_bytes):
+        if not keys:
+            return []
+        rcs = self._batch("batch_get_into", "get", ns, pool, keys, offsets, page_bytes)
+        if rcs is None:
+            return [False] * len(keys)
+        out = [rc == page_bytes for rc in rcs]
+        mismatched = sum((rc >= 0 and rc != page_bytes) or rc == INVALID_PARAMS for rc in rcs)
+        if mismatched:
+            self.counters["size_mismatches"] += mismatched
+            log.debug("mooncake L3: %d pages of pool %s stored with another size than %d bytes",
+                      mismatched, pool, page_bytes)
+        self.counters["gets"] += sum(out)
+        self.counters["get_bytes"] += sum(out) * page_bytes
+        self.counters["get_misses"] += len(out) - sum(out)
+        self._count_errors("batch_get_into", [rc for rc in rcs if rc < 0 and rc not in UNREACHABLE
+                                              and rc not in (OBJECT_NOT_FOUND, INVALID_PARAMS)])
+        return out
+
+    def _count_errors(self, op: str, rcs: list[int]) -> None:
+        if not rcs:
+            return
+        if self.counters["errors"] == 0:
+            log.error("mooncake L3: %s answered %s (further errors are only counted)",
+                      op, sorted({code_name(rc) for rc in rcs}))
+        self.counters["errors"] += len(rcs)
+        self.breaker.last_error = f"{op}: {code_name(rcs[0])}"
+
+    def clear(self) -> int:
+        """Remove every page under our key prefix (force: a page another node read in the last
+        lease TTL, which includes any exists check, would otherwise survive). Returns how many;
+        BackendUnavailable when the store could not be reached (unavailable, timed out: a 502
+        over HTTP), BackendError when it refused."""
+        where = f"Mooncake store at {redact(self.opts.master_server_address)}"
+        store = self._admit(self.opts.timeout_s)
+        if store is None:
+            why = self.breaker.last_error or "not set up"
+            raise BackendUnavailable(f"{where} is unavailable ({why}): nothing was cleared")
+        n = self._call(store.remove_by_regex, f"^{self.opts.key_prefix}/", True,
+                       timeout_s=self.opts.timeout_s)  # runs on the control loop (flush)
+        if n is None:
+            raise BackendUnavailable(f"{where}: clear failed or timed out "
+                                     f"({self.breaker.last_error}); some pages may remain")
+        self._settle("remove_by_regex", [n])
+        if n < 0:
+            self._count_errors("remove_by_regex", [n] if n not in UNREACHABLE else [])
+            error = BackendUnavailable if n in UNREACHABLE else BackendError
+            raise error(f"{where}: clear answered {code_name(n)}; some pages may remain")
+        return n
+
+    def take_evicted(self) -> list[tuple[str, str, str]] | None:
+        """Mooncake evicts on its own without telling ([]); after the store recovered from an
+        outage (or was first reached late) None once: it may have lost every page."""
+        seen = self.breaker.recoveries
+        if seen == self._recoveries_told or (self._recoveries_told < 0 and self._store is None):
+            return []
+        self._recoveries_told = seen
+        return None
+
+    def stats(self) -> dict:
+        return {
+            "connected": self._store is not None,
+            "master": redact(self.opts.master_server_address),
+            **self.breaker.stats(),
+            **self.counters,
+            "abandoned_calls": self._caller.abandoned_total,
+            "abandoned_running": self._caller.abandoned_running,
+        }
+
+    def close(self) -> None:
+        """Bounded and idempotent: wait up to ``close_timeout_s`` for running calls, then close
+        the client only if its master answers (``close`` holds the GIL for ~16 s otherwise).
+        A client left open, or with calls still running, is kept referenced with the arena
+        mapping, so nothing is freed under a call; process exit reclaims both."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            store, self._store = self._store, None
+        self._stop.set()
+        if store is None:
+            self._caller.close()
+            return
+        idle = self._caller.wait_idle(self.opts.close_timeout_s)
+        deadline = time.monotonic() + self.opts.close_timeout_s
+        while self._transfers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        idle = idle and not self._transfers  # never close under a running transfer
+        health = None
+        if idle:
+            try:
+                probe_master(self.opts)  # health_check lags a dead master by a few seconds
+                health = self._caller.call(store.health_check, timeout_s=1.0)
+            except StoreUnavailable as e:
+                health = str(e)
+        if idle and health == 0:
+            try:
+                self._caller.call(store.unregister_buffer, self._base, timeout_s=1.0)
+                self._caller.call(store.close, timeout_s=self.opts.close_timeout_s)
+                self._buffer = None
+            except StoreUnavailable as e:
+                log.warning("mooncake L3: close did not finish: %s", e)
+                _LEFT_OPEN.append((store, self._buffer))
+        else:
+            log.warning("mooncake L3: client left open at close (%s)",
+                        "calls still running" if not idle else f"health: {health}")
+            _LEFT_OPEN.append((store, self._buffer))
+        self._caller.close()
+
+
+# Clients not closed (master unreachable, or calls still running in them), with the arena
+# mappings they may still write: referenced until the process exits.
+_LEFT_OPEN: list[tuple[object, object]] = []

@@ -1,0 +1,41 @@
+"""The client's daemon-wide calls: stats, flush, ping and runtime L3 attach / detach.
+
+Mixed into ``hicached.client.api.Client``, whose ``_call`` (one round trip with a deadline,
+re-joining a restarted daemon) they use.
+"""
+
+from __future__ import annotations
+
+from hicached import protocol as P
+
+
+class ClientAdmin:
+    """Calls about the daemon as a whole rather than this client's pages."""
+
+    def stats(self) -> dict:
+        return self._call(lambda s, r: P.GetStats(r)).stats
+
+    def flush(self, tier: str = "l2", timeout_s: float = 600.0) -> None:
+        """Drop unpinned L2 pages (``l2``), every L3 page (``l3``) or both (``all``); waits for
+        the end (a large L2 or store takes a while: hence the long default deadline)."""
+        self._call(lambda s, r: P.Flush(r, tier), timeout_s)
+        if tier in ("l2", "all"):
+            self._recall.clear()  # the pages left their slots: no guess is worth copying
+
+    def ping(self) -> None:
+        self._call(lambda s, r: P.Ping(r))
+
+    def attach_backend(self, backend: str, options: dict | None = None, *,
+                       write_policy: str | None = None, prefetch: bool | None = None,
+                       timeout_s: float = 120.0) -> dict:
+        """Attach an L3 backend to the daemon at runtime; returns the tier status. Attaching
+        the attached backend only updates the policies; another one raises BackendConflict."""
+        return self._call(lambda s, r: P.Attach(r, backend, dict(options or {}),
+                                                write_policy or "", prefetch), timeout_s).status
+
+    def detach_backend(self) -> dict:
+        """Detach the daemon's L3 backend (idempotent); returns the tier status."""
+        return self._call(lambda s, r: P.Detach(r)).status
+
+    def backend_status(self) -> dict:
+        return self._call(lambda s, r: P.GetBackend(r)).status

@@ -1,0 +1,481 @@
+"""The tier controller: the daemon side of exists / set / get across L2 (arena) and L3 (backend).
+
+Steps of the life of a page it owns (README, "Life of a page"):
+  2. ``reserve``  slots for every pool of a set call (or "present" / "in flight" / "no space")
+  4. ``commit``   publishes all pools' pages of the call at once, then hands them to L3 (5.)
+  6. ``exists``   hit semantics over L2 then L3 (``hits.py``); keys L2 lacks and L3 is not known
+                  to hold are looked up on the prober thread while the request is parked.
+                  (Clients answer what L2 alone can from the presence table: ``presence.py``)
+  7. ``lease``    pins slots for a get; pages only L3 has are loaded into the arena first by the
+                  I/O workers while the request waits (parked), the control loop keeps serving
+  8. eviction happens inside ``PageIndex.reserve`` when a class is full
+
+Only the control loop calls into this object (single thread); the I/O workers only run backend
+calls and hand finished jobs back through ``IOWorkers.collect``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from hicached import protocol as P
+from hicached.errors import InvalidTransfer, PageSizeMismatch, ProtocolError
+from hicached.daemon.flushing import L2Flush
+from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
+from hicached.daemon.index import Entry, PageIndex, TableId
+from hicached.daemon.leases import LeaseTable
+from hicached.daemon.quotas import NoQuotas
+from hicached.daemon.session_control import SessionControl
+from hicached.daemon.sessions import ParkedExists, ParkedGet, PoolSpec, Session
+from hicached.daemon.l3.tier import L3Tier
+
+log = logging.getLogger(__name__)
+
+
+class Controller(SessionControl):
+    """L2 bookkeeping; L3 through the ``L3Tier``. See the module docstring."""
+
+    def __init__(self, index: PageIndex, leases: LeaseTable, tier: L3Tier,
+                 clock: Callable[[], float], get_wait_s: float = 5.0):
+        self.index = index
+        self.leases = leases
+        self.tier = tier
+        self.clock = clock
+        self.get_wait_s = get_wait_s
+        self.sessions: dict[int, Session] = {}
+        self.ns_names: dict[str, str] = {}  # namespace digest -> name (session_control.py)
+        self.geometry: dict[TableId, int] = {}  # (ns, pool) -> page_bytes, fixed once seen
+        self.parked: dict[int, ParkedGet | ParkedExists] = {}  # id -> request waiting for L3
+        self.pending_waiters: dict[Entry, list[ParkedGet]] = {}  # uncommitted page -> its gets
+        self.counters = {"hits": 0, "misses": 0, "no_space": 0, "get_wait_timeouts": 0,
+                         "exists_wait_timeouts": 0, "partial_answers": 0, "shared_gets": 0}
+        self.quotas = NoQuotas()  # per-namespace L2 quotas (quotas.py); the daemon installs them
+        # set-ahead slots (leases.AheadSlots): bytes one session / all sessions may hold
+        self.ahead_session_bytes = 0
+        self.ahead_total_bytes = 0
+        # the last Leased answer and, per transfer, the rows it served from pages loaded from
+        # L3 that nobody had read yet (L3 hits to the metrics, though in L2 when asked)
+        self.first_l3_reads: tuple[object, list[list[int]]] = (None, [])
+        self.flusher = L2Flush(tier)  # flushes of L2, in slices of the loop (flushing.py)
+
+    # ------------------------------------------------------------ sessions and pools
+
+    def register_pool(self, s: Session, pool: str, page_bytes: int) -> int:
+        """Check and record a session's pool; its bit in the namespace's presence masks."""
+        if not pool or pool in (".", "..") or any(c in pool for c in "/\\\0"):
+            # L3 backends name files and objects after the pool: "../<other namespace>/kv"
+            # would reach another namespace's pages on a directory store
+            raise ProtocolError(f"pool name {pool!r} must be non-empty, not '.' or '..', and "
+                                "hold no '/', '\\' or NUL")
+        stride = self.index.alloc.check_page_bytes(page_bytes)
+        table = (s.ns, pool)
+        try:
+            bit = self.index.pool_bit(table)
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+        known = self.geometry.setdefault(table, page_bytes)
+        if known != page_bytes:
+            raise PageSizeMismatch(
+                f"pool {pool!r} of this namespace has pages of {known} bytes, "
+                f"client registered {page_bytes} bytes (same namespace must mean same geometry)"
+            )
+        s.pools[pool] = PoolSpec(page_bytes, stride)
+        return bit
+
+    # ------------------------------------------------------------ exists
+
+    def _missing(self, ns: str, pool: str, keys: list[str], masks: np.ndarray) -> list[str]:
+        """Those of ``keys`` (their ``PageIndex.presence`` ``masks``) ``pool`` lacks in L2."""
+        in_l2 = (masks & self.index.pool_bit((ns, pool))) != 0
+        return [keys[i] for i in np.flatnonzero(~in_l2).tolist()]
+
+    def _present(self, ns: str, pool: str, keys: list[str], masks: np.ndarray,
+                 in_l3: set[str] | tuple) -> tuple[np.ndarray, np.ndarray]:
+        """Per key, as bool arrays: (in L2 committed, in L2 or L3). ``masks``: the keys'
+        ``PageIndex.presence``; ``in_l3``: the keys L2 lacks that are in L3."""
+        in_l2 = (masks & self.index.pool_bit((ns, pool))) != 0
+        have = in_l2
+        if in_l3 and not in_l2.all():
+            have = in_l2.copy()
+            miss = np.flatnonzero(~in_l2)
+            have[miss] = [keys[i] in in_l3 for i in miss.tolist()]
+        return in_l2, have
+
+    def exists(self, s: Session, msg: P.Exists, reply: Callable[[P.ExistsResult], None]
+               ) -> P.ExistsResult | None:
+        """Hit semantics over L2 and L3. Keys L2 lacks that this daemon neither knows to be in
+        L3 nor found missing from it lately (``L3Tier.sort_out``) are looked up by the prober
+        thread (``L3Tier.probe``) while the control loop goes on: the request is then parked
+        and answered through ``reply``."""
+        s.spec(msg.anchor)
+        for q in msg.pools:
+            s.spec(q.pool)
+        keys = msg.key_list()
+        masks = self.index.presence(s.ns, keys)  # one lookup a key for every pool
+        in_l3: dict[str, set[str]] = {}
+        if self.tier.attached:
+            parked = None
+            for pool in dict.fromkeys([msg.anchor, *(q.pool for q in msg.pools)]):
+                table = (s.ns, pool)
+                in_l3[pool], ask = self.tier.sort_out(table,
+                                                      self._missing(s.ns, pool, keys, masks))
+                if ask:
+                    parked = parked or ParkedExists(s, msg, keys, reply,
+                                                    self.clock() + self.get_wait_s)
+                    job = self.tier.probe(table, ask, parked)
+                    if job is not None:
+                        parked.probes.append(job)
+                        parked.jobs.add(id(job))
+            if parked is not None and parked.jobs:
+                self.parked[id(parked)] = parked
+                return None
+        return self._exists_answer(s, msg, keys, masks, in_l3)
+
+    def _exists_answer(self, s: Session, msg: P.Exists, all_keys: list[str],
+                       masks: np.ndarray, in_l3: dict[str, set[str]]) -> P.ExistsResult:
+        kv_l2, kv_have = self._present(s.ns, msg.anchor, all_keys, masks,
+                                       in_l3.get(msg.anchor, ()))
+        kv_pages = leading_run_array(kv_have)
+        keys, masks = all_keys[:kv_pages], masks[:kv_pages]
+        found = [(q, *self._present(s.ns, q.pool, keys, masks, in_l3.get(q.pool, ())))
+                 for q in msg.pools]
+        try:
+            final, hits, restorable = intersect_endpoints_array(
+                kv_pages, [(q.pool, q.policy, q.window, have) for q, _, have in found])
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+        if kv_pages:
+            hits[msg.anchor] = kv_pages
+        if final and self.tier.attached and self.tier.prefetch_enabled:
+            self._prefetch(s, msg.anchor, all_keys, kv_l2, 0, final)
+            for q, in_l2, _ in found:
+                start = max(0, final - q.window) if q.policy == TRAILING else 0
+                self._prefetch(s, q.pool, keys, in_l2, start, final)
+        return P.ExistsResult(msg.req_id, final, hits, restorable)
+
+    def _answer_exists(self, parked: ParkedExists) -> None:
+        """A parked Exists: the answer with what the prober said (L2 as it is now)."""
+        self._settle(parked)
+        s, msg = parked.session, parked.msg
+        if s.id not in self.sessions:
+            return
+        keys, masks = parked.keys, self.index.presence(s.ns, parked.keys)
+        in_l3: dict[str, set[str]] = {}
+        for pool in dict.fromkeys([msg.anchor, *(q.pool for q in msg.pools)]):
+            in_l3[pool] = self.tier.sort_out((s.ns, pool),
+                                             self._missing(s.ns, pool, keys, masks))[0]
+        for job in parked.probes:  # an unfinished one (deadline): its keys are not in L3
+            if len(job.result) == len(job.keys):
+                in_l3[job.pool].update(k for k, have in zip(job.keys, job.result) if have)
+        try:
+            answer = self._exists_answer(s, msg, keys, masks, in_l3)
+        except ProtocolError as e:
+            answer = P.Error(msg.req_id, e.code, str(e))
+        parked.reply(answer)
+
+    def _prefetch(self, s: Session, pool: str, keys: list[str], in_l2: np.ndarray, start: int,
+                  end: int) -> None:
+        """Start pulling pages start..end-1 of ``pool`` that only L3 has (they are known to be
+        there: ``exists`` just found them restorable)."""
+        todo = [keys[start + i] for i in np.flatnonzero(~in_l2[start:end]).tolist()]
+        if todo:
+            spec = s.spec(pool)
+            self.tier.load((s.ns, pool), todo, spec.page_bytes, spec.stride, known_in_l3=True)
+
+    # ------------------------------------------------------------ set: reserve, commit
+
+    def reserve(self, s: Session, msg: P.Reserve) -> P.Reserved:
+        specs = [s.spec(t.pool) for t in msg.transfers]
+        for t in msg.transfers:
+            if t.keys and max(map(len, t.keys)) > P.MAX_KEY_LEN:
+                raise InvalidTransfer(f"pool {t.pool!r}: a key is longer than "
+                                      f"{P.MAX_KEY_LEN} characters; nothing was stored")
+        named = [off for row in msg.ahead for off in row if off >= 0]
+        if len(named) != len(set(named)):  # two pages copied into one slot: neither is intact
+            raise ProtocolError("Reserve.ahead names a set-ahead slot twice")
+        now = self.clock()
+        r = self.leases.new_reservation(s.id, now)
+        ahead = self.leases.ahead_of(s.id, now) if msg.want_ahead or msg.ahead else None
+        offsets, tags, bound, present = [], [], [], []
+        for p, (t, spec) in enumerate(zip(msg.transfers, specs)):
+            table = (s.ns, t.pool)
+            committed = self.index.table(table)
+            claims = msg.ahead[p] if ahead is not None and p < len(msg.ahead) else ()
+            row, tag_row, bound_row = [], [0] * len(t.keys), [False] * len(t.keys)
+            for i, key in enumerate(t.keys):
+                e = committed.get(key)
+                if e is not None:
+                    self.index.touch(e)
+                    row.append(P.SLOT_PRESENT)
+                    if not e.in_l3:
+                        present.append(e)
+                elif self.index.get_pending(table, key) is not None:
+                    row.append(P.SLOT_INFLIGHT)
+                else:
+                    e = None
+                    if i < len(claims) and claims[i] >= 0:  # its page is already in that slot
+                        e = self.leases.take_ahead(ahead, t.pool, claims[i])
+                        if e is not None:
+                            self.index.bind(e, table, key, spec.page_bytes)
+                            bound_row[i] = True
+                    if e is None and self.quotas.admit(s.ns, spec.stride):
+                        e = self.index.reserve(table, key, spec.page_bytes, spec.stride)
+                    if e is None:
+                        self.counters["no_space"] += 1
+                        row.append(P.SLOT_NO_SPACE)
+                    else:
+                        e.owner = s.id
+                        r.slots.append((p, i, e))
+                        row.append(e.offset)
+                        tag_row[i] = e.gen
+            offsets.append(row)
+            tags.append(tag_row)
+            bound.append(bound_row)
+        if present:
+            self.tier.on_present(present)
+        if self.tier.dirty:  # write_back: make dirty pages evictable before the arena fills
+            self.tier.relieve_pressure(force=any(P.SLOT_NO_SPACE in row for row in offsets))
+        granted = self._grant_ahead(s, ahead, msg, specs) if ahead is not None else []
+        if not any(map(any, bound)):
+            bound = []
+        if not r.slots:
+            self.leases.take_reservation(r.id, s.id)
+            return P.Reserved(msg.req_id, 0, offsets, tags, granted, bound)
+        return P.Reserved(msg.req_id, r.id, offsets, tags, granted, bound)
+
+    def _grant_ahead(self, s: Session, ahead, msg: P.Reserve, specs: list[PoolSpec]
+                     ) -> list[list[int]]:
+        """Keep ``want_ahead[p]`` set-ahead slots of each pool of the request (within the
+        per-session and arena-wide bounds); per transfer, the offsets the session now holds."""
+        out = []
+        for p, (t, spec) in enumerate(zip(msg.transfers, specs)):
+            held = len(ahead.pools.get(t.pool, ()))
+            want = msg.want_ahead[p] if p < len(msg.want_ahead) else held  # not said: keep
+            want = max(0, min(want, self.ahead_session_bytes // spec.stride))
+            if held > want:
+                self.leases.free_ahead(ahead, t.pool, keep=want)
+            slots = ahead.pools.get(t.pool, {})
+            while (len(slots) < want
+                   and ahead.nbytes + spec.stride <= self.ahead_session_bytes
+                   and self.leases.ahead_bytes + spec.stride <= self.ahead_total_bytes
+                   and self.quotas.fits(s.ns, spec.stride)):  # idle slots evict no own page
+                e = self.index.reserve_unbound(s.ns, spec.stride)
+                if e is None:
+                    break
+                self.leases.add_ahead(ahead, t.pool, e)
+                slots = ahead.pools[t.pool]
+            out.append(list(slots))
+        if not ahead.nbytes:
+            self.leases.ahead.pop(s.id, None)
+        return out
+
+    def commit(self, s: Session, msg: P.Commit) -> P.Committed:
+        stored = [[False] * len(row) for row in msg.ok]
+        r = self.leases.take_reservation(msg.reservation_id, s.id)
+        if r is None:  # expired (or foreign): nothing published, but read all the same, so the
+            self._ack(s, msg)  # client need not go through the socket to read its own writes
+            return P.Committed(msg.req_id, stored)
+        done: list[Entry] = []
+        for p, i, e in r.slots:
+            if not msg.abort and p < len(msg.ok) and i < len(msg.ok[p]) and msg.ok[p][i]:
+                stored[p][i] = True
+                done.append(e)
+            else:
+                self.index.abort(e)
+        self.index.commit_many(done)  # all of the call's pages at once (step 4)
+        if self.pending_waiters:
+            for _, _, e in r.slots:
+                self._wake_pending(e)
+        self.tier.on_commit(done)
+        self._ack(s, msg)
+        return P.Committed(msg.req_id, stored)
+
+    def _ack(self, s: Session, msg: P.Commit) -> None:
+        """Tell the client (its word in the presence table) that its commits up to this one are
+        read, and published where they were on time."""
+        if msg.seq and self.index.shared is not None:
+            self.index.shared.ack(s.presence_word, msg.seq)
+
+    def _wake_pending(self, e: Entry) -> None:
+        """``e`` was committed or aborted: the gets that waited for it may be answered."""
+        for parked in self.pending_waiters.pop(e, ()):
+            if parked.answered:
+                continue
+            parked.jobs.discard(id(e))
+            if not parked.jobs or parked.msg.stream:
+                self._answer_parked(parked)
+
+    # ------------------------------------------------------------ get: lease, release
+
+    def lease(self, s: Session, msg: P.Lease, reply: Callable[[P.Leased], None]
+              ) -> P.Leased | None:
+        """Lease every present page; park the request (answer later via ``reply``) while pages
+        only L3 has are loaded, or loads of its keys are in flight."""
+        for t in msg.transfers:
+            s.spec(t.pool)
+        parked = ParkedGet(s, msg, reply, self.clock() + self.get_wait_s)
+        present = False
+        for t in msg.transfers:
+            committed = self.index.tables.get((s.ns, t.pool)) or {}
+            missing = [k for k in t.keys if k not in committed]
+            present = present or len(missing) < len(t.keys)
+            if missing and msg.load:  # a page another client is writing: wait for its commit
+                self._wait_for_writers(parked, (s.ns, t.pool), missing)
+            if missing:
+                spec = s.spec(t.pool)
+                parked.jobs |= self.tier.load((s.ns, t.pool), missing, spec.page_bytes,
+                                              spec.stride, waiter=parked,
+                                              start=msg.load)
+        if parked.jobs and not (msg.stream and present):
+            self.parked[id(parked)] = parked
+            return None
+        self._settle(parked)  # answered now: the loads it joined must not answer it again
+        return self._lease_present(s, msg)
+
+    def _wait_for_writers(self, parked: ParkedGet, table: TableId, keys: list[str]) -> None:
+        pend = self.index.pending.get(table)
+        if not pend:
+            return
+        for key in keys:
+            e = pend.get(key)
+            # not its own pages: the same client's commit cannot overtake its get (one socket,
+            # and a client holds its lock while it waits for an answer)
+            if (e is not None and e.owner != parked.session.id
+                    and (table, key) not in self.tier.loading):
+                self.pending_waiters.setdefault(e, []).append(parked)
+                parked.pending.append(e)
+                parked.jobs.add(id(e))
+
+    def _lease_present(self, s: Session, msg: P.Lease, final: bool = False) -> P.Leased:
+        """Lease the pages of ``msg`` that are in L2 now; the others are misses (or, for a
+        stream not answered at its deadline, ``SLOT_LOADING`` while their load is in flight)."""
+        offsets: list[list[int]] = []
+        tags: list[list[int]] = []
+        entries: list[Entry] = []
+        loading = self.tier.loading if msg.stream and not final else {}
+        partial = False
+        from_l3: list[list[int]] = []
+        for t in msg.transfers:
+            table = (s.ns, t.pool)
+            committed = self.index.tables.get(table) or {}
+            row, tag_row, l3_row = [], [0] * len(t.keys), []
+            for i, key in enumerate(t.keys):
+                e = committed.get(key)
+                if e is not None:
+                    entries.append(e)
+                    row.append(e.offset)
+                    tag_row[i] = e.gen
+                    if e.from_l3:  # prefetched: its first read is an L3 hit
+                        e.from_l3 = False
+                        l3_row.append(i)
+                elif (table, key) in loading:
+                    row.append(P.SLOT_LOADING)
+                    partial = True
+                else:
+                    row.append(P.SLOT_MISS)
+            offsets.append(row)
+            tags.append(tag_row)
+            from_l3.append(l3_row)
+        self.counters["partial_answers"] += partial
+        answer = self._grant(s, msg.req_id, entries, offsets, tags)
+        self.first_l3_reads = (answer, from_l3)  # for the metrics of this answer
+        return answer
+
+    def _settle(self, parked: ParkedGet | ParkedExists) -> None:
+        """``parked`` is answered: nothing it waited for may answer it again."""
+        parked.answered = True
+        self.parked.pop(id(parked), None)
+        for e in parked.pending:  # e.g. pages whose reservation expired uncommitted
+            waiting = self.pending_waiters.get(e)
+            if waiting is not None:
+                waiting[:] = [p for p in waiting if p is not parked]
+                if not waiting:
+                    del self.pending_waiters[e]
+
+    def _answer_parked(self, parked: ParkedGet | ParkedExists, final: bool = False) -> None:
+        """Answer a parked request; a bug in building its answer costs this request only, and
+        its client hears an ``Error`` instead of waiting for its deadline (as ``_handle``)."""
+        try:
+            if isinstance(parked, ParkedExists):
+                self._answer_exists(parked)
+                return
+            self._settle(parked)
+            if parked.session.id in self.sessions:
+                parked.reply(self._lease_present(parked.session, parked.msg, final))
+        except Exception as e:
+            log.exception("internal error answering a parked %s", type(parked.msg).__name__)
+            self._settle(parked)
+            parked.reply(P.Error(parked.msg.req_id, "internal", f"{type(e).__name__}: {e}"))
+
+    def expire_parked(self, now: float) -> None:
+        """Answer requests that waited ``get_wait_s`` for L3: what is loaded now is served (a
+        get), keys the store has not answered for are absent (an exists)."""
+        for parked in [p for p in self.parked.values() if p.deadline <= now]:
+            self.counters["get_wait_timeouts" if isinstance(parked, ParkedGet)
+                          else "exists_wait_timeouts"] += 1
+            self._answer_parked(parked, final=True)
+
+    def next_parked_deadline(self) -> float | None:
+        return min((p.deadline for p in self.parked.values()), default=None)
+
+    def _grant(self, s: Session, req_id: int, entries: list[Entry], offsets: list[list[int]],
+               tags: list[list[int]]) -> P.Leased:
+        """Lease ``entries``. Counts pages served from L2 (a page loaded from L3 for this request
+        is served from L2 too; ``l3_loads`` counts the loads)."""
+        hits = len(entries)
+        self.counters["hits"] += hits
+        self.counters["misses"] += sum(off == P.SLOT_MISS for row in offsets for off in row)
+        if not entries:
+            return P.Leased(req_id, 0, offsets, tags)
+        for e in entries:
+            self.index.touch(e)
+            e.hits += 1
+        g = self.leases.new_lease(s.id, entries, self.clock())
+        for e in entries:  # after the lease pinned them: a selective write-through may start
+            self.tier.on_hit(e)
+        return P.Leased(req_id, g.id, offsets, tags)
+
+    def release(self, s: Session, lease_ids: list[int]) -> None:
+        for lid in lease_ids:
+            self.leases.release(lid, s.id)
+
+    def read_unleased(self, s: Session, msg: P.Release) -> list[Entry]:
+        """Pages of ``s``'s namespace read without a lease (``Release.touched``, at most
+        ``P.MAX_TOUCHED`` pairs) are hits, as leased ones would be; returns those still in L2."""
+        entries = self.index.tagged(msg.touched[:2 * P.MAX_TOUCHED], s.ns)
+        self.counters["hits"] += len(entries)
+        self.counters["shared_gets"] = min(self.counters["shared_gets"] + msg.shared_gets,
+                                           P.COUNT_MAX)
+        for e in entries:
+            self.index.touch(e)
+            e.hits += 1
+            self.tier.on_hit(e)
+        return entries
+
+    # ------------------------------------------------------------ I/O completions
+
+    def on_io_done(self) -> None:
+        """Apply finished L3 jobs; answer parked gets whose loads are all done."""
+        for parked, job_id, loaded, follow in self.tier.collect():
+            if parked.answered:
+                continue
+            parked.jobs |= follow  # the loads a lookup started for it
+            parked.jobs.discard(job_id)
+            if not parked.jobs or (loaded and self._stream_now(parked)):
+                self._answer_parked(parked)
+
+    def _stream_now(self, parked: ParkedGet | ParkedExists) -> bool:
+        """A streamed get answers as each load lands, once no lookup of its keys is in flight
+        (the pages a lookup finds are loading; those it does not find are misses)."""
+        return (isinstance(parked, ParkedGet) and parked.msg.stream
+                and parked.jobs.isdisjoint(self.tier.finding))
+
+    # ------------------------------------------------------------ maintenance
+
+    def flush_l2(self, done: Callable[[int], None]) -> None:
+        """Drop unpinned L2 pages (dirty ones under write_back are written first), in slices of
+        the loop (``flushing.L2Flush``); ``done(pages dropped)`` runs on the loop at the end."""
+        self.flusher.request(done)

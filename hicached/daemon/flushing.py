@@ -1,0 +1,134 @@
+"""Flushing L2 in slices of the control loop.
+
+Dropping one page is a few µs of index work, so an L2 of millions of pages would hold the
+control loop, and every engine's requests with it, for seconds (longer than a client's
+deadline). ``L2Flush`` walks the arena slab by slab instead, at most ``slice_s`` of work per turn
+of the loop (``Daemon.serve_forever`` calls ``step`` while ``active``), and requests go on being
+answered between the slices.
+
+What a flush drops: every page that was committed and unpinned when the walk reached its slot.
+So each page committed before the flush was asked for is gone when it is answered, unless a
+lease or an L3 write pins it (as before: a page an L3 write pins is dropped once written,
+``L3Tier.drop_when_written``). A page committed while the walk runs may stay. A flush asked
+for while a walk is under way joins it if the walk has not left its first slab yet; otherwise
+it gets a walk of its own once the running one ends (the running walk already passed slots
+that may hold pages committed before the new request).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from hicached.daemon.l3.tier import L3Tier
+
+log = logging.getLogger(__name__)
+
+SLICE_S = 0.005  # index work per turn of the loop: a request waits at most about this long
+CHECK_EVERY = 256  # slots between two looks at the clock
+
+
+class L2Flush:
+    """See the module docstring. Only the control loop calls it."""
+
+    def __init__(self, tier: L3Tier, slice_s: float = SLICE_S,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.tier = tier
+        self.index = tier.index
+        self.slice_s = slice_s
+        self.clock = clock
+        self.waiters: list[Callable[[int], None]] = []  # answered when this walk ends
+        self.queued: list[Callable[[int], None]] = []  # answered after a walk of their own
+        self.slab = -1  # next slab of the walk (-1: none under way)
+        self.slot = 0  # next slot in it
+        self.dropped = 0
+        self.slices = 0  # slices of the walk so far
+        self.started = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.slab >= 0
+
+    def request(self, done: Callable[[int], None]) -> None:
+        """Flush L2; ``done(pages dropped)`` runs on the control loop when it is done."""
+        if self.active and (self.slab, self.slot) != (0, 0):
+            self.queued.append(done)
+            return
+        self.waiters.append(done)
+        if not self.active:
+            self._begin()
+
+    def _begin(self) -> None:
+        t = self.tier
+        if t.dirty and t.attached:  # write_back: every dirty page is written, then dropped
+            t.drop_when_written.update(t.dirty)
+            t.write_back_all()
+        self.slab, self.slot, self.dropped, self.slices = 0, 0, 0, 0
+        self.started = self.clock()
+
+    def step(self) -> None:
+        """One slice of the walk (at most ``slice_s``, a slab's ``CHECK_EVERY`` slots at least);
+        answers the waiters when the walk reaches the end of the arena."""
+        if not self.active:
+            return
+        self.slices += 1
+        try:
+            self._walk(self.clock() + self.slice_s)
+        except Exception:  # a bug ends this walk (its waiters answered), never loops forever
+            log.exception("L2 flush failed after %d pages; answering its waiters", self.dropped)
+            self._finish()
+
+    def _walk(self, deadline: float) -> None:
+        slabs = self.index.alloc.slabs
+        at, drop_one = self.index.at, self.index.drop_one
+        writing = self.tier.drop_when_written
+        while self.slab < len(slabs):
+            slab = slabs[self.slab]
+            end = slab.num_slots if slab.stride else 0
+            while self.slot < end:
+                stop = min(end, self.slot + CHECK_EVERY)
+                for k in range(self.slot, stop):
+                    e = at(slab.offset + k * slab.stride)
+                    if e is not None and e.committed:
+                        if e.writing:
+                            writing.add(e)
+                        elif drop_one(e):
+                            self.dropped += 1
+                self.slot = stop
+                if self.clock() >= deadline:
+                    return
+            self.slab, self.slot = self.slab + 1, 0
+        self._finish()
+
+    def finish_now(self) -> None:
+        """Run the walks asked for to their end at once (shutdown: every waiter is answered)."""
+        slice_s, self.slice_s = self.slice_s, float("inf")
+        try:
+            while self.active:
+                self.step()
+        finally:
+            self.slice_s = slice_s
+
+    def _finish(self) -> None:
+        n = self.dropped + len(self.tier.drop_when_written)
+        log.info("flushed %d pages from L2 in %.2f s (%d slices of the loop)", n,
+                 self.clock() - self.started, self.slices)
+        waiters, self.waiters = self.waiters, []
+        self.slab = -1
+        if self.queued:
+            self.waiters, self.queued = self.queued, []
+            self._begin()
+        for done in waiters:
+            try:
+                done(n)
+            except Exception:  # one waiter's bug must not cost the others their answer
+                log.exception("answering a flush failed")
+
+    def status(self) -> dict | None:
+        """The walk under way (stats, ``hicached status``), or None."""
+        if not self.active:
+            return None
+        return {"slab": self.slab, "slabs": len(self.index.alloc.slabs), "dropped": self.dropped,
+                "waiting": len(self.waiters) + len(self.queued),
+                "seconds": round(self.clock() - self.started, 3)}

@@ -1,0 +1,434 @@
+"""The L3 tier: the attached backend, the I/O workers and the policies that move pages between
+the arena (L2) and the backend (L3).
+
+    write policy              when a committed L2 page is sent to L3 (only pages L3 lacks: the
+                              writer thread asks L3 which it has, off the control loop)
+    write_through             at commit
+    write_through_selective   when its gets reach ``threshold`` hits
+    write_back                when L2 needs its room: a dirty page (L2 holds the only copy) is
+                              pinned, so eviction passes over it; under pressure (dirty pages
+                              above half the arena, or a reservation found no space) the least
+                              recently used dirty pages are written until dirty pages are below
+                              DIRTY_TARGET of the arena, and once written they are clean and
+                              evictable
+
+    loads                     a get for pages only L3 has reserves slots and queues one batched
+                              load; the get waits (parked by the controller) for it. Keys not
+                              known to be in L3 (``known_in_l3``) are first looked up by a
+                              ``find`` job on the prober thread; its answer starts their loads.
+                              Keys the store lacked are not asked again for ``ABSENT_TTL_S``
+                              (``absent_in_l3``): a hybrid model's sparse state pools miss most
+                              keys, and asking the store for them at every exists would cost a
+                              store round trip each time. One this daemon writes is forgotten
+                              there; one another node writes meanwhile is a miss till then
+    lookups                   ``probe``: the controller's exists asks the store the same way,
+                              off the control loop, and answers when the prober has
+    prefetch                  an exists that finds pages only in L3 starts the same loads with
+                              nobody waiting; a get that follows joins the loads in flight
+    audit                     the store is asked now and then whether it still holds the copies
+                              of the pages L2 evicts next (``tier_audit.py``)
+
+Attach / detach swap the backend while clients run: jobs carry the backend they were queued
+for, so in-flight writes finish against the old one (and do not mark pages as stored in the new
+one) and loads in flight still land in L2. A detached backend is closed, off the control loop,
+once its last job is collected. A backend that raises is a miss, never an error to a client.
+
+Only the control loop calls this object.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+from hicached.backends.base import L3Backend, NullBackend
+from hicached.ops.config import WRITE_POLICIES
+from hicached.errors import HicachedError, ProtocolError
+from hicached.daemon.index import Entry, PageIndex, TableId
+from hicached.daemon.l3.keymemory import KeyMemory
+from hicached.daemon.l3.audit import TierAudit
+from hicached.daemon.l3.writes import TierWrites
+from hicached.daemon.l3.workers import IOJob, IOWorkers
+
+log = logging.getLogger(__name__)
+
+KNOWN_IN_L3 = 65536  # keys remembered as stored in L3 (a load of one skips the exists call)
+ABSENT_IN_L3 = 65536  # keys remembered as missing from L3 ...
+ABSENT_TTL_S = 2.0  # ... for this long: an exists or get of one meanwhile is a miss unasked
+
+
+class Woken(NamedTuple):
+    """A waiter whose job finished: ``loaded`` (a load, so pages may have landed), ``follow``
+    (ids of the loads that job started for it: what a ``find`` found)."""
+
+    waiter: Any
+    job_id: int
+    loaded: bool
+    follow: set[int]
+
+
+class L3Tier(TierWrites, TierAudit):
+    """See the module docstring."""
+
+    def __init__(self, index: PageIndex, workers: IOWorkers, backend: L3Backend | None = None,
+                 write_policy: str = "write_through", threshold: int = 2, prefetch: bool = True,
+                 load_chunk_bytes: int = 64 << 20, audit_s: float | None = None):
+        self.index = index
+        if audit_s is not None:
+            self.audit_s = audit_s  # (tier_audit.py)
+        self.workers = workers
+        self.backend: L3Backend = backend or NullBackend()
+        self.set_policies(write_policy, threshold, prefetch)
+        self.load_chunk_bytes = load_chunk_bytes
+        self.loading: dict[tuple[TableId, str], IOJob] = {}  # a get job, or a find's lookup
+        self.finding: set[int] = set()  # ids of the find jobs in flight
+        self.dirty: dict[Entry, None] = {}  # write_back: committed pages L3 lacks (pinned)
+        self.drop_when_written: set[Entry] = set()  # flushed from L2 once in L3
+        # bytes the pages queued for or being written to L3 pin (dirty ones, pinned anyway, not
+        # counted), in all and per put job (id)
+        self.writing_bytes = 0
+        self._writing_of: dict[int, int] = {}
+        self._jobs_of: dict[int, int] = {}  # id(backend) -> jobs in flight
+        self._retired: list[L3Backend] = []  # detached, closed when their jobs are collected
+        self._exists_failing = False
+        self._writes_failing = False  # the last write job stored nothing it sent
+        # (table, key) of pages this daemon stored in or loaded from L3, newest last: a get
+        # that misses L2 loads them without asking the store first (a store round trip on the
+        # control loop); should L3 have dropped one since, the load is a miss like any other
+        self.known_in_l3 = KeyMemory(KNOWN_IN_L3)
+        # (table, key) the store said it lacks -> until when (monotonic) that answer stands
+        self.absent_in_l3 = KeyMemory(ABSENT_IN_L3)
+        self.clock = time.monotonic
+        self.counters = {"l3_loads": 0, "l3_load_failures": 0, "l3_writes": 0,
+                         "l3_write_failures": 0, "l3_writes_dropped": 0, "l3_errors": 0,
+                         "prefetched_pages": 0, "write_backs": 0, "l3_probes_dropped": 0,
+                         "l3_dirty_dropped": 0, "l3_copies_lost": 0}
+
+    # ------------------------------------------------------------ backend and policies
+
+    @property
+    def attached(self) -> bool:
+        return not isinstance(self.backend, NullBackend)
+
+    def set_policies(self, write_policy: str | None = None, threshold: int | None = None,
+                     prefetch: bool | None = None) -> None:
+        if write_policy:
+            if write_policy not in WRITE_POLICIES:
+                raise ProtocolError(f"unknown write policy {write_policy!r}; "
+                                    f"valid: {list(WRITE_POLICIES)}")
+            if getattr(self, "write_policy", None) == "write_back" and write_policy != "write_back":
+                self.write_back_all()  # dirty pages must not stay pinned under another policy
+            self.write_policy = write_policy
+        if threshold is not None:
+            if threshold < 1:
+                raise ProtocolError(f"write_through_threshold must be >= 1, got {threshold}")
+            self.threshold = threshold
+        if prefetch is not None:
+            self.prefetch_enabled = bool(prefetch)
+
+    def attach(self, backend: L3Backend) -> None:
+        """Install an opened backend (the previous one must have been detached)."""
+        assert not self.attached, "detach first"
+        self.forget_l3_copies()
+        self.backend = backend
+        self._exists_failing = self._writes_failing = False
+        log.info("L3 backend %s attached (write policy %s)", backend.name, self.write_policy)
+
+    def detach(self) -> bool:
+        """Stop using the backend; L2 keeps its pages. False if none was attached."""
+        if not self.attached:
+            return False
+        old = self.backend
+        self.backend = NullBackend()
+        if self.dirty:  # (DaemonOperations.detach_backend writes them first, within a bound)
+            log.warning("L3 backend %s detached with %d write-back pages it never got: they "
+                        "stay in L2 only", old.name, len(self.dirty))
+            self.counters["l3_dirty_dropped"] += len(self.dirty)
+        for e in self.dirty:
+            self.index.unpin(e)
+        self.dirty.clear()
+        self.drop_when_written.clear()
+        self.forget_l3_copies()
+        self._retired.append(old)
+        self._close_idle_retired()
+        log.info("L3 backend %s detached", old.name)
+        return True
+
+    def forget_l3_copies(self, dirty_again: bool = False) -> None:
+        """Count on no page being in L3 (a detach; a store that may have lost its pages).
+        ``dirty_again``: under write_back, L2's pages known stored are dirty again, as L2
+        may hold their only copy (their writes ask the store first, sending only what it
+        lacks)."""
+        self.known_in_l3.clear()
+        self.absent_in_l3.clear()
+        for table in self.index.tables.values():
+            for e in table.values():
+                self._lost_copy(e, dirty_again)
+
+    def _close_idle_retired(self) -> None:
+        for b in [b for b in self._retired if not self._jobs_of.get(id(b))]:
+            self._retired.remove(b)
+            self._jobs_of.pop(id(b), None)
+            threading.Thread(target=close_quietly, args=(b,), name="hicached-l3-close",
+                             daemon=True).start()
+
+    def status(self) -> dict[str, Any]:
+        return {"backend": self.backend.name, "attached": self.attached,
+                "write_policy": self.write_policy, "write_through_threshold": self.threshold,
+                "prefetch": self.prefetch_enabled, "dirty_pages": len(self.dirty),
+                "loading_pages": len(self.loading), "jobs_in_flight": self.workers.in_flight,
+                "writing_bytes": self.writing_bytes,
+                "degraded": self.degraded, **self.counters}
+
+    @property
+    def degraded(self) -> bool:
+        """The store fails: its lookups, its last writes, or its own breaker (Mooncake's
+        ``guard.Breaker``) say so. Its pages are misses meanwhile; ``/ready`` says so."""
+        if not self.attached:
+            return False
+        breaker = getattr(self.backend, "breaker", None)
+        return (self._exists_failing or self._writes_failing
+                or bool(getattr(breaker, "degraded", False)))
+
+    def backend_stats(self) -> dict:
+        try:
+            return self.backend.stats()
+        except Exception as e:  # noqa: BLE001 - stats must never take the stats call down
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    # ------------------------------------------------------------ lookups
+
+    def is_known(self, table: TableId, key: str) -> bool:
+        """Did this daemon store ``key`` in L3 or load it from there (recently)?"""
+        return (table, key) in self.known_in_l3
+
+    def sort_out(self, table: TableId, keys: Iterable[str]) -> tuple[set[str], list[str]]:
+        """(those of ``keys`` known to be in L3, those the store must be asked about: neither
+        known to be in L3 nor found missing from it within ``ABSENT_TTL_S``)."""
+        known, absent, now = self.known_in_l3.of(table), self.absent_in_l3.of(table), self.clock()
+        have: set[str] = set()
+        ask = []
+        for key in keys:
+            if key in known:
+                have.add(key)
+            elif absent.get(key, 0.0) <= now:
+                ask.append(key)
+        return have, ask
+
+    def probe(self, table: TableId, keys: Sequence[str], waiter: Any) -> IOJob | None:
+        """Ask the store, on the prober thread, which of ``keys`` it has; ``collect`` hands
+        ``waiter`` the finished job (its ``result``: one bool per key). None when no backend is
+        attached or the prober's queue is full: the caller counts the keys as misses."""
+        if not self.attached or not keys:
+            return None
+        ns, pool = table
+        job = IOJob("exists", ns, pool, list(keys), [], 0, [], waiters=[waiter],
+                    backend=self.backend)
+        if not self._submit(job):
+            self.counters["l3_probes_dropped"] += 1
+            return None
+        return job
+
+    def _probe_done(self, job: IOJob, current: bool) -> None:
+        """An exists / find answer is in: remember the keys the store has; a store that failed
+        (or was detached meanwhile) has none."""
+        if job.error:
+            self.counters["l3_errors"] += 1
+            if current and not self._exists_failing:
+                log.warning("L3 %s exists failed (%s); answering misses", job.backend.name,
+                            job.error)
+                self._exists_failing = True
+        elif current and self._exists_failing:
+            log.info("L3 %s answers again", job.backend.name)
+            self._exists_failing = False
+        if not current:
+            job.result = [False] * len(job.keys)
+            return
+        table = (job.ns, job.pool)
+        absent, until = self.absent_in_l3, self.clock() + ABSENT_TTL_S
+        for key, have in zip(job.keys, job.result):
+            if have:
+                self._remember(table, key)
+            elif not job.error:  # a store that raised said nothing: not remembered
+                absent[(table, key)] = until
+
+    def _submit(self, job: IOJob) -> bool:
+        if not self.workers.submit(job):
+            return False
+        self._jobs_of[id(job.backend)] = self._jobs_of.get(id(job.backend), 0) + 1
+        return True
+
+    # ------------------------------------------------------------ loads
+
+    def load(self, table: TableId, keys: Sequence[str], page_bytes: int, stride: int,
+             waiter: Any = None, known_in_l3: bool = False, start: bool = True) -> set[int]:
+        """Start loading ``keys`` (missing from L2) into the arena, in jobs of at most
+        ``load_chunk_bytes`` so a streaming get can copy the first pages while the rest load; join
+        loads already in flight (only that with ``start=False``). Keys not known to be in L3
+        (unless ``known_in_l3``) are first looked up by a ``find`` job on the prober thread,
+        whose completion starts their loads; those found missing within ``ABSENT_TTL_S`` are
+        misses, not asked again. Returns the ids of the jobs ``waiter`` (if any) now
+        waits for. A key named twice is loaded once (into one slot: ``collect`` applies each
+        key of a job once)."""
+        if not self.attached or not keys:
+            return set()
+        keys = list(dict.fromkeys(keys))
+        ns, pool = table
+        waits: set[int] = set()
+        for key in keys:
+            job = self.loading.get((table, key))
+            if job is not None and waiter is not None and id(job) not in waits:
+                job.waiters.append(waiter)
+                waits.add(id(job))
+        if not start:
+            return waits
+        todo = [k for k in keys if self._loadable(table, k)]
+        waiters = [waiter] if waiter is not None else []
+        if not known_in_l3:
+            known, ask = self.sort_out(table, todo)
+            todo = [k for k in todo if k in known]  # the others found missing lately: misses
+            if ask:
+                find = IOJob("find", ns, pool, ask, [], page_bytes, [], waiters=list(waiters),
+                             backend=self.backend, stride=stride)
+                if self._submit(find):
+                    for k in ask:
+                        self.loading[(table, k)] = find
+                    self.finding.add(id(find))
+                    if waiters:
+                        waits.add(id(find))
+                else:  # the prober is swamped: those keys are misses this time
+                    self.counters["l3_probes_dropped"] += 1
+        return waits | self._start_loads(table, todo, page_bytes, stride, waiters)
+
+    def _loadable(self, table: TableId, key: str) -> bool:
+        return ((table, key) not in self.loading and self.index.get(table, key) is None
+                and self.index.get_pending(table, key) is None)
+
+    def _start_loads(self, table: TableId, keys: Sequence[str], page_bytes: int, stride: int,
+                     waiters: list[Any]) -> set[int]:
+        """Reserve slots for ``keys`` (known to be in L3) and queue their load jobs; the ids of
+        the jobs queued."""
+        ns, pool = table
+        new: list[Entry] = []
+        for key in keys:
+            e = self.index.reserve(table, key, page_bytes, stride)
+            if e is not None:
+                new.append(e)
+        ids: set[int] = set()
+        per_job = max(1, self.load_chunk_bytes // page_bytes)
+        for i in range(0, len(new), per_job):
+            chunk = new[i:i + per_job]
+            job = IOJob("get", ns, pool, [e.key for e in chunk], [e.offset for e in chunk],
+                        page_bytes, chunk, waiters=list(waiters), backend=self.backend)
+            if not self._submit(job):
+                for e in new[i:]:
+                    self.index.abort(e)
+                break
+            for e in chunk:
+                self.loading[(table, e.key)] = job
+            if waiters:
+                ids.add(id(job))
+            else:
+                self.counters["prefetched_pages"] += len(chunk)
+        return ids
+
+    # ------------------------------------------------------------ completions
+
+    def collect(self) -> list[Woken]:
+        """Apply finished jobs; who waited for them (``Woken``)."""
+        woken: list[Woken] = []
+        jobs = self.workers.collect()
+        if jobs and self.attached:  # what the store deleted (or may have lost) meanwhile
+            try:
+                gone = self.backend.take_evicted()
+            except Exception:  # a backend's bug must not stop the loop
+                log.exception("L3 %s: take_evicted failed", self.backend.name)
+                gone = []
+            self._forget_evicted(gone)
+        for job in jobs:
+            self._jobs_of[id(job.backend)] = self._jobs_of.get(id(job.backend), 1) - 1
+            current = job.backend is self.backend
+            if job.kind == "clear":
+                self._clear_done(job)
+                continue
+            if job.kind == "put":
+                self._put_done(job, current)
+                continue
+            if job.kind == "audit":
+                self._audit_done(job, current)
+                continue
+            if job.kind in ("exists", "find"):
+                self._probe_done(job, current)
+                follow: set[int] = set()
+                if job.kind == "find":
+                    self.finding.discard(id(job))
+                    follow = self._found(job)
+                woken.extend(Woken(w, id(job), False, follow) for w in job.waiters)
+                continue
+            loaded = []
+            for e, ok in zip(job.entries, job.result):
+                del self.loading[(e.table, e.key)]
+                if ok:
+                    e.in_l3 = current
+                    if current:
+                        self._known(e)
+                    e.from_l3 = True
+                    loaded.append(e)
+                    self.counters["l3_loads"] += 1
+                else:
+                    self.known_in_l3.pop((e.table, e.key), None)  # ask the store next time
+                    self.index.abort(e)
+                    self.counters["l3_load_failures"] += 1
+            self.index.commit_many(loaded)
+            woken.extend(Woken(w, id(job), True, set()) for w in job.waiters)
+        self._close_idle_retired()
+        return woken
+
+    def _found(self, job: IOJob) -> set[int]:
+        """A ``find`` finished: load the keys the store has, for the find's waiters."""
+        table = (job.ns, job.pool)
+        there = []
+        for key, have in zip(job.keys, job.result):
+            if self.loading.get((table, key)) is job:
+                del self.loading[(table, key)]
+                if have and self._loadable(table, key):
+                    there.append(key)
+        if not there or not self.attached:
+            return set()
+        return self._start_loads(table, there, job.page_bytes, job.stride, job.waiters)
+
+    def clear(self, done: Callable[[int | Exception], None]) -> None:
+        """Delete every L3 page, after the writes already queued (a clear on the writer thread,
+        so no page written before it survives). ``done(count or exception)`` runs on the control
+        loop; pages are then no longer known to be in L3, so write policies send them again."""
+        if not self.attached:
+            done(0)
+            return
+        job = IOJob("clear", "", "", [], [], 0, [], backend=self.backend, done=done)
+        if not self._submit(job):
+            done(HicachedError("L3 writer queue is full; try the clear again"))
+
+    def _clear_done(self, job: IOJob) -> None:
+        self.forget_l3_copies()
+        n = job.result[0] if job.result else 0
+        if isinstance(n, Exception):
+            self.counters["l3_errors"] += 1
+            log.warning("L3 %s clear failed: %s", job.backend.name, n)
+        job.done(n)
+
+    def close(self) -> None:
+        """Detach and close every backend (daemon shutdown, after the workers stopped)."""
+        for b in [*self._retired, self.backend]:
+            close_quietly(b)
+        self._retired.clear()
+        self.backend = NullBackend()
+
+
+def close_quietly(backend: L3Backend) -> None:
+    try:
+        backend.close()
+    except Exception:
+        log.exception("closing L3 backend %s failed", backend.name)

@@ -1,0 +1,177 @@
+"""The write half of the L3 tier (``tier.L3Tier``, see its docstring for the policies): which
+committed L2 pages go to L3 and when, and what a finished write changes.
+
+Pages queued for or being written to L3 are pinned. Under write_back the dirty pages are pinned
+anyway (L2 holds their only copy) and written under pressure; under write-through and selective
+writes the pins are new, so they are bounded: past ``WRITING_MAX`` of the arena, new writes are
+dropped (``l3_writes_dropped``; the pages stay in L2, evictable) rather than pinning the arena
+full while L3 lags, which would leave sets no room.
+
+A mixin of ``L3Tier`` (its index, backend, workers, counters, ``dirty``, ``known_in_l3`` ...).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+from hicached.daemon.index import Entry, TableId
+from hicached.daemon.l3.workers import IOJob
+
+log = logging.getLogger("hicached.daemon.l3.tier")
+
+DIRTY_HIGH = 0.5  # write_back: start writing when dirty pages fill this share of the arena
+DIRTY_TARGET = 0.4  # ... and write the oldest until they are below this share
+WRITING_MAX = 0.5  # share of the arena that pages waiting for their write may pin (not dirty)
+
+
+class TierWrites:
+    """Write policies and write completions of ``L3Tier``."""
+
+    def on_commit(self, entries: Sequence[Entry]) -> None:
+        if not self.attached or not entries:
+            return
+        if self.write_policy == "write_through":
+            self.write(entries)
+        elif self.write_policy == "write_back":
+            for e in entries:
+                if not e.in_l3 and e not in self.dirty:
+                    self.index.pin(e)
+                    self.dirty[e] = None
+            self.relieve_pressure()
+
+    def on_present(self, entries: Sequence[Entry]) -> None:
+        """A set named pages L2 holds already: under write_through, those not known to be in
+        L3 (their write was dropped, or the store lost them) are written now."""
+        if self.write_policy == "write_through" and self.attached:
+            self.write([e for e in entries if not e.in_l3 and not e.writing])
+
+    def on_hit(self, e: Entry) -> None:
+        if (self.write_policy == "write_through_selective" and self.attached
+                and e.hits >= self.threshold and not e.in_l3 and not e.writing):
+            self.write([e])
+
+    def relieve_pressure(self, force: bool = False) -> int:
+        """write_back: write the least recently used dirty pages when they fill more than
+        DIRTY_HIGH of the arena, or at least one when ``force`` (a reservation found no room),
+        until the dirty pages not being written are below DIRTY_TARGET; returns how many."""
+        if not self.dirty or not self.attached:
+            return 0
+        arena = self.index.alloc.capacity_bytes
+        todo = [e for e in self.dirty if not e.writing]
+        dirty = sum(e.stride for e in todo)
+        if not force and dirty <= DIRTY_HIGH * arena:
+            return 0
+        todo.sort(key=lambda e: e.last_used)
+        pick = []
+        for e in todo:
+            if pick and dirty <= DIRTY_TARGET * arena:
+                break
+            pick.append(e)
+            dirty -= e.stride
+        n = self.write(pick)
+        self.counters["write_backs"] += n
+        return n
+
+    def write_back_all(self) -> int:
+        """Queue every dirty page (flush, shutdown, policy change); returns how many."""
+        todo = [e for e in self.dirty if not e.writing]
+        n = self.write(todo) if self.attached else 0
+        self.counters["write_backs"] += n
+        return n
+
+    def write(self, entries: Iterable[Entry]) -> int:
+        """Send committed pages not known to be in L3 to the writer thread (pinned until
+        written); it asks the store which it has first and sends only the others."""
+        by_table: dict[TableId, list[Entry]] = {}
+        for e in entries:
+            if not e.in_l3 and not e.writing and e.committed:
+                by_table.setdefault(e.table, []).append(e)
+        queued = 0
+        room = WRITING_MAX * self.index.alloc.capacity_bytes
+        for (ns, pool), todo in by_table.items():
+            # dirty pages (write_back) are pinned already: their writes pin nothing more
+            nbytes = sum(e.stride for e in todo if e not in self.dirty)
+            job = IOJob("put", ns, pool, [e.key for e in todo], [e.offset for e in todo],
+                        todo[0].page_bytes, todo, backend=self.backend)
+            if (nbytes and self.writing_bytes and self.writing_bytes + nbytes > room) \
+                    or not self._submit(job):
+                self.counters["l3_writes_dropped"] += len(todo)
+                continue
+            for e in todo:
+                self.index.pin(e)
+                e.writing = True
+            self.writing_bytes += nbytes
+            self._writing_of[id(job)] = nbytes
+            queued += len(todo)
+        return queued
+
+    def _known(self, e: Entry) -> None:
+        self._remember(e.table, e.key)
+
+    def _remember(self, table: TableId, key: str) -> None:
+        self.known_in_l3[(table, key)] = None
+        self.absent_in_l3.pop((table, key))
+
+    def _clean(self, e: Entry) -> None:
+        """``e`` is in L3 now: no longer dirty."""
+        e.in_l3 = True
+        self._known(e)
+        if self.dirty.pop(e, 0) is None:
+            self.index.unpin(e)
+        self._maybe_drop(e)
+
+    def _forget_evicted(self, gone: list[tuple[str, str, str]] | None) -> None:
+        """The store deleted these pages to make room: exists no longer counts on them, and
+        pages L2 still holds are no longer clean (under write_back they are dirty again: L2
+        holds their only copy)."""
+        if gone is None:
+            log.info("L3 %s may have lost pages: asking it again about every page",
+                     self.backend.name)
+            self.forget_l3_copies(dirty_again=True)
+            return
+        for ns, pool, key in gone:
+            table = (ns, pool)
+            self.known_in_l3.pop((table, key), None)
+            e = self.index.get(table, key)
+            if e is not None:
+                self._lost_copy(e)
+
+    def _lost_copy(self, e: Entry, dirty_again: bool = True) -> None:
+        """L3 may no longer hold ``e``: not clean, and under write_back dirty again (L2 may
+        hold its only copy; its write asks the store first)."""
+        if (dirty_again and e.in_l3 and self.write_policy == "write_back" and self.attached
+                and e not in self.dirty):
+            self.index.pin(e)
+            self.dirty[e] = None
+        e.in_l3 = False
+
+    def _maybe_drop(self, e: Entry) -> None:
+        """A page flushed from L2 while an L3 write pinned it goes once nothing pins it."""
+        if e in self.drop_when_written and not e.writing and e not in self.dirty:
+            self.drop_when_written.discard(e)
+            self.index.drop_one(e)  # unless a lease pins it now
+
+    def _put_done(self, job: IOJob, current: bool) -> None:
+        ok_n = 0
+        self.writing_bytes -= self._writing_of.pop(id(job), 0)
+        for e, ok in zip(job.entries, job.result):
+            e.writing = False
+            self.index.unpin(e)
+            ok_n += bool(ok)
+            if ok and current:
+                self._clean(e)
+            elif e in self.dirty:
+                # a failing L3 must not pin the arena full: the page stays in L2, evictable
+                del self.dirty[e]
+                self.index.unpin(e)
+            self._maybe_drop(e)
+        self.counters["l3_writes"] += ok_n - len(job.already)  # those L3 had were not sent
+        self.counters["l3_write_failures"] += len(job.result) - ok_n
+        if current and job.result:
+            failing = ok_n == 0
+            if failing != self._writes_failing:
+                log.log(logging.WARNING if failing else logging.INFO, "L3 %s writes %s",
+                        job.backend.name, "fail (pages stay in L2 only)" if failing
+                        else "succeed again")
+                self._writes_failing = failing

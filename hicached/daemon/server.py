@@ -1,0 +1,451 @@
+"""The daemon: one object owning the socket, the arena, the index, the controller and the L3 tier.
+
+The control loop is single-threaded. It polls the ROUTER socket and the I/O workers' wake pipe,
+answers each request, and between batches sweeps expired reservations / leases and clients whose
+process is gone. A request that cannot be decoded or is invalid gets a typed ``Error`` answer;
+nothing a client sends can stop the loop.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from hicached import protocol as P
+from hicached.arena import Arena
+from hicached.daemon.auth import make_auth
+from hicached.backends.base import L3Backend, create_backend
+from hicached.ops.config import DaemonConfig
+from hicached.daemon.controller import Controller
+from hicached.daemon.files import DaemonFiles
+from hicached.errors import (
+    BackendError,
+    BackendUnavailable,
+    HicachedError,
+    ProtocolError,
+    ShuttingDown,
+    UnknownSession,
+)
+from hicached.daemon.handshake import Handshakes
+from hicached.daemon.index import PageIndex
+from hicached.daemon.leases import LeaseTable
+from hicached.liveness import own_pid_ns
+from hicached.ops.metrics import make_metrics
+from hicached.daemon.operations import DaemonOperations, backend_options
+from hicached.presence import TAG_GRAIN, PresenceTable, default_slots
+from hicached.daemon.quotas import make_quotas
+from hicached.ops.sdnotify import NullNotifier
+from hicached.daemon.sessions import Session
+from hicached.daemon.slabs import SlabAllocator
+from hicached.daemon.l3.tier import L3Tier, close_quietly
+from hicached.daemon.l3.workers import IOWorkers
+
+log = logging.getLogger(__name__)
+
+SWEEP_INTERVAL_S = 0.5
+MAX_BATCH = 256  # requests handled before the loop looks at I/O completions and timers
+# answered while draining (they finish work in flight); everything else gets ShuttingDown
+_DRAIN_OK = (P.Commit, P.Release, P.Bye, P.ExistsTally)
+
+
+def freeze_survivors(phase: str, info: dict) -> None:
+    """``gc`` callback: after a full collection, move what survived it to the permanent
+    generation, so the next full pass walks only what was created since. Without it every full
+    pass walks every page's index entry: ~100 ms per 256k pages, a stall of the control loop
+    that grows with the arena. Frozen objects are still freed by reference counting; only
+    reference cycles among them would stay (the index holds none)."""
+    if phase == "stop" and info.get("generation") == 2:
+        gc.freeze()
+
+
+class Daemon(DaemonOperations, Handshakes, DaemonFiles):
+    """``Daemon(config).serve_forever()`` runs until ``stop()`` (or SIGTERM/SIGINT via ``run``)."""
+
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self._stop = threading.Event()
+        self._lock_fd = self._take_state_lock(config.state_dir)
+        try:
+            self._recorded_arena(self._lock_fd, config.arena_path)
+            self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.access_mode)
+            self._record_arena(self._lock_fd, config.arena_path)
+            self._set_group(config.arena_path)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        try:
+            self.allocator = SlabAllocator(config.l2_size, config.slab_size)
+            self.index = PageIndex(self.allocator)
+            self.presence = self._presence_table(config)
+            self.index.shared = self.presence
+            self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
+            self.workers = IOWorkers(config.io_queue_depth)
+            self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
+                               config.write_through_threshold, config.prefetch,
+                               config.l3_load_chunk, config.l3_audit_s)
+            if config.l3_backend != "none":
+                self.tier.attach(self._open_backend(config.l3_backend, None))
+            if self.presence is not None:  # before any client reads it (a restart with L3)
+                self.presence.beat(time.monotonic(), self.tier.attached)
+            self.controller = Controller(self.index, self.leases, self.tier, time.monotonic,
+                                         config.get_wait_s)
+            self.controller.quotas = make_quotas(self.index, config.namespace_quotas)
+            self.controller.ahead_session_bytes = config.set_ahead_bytes
+            self.controller.ahead_total_bytes = config.l2_size // 8  # idle slots: at most 1/8
+            self.ctx = zmq.Context()
+            self.sock = self._bind(config.endpoint)
+        except BaseException:
+            if hasattr(self, "workers"):
+                self.workers.close()
+                self.tier.close()
+            if getattr(self, "presence", None) is not None:
+                self.presence.close()
+            self.arena.close()
+            self._record_arena(self._lock_fd)
+            os.close(self._lock_fd)
+            raise
+        self.requests = 0
+        self._pid_ns = own_pid_ns()  # clients in it may be checked by the pid they state
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (fn, Future) for the loop
+        self._call_r, self._call_w = os.pipe()
+        os.set_blocking(self._call_r, False)
+        self._attaching = False
+        self._closed = False
+        self._loop_thread: int | None = None
+        self.auth = make_auth(config.client_token)
+        self.metrics = make_metrics(self, enabled=bool(config.admin_port))
+        self.notifier = NullNotifier()  # systemd: set by service.serve before serve_forever
+
+    # ------------------------------------------------------------ setup
+
+    def _open_backend(self, name: str, options: dict | None) -> L3Backend:
+        """Create and open a backend (blocking: never on the control loop once it runs)."""
+        opts = backend_options(name, self.config, options)
+        try:
+            backend = create_backend(name, **opts)
+        except HicachedError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise BackendError(f"L3 backend {name!r}: {e}") from None
+        except OSError as e:  # its directory / device cannot be made or opened
+            raise BackendUnavailable(f"L3 backend {name!r}: {e}") from None
+        try:
+            backend.open(self.arena)
+        except Exception as e:
+            close_quietly(backend)
+            if isinstance(e, HicachedError):
+                raise
+            raise BackendUnavailable(f"L3 backend {name!r} failed to open: "
+                                     f"{type(e).__name__}: {e}") from None
+        backend.opened_with = opts  # a re-attach with other options is refused (operations.py)
+        return backend
+
+    # ------------------------------------------------------------ loop
+
+    def stop(self) -> None:
+        """Ask the loop to finish (thread- and signal-safe)."""
+        self._stop.set()
+
+    @property
+    def draining(self) -> bool:
+        """True from SIGTERM / ``stop()`` on: new work is refused with ``ShuttingDown``."""
+        return self._stop.is_set()
+
+    def _presence_table(self, config: DaemonConfig) -> PresenceTable | None:
+        """The shared presence table beside the arena, or None (``shared_exists`` off)."""
+        if not config.shared_exists:
+            return None
+        table = PresenceTable(config.arena_path + ".presence",
+                              config.presence_slots or default_slots(config.l2_size),
+                              secrets.randbits(63), mode=config.access_mode,
+                              arena_bytes=self.arena.size_bytes,
+                              grain=TAG_GRAIN if config.shared_gets else 0)
+        self._set_group(table.path)
+        return table
+
+    def _tick(self, now: float) -> None:
+        """Every ``SWEEP_INTERVAL_S``: expire reservations and leases, drop dead clients, relieve
+        write-back pressure, audit L3 copies when due; and feed the systemd watchdog (only a
+        running loop does)."""
+        if now >= self._next_watchdog:
+            interval = self.notifier.watchdog_interval_s
+            if interval:
+                self.notifier.watchdog()
+            self._next_watchdog = now + (interval or float("inf"))
+        if now >= self._next_sweep:
+            self.leases.sweep(now)
+            self.index.republish()
+            self.controller.reap_dead_sessions()
+            self.controller.reap_idle_unchecked(now, self.config.unchecked_idle_s)
+            self.auth.prune(self.controller.sessions)
+            self.tier.relieve_pressure()
+            self.tier.audit(now)
+            self._next_sweep = now + SWEEP_INTERVAL_S
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.workers.wake_r, zmq.POLLIN)
+        poller.register(self._call_r, zmq.POLLIN)
+        self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
+        self._next_watchdog = 0.0
+        busy_until = 0.0  # spin (non-blocking polls) until then: see busy_poll_ms in the config
+        busy_s = self.config.busy_poll_ms / 1000
+        self._loop_thread = threading.get_ident()
+        # The index holds one long-lived object per page: keep the collector from walking what
+        # startup built (modules, the arena), and from running every 700 allocations (a request
+        # of a few hundred keys allocates that much): each full pass is a pause of the loop.
+        gc.freeze()
+        gc.set_threshold(20_000, 20, 20)
+        if freeze_survivors not in gc.callbacks:
+            gc.callbacks.append(freeze_survivors)
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now < busy_until or self.controller.flusher.active:
+                    timeout_ms = 0
+                else:
+                    wake = min(self._next_sweep, self._next_watchdog)
+                    parked = self.controller.next_parked_deadline()
+                    if parked is not None:
+                        wake = min(wake, parked)
+                    timeout_ms = min(200, max(0, int((wake - now) * 1000) + 1))
+                events = dict(poller.poll(timeout_ms))
+                if self.sock in events:
+                    self._guarded(self._drain_socket)
+                    busy_until = time.monotonic() + busy_s
+                if self.workers.wake_r in events:
+                    self._guarded(self.controller.on_io_done)
+                if self._call_r in events:
+                    self._run_calls()
+                if self.controller.flusher.active:
+                    self._guarded(self.controller.flusher.step)
+                now = time.monotonic()
+                if self.presence is not None:
+                    self.presence.beat(now, self.tier.attached)
+                if self.controller.parked:
+                    self._guarded(self.controller.expire_parked, now)
+                self._guarded(self._tick, now)
+            self._drain_for_shutdown()
+        finally:
+            self.close()
+
+    @staticmethod
+    def _guarded(fn: Callable[..., Any], *args: Any) -> None:
+        """One step of the loop; a bug in it is logged, never the end of the daemon."""
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("internal error in the control loop (%s); carrying on",
+                          getattr(fn, "__name__", fn))
+
+    def _drain_socket(self) -> None:
+        for _ in range(MAX_BATCH):
+            try:
+                # frames, not bytes: a Hello's carries the kernel's word on who sent it
+                # (liveness.py); the payload is decoded in place
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.requests += 1
+            if len(frames) != 2:
+                log.warning("dropping a message of %d frames (expected identity + payload)",
+                            len(frames))
+                if frames:
+                    self._send(frames[0].bytes, P.Error(
+                        0, ProtocolError.code, f"expected 1 payload frame, got {len(frames) - 1}"))
+                continue
+            self._handle(frames[0].bytes, frames[1])
+
+    def _send(self, identity: bytes, answer) -> None:
+        try:
+            payload = P.encode(answer)
+        except (msgspec.EncodeError, OverflowError, TypeError, ValueError) as e:  # a bug
+            log.exception("cannot encode a %s answer", type(answer).__name__)
+            payload = P.encode(P.Error(getattr(answer, "req_id", 0), "internal",
+                                       f"answer not encodable: {type(e).__name__}: {e}"))
+        try:
+            self.sock.send_multipart([identity, payload], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # peer gone or its queue full: its problem, not ours
+            log.debug("answer to a client dropped: %s", e)
+
+    def _handle(self, identity: bytes, frame: zmq.Frame) -> None:
+        t0, req_id, msg = time.perf_counter(), 0, None
+        payload = frame.buffer
+        try:
+            try:
+                msg = P.request_decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError,
+                    RecursionError) as e:
+                req_id = P.salvage_req_id(payload)
+                raise ProtocolError(f"malformed request ({len(payload)} bytes): {e}") from None
+            req_id = msg.req_id
+            self.auth.admit(identity, msg)
+            answer = self._dispatch(identity, msg, frame)
+        except HicachedError as e:
+            answer = P.Error(req_id, e.code, str(e))
+        except Exception as e:  # a bug must cost one request, never the daemon
+            log.exception("internal error handling a request")
+            answer = P.Error(req_id, "internal", f"{type(e).__name__}: {e}")
+        self.metrics.on_request(msg, answer, t0)
+        if answer is not None:
+            self._send(identity, answer)
+
+    def _send_parked(self, identity: bytes, msg: P.Lease | P.Exists, answer) -> None:
+        """The late answer of a request that waited for L3 (a get for loads, an exists for the
+        store's lookup)."""
+        self.metrics.on_parked_answer(msg, answer)
+        self._send(identity, answer)
+
+    def _session(self, sid: int) -> Session:
+        s = self.controller.sessions.get(sid)
+        if s is None:
+            raise UnknownSession(f"session {sid} unknown (daemon restarted?); handshake again")
+        s.active = True
+        return s
+
+    def _releasing(self, msg: P.Exists | P.Lease | P.Reserve) -> Session:
+        """The session of ``msg``, after ending the leases it carries (a piggybacked Release)."""
+        s = self._session(msg.session)
+        if msg.release:
+            self.controller.release(s, msg.release)
+        return s
+
+    def _dispatch(self, identity: bytes, msg, frame: zmq.Frame):
+        c = self.controller
+        if self._stop.is_set() and not isinstance(msg, _DRAIN_OK):
+            raise ShuttingDown("hicached is shutting down; not accepting new requests")
+        match msg:
+            case P.Exists():
+                return c.exists(self._releasing(msg), msg,
+                                lambda answer: self._send_parked(identity, msg, answer))
+            case P.Lease():
+                return c.lease(self._releasing(msg), msg,
+                               lambda answer: self._send_parked(identity, msg, answer))
+            case P.Release():
+                s = c.sessions.get(msg.session)
+                if s is not None:
+                    s.active = True
+                    c.release(s, msg.lease_ids)
+                    if msg.touched or msg.shared_gets:
+                        self.metrics.on_unleased(msg, c.read_unleased(s, msg))
+                return None
+            case P.Reserve():
+                if self._stop.is_set():
+                    raise ShuttingDown("daemon is shutting down; not accepting writes")
+                return c.reserve(self._releasing(msg), msg)
+            case P.Commit():
+                answer = c.commit(self._session(msg.session), msg)
+                return answer if msg.reply else None
+            case P.Hello():
+                return self._hello(identity, msg, frame)
+            case P.RegisterPool():
+                return P.Registered(msg.req_id, c.register_pool(self._session(msg.session),
+                                                                msg.pool, msg.page_bytes))
+            case P.ExistsTally():  # counted by the metrics hook, unless refused here
+                s = self._session(msg.session)
+                for pool in (*msg.keys, *msg.hits):  # pools become metric labels: only real ones
+                    s.spec(pool)
+                return None
+            case P.Bye():
+                c.close_session(msg.session)
+                return None
+            case P.Flush():
+                if msg.tier == "l2":  # answered when the walk of the arena ends
+                    c.flush_l2(lambda n: self._send(identity, P.Ok(msg.req_id)))
+                    return None
+                self._off_loop(identity, msg.req_id, lambda: self.flush(msg.tier),
+                               lambda n: P.Ok(msg.req_id))
+                return None
+            case P.Attach():
+                self._attach_for(identity, msg)
+                return None
+            case P.Detach():  # dirty write-back pages are written first: off the loop
+                self._off_loop(identity, msg.req_id, self.detach_backend,
+                               lambda status: P.BackendStatus(msg.req_id, status))
+                return None
+            case P.GetBackend():
+                return P.BackendStatus(msg.req_id, {**self.tier.status(),
+                                                    "backend_stats": self.tier.backend_stats()})
+            case P.GetStats():
+                return P.Stats(msg.req_id, self.loop_stats())
+            case P.Ping():
+                return P.Ok(msg.req_id)
+        raise ProtocolError(f"unhandled message {type(msg).__name__}")
+
+    # ------------------------------------------------------------ shutdown
+
+    def _drain_for_shutdown(self, timeout_s: float | None = None) -> None:
+        """Finish the work in flight before the arena goes away, within ``drain_timeout_s``.
+
+        The loop keeps running: new requests are answered ``ShuttingDown``; commits, releases
+        and byes are applied (a client copying into reserved slots gets its pages published,
+        and written through); gets waiting for L3 loads are answered when their loads land;
+        dirty write-back pages are written. It ends when no reservation, parked get or L3 job
+        is left, or at the deadline (what is left then is logged)."""
+        self.notifier.stopping()
+        if self.presence is not None:
+            self.presence.close()  # clients ask the socket now, and hear ShuttingDown
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        log.info("draining (at most %.1f s)", timeout_s)
+        poller = zmq.Poller()
+        for fd in (self.sock, self.workers.wake_r, self._call_r):
+            poller.register(fd, zmq.POLLIN)
+        while True:
+            self.controller.flusher.finish_now()  # answer flushes while the socket is up
+            self.tier.write_back_all()
+            c = self.controller
+            busy = (len(self.leases.reservations), len(c.parked), self.workers.in_flight)
+            now = time.monotonic()
+            if not any(busy) or now >= deadline:
+                break
+            events = dict(poller.poll(min(50, int((deadline - now) * 1000) + 1)))
+            if self.sock in events:
+                self._drain_socket()
+            if self.workers.wake_r in events:
+                c.on_io_done()
+            if self._call_r in events:
+                self._run_calls()
+            self._tick(time.monotonic())
+        self.controller.expire_parked(float("inf"))
+        if any(busy):
+            log.warning("drain deadline: %d reservations, %d waiting requests, %d L3 jobs "
+                        "unfinished", *busy)
+        self._run_calls(ShuttingDown("daemon is shutting down"))
+
+    def close(self) -> None:
+        """Release everything the daemon owns. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.workers.close():
+            self.tier.close()
+        else:  # a transfer still runs in the backend: closing it underneath could crash
+            log.warning("L3 I/O still running at exit: the backend is left open for the "
+                        "process exit to reclaim")
+        self.sock.close(linger=0)
+        self.ctx.term()
+        ep = self.config.endpoint
+        if ep.startswith("ipc://"):
+            try:
+                os.unlink(ep[len("ipc://"):])
+            except FileNotFoundError:
+                pass
+        if self.presence is not None:
+            self.presence.close()
+        self.arena.close()
+        self._record_arena(self._lock_fd)
+        os.close(self._call_r)
+        os.close(self._call_w)
+        os.close(self._lock_fd)

@@ -1,0 +1,55 @@
+"""Config helpers every side reads the same way: byte sizes (``4GiB``, ``512MiB``, ``1e9``) and the
+default directories of a daemon's socket and state (XDG variables).
+
+The daemon's config (``hicached.ops.config``), the L3 backends' options and the SGLang plugin's
+settings all parse sizes here, so "4gb" means the same bytes everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from hicached.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,
+          "gib": 1024**3, "tib": 1024**4}
+
+
+MAX_SIZE = 1 << 56  # 64 PiB: past any machine, and far from what a C long holds
+
+
+def parse_size(value: object, key: str = "size", allow_zero: bool = False) -> int:
+    """Bytes from an int or a string such as ``4GiB``, ``512MiB``, ``1e9`` (> 0, or >= 0 with
+    ``allow_zero``)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{key}: cannot read {value!r} as a size (e.g. 4GiB, 512MiB, 1e9)")
+        try:
+            exact = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            n = int(exact)
+        except (ValueError, OverflowError):
+            raise ConfigError(f"{key}: cannot read {value!r} as a size") from None
+        if n != exact:
+            raise ConfigError(f"{key}: {value!r} is not a whole number of bytes")
+    if n > MAX_SIZE:
+        raise ConfigError(f"{key}: {value!r} is more than {MAX_SIZE >> 50} PiB")
+    if n < 0 or (n == 0 and not allow_zero):
+        raise ConfigError(f"{key}: must be {'>=' if allow_zero else '>'} 0 bytes, got {value!r}")
+    return n
+
+
+def default_runtime_dir() -> str:
+    xdg = os.environ.get("XDG_RUNTIME_DIR")  # (set but empty: as if unset)
+    return os.path.join(xdg, "hicached") if xdg else f"/tmp/hicached-{os.getuid()}"
+
+
+def default_state_dir() -> str:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(base, "hicached")

@@ -1,0 +1,156 @@
+"""Flushing L2 in slices of the control loop (flushing.py): unit tests over a real index and
+tier, and a real daemon that answers other clients while it flushes a large L2."""
+
+import re
+import threading
+
+import pytest
+import torch
+
+from hicached import HostPool, PoolTransfer
+from hicached.daemon.flushing import CHECK_EVERY, L2Flush
+from hicached.daemon.index import PageIndex
+from hicached.daemon.slabs import SlabAllocator
+from hicached.daemon.l3.tier import L3Tier
+from hicached.daemon.l3.workers import IOWorkers
+
+PAGE = 4096
+TABLE = ("ns", "kv")
+
+
+@pytest.fixture
+def tier():
+    index = PageIndex(SlabAllocator(64 * 2**20, 2**20))  # 256 pages of 4 KiB a slab
+    workers = IOWorkers()
+    yield L3Tier(index, workers)
+    workers.close()
+
+
+def commit(index, keys):
+    out = []
+    for key in keys:
+        e = index.reserve(TABLE, key, PAGE, PAGE)
+        index.commit(e)
+        out.append(e)
+    return out
+
+
+def walk(flush):
+    """Step until the walk ends; how many steps it took."""
+    steps = 0
+    while flush.active:
+        flush.step()
+        steps += 1
+        assert steps < 10_000
+    return steps
+
+
+def test_a_flush_walks_the_arena_in_slices_and_answers_at_the_end(tier):
+    commit(tier.index, [f"k{i}" for i in range(3000)])
+    flush = L2Flush(tier, slice_s=0)  # every slice stops after CHECK_EVERY slots
+    got = []
+    flush.request(got.append)
+    flush.step()
+    assert got == [] and flush.active
+    status = flush.status()
+    assert status["dropped"] == CHECK_EVERY and status["waiting"] == 1
+    assert 0 < len(tier.index) < 3000  # requests are served between slices, half-flushed
+    steps = walk(flush)
+    assert got == [3000] and len(tier.index) == 0
+    assert steps + 1 >= 3000 // CHECK_EVERY
+    assert flush.status() is None and not flush.active
+
+
+def test_pinned_pages_stay_and_pages_being_written_are_dropped_once_written(tier):
+    leased, writing, _ = commit(tier.index, ["leased", "writing", "plain"])
+    tier.index.pin(leased)
+    writing.writing = True
+    tier.index.pin(writing)  # as an L3 write pins it
+    flush = L2Flush(tier)
+    got = []
+    flush.request(got.append)
+    walk(flush)
+    assert got == [2]  # plain dropped now; writing counted: it goes once written
+    assert tier.index.get(TABLE, "leased") is leased
+    assert tier.drop_when_written == {writing}
+    assert tier.index.get(TABLE, "plain") is None
+
+
+def test_a_flush_asked_mid_walk_gets_a_walk_of_its_own(tier):
+    commit(tier.index, [f"k{i}" for i in range(1024)])  # 4 full slabs
+    flush = L2Flush(tier, slice_s=0)
+    first, second = [], []
+    flush.request(first.append)
+    flush.step()  # the first slab is behind the walk now, and free again
+    late = commit(tier.index, ["late"])[0]  # lands in the slab the walk already passed
+    assert late.offset < tier.index.alloc.slab_bytes
+    flush.request(second.append)
+    walk(flush)
+    assert first == [1024] and second == [1]  # the second walk dropped what the first passed
+    assert len(tier.index) == 0
+
+
+def test_flushes_asked_together_share_one_walk_and_finish_now_answers_all(tier):
+    commit(tier.index, [f"k{i}" for i in range(600)])
+    flush = L2Flush(tier, slice_s=0)
+    got = []
+    flush.request(lambda n: got.append(("a", n)))
+    flush.request(lambda n: got.append(("b", n)))  # before the first step: joins
+    flush.step()
+    flush.request(lambda n: got.append(("c", n)))  # mid-walk: queued
+    flush.finish_now()
+    assert got == [("a", 600), ("b", 600), ("c", 0)]
+    assert not flush.active and flush.slice_s == 0
+
+
+def test_a_waiter_that_raises_does_not_cost_the_others_their_answer(tier):
+    commit(tier.index, ["k"])
+    flush = L2Flush(tier)
+    got = []
+    flush.request(lambda n: 1 / 0)
+    flush.request(got.append)
+    walk(flush)
+    assert got == [1]
+
+
+def test_a_daemon_answers_other_clients_while_it_flushes_a_large_l2(make_daemon):
+    d = make_daemon(l2_size="96MiB", slab_size="1MiB", extra=("--l3-backend", "none"))
+    n = 64 * 1024  # pages of 1 KiB: tens of ms of index work to drop
+    pool = HostPool.allocate_mla(n, 1, 1, 512, dtype=torch.bfloat16)
+    # spin_s=0: both wait in poll without the GIL, so the watcher's requests keep coming
+    with d.client(spin_s=0) as writer, d.client(spin_s=0) as watcher:
+        writer.register_mem_host_pool_v2(pool, "kv")
+        for start in range(0, n, 8192):
+            keys = [f"p{i}" for i in range(start, start + 8192)]
+            assert all(writer.batch_set_v2(
+                [PoolTransfer("kv", torch.arange(start, start + 8192), keys=keys)])["kv"])
+        assert writer.stats()["l2_pages"] == n  # after its commits (the same socket)
+        seen, done = [], threading.Event()
+
+        def watch():
+            while not done.is_set():
+                seen.append(watcher.stats()["l2_flush"])
+
+        t = threading.Thread(target=watch)
+        t.start()
+        try:
+            writer.flush("l2")
+        finally:
+            done.set()
+            t.join()
+        assert writer.stats()["l2_pages"] == 0
+        progress = [s for s in seen if s]
+        assert progress, "no request was answered while the flush ran"
+        assert all(0 <= s["slab"] < s["slabs"] and s["waiting"] == 1 for s in progress)
+    slices = re.findall(r"flushed (\d+) pages from L2 in [\d.]+ s \((\d+) slices", d.output())
+    assert slices and int(slices[-1][0]) == n and int(slices[-1][1]) > 1
+
+
+def test_a_walk_that_fails_answers_its_waiters_and_ends(tier):
+    commit(tier.index, [f"k{i}" for i in range(10)])
+    flush = L2Flush(tier)
+    flush.index = None  # a bug: the walk cannot read the index
+    got = []
+    flush.request(got.append)
+    flush.step()
+    assert got == [0] and not flush.active

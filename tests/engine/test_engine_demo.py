@@ -1,0 +1,35 @@
+"""``hicached demo`` end to end: its own daemon, both models, every phase's hit sources."""
+
+import pytest
+
+from hicached.ops.cli import main
+
+pytest.importorskip("transformers", reason="the reference engine needs the engine extra")
+
+
+def rows(out, arch, phase):
+    """(L1, L2, L3, computed) of each per-turn row of ``phase`` in ``arch``'s table."""
+    table = out.split(f"{arch}: TTFT per turn")[1].split("hit rate")[0]
+    got = []
+    for line in table.splitlines():
+        if line.startswith(phase + " "):
+            *_, l1, l2, l3, computed = line.split()
+            got.append((int(l1), int(l2), int(l3), int(computed)))
+    return got
+
+
+def test_demo_reports_hits_from_every_tier(capsys):
+    assert main(["demo", "--conversations", "2", "--systems", "1", "--turns", "2",
+                 "--system-tokens", "48", "--user-tokens", "12", "--new-tokens", "2",
+                 "--page-size", "8", "--track-interval", "16", "--kv-pages", "128",
+                 "--debug-pools"]) == 0
+    out = capsys.readouterr().out
+    for arch in ("qwen3_next", "deepseek_v32"):
+        device = rows(out, arch, "device + L2")
+        assert [r[3] for r in device[:1]] == [60]  # the very first prompt is all computed
+        assert device[1][0] == 48  # conversation 1 shares the 48-token system prompt (L1)
+        new = rows(out, arch, "new engine")
+        assert new[0][1] > 0 and all(r[2] == 0 for r in new)  # an empty engine: L2 hits
+        l3 = rows(out, arch, "L3")
+        assert l3[0][2] > 0 and all(r[1] == 0 for r in l3)  # the daemon's L2 was flushed
+        assert "no cache" in out.split(f"{arch}: TTFT per turn")[1]
