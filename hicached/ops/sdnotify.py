@@ -1,6 +1,6 @@
 """systemd's notify protocol (``Type=notify``): datagrams to ``$NOTIFY_SOCKET``, no dependency.
 
-What the daemon says, and when (the unit file is ``configs/hicached.ops.serve``):
+What the daemon says, and when (the unit file is ``configs/hicached.service``):
 
     READY=1       once the arena is mapped, the L3 backend is open and the admin API listens
     WATCHDOG=1    from the control loop, every half ``WATCHDOG_USEC``: a loop that is stuck stops

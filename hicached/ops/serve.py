@@ -1,4 +1,4 @@
-"""``hicached serve``: the daemon as a service (systemd unit: ``configs/hicached.ops.serve``).
+"""``hicached serve``: the daemon as a service (systemd unit: ``configs/hicached.service``).
 
     0. RLIMIT_NOFILE       soft limit raised to the hard one (``raise_open_files_limit``)
     1. Daemon(config)      the arena is mapped (pre-faulted) and the L3 backend opened

@@ -19,7 +19,7 @@ from hicached.ops.config import load_config
 from hicached.errors import ShuttingDown
 from hicached.ops.sdnotify import NullNotifier, SystemdNotifier
 
-UNIT = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "hicached.ops.serve")
+UNIT = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "hicached.service")
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,
@@ -36,7 +36,7 @@ def test_systemd_unit_verifies(tmp_path):
     exe = shutil.which("hicached") or os.path.join(os.path.dirname(sys.executable), "hicached")
     if not os.access(exe, os.X_OK):
         exe = sys.executable
-    unit = tmp_path / "hicached.ops.serve"
+    unit = tmp_path / "hicached.service"
     unit.write_text(text.replace("/usr/local/bin/hicached", exe))
     out = subprocess.run(["systemd-analyze", "verify", str(unit)], check=False, capture_output=True,
                          text=True, timeout=60)
