@@ -8,6 +8,7 @@ Daemon side: ``hicached serve`` (``hicached.daemon.server.Daemon``).
 from hicached.errors import (
     DaemonUnavailable,
     HicachedError,
+    InvalidArgument,
     InvalidTransfer,
     LengthMismatch,
     PageSizeMismatch,
@@ -27,6 +28,7 @@ __all__ = [
     "DaemonUnavailable",
     "HicachedError",
     "HostPool",
+    "InvalidArgument",
     "InvalidTransfer",
     "LengthMismatch",
     "PageSizeMismatch",

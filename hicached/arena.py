@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +28,40 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 def _map(fd: int, size_bytes: int) -> mmap.mmap:
     return mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | _POPULATE,
                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+Progress = Callable[[int, int], None]
+RESERVE_STEP = 256 << 20  # bytes allocated and pre-faulted between two progress calls
+PAGE = mmap.PAGESIZE
+
+
+def _reserve(fd: int, size_bytes: int, path: str, what: str,
+             progress: Progress | None) -> mmap.mmap:
+    """Allocate the new (all zero) file's tmpfs pages and map them, pre-faulted, in steps.
+
+    One write of a zero byte per page faults it in writable: 3-4x faster than ``MAP_POPULATE``
+    here (16 s for 4 GiB on a VM), and done in steps, so the daemon can say how far it got."""
+    try:
+        for off in range(0, size_bytes, RESERVE_STEP):
+            os.posix_fallocate(fd, off, min(RESERVE_STEP, size_bytes - off))
+    except OSError as e:
+        raise ArenaError(
+            f"cannot reserve {size_bytes} bytes for {what} {path} "
+            f"(is /dev/shm large enough? see `df -h /dev/shm`): {e}"
+        ) from e
+    buf = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    pages = torch.frombuffer(buf, dtype=torch.uint8, count=size_bytes)
+    try:
+        for off in range(0, size_bytes, RESERVE_STEP):
+            pages[off:off + RESERVE_STEP:PAGE].zero_()  # the file is new: its bytes are 0
+            if progress is not None:
+                progress(min(off + RESERVE_STEP, size_bytes), size_bytes)
+    except BaseException:
+        del pages
+        buf.close()
+        raise
+    del pages
+    return buf
 
 
 # path -> fd of the files this process created, each held with an exclusive flock for as long
@@ -49,10 +84,13 @@ def _replaceable(path: str) -> bool:
         and not os.path.islink(path) and os.path.isfile(path)
 
 
-def create_mapped(path: str, size_bytes: int, mode: int, what: str) -> mmap.mmap:
+def create_mapped(path: str, size_bytes: int, mode: int, what: str,
+                  progress: Progress | None = None) -> mmap.mmap:
     """A fresh shared-memory file of ``size_bytes`` (replacing a crashed daemon's), allocated
     up front and mapped read/write, pre-faulted, and locked until ``release_mapped``;
-    ArenaError when it cannot be, or when a running daemon holds the file at ``path``."""
+    ArenaError when it cannot be, or when a running daemon holds the file at ``path``.
+    ``progress(done, total)`` is called after each ``RESERVE_STEP`` bytes (a 4 GiB arena takes
+    seconds)."""
     if os.path.isdir(path):
         raise ArenaError(f"{what} path {path} is a directory: name a file (in /dev/shm)")
     try:
@@ -86,14 +124,7 @@ def create_mapped(path: str, size_bytes: int, mode: int, what: str) -> mmap.mmap
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.fchmod(fd, mode)  # umask must not widen or narrow what the operator asked for
-        try:
-            os.posix_fallocate(fd, 0, size_bytes)
-        except OSError as e:
-            raise ArenaError(
-                f"cannot reserve {size_bytes} bytes for {what} {path} "
-                f"(is /dev/shm large enough? see `df -h /dev/shm`): {e}"
-            ) from e
-        buf = _map(fd, size_bytes)
+        buf = _reserve(fd, size_bytes, path, what, progress)
     except BlockingIOError:
         os.close(fd)
         raise ArenaError(f"{what} {path} is being created by another daemon") from None
@@ -103,6 +134,13 @@ def create_mapped(path: str, size_bytes: int, mode: int, what: str) -> mmap.mmap
         raise
     _HELD[path] = fd
     return buf
+
+
+def release_if_made(path: str) -> None:
+    """``release_mapped(path)`` when this process made the file (a start interrupted between
+    ``create_mapped`` and the object that owns its mapping); nothing otherwise."""
+    if path in _HELD:
+        release_mapped(path)
 
 
 def release_mapped(path: str) -> None:
@@ -134,11 +172,18 @@ class Arena:
         self._closed = False
 
     @classmethod
-    def create(cls, path: str, size_bytes: int, mode: int = 0o600) -> Arena:
-        """Create (or replace) the arena file and map it, pre-faulted."""
+    def create(cls, path: str, size_bytes: int, mode: int = 0o600,
+               progress: Progress | None = None) -> Arena:
+        """Create (or replace) the arena file and map it, pre-faulted (``progress``: see
+        ``create_mapped``)."""
         if size_bytes <= 0:
             raise ArenaError(f"arena size must be > 0 bytes, got {size_bytes}")
-        return cls(path, size_bytes, create_mapped(path, size_bytes, mode, "arena"), owner=True)
+        buf = create_mapped(path, size_bytes, mode, "arena", progress)
+        try:
+            return cls(path, size_bytes, buf, owner=True)
+        except BaseException:  # (Ctrl-C lands anywhere)
+            release_mapped(path)
+            raise
 
     @classmethod
     def attach(cls, path: str, size_bytes: int) -> Arena:

@@ -69,6 +69,13 @@ class InvalidTransfer(HicachedError, ValueError):
     code = "invalid_transfer"
 
 
+class InvalidArgument(HicachedError, ValueError, TypeError):
+    """An argument of a ``Client`` (or another public constructor) is of the wrong type or out
+    of range; the message names it. Raised before anything is connected or sent."""
+
+    code = "invalid_argument"
+
+
 class ArenaError(HicachedError):
     """The shared-memory arena cannot be created or mapped, or a slot is out of its bounds."""
 

@@ -18,7 +18,7 @@ Requests (client -> daemon)             answer
                  and pages read without any lease, counted (``shared_get.py``)
   Bye          end of session            (none: fire and forget)
   Flush        empty L2 (and/or L3)      Ok
-  GetStats     counters                  Stats
+  GetStats     counters (or the status)  Stats
   Ping         liveness                  Ok
   Attach       attach an L3 backend      BackendStatus
   Detach       detach it                 BackendStatus
@@ -249,7 +249,11 @@ class GetBackend(_Msg, tag="get_backend"):
 
 
 class GetStats(_Msg, tag="get_stats"):
+    """``view``: "" the control loop's counters; "status" what ``hicached status`` shows (the
+    admin API's ``/health``, ``/ready`` and ``/stats`` bodies, in one answer)."""
+
     req_id: int
+    view: str = ""
 
 
 class Ping(_Msg, tag="ping"):

@@ -4,13 +4,18 @@ import contextlib
 import os
 import uuid
 
+# Mooncake's C++ logs (glog) go to stderr, and a store client torn down at the interpreter's
+# exit logs after pytest's summary line, which CI reads as the run's last word: errors only,
+# here and in every daemon and process the tests start (they inherit the environment).
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
 import pytest
 import zmq
 
 from hicached.arena import Arena
 
 # The reference engine's tests run their models here: `HICACHED_TEST_DEVICE=cuda pytest
-# tests/test_engine*.py` on a GPU machine (CPU by default; CI has no GPU).
+# tests/engine/` on a GPU machine (CPU by default; CI has no GPU).
 TEST_DEVICE = os.environ.get("HICACHED_TEST_DEVICE", "cpu")
 
 

@@ -57,6 +57,7 @@ from hicached.client.hostpool import PageIO, make_page_io
 from hicached.liveness import own_pid_ns, own_start_ticks
 from hicached.client.overlap import PageRecall, SetAhead
 from hicached.client.piggyback import PendingReleases
+from hicached.client.args import check_client_args
 from hicached.client.table_exists import SharedExists
 from hicached.sockpath import refusal
 from hicached.types import PoolTransfer, pool_value
@@ -92,12 +93,10 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
                  remember_pages: int = 65536, set_ahead_bytes: int = 64 << 20,
                  release_delay_s: float = 0.05, shared_exists: bool = True,
                  shared_gets: bool = True):
-        if not namespace:
-            raise ValueError("namespace must be a non-empty string")
-        if token is None:
-            token = ""
-        if not isinstance(token, str):
-            raise TypeError(f"token must be a str, got {type(token).__name__}")
+        check_client_args(endpoint, namespace, timeout_s, client_name, spin_s, token,
+                          remember_pages, set_ahead_bytes, release_delay_s, shared_exists,
+                          shared_gets)
+        token = token or ""
         self.endpoint = endpoint
         self.namespace = namespace
         self.timeout_s = timeout_s

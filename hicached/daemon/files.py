@@ -55,6 +55,16 @@ class DaemonFiles:
         except OSError:
             pass
 
+    @staticmethod
+    def _check_endpoint(endpoint: str) -> None:
+        """ConfigError when another process listens on the ipc socket: checked first, so a
+        second daemon says so before it reserves an arena or opens an L3 backend (``_bind``
+        checks again, as the socket may be taken in between)."""
+        path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else ""
+        if path and os.path.exists(path) and refusal(path) is None:
+            raise ConfigError(f"endpoint: {endpoint} is in use by a running process (another "
+                              "hicached daemon?): give this one another endpoint")
+
     def _bind(self, endpoint: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)

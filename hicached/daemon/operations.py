@@ -22,6 +22,7 @@ from typing import Any
 from hicached import protocol as P
 from hicached.backends.base import BACKENDS, is_backend_name
 from hicached.ops.config import WRITE_POLICIES, DaemonConfig
+from hicached.ops.metrics import stats_json
 from hicached.errors import (
     BackendConflict,
     BackendError,
@@ -232,6 +233,22 @@ class DaemonOperations:
         return (f"hicached listening on {c.endpoint} (pid {os.getpid()}); "
                 f"arena {c.l2_size / 1024**3:.2f} GiB at {c.arena_path}; L3 {l3}; "
                 f"presence table {table}")
+
+    def readiness(self) -> dict:
+        """The admin API's ``/ready`` body (loop thread): ready unless draining or the L3 backend
+        is failing."""
+        tier = self.tier.status()
+        reasons = [r for r, bad in (("draining", self.draining),
+                                    ("L3 backend failing", tier["degraded"])) if bad]
+        return {"ready": not reasons, "arena": self.arena.path,
+                "arena_bytes": self.arena.size_bytes, "l3_backend": tier["backend"],
+                "l3_attached": tier["attached"], "reasons": reasons}
+
+    def status_view(self) -> dict:
+        """What ``hicached status`` shows, in one answer over the socket (loop thread): the
+        admin API's ``/health``, ``/ready`` and ``/stats`` bodies."""
+        return {"health": {"status": "draining" if self.draining else "ok"},
+                "ready": self.readiness(), "stats": stats_json(self.metrics.snapshot())}
 
     def loop_stats(self) -> dict:
         """The controller's state and counters, frames read and the presence table (loop thread

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from hicached import protocol as P
-from hicached.arena import Arena
+from hicached.arena import Arena, release_if_made
 from hicached.daemon.auth import make_auth
 from hicached.backends.base import L3Backend, create_backend
 from hicached.ops.config import DaemonConfig
@@ -68,6 +68,24 @@ def freeze_survivors(phase: str, info: dict) -> None:
         gc.freeze()
 
 
+def arena_progress(every_s: float = 2.0):
+    """A progress callback for ``Arena.create`` that logs how far the reservation got, at most
+    every ``every_s`` (a large arena takes seconds, and a silent start looks hung)."""
+    start = last = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if done < total and now - last < every_s:
+            return
+        if done < total or now - start >= every_s:
+            log.info("arena: %.1f of %.1f GiB reserved (%.0f s)", done / (1 << 30),
+                     total / (1 << 30), now - start)
+        last = now
+
+    return progress
+
+
 class Daemon(DaemonOperations, Handshakes, DaemonFiles):
     """``Daemon(config).serve_forever()`` runs until ``stop()`` (or SIGTERM/SIGINT via ``run``)."""
 
@@ -76,11 +94,18 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         self._stop = threading.Event()
         self._lock_fd = self._take_state_lock(config.state_dir)
         try:
+            self._check_endpoint(config.endpoint)  # taken: say so before the arena and L3
             self._recorded_arena(self._lock_fd, config.arena_path)
-            self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.access_mode)
+            log.info("reserving the arena: %.1f GiB of shared memory at %s (about a second "
+                     "per GiB)", config.l2_size / (1 << 30), config.arena_path)
+            self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.access_mode,
+                                      progress=arena_progress())
             self._record_arena(self._lock_fd, config.arena_path)
             self._set_group(config.arena_path)
         except BaseException:
+            if hasattr(self, "arena"):
+                self.arena.close()
+                self._record_arena(self._lock_fd)
             os.close(self._lock_fd)
             raise
         try:
@@ -110,6 +135,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                 self.tier.close()
             if getattr(self, "presence", None) is not None:
                 self.presence.close()
+            release_if_made(config.arena_path + ".presence")  # interrupted while made
             self.arena.close()
             self._record_arena(self._lock_fd)
             os.close(self._lock_fd)
@@ -378,6 +404,10 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                 return P.BackendStatus(msg.req_id, {**self.tier.status(),
                                                     "backend_stats": self.tier.backend_stats()})
             case P.GetStats():
+                if msg.view == "status":
+                    return P.Stats(msg.req_id, self.status_view())
+                if msg.view:
+                    raise ProtocolError(f"GetStats.view: no view {msg.view!r} (\"\" or status)")
                 return P.Stats(msg.req_id, self.loop_stats())
             case P.Ping():
                 return P.Ok(msg.req_id)

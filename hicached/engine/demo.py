@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -63,7 +64,7 @@ class DaemonLauncher:
         # the child writes here for its whole life; closed in close()
         self.log = open(os.path.join(self.dir, "daemon.log"), "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hicached.ops.cli", "serve", "--endpoint", self.endpoint,
+            [sys.executable, "-m", "hicached", "serve", "--endpoint", self.endpoint,
              "--l2-size", l2_size, "--slab-size", slab_size, "--state-dir",
              os.path.join(self.dir, "state")], stdout=self.log, stderr=subprocess.STDOUT)
         wait_for_daemon(self.endpoint, self.proc)
@@ -213,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
         phases = DEVICE_ONLY
     elif daemon is None and not args.flush_daemon_l2:
         phases = PHASES[:3]
+        print(f"the L3 phase is skipped: it flushes the L2 of the daemon at {endpoint}, which "
+              "is not the demo's own (--flush-daemon-l2 runs it)", flush=True)
     else:
         phases = PHASES
     per_model = args.turns * args.conversations
@@ -239,11 +242,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_install_hint() -> str | None:
+    """What to install when the reference engine's extra (``transformers``) is missing, in the
+    form that fits how hicached was installed (None: it is there)."""
+    try:
+        import transformers  # noqa: F401 - the models come from it (the demo loads it anyway)
+    except ImportError:
+        pass
+    else:
+        return None
+    root = pathlib.Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "hicached").is_dir():  # a clone, -e
+        return f"pip install -e '{root}[engine]'"
+    return "pip install 'hicached[engine]'"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hicached demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_demo_args(p)
-    return run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    hint = engine_install_hint()
+    if hint is not None:
+        print(f"hicached demo: the reference engine needs its extra (transformers): {hint}",
+              file=sys.stderr)
+        return 2
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import functools
 import hmac
 import json
 import logging
+import socket
 import threading
 from typing import NamedTuple
 
@@ -276,17 +277,11 @@ class AdminServer:
         return _json({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        d = self.daemon
         try:
-            tier = await self._blocking(d.call, d.tier.status, 5.0)
+            body = await self._blocking(self.daemon.call, self.daemon.readiness, 5.0)
         except HicachedError as e:
             return _json({"ready": False, "reason": str(e)}, 503)
-        reasons = [r for r, bad in (("draining", d.draining),
-                                    ("L3 backend failing", tier["degraded"])) if bad]
-        body = {"ready": not reasons, "arena": d.arena.path, "arena_bytes": d.arena.size_bytes,
-                "l3_backend": tier["backend"], "l3_attached": tier["attached"],
-                "reasons": reasons}
-        return _json(body, 200 if not reasons else 503)
+        return _json(body, 200 if body["ready"] else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -359,6 +354,23 @@ class AdminServer:
         what = {"l2": "L2", "l3": "L3", "all": "L2 and L3"}[tier]
         return _json({"success": True, "tier": tier, "pages": pages,
                       "message": f"Cache flushed: {pages} pages dropped from {what}."})
+
+
+def check_admin_port(host: str, port: int) -> None:
+    """ConfigError when ``host:port`` cannot be listened on (another process has it): checked
+    before the daemon reserves its arena and opens L3, so a second daemon fails at once."""
+    if not port:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the API's own bind
+        probe.bind((host, port))
+    except OSError as e:
+        raise ConfigError(f"admin_port: cannot listen on {host}:{port}: "
+                          f"{e.strerror or e}") from None
+    finally:
+        probe.close()
 
 
 def start_admin(daemon) -> AdminServer | None:

@@ -1,19 +1,29 @@
-"""``hicached status | flush | attach | detach``: the admin API's command-line client.
+"""``hicached status | flush | attach | detach``: talk to a running daemon.
 
     hicached status                          health, readiness, tiers, pools, namespaces
     hicached flush [--tier l2|l3|all]        drop pages (default l2)
     hicached attach BACKEND [--config JSON|@file] [--write-policy P] [--prefetch-policy P]
     hicached detach
 
-Where and how (first found wins):
-    address   --url  >  admin_host / admin_port of the daemon's config (--daemon-config FILE,
-              default /etc/hicached/hicached.toml when readable, with HICACHED_* overrides)
-    key       --admin-api-key  >  HICACHED_ADMIN_API_KEY  >  admin_api_key of that config
+How the daemon is found (first that applies):
+    --url URL        its admin HTTP API (remote scripts): key from --admin-api-key,
+                     HICACHED_ADMIN_API_KEY or admin_api_key of the daemon's config
+    --endpoint EP    its control socket
+    admin_port set   in the daemon's config (--daemon-config FILE, default
+                     /etc/hicached/hicached.toml when readable, with HICACHED_* overrides):
+                     its admin HTTP API at admin_host:admin_port
+    otherwise        its control socket on this machine: the config's endpoint
+                     (HICACHED_ENDPOINT), else the default endpoint of ``hicached serve``
+                     (ipc://$XDG_RUNTIME_DIR/hicached/hicached.sock, or /tmp/hicached-$UID/...),
+                     else the systemd unit's ipc:///run/hicached/hicached.sock
 
-Human output by default, ``--json`` for scripts. Exit status: 0 done (status: ready), 1 the
-daemon answered an error or could not be reached (the message says which), 2 bad usage or
-config, 3 (status only) reachable but not ready. Long calls (flushing a large L3, attaching a
-store, a detach writing back dirty pages) show progress on stderr. Only the standard library: this runs on any node.
+The socket needs no admin key: whoever may connect to it is trusted like an operator already
+(README, Access); a daemon with a ``client_token`` needs it (HICACHED_CLIENT_TOKEN, or the
+config's). Human output by default, ``--json`` for scripts. Exit status: 0 done (status:
+ready), 1 the daemon answered an error or could not be reached (the message says which), 2 bad
+usage or config, 3 (status only) reachable but not ready. Long calls (flushing a large L3,
+attaching a store, a detach writing back dirty pages) show progress on stderr. The HTTP path
+uses only the standard library; the socket path the daemon's own protocol (zmq, msgspec).
 """
 
 from __future__ import annotations
@@ -31,9 +41,11 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 from hicached.ops.config import parse_options, read_config_table
+from hicached.settings import default_runtime_dir
 from hicached.errors import ConfigError, HicachedError
 
 DEFAULT_DAEMON_CONFIG = "/etc/hicached/hicached.toml"
+UNIT_SOCKET = "ipc:///run/hicached/hicached.sock"  # configs/hicached.service
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_READY = 0, 1, 2, 3
 
 
@@ -84,6 +96,44 @@ class AdminClient:
             reason = getattr(e, "reason", e)
             raise AdminError(f"cannot reach the hicached admin API at {self.url}: {reason} "
                              "(is the daemon running, with admin_port set?)") from None
+
+
+    # ------------------------------------------------------------ the commands
+    # (``socketadmin.SocketAdmin`` has the same ones, answering the same shapes)
+
+    @property
+    def where(self) -> str:
+        return self.url
+
+    def close(self) -> None:
+        pass
+
+    def status(self) -> tuple[dict, dict, dict | None]:
+        health = self.request("GET", "/health", ok_statuses=(200, 503))
+        ready = self.request("GET", "/ready", ok_statuses=(200, 503))
+        stats = self.request("GET", "/stats") if health.get("status") == "ok" else None
+        return health, ready, stats
+
+    def flush(self, tier: str, timeout_s: float) -> dict:
+        return self.request("POST", "/flush_cache", query={"tier": tier}, timeout_s=timeout_s)
+
+    def attach(self, backend: str, options: dict, write_policy: str | None,
+               prefetch_policy: str | None, timeout_s: float) -> dict:
+        body = {"hicache_storage_backend": backend,
+                "hicache_storage_backend_extra_config_json": json.dumps(options)}
+        if write_policy:
+            body["hicache_write_policy"] = write_policy
+        if prefetch_policy:
+            body["hicache_storage_prefetch_policy"] = prefetch_policy
+        return self.request("PUT", "/hicache/storage-backend", body, timeout_s=timeout_s)
+
+    def detach(self, timeout_s: float) -> dict:
+        return self.request("DELETE", "/hicache/storage-backend", timeout_s=timeout_s)
+
+    def l3_pages_left(self) -> str:
+        pages = self.request("GET", "/stats", timeout_s=5)["tiers"]["l3"]["backend_stats"].get(
+            "pages")
+        return f"{pages} pages in L3" if pages is not None else ""
 
 
 def _decode(raw: bytes) -> Any:
@@ -170,8 +220,10 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
     lines.append(f"  L2      {l2['pages']} pages, {human_bytes(l2['used_bytes'])} used of "
                  f"{human_bytes(cap)} ({100 * l2['used_bytes'] / cap:.1f}%), "
                  f"{l2['free_slabs']} free slabs")
-    lines.append(f"          hits {l2['hits']}, misses {l2['misses']}, evictions "
-                 f"{l2['evictions']}, no space {l2['no_space']}")
+    counted = stats.get("counted", True)  # False: a daemon without admin_port counts no hits
+    lines.append("          " + (f"hits {l2['hits']}, misses {l2['misses']}, " if counted else "")
+                 + f"evictions {l2['evictions']}, no space {l2['no_space']}"
+                 + ("" if counted else " (hits and misses are counted with admin_port set)"))
     flush = l2.get("flush")
     if flush:
         lines.append(f"          flushing: slab {flush['slab']} of {flush['slabs']}, "
@@ -191,7 +243,8 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
         if l3.get("dirty_pages"):  # write_back: only in L2 until evicted, flushed or detached
             lines.append(f"          {l3['dirty_pages']} dirty pages (in L2 only, not yet "
                          "written to L3)")
-        lines.append(f"          hits {l3['hits']}, loads {l3.get('l3_loads', 0)}, writes "
+        lines.append("          " + (f"hits {l3['hits']}, " if counted else "")
+                     + f"loads {l3.get('l3_loads', 0)}, writes "
                      f"{l3.get('l3_writes', 0)} (failed {l3.get('l3_write_failures', 0)}, "
                      f"dropped {l3.get('l3_writes_dropped', 0)}), load failures "
                      f"{l3.get('l3_load_failures', 0)}, errors {l3.get('l3_errors', 0)}"
@@ -199,8 +252,9 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
     else:
         lines.append("  L3      none attached")
     for pool, p in stats["pools"].items():
-        lines.append(f"  pool    {pool}: {p['l2_pages']} pages ({human_bytes(p['l2_bytes'])}), "
-                     f"hits L2 {p['l2_hits']} / L3 {p['l3_hits']}, misses {p['l2_misses']}")
+        lines.append(f"  pool    {pool}: {p['l2_pages']} pages ({human_bytes(p['l2_bytes'])})"
+                     + (f", hits L2 {p['l2_hits']} / L3 {p['l3_hits']}, misses "
+                        f"{p['l2_misses']}" if counted else ""))
     lines.append(f"  clients {stats['sessions']} sessions, {l2['leases']} leases, "
                  f"{l2['reservations']} reservations, "
                  f"{human_bytes(l2.get('set_ahead_bytes', 0))} in set-ahead slots; "
@@ -221,7 +275,9 @@ def add_parsers(sub) -> None:
     """Add the admin subcommands to ``hicached``'s subparsers."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", help="admin API address, e.g. http://127.0.0.1:8470 "
-                        "(default: admin_host/admin_port of --daemon-config)")
+                        "(default: admin_host/admin_port of --daemon-config when set)")
+    common.add_argument("--endpoint", help="the daemon's control socket, e.g. ipc:///path "
+                        "(default: on this machine, the endpoint `hicached serve` uses)")
     common.add_argument("--admin-api-key", dest="admin_api_key",
                         help="Bearer key (default: HICACHED_ADMIN_API_KEY, then the config)")
     common.add_argument("--daemon-config", dest="daemon_config",
@@ -244,10 +300,12 @@ def add_parsers(sub) -> None:
 
 
 def admin_settings(path: str | None, env) -> dict:
-    """admin_host / admin_port / admin_api_key of the daemon's config: the TOML file, then its
-    ``HICACHED_*`` environment overrides (the daemon's precedence). Only these keys are read,
-    so this stays fast (no torch) and works with a config this node's daemon rejects."""
-    values = {"admin_host": "127.0.0.1", "admin_port": 0, "admin_api_key": ""}
+    """What the CLI needs of the daemon's config: admin_host / admin_port / admin_api_key,
+    endpoint and client_token, from the TOML file, then its ``HICACHED_*`` environment
+    overrides (the daemon's precedence). Only these keys are read, so this stays fast (no
+    torch) and works with a config this node's daemon rejects."""
+    values = {"admin_host": "127.0.0.1", "admin_port": 0, "admin_api_key": "", "endpoint": "",
+              "client_token": ""}
     if path:
         data = read_config_table(path)
         values.update({k: data[k] for k in values if k in data})
@@ -260,19 +318,40 @@ def admin_settings(path: str | None, env) -> dict:
     return values
 
 
-def client_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> AdminClient:
-    """Resolve the admin address and key (see the module docstring)."""
+def local_endpoint(configured: str) -> str:
+    """The control socket of this machine's daemon: ``configured`` (the config's endpoint), else
+    the default endpoint of ``hicached serve`` for this user, else the systemd unit's socket
+    when only that one exists."""
+    if configured:
+        return configured
+    mine = f"ipc://{default_runtime_dir()}/hicached.sock"
+    if not os.path.exists(mine[len("ipc://"):]) and os.path.exists(UNIT_SOCKET[len("ipc://"):]):
+        return UNIT_SOCKET
+    return mine
+
+
+def connect(args: argparse.Namespace, env: Mapping[str, str]):
+    """The admin API (``AdminClient``) or the control socket (``SocketAdmin``) of the daemon the
+    arguments name (see the module docstring for the order)."""
     if not args.timeout > 0:  # 0 made the socket non-blocking, < 0 a traceback, NaN both
         raise ConfigError(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    if args.url and args.endpoint:
+        raise ConfigError("--url and --endpoint: give one (the admin API, or the socket)")
     path = args.daemon_config
     if path is None and os.access(DEFAULT_DAEMON_CONFIG, os.R_OK):
         path = DEFAULT_DAEMON_CONFIG
     cfg = admin_settings(path, env)
+    if args.endpoint or not (args.url or cfg["admin_port"]):
+        endpoint = args.endpoint or local_endpoint(cfg["endpoint"])
+        if not endpoint.startswith(("ipc://", "tcp://")):
+            raise ConfigError(f"--endpoint: expected ipc://PATH or tcp://HOST:PORT, got "
+                              f"{endpoint!r}")
+        from hicached.ops.socketadmin import SocketAdmin
+
+        return SocketAdmin(endpoint, env.get("HICACHED_CLIENT_TOKEN") or cfg["client_token"],
+                           args.timeout)
     url = args.url
     if not url:
-        if not cfg["admin_port"]:
-            raise ConfigError("no admin API address: pass --url http://HOST:PORT, or "
-                              "--daemon-config FILE with admin_port set")
         host = cfg["admin_host"]
         url = f"http://[{host}]:{cfg['admin_port']}" if ":" in host else \
             f"http://{host}:{cfg['admin_port']}"
@@ -280,52 +359,40 @@ def client_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> AdminC
     return AdminClient(url, key, args.timeout)
 
 
-def _l3_pages_left(client: AdminClient) -> str:
-    pages = client.request("GET", "/stats", timeout_s=5)["tiers"]["l3"]["backend_stats"].get(
-        "pages")
-    return f"{pages} pages in L3" if pages is not None else ""
-
-
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     """Run one admin subcommand (``env``: the process environment, read by the entry point);
     returns the exit status."""
     out = sys.stdout
     try:
-        client = client_from_args(args, env)
+        client = connect(args, env)
     except ConfigError as e:
         print(f"hicached: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except AdminError as e:
+        print(f"hicached {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     try:
         if args.command == "status":
-            health = client.request("GET", "/health", ok_statuses=(200, 503))
-            ready = client.request("GET", "/ready", ok_statuses=(200, 503))
-            stats = client.request("GET", "/stats") if health.get("status") == "ok" else None
+            health, ready, stats = client.status()
             if args.json:
-                print(json.dumps({"url": client.url, "health": health, "ready": ready,
+                where = "url" if isinstance(client, AdminClient) else "endpoint"
+                print(json.dumps({where: client.where, "health": health, "ready": ready,
                                   "stats": stats}, indent=2), file=out)
             else:
-                print(format_status(client.url, health, ready, stats), file=out)
+                print(format_status(client.where, health, ready, stats), file=out)
             return EXIT_OK if ready.get("ready") else EXIT_NOT_READY
         if args.command == "flush":
-            probe = (lambda: _l3_pages_left(client)) if args.tier != "l2" else None
+            probe = client.l3_pages_left if args.tier != "l2" else None
             with Progress(f"flushing {args.tier}", probe):
-                res = client.request("POST", "/flush_cache", query={"tier": args.tier},
-                                     timeout_s=max(args.timeout, 3600.0))
+                res = client.flush(args.tier, max(args.timeout, 3600.0))
         elif args.command == "attach":
             options = parse_options(args.backend_config or "{}", "--config")
-            body = {"hicache_storage_backend": args.backend,
-                    "hicache_storage_backend_extra_config_json": json.dumps(options)}
-            if args.write_policy:
-                body["hicache_write_policy"] = args.write_policy
-            if args.prefetch_policy:
-                body["hicache_storage_prefetch_policy"] = args.prefetch_policy
             with Progress(f"attaching {args.backend}"):
-                res = client.request("PUT", "/hicache/storage-backend", body,
-                                     timeout_s=max(args.timeout, 600.0))
+                res = client.attach(args.backend, options, args.write_policy,
+                                    args.prefetch_policy, max(args.timeout, 600.0))
         elif args.command == "detach":  # write_back: dirty pages first (drain_timeout_s)
             with Progress("detaching"):
-                res = client.request("DELETE", "/hicache/storage-backend",
-                                     timeout_s=max(args.timeout, 600.0))
+                res = client.detach(max(args.timeout, 600.0))
         else:
             raise AssertionError(args.command)
     except ConfigError as e:
@@ -334,11 +401,14 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     except AdminError as e:
         print(f"hicached {args.command}: error: {e}", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        client.close()
     if args.json:
         print(json.dumps(res, indent=2), file=out)
     elif args.command == "attach":
-        print(f"{res['message']} backend {res['backend']}, write policy {res['write_policy']}, "
-              f"prefetch policy {res['hicache_storage_prefetch_policy']}", file=out)
+        prefetch = res.get("hicache_storage_prefetch_policy")
+        print(f"{res['message']} backend {res['backend']}, write policy {res['write_policy']}"
+              + (f", prefetch policy {prefetch}" if prefetch else ""), file=out)
     else:
         print(res["message"], file=out)
     return EXIT_OK

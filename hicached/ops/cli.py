@@ -1,37 +1,55 @@
-"""``hicached`` command line: ``hicached serve`` runs the daemon in the foreground;
-``hicached status | flush | attach | detach`` talk to a running daemon's admin API."""
+"""hicached: a per-node tiered KV-cache storage daemon for LLM inference engines.
+
+  hicached serve                     run the daemon in the foreground (serve --help: options)
+  hicached status | flush | attach | detach
+                                     talk to the running daemon: on this machine with no
+                                     flags (over its control socket, at the endpoint serve
+                                     uses by default, or --endpoint), remotely with --url
+                                     (its admin HTTP API; admin_port set)
+  hicached demo                      the reference engine's multi-turn demo
+
+python -m hicached works the same."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 
-from hicached.ops import adminctl
-from hicached.ops.config import load_config
+from hicached.ops import adminctl, interrupts
+from hicached import __version__
+from hicached.ops.config import DaemonConfig, load_config
+from hicached.settings import default_runtime_dir, default_state_dir
 from hicached.errors import HicachedError
 
 
 def _serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    p = sub.add_parser("serve", help="run the daemon in the foreground",
+                       description="Run the daemon in the foreground (Ctrl-C or SIGTERM stops "
+                       "it). Precedence: flags > HICACHED_* environment > --config file > "
+                       "defaults; every key is documented in configs/hicached.toml.")
     p.add_argument("--config", help="TOML config file (see configs/hicached.toml)")
     p.add_argument("--endpoint", help="ipc:///path or tcp://host:port to listen on")
     p.add_argument("--l2-size", dest="l2_size", help="shared-memory arena size, e.g. 4GiB")
     p.add_argument("--state-dir", dest="state_dir", help="directory for the lock and the file L3")
     p.add_argument("--slab-size", dest="slab_size", help="arena slab size, e.g. 64MiB")
     p.add_argument("--l3-backend", dest="l3_backend",
-                   help="L3 tier: file (default), none, mooncake, hf3fs")
+                   help="L3 tier: file, none, mooncake, hf3fs or package.module:Class")
     p.add_argument("--l3-dir", dest="l3_dir", help="directory of the file L3")
     p.add_argument("--l3-options", dest="l3_options",
                    help="backend options as a JSON object or @file.json")
     p.add_argument("--write-policy", dest="write_policy",
-                   choices=["write_through", "write_through_selective", "write_back"])
+                   choices=["write_through", "write_through_selective", "write_back"],
+                   help="when pages go to L3: at commit, after N hits, or when L2 evicts them")
     p.add_argument("--write-through-threshold", dest="write_through_threshold", type=int,
                    help="write_through_selective: hits before a page is written to L3")
     p.add_argument("--arena-path", dest="arena_path", help="shared-memory file of the arena")
-    p.add_argument("--reservation-ttl-s", dest="reservation_ttl_s", type=float)
-    p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=float)
+    p.add_argument("--reservation-ttl-s", dest="reservation_ttl_s", type=float,
+                   help="seconds a client may take between reserving slots and committing")
+    p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=float,
+                   help="seconds a client may hold pages it is reading")
     p.add_argument("--l3-load-chunk", dest="l3_load_chunk",
                    help="bytes one L3 load job moves at most, e.g. 64MiB")
     p.add_argument("--get-wait-s", dest="get_wait_s", type=float,
@@ -78,7 +96,9 @@ def _serve_parser(sub) -> None:
                    help="accept a tcp:// endpoint (needs a client token)")
     p.add_argument("--namespace-quotas", dest="namespace_quotas",
                    help='per-namespace L2 quotas as JSON, e.g. \'{"tenant-a": "8GiB"}\'')
-    p.add_argument("--print-config", action="store_true", help="print the effective config as TOML (--config reads it back; secrets left out)")
+    p.add_argument("--print-config", action="store_true", help="print the effective config as "
+                   "TOML (--config reads it back; secrets left out)")
+    _help_with_defaults(p)
 
 
 OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l3_dir",
@@ -90,13 +110,82 @@ OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l
                "io_queue_depth", "socket_mode", "unchecked_idle_s", "l3_audit_s")
 
 
+_SIZES = ("l2_size", "slab_size", "l3_load_chunk", "set_ahead_bytes")
+_SECRETS = ("admin_api_key", "client_token")
+
+
+def _show_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def serve_defaults() -> dict[str, str]:
+    """The default of every ``serve`` option as ``--help`` shows it (paths as resolved here)."""
+    out = {}
+    for f in dataclasses.fields(DaemonConfig):
+        value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.name in _SIZES:
+            value = _show_size(value)
+        elif isinstance(value, bool):
+            value = str(value).lower()
+        elif f.name == "socket_mode":
+            value = f"{value:04o}"
+        elif f.name in _SECRETS:
+            value = "none"
+        elif value == {} or value == "":
+            value = "none"
+        out[f.name] = str(value)
+    state = default_state_dir()
+    out.update(endpoint=f"ipc://{default_runtime_dir()}/hicached.sock", state_dir=state,
+               l3_dir="<state_dir>/l3", arena_path="/dev/shm/hicached-<digest of state_dir>")
+    return out
+
+
+def _help_with_defaults(parser: argparse.ArgumentParser) -> None:
+    defaults = serve_defaults()
+    for action in parser._actions:
+        if action.dest in defaults and action.help:
+            if isinstance(action, argparse._StoreConstAction):
+                action.help += f" (default: {action.dest} = {defaults[action.dest]})"
+            else:
+                action.help += f" (default: {defaults[action.dest]})"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``hicached``: one line on stderr, never a traceback, for Ctrl-C (at any moment) and for a
+    reader that leaves (``hicached status | head``)."""
+    interrupts.install()
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # here, so a closed pipe is seen now and not at exit
+        return status
+    except KeyboardInterrupt:
+        print("\nhicached: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader of our output is gone: point stdout at /dev/null, so the flush at exit
+        # does not fail again, and end as a process killed by SIGPIPE would be seen by a shell
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except Exception:
+        if interrupts.pressed():  # an import cut short by Ctrl-C fails later in other words
+            print("\nhicached: interrupted", file=sys.stderr)
+            return 130
+        raise
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["demo"]:  # the reference engine's demo parses its own flags
         from hicached.engine.demo import main as demo_main
 
         return demo_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="hicached", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hicached", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"hicached {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     adminctl.add_parsers(sub)
@@ -115,8 +204,14 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             logging.basicConfig(level=cfg.log_level.upper(),
                                 format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            # Mooncake's C++ client logs every connection step at INFO: warnings and errors
+            # only, unless the log level is debug or MC_LOG_LEVEL says otherwise
+            os.environ.setdefault("MC_LOG_LEVEL", "INFO" if cfg.log_level == "debug" else
+                                  "WARNING")
             from hicached.ops.sdnotify import SystemdNotifier
             from hicached.ops.serve import serve
+
+            interrupts.check()  # a Ctrl-C the imports swallowed
 
             serve(cfg, SystemdNotifier.from_env(env),
                   reload=lambda: load_config(args.config, env, overrides))

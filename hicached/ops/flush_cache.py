@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hicached.flush_cache",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="admin API address, e.g. http://127.0.0.1:8470")
+    parser.add_argument("--endpoint", help="the daemon's control socket instead (default, with "
+                        "no --url nor admin_port: on this machine, where `hicached serve` "
+                        "listens by default)")
     parser.add_argument("--tier", choices=["l2", "l3", "all"], default="l2")
     parser.add_argument("--admin-api-key", dest="admin_api_key")
     parser.add_argument("--daemon-config", dest="daemon_config")

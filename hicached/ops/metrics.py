@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 import typing
 from collections import OrderedDict
+from types import MappingProxyType
 
 from hicached import protocol as P
 from hicached.errors import HicachedError
@@ -37,7 +38,40 @@ SCRAPE_TIMEOUT_S = 5.0
 
 
 class NullMetrics:
-    """Metrics off (no admin API): the hooks do nothing."""
+    """Metrics off (no admin API): the hooks do nothing, and a ``snapshot`` (``hicached status``
+    over the socket) has the daemon's own counters but no per-request ones (hits, misses,
+    bytes handed to clients: ``counted`` is False)."""
+
+    counted = False
+    requests = hits = misses = client_bytes = exists_keys = exists_hits = MappingProxyType({})
+
+    def __init__(self, daemon=None):
+        self.daemon = daemon
+
+    def snapshot(self) -> dict:
+        """Every counter the views need, taken at once (call on the control loop)."""
+        d = self.daemon
+        pools: dict[str, dict[str, int]] = {}
+        for (ns, pool), table in d.index.tables.items():
+            p = pools.setdefault(pool, {"pages": 0, "bytes": 0})
+            p["pages"] += len(table)
+            p["bytes"] += len(table) * d.controller.geometry.get((ns, pool), 0)
+        return {
+            "stats": d.loop_stats(),
+            "pools": pools,
+            "arena_bytes": d.arena.size_bytes,
+            "l3_bytes": {"l2_to_l3": d.workers.bytes_done["put"],
+                         "l3_to_l2": d.workers.bytes_done["get"]},
+            "namespaces": d.controller.namespaces(),
+            "draining": d.draining,
+            "requests": dict(self.requests),
+            "hits": dict(self.hits),
+            "misses": dict(self.misses),
+            "client_bytes": dict(self.client_bytes),
+            "exists_keys": dict(self.exists_keys),
+            "exists_hits": dict(self.exists_hits),
+            "counted": self.counted,
+        }
 
     def on_request(self, msg, answer, t0: float) -> None:
         pass
@@ -51,6 +85,8 @@ class NullMetrics:
 
 class Metrics(NullMetrics):
     """See the module docstring. ``daemon`` is the ``server.Daemon`` measured."""
+
+    counted = True
 
     def __init__(self, daemon):
         from prometheus_client import CollectorRegistry, Histogram
@@ -195,30 +231,6 @@ class Metrics(NullMetrics):
 
     # ------------------------------------------------------------ views
 
-    def snapshot(self) -> dict:
-        """Every counter the views need, taken at once (call on the control loop)."""
-        d = self.daemon
-        pools: dict[str, dict[str, int]] = {}
-        for (ns, pool), table in d.index.tables.items():
-            p = pools.setdefault(pool, {"pages": 0, "bytes": 0})
-            p["pages"] += len(table)
-            p["bytes"] += len(table) * d.controller.geometry.get((ns, pool), 0)
-        return {
-            "stats": d.loop_stats(),
-            "pools": pools,
-            "arena_bytes": d.arena.size_bytes,
-            "l3_bytes": {"l2_to_l3": d.workers.bytes_done["put"],
-                         "l3_to_l2": d.workers.bytes_done["get"]},
-            "namespaces": d.controller.namespaces(),
-            "draining": d.draining,
-            "requests": dict(self.requests),
-            "hits": dict(self.hits),
-            "misses": dict(self.misses),
-            "client_bytes": dict(self.client_bytes),
-            "exists_keys": dict(self.exists_keys),
-            "exists_hits": dict(self.exists_hits),
-        }
-
     def render(self) -> bytes:
         """Prometheus text exposition (blocks until the control loop answers the snapshot)."""
         from prometheus_client import generate_latest
@@ -264,6 +276,7 @@ def stats_json(snap: dict) -> dict:
         "pools": pools,
         "bytes_moved": {**snap["client_bytes"], **snap["l3_bytes"]},
         "namespaces": snap["namespaces"],
+        "counted": snap.get("counted", True),  # False: no admin API, no hit / miss counters
     }
 
 
@@ -404,4 +417,4 @@ class _Collector:
 
 
 def make_metrics(daemon, enabled: bool) -> NullMetrics:
-    return Metrics(daemon) if enabled else NullMetrics()
+    return Metrics(daemon) if enabled else NullMetrics(daemon)

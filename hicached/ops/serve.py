@@ -25,7 +25,8 @@ import signal
 import threading
 from collections.abc import Callable
 
-from hicached.ops.admin import start_admin
+from hicached.ops import interrupts
+from hicached.ops.admin import check_admin_port, start_admin
 from hicached.ops.config import DaemonConfig
 from hicached.errors import HicachedError
 from hicached.daemon.quotas import NoQuotas, make_quotas
@@ -110,27 +111,33 @@ def serve(config: DaemonConfig, notifier: NullNotifier | None = None,
     ``reload`` resolves the config again for SIGHUP (None: SIGHUP only logs)."""
     notifier = notifier or NullNotifier()
     raise_open_files_limit()  # before the L3 backend sizes its fd table from it
+    check_admin_port(config.admin_host, config.admin_port)  # before the arena and L3
     daemon = Daemon(config)
-    try:
+    admin = None
+    reloads: list[threading.Thread] = []
+    try:  # (a Ctrl-C before the handlers below are in place still closes the daemon)
         admin = start_admin(daemon)
+        daemon.notifier = notifier
+        interrupts.check()  # a Ctrl-C an import swallowed (before the handlers below)
+
+        def on_hup(*_) -> None:
+            if reload is None:
+                log.warning("SIGHUP: no config to reload")
+                return
+            t = threading.Thread(target=_reload, args=(daemon, notifier, reload),
+                                 name="hicached-reload", daemon=True)
+            reloads.append(t)
+            t.start()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: daemon.stop())
+        signal.signal(signal.SIGHUP, on_hup)
+        interrupts.check()
     except BaseException:
+        if admin is not None:
+            admin.close()
         daemon.close()
         raise
-    daemon.notifier = notifier
-    reloads: list[threading.Thread] = []
-
-    def on_hup(*_) -> None:
-        if reload is None:
-            log.warning("SIGHUP: no config to reload")
-            return
-        t = threading.Thread(target=_reload, args=(daemon, notifier, reload),
-                             name="hicached-reload", daemon=True)
-        reloads.append(t)
-        t.start()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: daemon.stop())
-    signal.signal(signal.SIGHUP, on_hup)
     where = daemon.describe() + (f"; admin API {admin.url}" if admin else "")
     print(where, flush=True)
     notifier.ready(status="serving")

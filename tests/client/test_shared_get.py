@@ -291,7 +291,8 @@ def test_a_dead_daemons_slots_are_not_read_once_its_heartbeat_is_stale(daemon):
 
 WRITER = """
 import os, sys, time, torch
-sys.path.insert(0, %r)
+sys.path.insert(0, %r)  # tests/, and tests/client/ where this module lives
+sys.path.insert(0, os.path.join(sys.path[0], "client"))
 from test_shared_get import pool, tokens
 from hicached import Client, PoolTransfer
 """ + RacingWriter.KEEP_UP + """

@@ -110,9 +110,10 @@ def test_exists_packed_keys_and_pool_limit(daemon):
 def _proc_script(body):
     return (
         "import sys, json, torch\n"
-        "sys.path.insert(0, %r)\n"
+        "sys.path[:0] = [%r, %r]\n"
         "from test_daemon import *\n"
-        "from hicached import Client\n" % os.path.dirname(__file__)
+        "from hicached import Client\n" % (os.path.dirname(__file__),
+                                            os.path.dirname(os.path.dirname(__file__)))
     ) + body
 
 

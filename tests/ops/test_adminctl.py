@@ -126,8 +126,10 @@ def test_failures_exit_non_zero_with_a_clear_message(make_daemon, tmp_path):
     rc, out, err = cli("status", "--url", dead)
     assert rc == 1 and f"cannot reach the hicached admin API at {dead}" in err
     assert out == ""  # failures say so on stderr only
-    rc, _out, err = cli("status")  # no --url and no config with an admin_port
-    assert rc == 2 and "no admin API address" in err
+    # no --url and no config with an admin_port: the socket where `hicached serve` listens by
+    # default (none in this runtime dir)
+    rc, _out, err = cli("status", env_extra={"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert rc == 1 and f"no hicached daemon listens on ipc://{tmp_path}/hicached/" in err
     rc, _out, err = cli("flush", "--tier", "l9", "--url", url)
     assert rc == 2 and "invalid choice" in err  # argparse
     for timeout in ("0", "-1", "nan"):  # were a non-blocking socket's EINPROGRESS, a traceback
@@ -162,6 +164,9 @@ def test_python_m_flush_cache(make_daemon):
         assert c.stats()["l2_pages"] == 0
     rc, out, err = cli("--url", url, module="hicached.flush_cache", key="")
     assert rc == 1 and "unauthorized" in err
+    # on the daemon's machine, its socket: no key
+    rc, out, err = cli("--endpoint", d.endpoint, module="hicached.flush_cache", key="")
+    assert (rc, out) == (0, "Cache flushed: L2.\n"), err
 
 
 def test_progress_shows_elapsed_time_and_detail():

@@ -1,0 +1,52 @@
+"""The arguments of a ``Client``, checked before anything is connected: a wrong one is an
+``InvalidArgument`` naming it, not a ZeroMQ error or a protocol error deep in the handshake."""
+
+from __future__ import annotations
+
+import math
+
+from hicached.errors import InvalidArgument
+
+MAX_NAMESPACE_LEN = 4096  # characters; the SGLang plugin's namespaces are a few hundred
+
+
+def _number(name: str, value: object, minimum: float, inclusive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+        raise InvalidArgument(f"{name} must be {'>=' if inclusive else '>'} {minimum:g} "
+                              f"seconds, got {value!r}")
+
+
+def _count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"{name} must be an int >= 0, got {value!r}")
+
+
+def check_client_args(endpoint: object, namespace: object, timeout_s: object,
+                      client_name: object, spin_s: object, token: object,
+                      remember_pages: object, set_ahead_bytes: object, release_delay_s: object,
+                      shared_exists: object, shared_gets: object) -> None:
+    """``InvalidArgument`` for the first argument of ``Client(...)`` that is unusable."""
+    if not isinstance(endpoint, str) or not endpoint.startswith(("ipc://", "tcp://")) \
+            or len(endpoint) <= len("ipc://"):
+        raise InvalidArgument(f"endpoint must be 'ipc:///path/to/socket' or 'tcp://host:port' "
+                              f"(the daemon's, see `hicached serve --help`), got {endpoint!r}")
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidArgument(f"namespace must be a non-empty str (model, revision, dtype, "
+                              f"layout, parallel slice, tenant), got {namespace!r}")
+    if len(namespace) > MAX_NAMESPACE_LEN:
+        raise InvalidArgument(f"namespace must be at most {MAX_NAMESPACE_LEN} characters, got "
+                              f"{len(namespace)}")
+    _number("timeout_s", timeout_s, 0, inclusive=False)
+    _number("spin_s", spin_s, 0, inclusive=True)
+    _number("release_delay_s", release_delay_s, 0, inclusive=True)
+    if not isinstance(client_name, str):
+        raise InvalidArgument(f"client_name must be a str, got {client_name!r}")
+    if token is not None and not isinstance(token, str):
+        raise InvalidArgument(f"token must be a str, got {type(token).__name__}")
+    _count("remember_pages", remember_pages)
+    _count("set_ahead_bytes", set_ahead_bytes)
+    for name, value in (("shared_exists", shared_exists), ("shared_gets", shared_gets)):
+        if not isinstance(value, bool):
+            raise InvalidArgument(f"{name} must be True or False, got {value!r}")

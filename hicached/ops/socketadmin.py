@@ -1,0 +1,136 @@
+"""The admin commands over the daemon's own control socket: ``hicached status | flush | attach |
+detach`` on the daemon's machine with no admin API configured (``adminctl`` picks the way).
+
+Whoever may connect to the socket is trusted like an operator already (README, Access): the
+socket carries flushes and attaches for engines too. A daemon with a ``client_token`` wants it
+in a handshake first, as from any client; without one the admin requests need no session.
+The answers are shaped as the admin HTTP API's, so one formatter prints both.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hicached import protocol as P
+from hicached.ops.adminctl import AdminError
+from hicached.sockpath import refusal
+
+TIERS = {"l2": "L2", "l3": "L3", "all": "L2 and L3"}
+
+
+class SocketAdmin:
+    """Blocking admin calls to the daemon listening on ``endpoint`` (one request at a time)."""
+
+    def __init__(self, endpoint: str, token: str = "", timeout_s: float = 30.0):
+        import zmq  # here: the HTTP path of the CLI runs on the standard library alone
+
+        self.where = endpoint
+        self.timeout_s = timeout_s
+        self._token = token  # never printed
+        if endpoint.startswith("ipc://"):
+            why = refusal(endpoint[len("ipc://"):])
+            if why is not None:
+                raise AdminError(f"no hicached daemon listens on {endpoint} ({why}): start one "
+                                 "with `hicached serve`, or say where it is with --endpoint "
+                                 "ipc://PATH or --url http://HOST:PORT")
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._req = 0
+        self._session = 0
+
+    def close(self) -> None:
+        if self._session:
+            try:
+                self._sock.send(P.encode(P.Bye(self._next(), self._session)), self._zmq.NOBLOCK)
+            except self._zmq.ZMQError:
+                pass
+        self._sock.close(linger=100)
+        self._ctx.term()
+
+    def __enter__(self) -> SocketAdmin:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _next(self) -> int:
+        self._req += 1
+        return self._req
+
+    def call(self, make, what: str, timeout_s: float | None = None) -> Any:
+        """Send ``make(req_id)`` and return its answer; ``AdminError`` for an ``Error`` answer or
+        none within the deadline."""
+        if self._token and not self._session:
+            self._handshake()
+        req = self._next()
+        timeout_s = timeout_s or self.timeout_s
+        self._sock.send(P.encode(make(req)))
+        while True:
+            if not self._sock.poll(int(timeout_s * 1000)):
+                raise AdminError(f"no answer from the hicached daemon on {self.where} within "
+                                 f"{timeout_s:g} s: it may still be working on {what} (see its "
+                                 "log; raise --timeout)")
+            answer = P.answer_decoder.decode(self._sock.recv())
+            if answer.req_id == req:
+                break  # (an earlier request's late answer is dropped)
+        if isinstance(answer, P.Error):
+            hint = (" (set HICACHED_CLIENT_TOKEN to the daemon's client_token)"
+                    if answer.code == "unauthorized" else "")
+            raise AdminError(f"{answer.message}{hint}", body={"code": answer.code})
+        return answer
+
+    def _handshake(self) -> None:
+        from hicached.liveness import own_pid_ns, own_start_ticks
+
+        welcome = None
+        token, self._token = self._token, ""  # (call() must not handshake again)
+        try:
+            welcome = self.call(lambda r: P.Hello(r, P.PROTOCOL_VERSION, "hicached-admin",
+                                                  os.getpid(), "hicached-cli", token,
+                                                  own_start_ticks(), own_pid_ns()), "Hello")
+        finally:
+            self._token = token
+        self._session = welcome.session
+
+    # ------------------------------------------------------------ the commands
+
+    def status(self) -> tuple[dict, dict, dict | None]:
+        view = self.call(lambda r: P.GetStats(r, "status"), "status").stats
+        return view["health"], view["ready"], view["stats"]
+
+    def backend(self) -> dict:
+        return self.call(lambda r: P.GetBackend(r), "the L3 status").status
+
+    def flush(self, tier: str, timeout_s: float) -> dict:
+        if tier in ("l3", "all") and not self.backend()["attached"]:
+            if tier == "l3":
+                raise AdminError("no L3 backend attached: nothing to clear")
+            tier = "l2"
+        self.call(lambda r: P.Flush(r, tier), f"a flush of {TIERS[tier]}", timeout_s)
+        return {"success": True, "tier": tier, "message": f"Cache flushed: {TIERS[tier]}."}
+
+    def attach(self, backend: str, options: dict, write_policy: str | None,
+               prefetch_policy: str | None, timeout_s: float) -> dict:
+        if prefetch_policy:
+            raise AdminError("--prefetch-policy is an engine-side setting the admin HTTP API "
+                             "records for SGLang's tools; over the socket there is nothing to "
+                             "record it in (use --url, or leave it out)")
+        status = self.call(lambda r: P.Attach(r, backend, options, write_policy or ""),
+                           f"attaching {backend}", timeout_s).status
+        return {"success": True, "message": "HiCache storage backend attached.", **status}
+
+    def detach(self, timeout_s: float) -> dict:
+        status = dict(self.call(lambda r: P.Detach(r), "a detach", timeout_s).status)
+        message = ("HiCache storage backend detached." if status.pop("detached", False)
+                   else "No HiCache storage backend was attached.")
+        if status.get("dirty_dropped"):
+            message += (f" {status['dirty_dropped']} write-back pages it could not take in time "
+                        "stay in L2 only.")
+        return {"success": True, "message": message, **status}
+
+    def l3_pages_left(self) -> str:
+        return ""  # one request at a time on this socket: the progress line shows the time only
