@@ -14,7 +14,12 @@ direct (the daemon adds one memcpy and two control round trips per call).
 Section ``3fs``: the hf3fs backend's batch_get vs plain preadv of the same bytes
 (``tools/bench_hf3fs.py``) on /var/tmp, or on $HICACHED_BENCH_3FS_DIR (a 3FS mount).
 
-    python tools/bench_l3.py [--reps 10] [--section mooncake|3fs] [--daemon-args "..."] [--json]
+Section ``checksum``: what L3 checksums cost. The hash's own GB/s, then two daemons, with and
+without checksums, side by side: 64 MiB written through to L3 and got back cold, on the file L3
+and (with the Mooncake client installed) on Mooncake. Target: on / off >= 0.90.
+
+    python tools/bench_l3.py [--reps 10] [--section mooncake|3fs|checksum] [--daemon-args "..."]
+                             [--json]
     (the mooncake section needs pip install 'hicached[mooncake]')
 """
 
@@ -38,7 +43,9 @@ import torch
 
 from hicached import Client, HostPool, PoolTransfer
 from hicached.arena import Arena
+from hicached.backends.integrity import identity_seed, page_digest
 from hicached.backends.mooncake.backend import object_key
+from hicached.backends.mooncake.trailer import FORMAT_PART, TRAILER_BYTES
 from hicached.errors import DaemonUnavailable
 from hicached.daemon.sessions import namespace_digest
 
@@ -83,9 +90,10 @@ class Procs:
         self.logdir = logdir
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         with open(os.path.join(self.logdir, f"{name}.log"), "ab") as log:
-            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **(env or {})})
         self.procs.append(p)
         return p
 
@@ -152,14 +160,21 @@ def start_master_and_provider(procs: Procs) -> str:
     return master
 
 
-def start_daemon(procs: Procs, master: str, extra: list[str]) -> str:
-    endpoint = f"ipc://{procs.logdir}/bench.sock"
-    opts = {"master_server_address": master, "protocol": "tcp", "global_segment_size": 0,
-            "local_buffer_size": "16MiB", "local_hostname": "127.0.0.1", "timeout_s": 10}
-    procs.start("daemon", [sys.executable, "-m", "hicached", "serve", "--endpoint", endpoint,
-                           "--l2-size", "512MiB", "--state-dir", f"{procs.logdir}/state",
-                           "--l3-backend", "mooncake", "--l3-options", json.dumps(opts),
-                           "--log-level", "warning", *extra])
+def start_daemon(procs: Procs, master: str | None, extra: list[str], name: str = "daemon",
+                 checksums: bool = True, key_prefix: str = "hicached") -> str:
+    """A daemon on Mooncake (``master``) or, with None, on its file L3; ``checksums=False``
+    turns L3 checksums off in it (``HICACHED_BENCH_NO_CHECKSUMS``: to measure their cost)."""
+    endpoint = f"ipc://{procs.logdir}/{name}.sock"
+    l3 = []
+    if master is not None:
+        opts = {"master_server_address": master, "protocol": "tcp", "global_segment_size": 0,
+                "local_buffer_size": "16MiB", "local_hostname": "127.0.0.1", "timeout_s": 10,
+                "key_prefix": key_prefix}
+        l3 = ["--l3-backend", "mooncake", "--l3-options", json.dumps(opts)]
+    procs.start(name, [sys.executable, "-m", "hicached", "serve", "--endpoint", endpoint,
+                       "--l2-size", "512MiB", "--state-dir", f"{procs.logdir}/{name}-state",
+                       *l3, "--log-level", "warning", *extra],
+                env=None if checksums else {"HICACHED_BENCH_NO_CHECKSUMS": "1"})
 
     def up() -> bool:
         try:
@@ -199,16 +214,19 @@ def bench_mooncake(reps: int, daemon_args: str = "") -> dict:
 
             # the direct client reads the very objects the daemon wrote
             direct = mooncake_store(master, 0)
+            # (each object is the page and its 16-byte checksum trailer: trailer.py)
+            whole = page_bytes + TRAILER_BYTES
+            stride = -(-whole // 64) * 64
             buf = Arena.create(f"/dev/shm/bench-l3-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-                               2 * nbytes)
+                               2 * PAGES * stride)
             buf.tensor.fill_(0)
             base = buf.tensor.data_ptr()
             assert direct.register_buffer(base, buf.size_bytes) == 0
             ns = namespace_digest(NAMESPACE)
-            names = [object_key("hicached", ns, "kv", k) for k in keys]
-            get_ptrs = [base + i * page_bytes for i in range(PAGES)]
-            put_ptrs = [base + nbytes + i * page_bytes for i in range(PAGES)]
-            sizes = [page_bytes] * PAGES
+            names = [object_key(f"hicached/{FORMAT_PART}", ns, "kv", k) for k in keys]
+            get_ptrs = [base + i * stride for i in range(PAGES)]
+            put_ptrs = [base + PAGES * stride + i * stride for i in range(PAGES)]
+            sizes = [whole] * PAGES
 
             times: dict[str, list[float]] = {"direct_put": [], "direct_get": [], "l2_cold": [],
                                              "l2_hit": [], "daemon_load": []}
@@ -250,7 +268,10 @@ def bench_mooncake(reps: int, daemon_args: str = "") -> dict:
                         times[k].append(v)
             assert torch.equal(dst.kv_buffer, src.kv_buffer), "the daemon returned other bytes"
             flat = src.kv_buffer.view(torch.uint8).reshape(-1)
-            assert torch.equal(buf.tensor[:nbytes], flat), "the direct get returned other bytes"
+            for i in range(PAGES):
+                got = buf.tensor[i * stride:i * stride + page_bytes]
+                assert torch.equal(got, flat[i * page_bytes:(i + 1) * page_bytes]), \
+                    "the direct get returned other bytes"
             st = c.stats()
             l3 = st["l3"]
         out = {k: gbps(nbytes, v) for k, v in times.items()}
@@ -274,6 +295,112 @@ def bench_mooncake(reps: int, daemon_args: str = "") -> dict:
         procs.stop()
 
 
+def hash_speed(page_bytes: int = 256 << 10, total: int = 512 << 20) -> dict:
+    """The checksum's own GB/s here: XXH3-64 over pages that are not in any CPU cache (a
+    512 MiB buffer walked once per rep) and over one page again and again (in cache)."""
+    data = torch.randint(0, 256, (total,), dtype=torch.uint8).numpy()
+    seed = identity_seed("ns", "kv", "key", page_bytes)
+    cold, warm = [], []
+    for _ in range(3):
+        t = time.perf_counter()
+        for off in range(0, total, page_bytes):
+            page_digest(seed, data[off:off + page_bytes])
+        cold.append(time.perf_counter() - t)
+        page = data[:page_bytes]
+        t = time.perf_counter()
+        for _ in range(total // page_bytes):
+            page_digest(seed, page)
+        warm.append(time.perf_counter() - t)
+    return {"cold": total / min(cold) / 1e9, "in_cache": total / min(warm) / 1e9,
+            "page_bytes": page_bytes}
+
+
+def _pair_run(c: Client, src: HostPool, rep: int, tag: str) -> tuple[float, float]:
+    """One rep on one daemon: batch_set_v2 of PAGES fresh pages and the time until L3 has
+    them all (the write), then an L2 flush and a cold batch_get_v2 of them (L3 -> L2 -> here)."""
+    keys = [f"{tag}-{rep}-{i}" for i in range(PAGES)]
+    idx = torch.arange(PAGES * PAGE_SIZE)
+    before = c.stats()["l3_writes"]
+    t = time.perf_counter()
+    assert all(c.batch_set_v2([PoolTransfer("kv", idx, keys=keys)])["kv"])
+    deadline = t + 120
+    while c.stats()["l3_writes"] < before + PAGES:  # polled finely: 64 MiB takes ~0.1 s
+        if time.perf_counter() > deadline:
+            raise SystemExit("timed out waiting for the write-through")
+        time.sleep(0.001)
+    write_s = time.perf_counter() - t
+    c.flush("l2")
+    t = time.perf_counter()
+    res = c.batch_get_v2([PoolTransfer("kv", idx, keys=keys)])
+    get_s = time.perf_counter() - t
+    assert all(res["kv"]), res
+    c.flush("l3")  # room for the next rep (a Mooncake segment holds a few reps only)
+    return write_s, get_s
+
+
+def bench_checksum(reps: int, daemon_args: str = "") -> dict:
+    """What L3 checksums cost: two daemons side by side, one with checksums and one without
+    (``HICACHED_BENCH_NO_CHECKSUMS``), each rep on both in turn: the write-through of 64 MiB
+    (hashed on the writer thread) and a cold get of it (read, verified, then copied out). On
+    the file L3 (page cache: the store is as fast as memory, the worst case for the hash) and,
+    where the Mooncake client is installed, on Mooncake over loopback TCP."""
+    out: dict = {"hash_gbps": hash_speed()}
+    stores = ["file"]
+    try:
+        import mooncake.store  # noqa: F401
+        stores.append("mooncake")
+    except ImportError:
+        pass
+    for store in stores:
+        logdir = tempfile.mkdtemp(prefix=f"bench-sum-{store}-")
+        procs = Procs(logdir)
+        try:
+            master = start_master_and_provider(procs) if store == "mooncake" else None
+            ends = {on: start_daemon(procs, master, shlex.split(daemon_args),
+                                     name="on" if on else "off", checksums=on,
+                                     key_prefix="on" if on else "off") for on in (True, False)}
+            times = {f"{what}_{on}": [] for what in ("write", "get") for on in ("on", "off")}
+            with Client(ends[True], NAMESPACE) as c_on, Client(ends[False], NAMESPACE) as c_off:
+                src = HostPool.allocate_mla(PAGES, PAGE_SIZE, LAYERS, KV_DIM,
+                                            dtype=torch.bfloat16)
+                src.kv_buffer.normal_()
+                for c in (c_on, c_off):
+                    c.register_mem_host_pool_v2(src, "kv")
+                for rep in range(reps + 1):  # rep 0 warms up
+                    order = [("on", c_on), ("off", c_off)][::1 if rep % 2 else -1]
+                    for tag, c in order:
+                        w, g = _pair_run(c, src, rep, tag)
+                        if rep:
+                            times[f"write_{tag}"].append(w)
+                            times[f"get_{tag}"].append(g)
+            nbytes = PAGES * src.page_bytes
+            r = {k: gbps(nbytes, v) for k, v in times.items()}
+            r["get_on_over_off"] = r["get_on"]["median"] / r["get_off"]["median"]
+            r["write_on_over_off"] = r["write_on"]["median"] / r["write_off"]["median"]
+            out[store] = r
+        finally:
+            procs.stop()
+    return out
+
+
+def print_checksum(r: dict, reps: int) -> None:
+    h = r["hash_gbps"]
+    print(f"L3 checksums (XXH3-64 bound to the page's identity), {reps} reps of {PAGES} pages "
+          f"x 1 MiB, daemons with and without them side by side (median GB/s)")
+    print(f"  the hash alone here: {h['cold']:.1f} GB/s on {h['page_bytes'] >> 10} KiB pages "
+          f"not in cache, {h['in_cache']:.1f} GB/s in cache")
+    for store in ("file", "mooncake"):
+        if store not in r:
+            continue
+        s = r[store]
+        print(f"  {store:8s} cold get (L3 -> L2 -> client)  on {s['get_on']['median']:6.2f}  "
+              f"off {s['get_off']['median']:6.2f}   ratio {s['get_on_over_off']:.2f} "
+              "(target >= 0.90)")
+        print(f"  {store:8s} L3 write (write-through)     on {s['write_on']['median']:6.2f}  "
+              f"off {s['write_off']['median']:6.2f}   ratio {s['write_on_over_off']:.2f} "
+              "(target >= 0.90)")
+
+
 def bench_3fs(reps: int, daemon_args: str = "") -> dict:
     """The 3FS backend's POSIX path vs a plain file read of the same bytes (tools/bench_hf3fs.py),
     on /var/tmp (or $HICACHED_BENCH_3FS_DIR, e.g. a 3FS mount). No daemon: ``daemon_args`` is
@@ -293,7 +420,7 @@ def print_3fs(r: dict, reps: int) -> None:
           f"ratio {r['ratio']:.2f} x plain")
 
 
-SECTIONS = {"mooncake": bench_mooncake, "3fs": bench_3fs}
+SECTIONS = {"mooncake": bench_mooncake, "3fs": bench_3fs, "checksum": bench_checksum}
 
 
 def print_mooncake(r: dict, reps: int) -> None:
@@ -333,7 +460,8 @@ def main() -> None:
         print(json.dumps(results, indent=2))
         return
     for name, r in results.items():
-        {"mooncake": print_mooncake, "3fs": print_3fs}[name](r, args.reps)
+        {"mooncake": print_mooncake, "3fs": print_3fs,
+         "checksum": print_checksum}[name](r, args.reps)
 
 
 if __name__ == "__main__":

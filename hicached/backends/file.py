@@ -11,12 +11,19 @@
     file name = the key when it is a plain token ([A-Za-z0-9_.-], <= 160 chars),
                 else "h-" + sha256(key)  (the key itself is in the header either way)
     file      = header | page bytes
-    header    = b"HCP1" | u16 header_len | u16 key_len | u64 page_bytes | key utf-8
+    header    = b"HCP2" | u16 header_len | u16 key_len | u64 page_bytes | u64 digest | key utf-8
+    digest    = XXH3-64 of the page bytes seeded with the page's identity (namespace, pool,
+                key, page size: ``integrity.py``), so a file copied under another namespace or
+                pool directory does not verify either
 
 Writes are atomic: the page goes to ``<name>.tmp-<pid>-<thread>`` and is renamed over the final
 name, so a reader (or a restarted daemon) sees a whole page or none. Leftover temp files of a
-crash are removed at start. Reads check magic, page size and key before the bytes are trusted: a
-file of another page size or key is a miss, never a wrong page. The in-memory key set, rebuilt by
+crash are removed at start. Reads check magic, page size and key, then the digest of the bytes
+read into the arena, before the page counts as loaded: a file of another page size or key, with
+a changed byte or cut short, is a miss, never a wrong page; it is counted
+(``integrity_failures``), logged once per episode and removed, so the next set stores the page
+again. Files of the format before checksums (b"HCP1") are misses and removed when first read
+(the restart scan only stats files). The in-memory key set, rebuilt by
 scanning the directory at start, answers ``exists`` without touching the disk.
 
 Space is bounded twice (``capacity``, ``min_free``): the pages take at most ``capacity`` bytes
@@ -40,14 +47,16 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from hicached.backends.base import L3Backend
+from hicached.backends.integrity import Integrity, identity_seed, page_digest
 from hicached.errors import ConfigError
 from hicached.settings import parse_size
 from hicached.protocol import MAX_KEY_LEN
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"HCP1"
-_HEAD = struct.Struct("<4sHHQ")
+MAGIC = b"HCP2"
+OLD_MAGICS = (b"HCP1",)  # formats without a checksum: misses, removed when first read
+_HEAD = struct.Struct("<4sHHQQ")
 _PLAIN = re.compile(r"^[A-Za-z0-9_.-]{1,160}$")
 HEADER_MAX = _HEAD.size + 4 * MAX_KEY_LEN  # a header holds the key's UTF-8 bytes
 BLOCK = 4096  # a page file is counted as its size rounded up to this
@@ -93,19 +102,26 @@ def pool_dir(pool: str) -> str:
     return "h-" + hashlib.sha256(pool.encode()).hexdigest()
 
 
-def encode_header(key: str, page_bytes: int) -> bytes:
+class OldFormat(ValueError):
+    """A page file written before checksums: it cannot be verified."""
+
+
+def encode_header(key: str, page_bytes: int, digest: int) -> bytes:
     kb = key.encode()
-    return _HEAD.pack(MAGIC, _HEAD.size + len(kb), len(kb), page_bytes) + kb
+    return _HEAD.pack(MAGIC, _HEAD.size + len(kb), len(kb), page_bytes, digest) + kb
 
 
-def decode_header(raw: bytes) -> tuple[int, str, int]:
-    """(header_len, key, page_bytes) of a page file's first bytes; ValueError if not ours."""
+def decode_header(raw: bytes) -> tuple[int, str, int, int]:
+    """(header_len, key, page_bytes, digest) of a page file's first bytes; ValueError if not
+    ours (``OldFormat`` for a file of the format before checksums)."""
+    if raw[:4] in OLD_MAGICS:
+        raise OldFormat("written before checksums")
     if len(raw) < _HEAD.size:
         raise ValueError("short header")
-    magic, header_len, key_len, page_bytes = _HEAD.unpack_from(raw)
+    magic, header_len, key_len, page_bytes, digest = _HEAD.unpack_from(raw)
     if magic != MAGIC or header_len != _HEAD.size + key_len or len(raw) < header_len:
         raise ValueError("bad header")
-    return header_len, raw[_HEAD.size : header_len].decode(), page_bytes
+    return header_len, raw[_HEAD.size : header_len].decode(), page_bytes, digest
 
 
 class FileBackend(L3Backend):
@@ -142,6 +158,7 @@ class FileBackend(L3Backend):
         self._full_logged = False
         self._evicted: deque[tuple[str, str, str]] = deque()
         self._evicted_lost = False
+        self.integrity = Integrity("file")
         self._scan()
         with self._lock:
             self._make_room(0)  # a restart with a smaller capacity
@@ -215,6 +232,9 @@ class FileBackend(L3Backend):
         try:
             with open(path, "rb") as f:
                 return decode_header(f.read(HEADER_MAX))[1]
+        except OldFormat:  # (a digest-named file of the old format: it names no key)
+            self._remove(path)
+            return None
         except (OSError, ValueError, UnicodeDecodeError):
             return None
 
@@ -314,7 +334,8 @@ class FileBackend(L3Backend):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 data = self.arena.view(offset, page_bytes)
-                header = encode_header(key, page_bytes)
+                digest = page_digest(identity_seed(ns, pool, key, page_bytes), data)
+                header = encode_header(key, page_bytes, digest)
                 written = os.writev(fd, [header, data])
                 while written < len(header) + page_bytes:  # short writes: finish the page
                     done = written - len(header)
@@ -363,16 +384,23 @@ class FileBackend(L3Backend):
             self._count_error("open", path, e)
             return False
         try:
-            header_len, stored_key, stored_bytes = decode_header(os.pread(fd, HEADER_MAX, 0))
+            header_len, stored_key, stored_bytes, digest = decode_header(
+                os.pread(fd, HEADER_MAX, 0))
             if stored_key != key or stored_bytes != page_bytes:
                 log.warning("file L3: %s holds key %r of %d bytes, wanted %r of %d bytes: miss "
                             "(removed, so the page is stored again)", path, stored_key,
                             stored_bytes, key, page_bytes)
                 self._drop_stale(ns, pool, key, path, fd)
                 return False
-            n = os.preadv(fd, [self.arena.view(offset, page_bytes)], header_len)
-            if n != page_bytes:
+            view = self.arena.view(offset, page_bytes)
+            n = os.preadv(fd, [view], header_len)
+            if n != page_bytes or page_digest(identity_seed(ns, pool, key, page_bytes),
+                                              view) != digest:
+                self.integrity.failed(ns, pool, key, "cut short" if n != page_bytes
+                                      else "page bytes or identity changed")
+                self._drop_stale(ns, pool, key, path, fd)
                 return False
+            self.integrity.verified += 1
             with self._lock:
                 if (ns, pool, key) in self._lru:
                     self._lru.move_to_end((ns, pool, key))
@@ -381,6 +409,10 @@ class FileBackend(L3Backend):
             except OSError:
                 pass
             return True
+        except OldFormat:
+            self.integrity.unchecked += 1
+            self._drop_stale(ns, pool, key, path, fd)
+            return False
         except (OSError, ValueError, UnicodeDecodeError) as e:
             self._count_error("read", path, e)
             return False
@@ -418,4 +450,4 @@ class FileBackend(L3Backend):
     def stats(self) -> dict:
         return {"pages": len(self._lru), "bytes": self.used, "capacity": self.capacity,
                 "min_free": self.min_free, "evictions": self.evictions,
-                "refused": self.refused, "errors": self.errors}
+                "refused": self.refused, "errors": self.errors, **self.integrity.stats()}

@@ -212,6 +212,10 @@ def _main(argv: list[str] | None) -> int:
             from hicached.ops.serve import serve
 
             interrupts.check()  # a Ctrl-C the imports swallowed
+            if env.get("HICACHED_BENCH_NO_CHECKSUMS") == "1":  # tools/bench_l3.py only
+                from hicached.backends.integrity import disable_for_benchmark
+
+                disable_for_benchmark()
 
             serve(cfg, SystemdNotifier.from_env(env),
                   reload=lambda: load_config(args.config, env, overrides))

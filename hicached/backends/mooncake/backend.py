@@ -1,20 +1,24 @@
 """L3 on Mooncake Store: pages move zero-copy between the arena and the distributed store.
 
-    open(arena)   setup() the client, register_buffer(the whole arena) once
-    batch_put     batch_put_from(object keys, arena base + slot offsets, page_bytes)
-    batch_get     batch_get_into(object keys, arena base + slot offsets, page_bytes)
+    open(arena)   setup() the client, register_buffer(the whole arena, the trailers) once
+    batch_put     batch_put_from_multi_buffers(object keys, [arena slot, trailer] per page)
+    batch_get     batch_get_into_multi_buffers(object keys, [arena slot, trailer] per page),
+                  then every page checked against its trailer (``trailer.py``): a page that
+                  does not verify is a miss, counted, and its object removed (force)
     exists        batch_is_exist(object keys)
     clear         remove_by_regex("^<key_prefix>/", force): our pages only, other users' stay
 
-    object key = <key_prefix>/<namespace digest>/<pool>/<key>
+    object key = <key_prefix>/c1/<namespace digest>/<pool>/<key>
                  (a part that is not a plain token of [A-Za-z0-9_.=+-], <= 128 chars, becomes
                   "h-" + sha256(part): stable across daemons and restarts, never colliding
                   with a plain part because plain parts never start with "h-")
 
 Return codes become per-key answers at this edge: a put answering 0 (or -705, already there:
-Mooncake keeps the first value) is stored; a get answering page_bytes is a hit; -704 (not found)
-is a miss; a get answering another byte count, or -600 (the stored object is larger than the
-slot), is a miss counted as ``size_mismatches``; -900 / -901 (master RPC failed / timed out)
+Mooncake keeps the first value) is stored; a get answering page_bytes + the trailer whose page
+verifies is a hit; -704 (not found)
+is a miss; a get answering another byte count, -600 (the stored object is larger than the
+slot) or -800 (smaller: the two buffers of a get are not filled), is a miss counted as
+``size_mismatches``; -900 / -901 (master RPC failed / timed out)
 mean the store is unreachable.
 
 Deadlines and degradation (``guard.py``): calls that touch no arena bytes (``batch_is_exist``
@@ -60,6 +64,8 @@ from hicached.backends.base import L3Backend
 from hicached.backends.guard import Breaker, CallTimeout, DeadlineCaller, StoreUnavailable
 from hicached.backends.mooncake.options import MooncakeOptions, redact
 from hicached.backends.mooncake.probe import probe_master, probe_setup
+from hicached.backends.mooncake.trailer import FORMAT_PART, SLOTS, TRAILER_BYTES, Trailers
+from hicached.backends.integrity import BadKeys, Integrity
 from hicached.errors import ArenaError, BackendError, BackendUnavailable, ConfigError
 
 log = logging.getLogger(__name__)
@@ -137,6 +143,9 @@ class MooncakeBackend(L3Backend):
         self._closed = False
         self._transfers = 0  # transfers running in the client (it is not closed under them)
         self._recoveries_told = 0  # breaker recoveries ``take_evicted`` has answered for
+        self.trailers = Trailers()  # registered with the client beside the arena
+        self.integrity = Integrity("mooncake")
+        self.bad = BadKeys()  # keys whose bad copy could not be removed: stored again
         self.counters = {"puts": 0, "put_failures": 0, "gets": 0, "get_misses": 0,
                          "exists_calls": 0, "size_mismatches": 0,
                          "no_space": 0, "timeouts": 0, "errors": 0, "setups": 0,
@@ -201,6 +210,9 @@ class MooncakeBackend(L3Backend):
         if rc != 0:
             raise StoreUnavailable(f"register_buffer of the {self.arena.size_bytes}-byte arena "
                                    f"returned {code_name(rc)}")
+        rc = store.register_buffer(self.trailers.base, self.trailers.nbytes)
+        if rc != 0:
+            raise StoreUnavailable(f"register_buffer of the trailers returned {code_name(rc)}")
         with self._lock:
             if self._closed:
                 return  # closed meanwhile: leave it (close() would hold the GIL again)
@@ -305,7 +317,7 @@ class MooncakeBackend(L3Backend):
         return self.opts.timeout_s + nbytes / 2**30 * self.opts.timeout_per_gib_s
 
     def _names(self, ns: str, pool: str, keys: Sequence[str]) -> list[str]:
-        prefix = self.opts.key_prefix
+        prefix = f"{self.opts.key_prefix}/{FORMAT_PART}"  # objects with a trailer (trailer.py)
         return [object_key(prefix, ns, pool, k) for k in keys]
 
     def _ptrs(self, offsets: Sequence[int], page_bytes: int) -> list[int]:
@@ -332,54 +344,99 @@ class MooncakeBackend(L3Backend):
         if rcs is None:
             return [False] * len(keys)
         self._settle("batch_is_exist", rcs)
-        return [rc == 1 for rc in rcs]
+        return [rc == 1 and (ns, pool, k) not in self.bad for rc, k in zip(rcs, keys)]
 
-    def _batch(self, method: str, kind: str, ns: str, pool: str, keys: Sequence[str],
-               offsets: Sequence[int], page_bytes: int) -> list[int] | None:
-        """One transfer (``batch_put_from`` / ``batch_get_into``) of arena slots: its return
-        codes, or None when the store is unavailable or the call failed (counted as failed
-        puts / missed gets of ``kind``)."""
+    def _batch(self, method: str, kind: str, names: list[str], ptrs: list[int],
+               trailers: list[int], page_bytes: int) -> list[int] | None:
+        """One transfer (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``)
+        of arena slots and their trailers: its return codes, or None when the store is
+        unavailable or the call failed (counted as failed puts / missed gets of ``kind``)."""
         failed = "put_failures" if kind == "put" else "get_misses"
-        ptrs = self._ptrs(offsets, page_bytes)
-        names = self._names(ns, pool, keys)
         store = self._admit(self.opts.timeout_s)
         rcs, timed_out = None, False
         if store is not None:
             t = time.perf_counter()
-            rcs, timed_out = self._transfer(getattr(store, method), names, ptrs,
-                                            [page_bytes] * len(keys),
-                                            nbytes=len(keys) * page_bytes)
+            rcs, timed_out = self._transfer(getattr(store, method), names,
+                                            [[p, tp] for p, tp in zip(ptrs, trailers)],
+                                            [[page_bytes, TRAILER_BYTES]] * len(names),
+                                            nbytes=len(names) * page_bytes)
             self.counters[f"{kind}_s"] += time.perf_counter() - t
         if rcs is None:
-            self.counters[failed] += len(keys)
+            self.counters[failed] += len(names)
             return None
         self._settle(method, rcs, timed_out)
         return rcs
 
     def batch_put(self, ns, pool, keys, offsets, page_bytes):
+        out: list[bool] = []
+        for at in range(0, len(keys), SLOTS):
+            out += self._put(ns, pool, keys[at:at + SLOTS], offsets[at:at + SLOTS], page_bytes)
+        return out
+
+    def _put(self, ns, pool, keys, offsets, page_bytes) -> list[bool]:
         if not keys:
             return []
-        rcs = self._batch("batch_put_from", "put", ns, pool, keys, offsets, page_bytes)
+        ptrs, names = self._ptrs(offsets, page_bytes), self._names(ns, pool, keys)
+        again = [n for n, k in zip(names, keys) if (ns, pool, k) in self.bad]
+        if again:  # their bad copies are still there: a put would keep the first value
+            self._remove(again)
+        with self.trailers.locks["put"]:
+            for i, (key, off) in enumerate(zip(keys, offsets)):
+                self.trailers.seal("put", i, ns, pool, key, page_bytes,
+                                   self.arena.view(off, page_bytes))
+            rcs = self._batch("batch_put_from_multi_buffers", "put", names, ptrs,
+                              self.trailers.ptrs("put", len(keys)), page_bytes)
         if rcs is None:
             return [False] * len(keys)
         out = [rc in (0, OBJECT_ALREADY_EXISTS) for rc in rcs]  # already stored: a success
+        for key, ok in zip(keys, out):
+            if ok:
+                self.bad.discard(ns, pool, key)
         self.counters["puts"] += sum(out)
         self.counters["put_bytes"] += sum(out) * page_bytes
         self.counters["put_failures"] += len(out) - sum(out)
         self.counters["no_space"] += sum(rc == NO_AVAILABLE_HANDLE for rc in rcs)
         others = [rc for rc in rcs if rc < 0 and rc not in UNREACHABLE
                   and rc not in (OBJECT_ALREADY_EXISTS, NO_AVAILABLE_HANDLE)]
-        self._count_errors("batch_put_from", others)
+        self._count_errors("batch_put_from_multi_buffers", others)
         return out
 
     def batch_get(self, ns, pool, keys, offsets, page_bytes):
+        out: list[bool] = []
+        for at in range(0, len(keys), SLOTS):
+            out += self._get(ns, pool, keys[at:at + SLOTS], offsets[at:at + SLOTS], page_bytes)
+        return out
+
+    def _get(self, ns, pool, keys, offsets, page_bytes) -> list[bool]:
         if not keys:
             return []
-        rcs = self._batch("batch_get_into", "get", ns, pool, keys, offsets, page_bytes)
-        if rcs is None:
-            return [False] * len(keys)
-        out = [rc == page_bytes for rc in rcs]
-        mismatched = sum((rc >= 0 and rc != page_bytes) or rc == INVALID_PARAMS for rc in rcs)
+        ptrs, names = self._ptrs(offsets, page_bytes), self._names(ns, pool, keys)
+        whole = page_bytes + TRAILER_BYTES
+        bad: list[str] = []
+        with self.trailers.locks["get"]:
+            self.trailers.clear("get", len(keys))
+            rcs = self._batch("batch_get_into_multi_buffers", "get", names, ptrs,
+                              self.trailers.ptrs("get", len(keys)), page_bytes)
+            if rcs is None:
+                return [False] * len(keys)
+            out = []
+            for i, (rc, key, off) in enumerate(zip(rcs, keys, offsets)):
+                why = None
+                if rc == whole:  # checked here, on the reader thread, before L2 sees it
+                    why = self.trailers.check("get", i, ns, pool, key, page_bytes,
+                                              self.arena.view(off, page_bytes))
+                    if why is not None:
+                        self.integrity.failed(ns, pool, key, why)
+                        bad.append(names[i])
+                        self.bad.add(ns, pool, key)  # until the copy is removed or replaced
+                out.append(rc == whole and why is None)
+            self.integrity.verified += sum(out)
+        if bad:
+            self._remove(bad, keys=[(ns, pool, k) for k, n in zip(keys, names) if n in bad])
+        # another size: larger answers -600, smaller -800 (a get into two buffers that the
+        # object does not fill fails its transfer): both misses, counted, never errors
+        mismatched = sum((rc >= 0 and rc != whole) or rc in (INVALID_PARAMS, TRANSFER_FAIL)
+                         for rc in rcs)
         if mismatched:
             self.counters["size_mismatches"] += mismatched
             log.debug("mooncake L3: %d pages of pool %s stored with another size than %d bytes",
@@ -387,9 +444,28 @@ class MooncakeBackend(L3Backend):
         self.counters["gets"] += sum(out)
         self.counters["get_bytes"] += sum(out) * page_bytes
         self.counters["get_misses"] += len(out) - sum(out)
-        self._count_errors("batch_get_into", [rc for rc in rcs if rc < 0 and rc not in UNREACHABLE
-                                              and rc not in (OBJECT_NOT_FOUND, INVALID_PARAMS)])
+        self._count_errors("batch_get_into_multi_buffers",
+                           [rc for rc in rcs if rc < 0 and rc not in UNREACHABLE
+                            and rc not in (OBJECT_NOT_FOUND, INVALID_PARAMS, TRANSFER_FAIL)])
         return out
+
+    def _remove(self, names: list[str], keys: list[tuple[str, str, str]] | None = None) -> None:
+        """Remove objects whose copies did not verify (force: a reader's lease does not keep a
+        bad copy); the keys of those removed are good to write again as usual."""
+        rcs = self._call(self._store_remove, names, timeout_s=self.opts.exists_timeout_s)
+        if rcs is None or keys is None:
+            return
+        for rc, key in zip(rcs, keys):
+            if rc in (0, OBJECT_NOT_FOUND):
+                self.bad.discard(*key)  # gone: exists says missing, a put stores it again
+        self.counters["bad_copies_removed"] = self.counters.get("bad_copies_removed", 0) + sum(
+            rc == 0 for rc in rcs)
+
+    def _store_remove(self, names: list[str]) -> list[int]:
+        store = self._store
+        if store is None:
+            return [-1] * len(names)
+        return store.batch_remove(names, True)
 
     def _count_errors(self, op: str, rcs: list[int]) -> None:
         if not rcs:
@@ -437,6 +513,8 @@ class MooncakeBackend(L3Backend):
             "master": redact(self.opts.master_server_address),
             **self.breaker.stats(),
             **self.counters,
+            **self.integrity.stats(),
+            "bad_keys": len(self.bad),
             "abandoned_calls": self._caller.abandoned_total,
             "abandoned_running": self._caller.abandoned_running,
         }
@@ -470,18 +548,19 @@ class MooncakeBackend(L3Backend):
         if idle and health == 0:
             try:
                 self._caller.call(store.unregister_buffer, self._base, timeout_s=1.0)
+                self._caller.call(store.unregister_buffer, self.trailers.base, timeout_s=1.0)
                 self._caller.call(store.close, timeout_s=self.opts.close_timeout_s)
                 self._buffer = None
             except StoreUnavailable as e:
                 log.warning("mooncake L3: close did not finish: %s", e)
-                _LEFT_OPEN.append((store, self._buffer))
+                _LEFT_OPEN.append((store, self._buffer, self.trailers))
         else:
             log.warning("mooncake L3: client left open at close (%s)",
                         "calls still running" if not idle else f"health: {health}")
-            _LEFT_OPEN.append((store, self._buffer))
+            _LEFT_OPEN.append((store, self._buffer, self.trailers))
         self._caller.close()
 
 
 # Clients not closed (master unreachable, or calls still running in them), with the arena
 # mappings they may still write: referenced until the process exits.
-_LEFT_OPEN: list[tuple[object, object]] = []
+_LEFT_OPEN: list[tuple[object, object, object]] = []

@@ -1,0 +1,140 @@
+"""Checksums of L3 page copies, bound to the page's identity: no backend serves a corrupted or
+misplaced page.
+
+Every copy an L3 backend writes carries ``page_digest(seed, bytes)``: XXH3-64 of the page bytes,
+seeded with ``identity_seed(ns, pool, key, page_bytes)`` (itself XXH3-64 of the identity). A
+copy whose bytes changed (bit rot, a torn or misdirected write), or that is intact but belongs
+to another key, pool, namespace or page size (a swapped object, a copied directory), does not
+verify: the load is a miss, never a hit. Each backend hashes a page right after its own read
+or write, on its I/O thread, while the bytes are in the CPU cache; never on the control loop.
+``xxhash`` releases the GIL while it hashes.
+
+What a backend does when a copy does not verify (``Integrity.failed``): count it per pool
+(``hicached_l3_integrity_failures_total{backend,pool}``), log once per episode (the key's
+digest, never the key), delete the copy so the next set stores the page again, and where it
+cannot be deleted, remember the key as bad (``BadKeys``: bounded, with expiry) so that ``exists``
+does not count on it and the next write is not skipped as "already stored".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+import xxhash
+
+log = logging.getLogger(__name__)
+
+DIGEST_BYTES = 8
+EPISODE_S = 60.0  # failures within this long of the last log line are only counted
+BAD_KEYS_MAX = 1 << 16
+BAD_KEY_TTL_S = 600.0
+
+
+def identity_seed(ns: str, pool: str, key: str, page_bytes: int) -> int:
+    """64-bit seed naming one page: the hash of a copy made under it verifies under no other
+    namespace, pool, key or page size."""
+    ident = f"{len(ns)}:{ns}\0{len(pool)}:{pool}\0{key}\0{page_bytes}".encode()
+    return xxhash.xxh3_64_intdigest(ident)
+
+
+_enabled = True
+
+
+def disable_for_benchmark() -> None:
+    """Checksums off in this process (every digest is 0, so every copy verifies): only for
+    ``tools/bench_l3.py``, which measures what they cost side by side, through a daemon
+    started with ``HICACHED_BENCH_NO_CHECKSUMS=1``. Never in production."""
+    global _enabled
+    _enabled = False
+    log.warning("L3 checksums are OFF in this process (HICACHED_BENCH_NO_CHECKSUMS): a "
+                "corrupted page would be served. For benchmarks only.")
+
+
+def page_digest(seed: int, data) -> int:
+    """XXH3-64 of ``data`` (any buffer: an arena view) under ``seed``."""
+    return xxhash.xxh3_64_intdigest(data, seed=seed) if _enabled else 0
+
+
+def key_digest(key: str) -> str:
+    """What the log says of a key (keys may carry tenants' data): a short digest."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class Integrity:
+    """One backend's integrity failures: counted per pool, logged once per episode."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self._lock = threading.Lock()
+        self.by_pool: dict[str, int] = {}
+        self.unchecked = 0  # copies of a format without a checksum (written before it): misses
+        self.verified = 0  # loaded copies that were hashed and verified (L2 hits never are)
+        self._last_log = -EPISODE_S
+        self._since_log = 0
+
+    @property
+    def failures(self) -> int:
+        return sum(self.by_pool.values())
+
+    def failed(self, ns: str, pool: str, key: str, why: str) -> None:
+        """A copy of (ns, pool, key) did not verify (``why``: what was wrong)."""
+        now = time.monotonic()
+        with self._lock:
+            self.by_pool[pool] = self.by_pool.get(pool, 0) + 1
+            self._since_log += 1
+            if now - self._last_log < EPISODE_S:
+                return
+            quiet, self._since_log, self._last_log = self._since_log - 1, 0, now
+        log.warning("%s L3: the copy of key %s (pool %s) does not verify (%s): a miss, and the "
+                    "copy is dropped so the page is stored again%s", self.backend,
+                    key_digest(key), pool, why,
+                    f" ({quiet} more since the last such line)" if quiet else "")
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"integrity_failures": sum(self.by_pool.values()),
+                    "integrity_failures_by_pool": dict(self.by_pool),
+                    "unchecked_copies": self.unchecked, "verified_loads": self.verified}
+
+
+class BadKeys:
+    """Keys whose stored copy failed its check but could not be deleted (another node's, a
+    store that refused): ``exists`` must not count on them, and a put must write them again
+    (over the bad copy) instead of skipping them as stored. Bounded; entries expire."""
+
+    def __init__(self, max_keys: int = BAD_KEYS_MAX, ttl_s: float = BAD_KEY_TTL_S):
+        self.max_keys, self.ttl_s = max_keys, ttl_s
+        self._lock = threading.Lock()
+        self._keys: OrderedDict[tuple[str, str, str], float] = OrderedDict()
+
+    def add(self, ns: str, pool: str, key: str) -> None:
+        with self._lock:
+            self._keys[(ns, pool, key)] = time.monotonic() + self.ttl_s
+            self._keys.move_to_end((ns, pool, key))
+            while len(self._keys) > self.max_keys:
+                self._keys.popitem(last=False)
+
+    def __contains__(self, item: tuple[str, str, str]) -> bool:
+        if not self._keys:
+            return False
+        with self._lock:
+            until = self._keys.get(item)
+            if until is None:
+                return False
+            if until < time.monotonic():
+                del self._keys[item]
+                return False
+            return True
+
+    def discard(self, ns: str, pool: str, key: str) -> None:
+        """The key was written again: its copy is good now."""
+        if self._keys:
+            with self._lock:
+                self._keys.pop((ns, pool, key), None)
+
+    def __len__(self) -> int:
+        return len(self._keys)
