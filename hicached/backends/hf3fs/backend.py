@@ -2,41 +2,48 @@
 
 A 3FS mount is a POSIX directory shared by every node's daemon. Each daemon ("node", option
 ``node``, default the host name) writes only into its own segment files; any daemon reads any
-node's pages. Layout and records: ``hf3fs_format.py``; this node's slots: ``hf3fs_space.py``
-(rebuilt at a restart: ``hf3fs_restart.py``); pointer records and the format marker:
-``hf3fs_records.py``; node identity: ``hf3fs_node.py``; the write/read protocol of a batch of
-slots: ``hf3fs_slots.py``; what is known about other nodes' keys: ``hf3fs_keys.py``; open
-segment files, at most a share of RLIMIT_NOFILE: ``hf3fs_fds.py``; the bytes move through
-``hf3fs_io.py`` (USRBIO rings when ``hf3fs_py_usrbio`` imports and the root is on a 3FS mount,
+node's pages. Layout and records: ``format.py``; this node's slots: ``space.py`` (rebuilt at a
+restart: ``restart.py``); pointer records, the format marker: ``records.py``; node identity:
+``node.py``; how a batch of slots is written and read: ``slots.py``; other nodes' keys:
+``keys.py``; open segment files, a share of RLIMIT_NOFILE: ``fds.py``; the bytes move through
+``io.py`` (USRBIO rings when ``hf3fs_py_usrbio`` imports and the root is on a 3FS mount,
 ``preadv``/``pwritev`` on the arena's memory otherwise; the same format either way).
 
     key (ns, pool, key) --sha256--> kh --> index/<ns>/<pool>/<kh[:2]>/<kh>   pointer record
     pointer = (node uuid, segment, slot, slot offset, generation, page_bytes, kh)
     slot    = [.. | head stamp | page bytes | trail stamp | ..]   stamp = (slot, gen, size, kh,
-                                                                    segment tag[, page crc])
+                                                                    segment tag, page hash)
 
 Write (one node, its writer thread), per batch:
   1. allocate slots (``NodeSpace``: free slot, new segment, or LRU eviction at ``capacity``);
-  2. write every head stamp (a new, never reused generation: epoch << 32 | counter), wait;
+  2. hash each page, write every head stamp (a new, never reused generation: epoch << 32 |
+     counter), wait;
   3. write page bytes + trail stamp, wait;
   4. write the slot's directory entry, then publish the pointer (temp file + rename).
 Read (any node, its reader thread):
   1. resolve kh -> pointer (own slots from memory, others' from a cache or the record);
-  2. read [head | page | trail] in one vectored op per page, page bytes straight into the arena;
-  3. check head and trail against the pointer, then read the head again and check it once more.
+  2. read [head | page | trail] in one vectored op per page, page bytes straight into the
+     arena, and hash each page as soon as its op is done;
+  3. check head and trail against the pointer, read the head again and check it once more,
+     then the page's hash against the stamp's.
 A writer recycling the slot stamps the head with a new generation *before* it touches the page,
 so a page read that saw any new byte sees the new head in step 3: a torn or recycled slot is a
 miss, never wrong bytes (seqlock; the stamp CRC also rejects zeroed or foreign blocks). A stale
-pointer is harmless for the same reason. Eviction removes the pointer first and reuses the slot
-only ``grace_s`` later, so readers in flight rarely lose a page to the check; a pointer it
-cannot remove keeps its slot out of use until a retry removes it. A pointer that a read finds
-naming a slot with another page in it, or a deleted or cut segment (a crash, another node's
-``clear``), is "dead": one miss, then ``exists`` says missing and a put stores the key again
-(``KeyCache.dead``), on every node that saw it. A write into a segment deleted under it is never
-published. Errors (a vanished root, a segment that cannot be created or opened) are misses
-or evictions, never exceptions, and nothing readable is deleted for them. This node's
-evictions are told to the daemon (``take_evicted``: the keys of pages it put, read or
-found with ``exists``, which the daemon's writes ask first).
+pointer is harmless for the same reason. Page bytes changed under intact stamps (bit rot, a
+lost or misdirected write: another key's page) fail the hash, which is bound to the key. Such
+a copy, or a slot written before hashes (no ``HAS_HASH``: an upgrade keeps the root and its
+format marker, and each old page misses once and is stored again), is counted
+(``integrity_failures`` per pool, logged once per episode; ``unchecked_copies``) and dead (below).
+Eviction removes the pointer first and reuses the slot only ``grace_s`` later, so readers in
+flight rarely lose a page to the check; a pointer it cannot remove keeps its slot out of use
+until a retry removes it. A pointer that a read finds naming a slot with another page in it or
+a copy that does not verify, or a deleted or cut segment (a crash, another node's ``clear``),
+is "dead": one miss, then ``exists`` says missing and a put stores the key again, replacing the
+pointer (``KeyCache.dead``), on every node that saw it. A write into a segment deleted under it
+is never published. Errors (a vanished root, a segment that cannot be created or opened) are
+misses or evictions, never exceptions, and nothing readable is deleted for them. This node's
+evictions are told to the daemon (``take_evicted``: the keys of pages it put, read or found
+with ``exists``, which the daemon's writes ask first).
 
 What this relies on from 3FS (checked against its FUSE client source) and any filesystem:
 - rename replaces a file atomically (3FS: metadata transactions in FoundationDB); O_EXCL create;
@@ -53,8 +60,8 @@ What this relies on from 3FS (checked against its FUSE client source) and any fi
 It does not rely on cross-host locks, mtimes, lazily updated file lengths (segments are sized
 once at creation), or clocks agreeing across hosts. Nothing is fsynced but the root's format
 marker and the node files (small, replaced whole: a crash never leaves one empty): this is a
-cache; on a local filesystem without ordered writeback set ``checksum`` so a power loss never
-yields wrong bytes.
+cache, and the page hash keeps a power loss (or a filesystem without ordered writeback) from
+ever yielding wrong bytes. The option ``checksum`` is accepted, but hashes are always on.
 
 ``exists`` answers from memory (own slots, found pointers, recent misses) and checks unknown
 keys' pointer records on a helper thread for at most ``lookup_budget_ms``: what that does not
@@ -85,9 +92,10 @@ from hicached.backends.hf3fs.format import (
 )
 from hicached.backends.hf3fs.io import PosixIO, select_io, wants_direct
 from hicached.backends.hf3fs.keys import KeyCache
-from hicached.backends.hf3fs.records import prepare_root, publish_pointer, read_pointer
+from hicached.backends.hf3fs.records import clear_root, prepare_root, publish_pointer, read_pointer
 from hicached.backends.hf3fs.slots import SCRATCH_PER_PAGE, read_pointed, write_slots
 from hicached.backends.hf3fs.space import NodeSpace, Slot
+from hicached.backends.integrity import Integrity, identity_seed
 from hicached.settings import parse_size
 from hicached.errors import ConfigError
 
@@ -103,10 +111,10 @@ class Hf3fsBackend(L3Backend):
     def __init__(self, root: str | None = None, capacity="64GiB", io: str = "auto",
                  node: str | None = None, segment_bytes="256MiB", grace_s: float = 1.0,
                  lookup_budget_ms: float = 5.0, negative_ttl_s: float = 2.0,
-                 remote_ttl_s: float = 10.0, batch_entries: int = 256, checksum: bool = False,
+                 remote_ttl_s: float = 10.0, batch_entries: int = 256, checksum: bool = True,
                  io_timeout_s: float = 10.0, max_open_files: int | str = "auto",
-                 file_mode: int = 0o600,
-                 direct: bool | str = "auto", lock_wait_s: float = 5.0, **unknown):
+                 file_mode: int = 0o600, direct: bool | str = "auto", lock_wait_s: float = 5.0,
+                 **unknown):
         if unknown:
             valid = [k for k in inspect.signature(Hf3fsBackend).parameters if k != "unknown"]
             raise ConfigError(f"hf3fs: unknown option {min(unknown)!r}; valid: {valid}")
@@ -137,7 +145,9 @@ class Hf3fsBackend(L3Backend):
         seg_bytes = parse_size(segment_bytes, "hf3fs segment_bytes")
         prepare_root(self.root)
         self.grace_s = float(grace_s)
-        self.entries, self.checksum, self.file_mode = batch_entries, bool(checksum), file_mode
+        self.entries, self.file_mode = batch_entries, file_mode
+        if not checksum:  # (older configs turn it off: no unchecked copy is ever served now)
+            log.warning("hf3fs: checksum=false is ignored: page checksums are always on")
         self.io, self.io_reason = select_io(io, self.root, 3 * batch_entries, io_timeout_s)
         self._io_option = io
         self.direct = wants_direct(direct, self.root)
@@ -155,6 +165,7 @@ class Hf3fsBackend(L3Backend):
              "size_mismatches", "read_failures", "verify_failures", "dead_pointers"), 0)
         self._bad_lock = threading.Lock()
         self._bad_own: list[Slot] = []  # own slots a read found broken, for the writer thread
+        self.integrity = Integrity("hf3fs")
         self._closed = False
 
     def open(self, arena) -> None:
@@ -286,8 +297,8 @@ class Hf3fsBackend(L3Backend):
                         handles[s.seg.key] = self.fds.acquire(s.seg.key, s.seg.path, True)
                 ok = write_slots(self.io, self.arena, [
                     (handles[s.seg.key].fd, s.seg.head.slot_off(s.index), offsets[i],
-                     Stamp(s.index, s.gen, s.page_bytes, s.kh, s.seg.tag, 0)) for i, s in items],
-                    self.checksum)
+                     Stamp(s.index, s.gen, s.page_bytes, s.kh, s.seg.tag, 0),
+                     identity_seed(ns, pool, keys[i], page_bytes)) for i, s in items])
                 deleted = [h for h in handles.values() if os.fstat(h.fd).st_nlink == 0]
                 if deleted:  # written into a deleted segment (another node's clear): never
                     ok = [False] * len(items)  # publish a pointer to it; start afresh
@@ -390,7 +401,7 @@ class Hf3fsBackend(L3Backend):
             ptr = self._load_pointer(ns, pool, kh, now)
             if ptr is not None:
                 todo.append((i, ptr, True))
-        ok, dead = self._read_checked(todo, offsets, page_bytes)
+        ok, dead = self._read_checked(ns, pool, keys, todo, offsets, page_bytes)
         retry = []
         for n, ((i, ptr, fresh), good) in enumerate(zip(todo, ok)):
             out[i] = good
@@ -404,7 +415,7 @@ class Hf3fsBackend(L3Backend):
                     self._dead(ptr, own.get(i), now)
             elif n in dead:
                 self._dead(ptr, own.get(i), now)
-        ok, dead = self._read_checked(retry, offsets, page_bytes)
+        ok, dead = self._read_checked(ns, pool, keys, retry, offsets, page_bytes)
         for n, ((i, ptr, _), good) in enumerate(zip(retry, ok)):
             out[i] = good
             if n in dead:
@@ -420,8 +431,8 @@ class Hf3fsBackend(L3Backend):
         except OSError as e:
             self._note("read", e)
             return None
-        if ptr is None or ptr.key_hash != kh:
-            self.keys.forget(kh, now)
+        if ptr is None or ptr.key_hash != kh or self.keys.is_dead(kh, ptr):
+            self.keys.forget(kh, now)  # (a dead record names no page: not read again)
             return None
         self.keys.remember(kh, ptr, now)
         return ptr
@@ -444,32 +455,27 @@ class Hf3fsBackend(L3Backend):
         if bad:
             self.space.evict(bad)
 
-    def _read_checked(self, todo: list[tuple[int, Pointer, bool]], offsets, page_bytes
-                      ) -> tuple[list[bool], set[int]]:
-        """``read_pointed`` of the pointers of ``todo`` = [(key index, pointer, fresh)]."""
-        return read_pointed(self.io, self.arena, self.fds, self.root, self.space.uuid,
-                            [(ptr, offsets[i]) for i, ptr, _ in todo], page_bytes, self.counters)
+    def _read_checked(self, ns, pool, keys, todo: list[tuple[int, Pointer, bool]], offsets,
+                      page_bytes) -> tuple[list[bool], set[int]]:
+        """``read_pointed`` of the pointers of ``todo`` = [(key index, pointer, fresh)], each
+        checked under its key's identity; copies that do not verify are counted."""
+        ok, fails = read_pointed(
+            self.io, self.arena, self.fds, self.root, self.space.uuid,
+            [(ptr, offsets[i], identity_seed(ns, pool, keys[i], page_bytes))
+             for i, ptr, _ in todo], page_bytes, self.counters)
+        for n in fails.corrupt:
+            self.integrity.failed(ns, pool, keys[todo[n][0]], "page bytes do not match the "
+                                  "hash in their stamps: changed, or another key's page")
+        self.integrity.unchecked += len(fails.unchecked)
+        return ok, set(fails.dead)
 
     # ------------------------------------------------------------ maintenance
 
     def clear(self) -> int:
         """Delete every pointer and segment under the root (all nodes'); returns how many
         pages (pointer records) were removed. Other nodes notice and start empty."""
-        n = 0
         with self._write_lock:
-            for top in ("index", "segments"):
-                for dirpath, _, files in os.walk(os.path.join(self.root, top), topdown=False):
-                    for f in files:
-                        try:
-                            os.unlink(os.path.join(dirpath, f))
-                        except OSError:
-                            continue
-                        if top == "index" and ".tmp-" not in f:
-                            n += 1
-                    try:
-                        os.rmdir(dirpath)
-                    except OSError:
-                        pass
+            n = clear_root(self.root)
             self._reset(lost=False)  # (the daemon forgets what it knew stored itself)
         return n
 
@@ -485,9 +491,10 @@ class Hf3fsBackend(L3Backend):
 
     def stats(self) -> dict:
         return {**self.space.stats(), "io": self.io.name, "io_reason": self.io_reason,
-                "direct": self.direct, "open_files": len(self.fds), "max_open_files": self.fds.max_open,
-                "fd_closes": self.fds.closes, "lookups": self.keys.lookups,
-                "lookup_errors": self.keys.lookup_errors, **self.counters}
+                "direct": self.direct, "open_files": len(self.fds),
+                "max_open_files": self.fds.max_open, "fd_closes": self.fds.closes,
+                "lookups": self.keys.lookups, "lookup_errors": self.keys.lookup_errors,
+                **self.counters, **self.integrity.stats()}
 
     def close(self) -> None:
         if self._closed:

@@ -22,6 +22,16 @@ Segment file (``seg`` = "<slot_bytes>-<epoch>-<n>", never reused):
         +4096   .. +4096+P     page bytes (4 KiB aligned) written second, with the trail stamp
         +4096+P .. +4160+P     trail stamp (64 B)
     slot_bytes = round_up(4096 + P + 64, 4096) for the largest page P of the class
+
+Stamp (head and trail, the same fields): magic, slot, generation, page size, key hash, segment
+tag, ``data_hash``, flags, CRC-32. With ``HAS_HASH`` in the flags (every stamp written now),
+``data_hash`` is XXH3-64 of the page bytes seeded with the page's identity (namespace, pool,
+key, page size: ``integrity.py``): page bytes that changed under intact stamps (bit rot, a
+misdirected write of another key's page) do not verify. Stamps of the format before it (a
+u32 CRC-32 of the page only with the option ``checksum``, then u32 flags and 4 bytes of
+padding) decode with the same CRC and fields, and flags 0 (the padding): they cannot be
+verified, so such a slot is a miss and its page is stored again. ``FORMAT`` stays 1: an
+upgraded daemon keeps the root, its segments and pointers; only old slots miss once each.
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ DIR_ENTRY_BYTES = 256
 NAME_MAX = 64  # longest ns / pool path component kept as is
 
 HEAD_MAGIC, TRAIL_MAGIC = b"H3SH", b"H3ST"
-_STAMP = struct.Struct("<4sIQQ16sQII4x")  # + crc32 -> 64 bytes
+_STAMP = struct.Struct("<4sIQQ16sQQI")  # + crc32 -> 64 bytes
 _DIR = struct.Struct("<4sIQQQ16sBB64s64s74x")  # + crc32 -> 256 bytes
 _SEG = struct.Struct("<4sIQQQQ16sQ")  # + crc32, inside the first block
 _PTR = struct.Struct("<4sIQQIIQQ16s16sH")  # + seg name + crc32
@@ -119,24 +129,26 @@ class Stamp(NamedTuple):
     page_bytes: int
     key_hash: bytes
     seg_tag: int
-    data_crc: int  # CRC-32 of the page bytes when ``flags & HAS_CRC``
+    data_hash: int  # ``integrity.page_digest`` of the page bytes when ``flags & HAS_HASH``
     flags: int = 0
 
 
-HAS_CRC = 1
+# flag bits. (1 was the old format's "has a page CRC-32"; an old stamp's flags land in the
+# high half of data_hash, and its flags field, once padding, decodes as 0.)
+HAS_HASH = 2
 
 
 def pack_stamp(magic: bytes, s: Stamp) -> bytes:
     return _seal(_STAMP.pack(magic, s.slot, s.gen, s.page_bytes, s.key_hash, s.seg_tag,
-                             s.data_crc, s.flags))
+                             s.data_hash, s.flags))
 
 
 def unpack_stamp(magic: bytes, raw: bytes | memoryview) -> Stamp | None:
     body = _open(raw, STAMP_BYTES)
     if body is None:
         return None
-    m, slot, gen, page_bytes, kh, tag, dcrc, flags = _STAMP.unpack(body)
-    return Stamp(slot, gen, page_bytes, kh, tag, dcrc, flags) if m == magic else None
+    m, slot, gen, page_bytes, kh, tag, dhash, flags = _STAMP.unpack(body)
+    return Stamp(slot, gen, page_bytes, kh, tag, dhash, flags) if m == magic else None
 
 
 # ---------------------------------------------------------------- segment header and directory

@@ -27,7 +27,7 @@ import mmap
 import os
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from hicached.arena import Arena
@@ -49,11 +49,14 @@ class Part(NamedTuple):
 
 
 class IOOp(NamedTuple):
-    """One contiguous file range [file_off, file_off + sum(parts)) of ``fd``."""
+    """One contiguous file range [file_off, file_off + sum(parts)) of ``fd``; ``done`` runs on
+    the submitting thread once the op moved all its bytes (a read: hash the page now, while
+    its bytes are in the CPU cache, not in a pass over the whole batch afterwards)."""
 
     fd: int
     file_off: int
     parts: tuple[Part, ...]
+    done: Callable[[], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +113,8 @@ class PosixIO(SlotIO):
                     out.append(os.preadv(op.fd, bufs, op.file_off))
             except OSError as e:
                 out.append(-(e.errno or 5))
+            if op.done is not None and out[-1] == op.nbytes:
+                op.done()
         return out
 
     @staticmethod
@@ -210,6 +215,11 @@ class UsrbioIO(SlotIO):
                     i = res.userdata
                     if got[i] >= 0:
                         got[i] = got[i] + res.result if res.result >= 0 else res.result
+        # (the bytes came by RDMA / from the FUSE process, not through this CPU's cache: the
+        # ``done`` hooks gain nothing by running before the whole batch is in)
+        for op, n in zip(ops, got):
+            if op.done is not None and n == op.nbytes:
+                op.done()
         return got
 
     def _reap(self, ring, n: int) -> list:

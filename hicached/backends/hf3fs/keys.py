@@ -8,9 +8,10 @@ forever (a hung mount). So ``KeyCache`` keeps:
     found    kh -> (expires, Pointer | None)   a pointer record seen (None: only stat-ed)
     absent   kh -> expires                      no pointer record a moment ago
     dead     kh -> Pointer                      a record that names a slot holding another
-                                                page now (a get found out): it counts as no
-                                                record while it stays the same, so the key is
-                                                missing to ``exists`` and stored again by a put
+                                                page now, or a copy that does not verify (a
+                                                get found out): it counts as no record while
+                                                it stays the same, so the key is missing to
+                                                ``exists`` and stored again by a put
 
 and checks unknown keys on one helper thread, in key order, for at most ``budget_s`` per call:
 keys it has not reached by then count as misses now (a miss is always safe) and are known on
@@ -64,6 +65,11 @@ class KeyCache:
     def absent(self, kh: bytes, now: float) -> bool:
         return self._absent.get(kh, 0.0) > now
 
+    def is_dead(self, kh: bytes, ptr: Pointer) -> bool:
+        """Did a get find ``ptr``, the record of ``kh``, dead (so reading it again would only
+        miss again)?"""
+        return self._dead.get(kh) == ptr
+
     # ------------------------------------------------------------ updates (any thread)
 
     def remember(self, kh: bytes, ptr: Pointer | None, now: float) -> None:
@@ -91,7 +97,8 @@ class KeyCache:
             self._dead.pop(kh, None)
 
     def dead(self, kh: bytes, ptr: Pointer, now: float) -> None:
-        """The record ``ptr`` of ``kh`` names a slot that holds another page now."""
+        """The record ``ptr`` of ``kh`` names a slot that holds another page now (or a copy
+        that does not verify)."""
         self.forget(kh, now)
         with self._lock:
             self._dead[kh] = ptr

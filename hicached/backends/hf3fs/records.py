@@ -168,3 +168,23 @@ def prepare_root(root: str) -> None:
         ensure_marker(root)
     except OSError as e:
         raise ConfigError(f"hf3fs: root {root} is not a writable directory: {e}") from e
+
+
+def clear_root(root: str) -> int:
+    """Delete every pointer record and segment file under ``root`` (all nodes'); returns how
+    many pointer records were removed. What cannot be deleted stays (counted as not removed)."""
+    n = 0
+    for top in ("index", "segments"):
+        for dirpath, _, files in os.walk(os.path.join(root, top), topdown=False):
+            for f in files:
+                try:
+                    os.unlink(os.path.join(dirpath, f))
+                except OSError:
+                    continue
+                if top == "index" and ".tmp-" not in f:
+                    n += 1
+            try:
+                os.rmdir(dirpath)
+            except OSError:
+                pass
+    return n
