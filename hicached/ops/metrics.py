@@ -14,6 +14,8 @@ Hit accounting of a get (pages):
 
     served from L2 right away                  l2 hit
     not in L2, loaded from L3 while it waited  l2 miss + l3 hit
+    prefetched from L3 by an exists, first read l3 hit
+    waited for while another client wrote it   l2 hit (it never came from L3)
     streamed get: still loading (SLOT_LOADING) l2 miss; served by the follow-up: l3 hit
     not served                                 l2 miss (+ l3 miss when an L3 backend is attached)
 
@@ -123,7 +125,7 @@ class Metrics(NullMetrics):
             self._count_tally(msg)
         match answer:
             case P.Leased():
-                self._count_get(msg, answer, None)
+                self._count_get(msg, answer)
             case P.Reserved():
                 self._count_reserved(msg, answer)
             case P.ExistsResult():
@@ -155,13 +157,13 @@ class Metrics(NullMetrics):
 
     def on_parked_answer(self, msg, answer) -> None:
         """A request that waited for L3 (loads, lookups) is answered now."""
-        t0, in_l2 = self._parked.pop(id(msg), (None, None))
+        t0, _ = self._parked.pop(id(msg), (None, None))
         if t0 is None:
             return
         ok = type(answer) is not P.Error
         self._finish(OPS[type(msg)], "ok" if ok else answer.code, t0)
         if type(answer) is P.Leased:
-            self._count_get(msg, answer, in_l2)
+            self._count_get(msg, answer)
         elif type(answer) is P.ExistsResult:
             self._count_exists(msg, answer)
 
@@ -174,15 +176,7 @@ class Metrics(NullMetrics):
         self.requests[key] = self.requests.get(key, 0) + 1
 
     def _park(self, msg: P.Lease | P.Exists, t0: float) -> None:
-        in_l2 = None
-        if type(msg) is P.Lease:
-            sess = self.daemon.controller.sessions.get(msg.session)
-            tables = self.daemon.index.tables
-            in_l2 = []
-            for t in msg.transfers:
-                committed = tables.get((sess.ns, t.pool), {}) if sess else {}
-                in_l2.append({k for k in t.keys if k in committed})
-        self._parked[id(msg)] = (t0, in_l2)
+        self._parked[id(msg)] = (t0, None)
         while len(self._parked) > MAX_PARKED:
             self._parked.popitem(last=False)
 
@@ -191,29 +185,28 @@ class Metrics(NullMetrics):
         spec = sess.pools.get(pool) if sess else None
         return spec.page_bytes if spec else 0
 
-    def _count_get(self, msg: P.Lease, answer: P.Leased, in_l2: list[set[str]] | None) -> None:
-        """``in_l2``: per transfer, the keys in L2 when a parked get was asked (None: answered
-        at once, so every page served was in L2). A streamed get's ``SLOT_LOADING`` pages are
-        counted by its follow-up (``load=False``), whose served pages came from L3; so are
-        pages an exists prefetched from L3 that this get reads first (``first_l3_reads``)."""
+    def _count_get(self, msg: P.Lease, answer: P.Leased) -> None:
+        """A page served is an L3 hit when it was loaded from the attached L3 and this is its
+        first read (``controller.first_l3_reads``: prefetched by an exists, or loaded while the
+        get waited), else an L2 hit; a streamed get's ``SLOT_LOADING`` pages are counted by its
+        follow-up (``load=False``)."""
         l3 = self.daemon.tier.attached
         got, from_l3 = self.daemon.controller.first_l3_reads
         for i, (t, row) in enumerate(zip(msg.transfers, answer.offsets)):
             missed = row.count(P.SLOT_MISS)
             served = len(row) - missed - row.count(P.SLOT_LOADING)
-            prefetched = set(from_l3[i]) if got is answer and i < len(from_l3) else set()
+            # L3 hits: pages loaded from the attached L3 and read here for the first time (a
+            # page waited for while another client wrote it came from L2, not L3)
+            loaded = set(from_l3[i]) if got is answer and i < len(from_l3) else set()
+            l3_hits = sum(1 for j in loaded if row[j] >= 0)
             if not msg.load:  # a stream's follow-up: its pages were L2 misses when first asked
                 l2_hits, l2_misses = 0, 0
-            elif in_l2 is None:
-                l2_hits = served - len(prefetched)
-                l2_misses = len(row) - l2_hits
             else:
-                l2_hits = sum(1 for j, (k, off) in enumerate(zip(t.keys, row))
-                              if off >= 0 and k in in_l2[i] and j not in prefetched)
+                l2_hits = served - l3_hits
                 l2_misses = len(row) - l2_hits
             self._add(self.hits, "l2", t.pool, l2_hits)
             self._add(self.misses, "l2", t.pool, l2_misses)
-            self._add(self.hits, "l3", t.pool, served - l2_hits)
+            self._add(self.hits, "l3", t.pool, l3_hits)
             if l3:
                 self._add(self.misses, "l3", t.pool, missed)
             self.client_bytes["l2_to_client"] += served * self._page_bytes(msg.session, t.pool)
@@ -355,6 +348,7 @@ class _Collector:
             yield G(f"hicached_{key}", doc, value=st[key])
         yield from self._l3(tier, C, G)
         yield from self._l3_store(st.get("l3") or {}, C, G)
+        yield from self._l3_integrity(tier["backend"], st.get("l3") or {}, C)
         yield from self._namespaces(snap["namespaces"], C, G)
 
     @staticmethod
@@ -391,6 +385,16 @@ class _Collector:
         if isinstance(backend.get("evictions"), int):
             yield C("hicached_l3_store_evictions", "Pages the L3 store deleted to make room",
                     value=backend["evictions"])
+
+    @staticmethod
+    def _l3_integrity(backend: str, stats: dict, C):
+        """Copies that did not verify on load (``backends/integrity.py``): misses, removed."""
+        failures = C("hicached_l3_integrity_failures", "L3 page copies whose checksum or "
+                     "identity did not verify on load (a miss; the copy is dropped)",
+                     labels=["backend", "pool"])
+        for pool, n in sorted((stats.get("integrity_failures_by_pool") or {}).items()):
+            failures.add_metric([backend, pool], n)
+        yield failures
 
     @staticmethod
     def _namespaces(namespaces: list[dict], C, G):

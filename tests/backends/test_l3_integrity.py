@@ -240,3 +240,18 @@ def test_mooncake_never_serves_a_replaced_object(mooncake_parts, tmp_path, how, 
             assert get_all(d, src)[0] == [True] * 4
     finally:
         d.cleanup()
+
+
+def test_the_failure_is_a_prometheus_counter(make_daemon):
+    from admin_helpers import admin_daemon, sample, scrape
+
+    d, url = admin_daemon(make_daemon)
+    l3 = pathlib.Path(d.state_dir) / "l3"
+    src = store_pages(d)
+    (path,) = page_files(l3, KEYS[BAD])
+    head, page = split_file(path)
+    path.write_bytes(head + CORRUPTIONS["zero the page"](page, b""))
+    assert get_all(d, src)[0] == [True, False, True, True]
+    m = scrape(url)
+    assert sample(m, "hicached_l3_integrity_failures_total", backend="file", pool="kv") == 1
+    assert sample(m, "hicached_hits_total", tier="l3", pool="kv") == 3  # the good neighbours

@@ -11,6 +11,7 @@ from conftest import wait_until
 from pools import kv_pool, kv_tokens, pages
 
 from hicached import PoolTransfer
+from hicached import protocol as P
 
 MUTATING = [("PUT", "/hicache/storage-backend", {"hicache_storage_backend": "file"}),
             ("DELETE", "/hicache/storage-backend", None),
@@ -369,3 +370,27 @@ def test_a_store_whose_writes_fail_is_degraded_and_not_ready(make_daemon, tmp_pa
         assert http("GET", url + "/ready")[0] == 200
         assert sample(scrape(url), "hicached_l3_degraded") == 0
     assert "writes fail" in d.output()
+
+
+def test_a_page_waited_for_while_another_client_wrote_it_is_no_l3_hit(make_daemon):
+    """An L3 hit is a page loaded from an attached L3, nothing else: here no L3 is attached,
+    and a get waits for a page another client reserved but had not committed yet."""
+    d, url = admin_daemon(make_daemon, extra=["--l3-backend", "none"])
+    with d.client() as writer, d.client(release_delay_s=0) as reader:
+        writer.register_mem_host_pool_v2(kv_pool(seed=5), "kv")
+        reader.register_mem_host_pool_v2(kv_pool(), "kv")
+        res = writer._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["w0"])]))
+        assert res.offsets[0][0] >= 0  # reserved, not committed: the reader's get waits
+        got = []
+        t = threading.Thread(target=lambda: got.append(reader.batch_get_v1(["w0"], pages(0, 1))))
+        t.start()
+        assert wait_until(lambda: sample(scrape(url), "hicached_parked_gets") == 1)
+        writer._call(lambda s, r: P.Commit(r, s, res.reservation_id, [[True]]))
+        t.join(10)
+        assert got == [[True]]
+    m = scrape(url)
+    assert sample(m, "hicached_hits_total", tier="l2", pool="kv") == 1
+    assert m.get(("hicached_hits_total", frozenset({"tier": "l3", "pool": "kv"}.items())),
+                 0) == 0  # (was 1: every page not in L2 when asked counted as an L3 hit)
+    stats = http("GET", url + "/stats")[1]
+    assert stats["tiers"]["l3"]["hits"] == 0 and stats["pools"]["kv"]["l3_hits"] == 0
