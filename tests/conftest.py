@@ -44,8 +44,8 @@ import sys
 import time
 
 from hicached.client.api import Client
-from hicached.ops.config import load_config
 from hicached.errors import DaemonUnavailable
+from hicached.ops.config import load_config
 
 
 class DaemonProc:

@@ -46,8 +46,8 @@ from hicached.arena import Arena
 from hicached.backends.integrity import identity_seed, page_digest
 from hicached.backends.mooncake.backend import object_key
 from hicached.backends.mooncake.trailer import FORMAT_PART, TRAILER_BYTES
-from hicached.errors import DaemonUnavailable
 from hicached.daemon.sessions import namespace_digest
+from hicached.errors import DaemonUnavailable
 
 PAGES, PAGE_SIZE, LAYERS, KV_DIM = 64, 64, 16, 512  # MLA bf16: 64*16*512*2 = 1 MiB a page
 NAMESPACE = "bench-l3-mla-1mib"

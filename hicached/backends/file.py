@@ -49,8 +49,8 @@ from collections.abc import Sequence
 from hicached.backends.base import L3Backend
 from hicached.backends.integrity import Integrity, identity_seed, page_digest
 from hicached.errors import ConfigError
-from hicached.settings import parse_size
 from hicached.protocol import MAX_KEY_LEN
+from hicached.settings import parse_size
 
 log = logging.getLogger(__name__)
 

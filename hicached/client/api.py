@@ -38,9 +38,15 @@ import zmq
 from hicached import protocol as P
 from hicached.arena import Arena
 from hicached.client.admin import ClientAdmin
+from hicached.client.args import check_client_args
 from hicached.client.calls import InFlight, token_starts
 from hicached.client.exists import KV, ExistsCalls
+from hicached.client.flatpages import TensorPages
 from hicached.client.get import GetCalls
+from hicached.client.hostpool import PageIO, make_page_io
+from hicached.client.overlap import PageRecall, SetAhead
+from hicached.client.piggyback import PendingReleases
+from hicached.client.table_exists import SharedExists
 from hicached.errors import (
     DaemonUnavailable,
     InvalidTransfer,
@@ -52,13 +58,7 @@ from hicached.errors import (
     UnknownSession,
     error_from_code,
 )
-from hicached.client.flatpages import TensorPages
-from hicached.client.hostpool import PageIO, make_page_io
 from hicached.liveness import own_pid_ns, own_start_ticks
-from hicached.client.overlap import PageRecall, SetAhead
-from hicached.client.piggyback import PendingReleases
-from hicached.client.args import check_client_args
-from hicached.client.table_exists import SharedExists
 from hicached.sockpath import refusal
 from hicached.types import PoolTransfer, pool_value
 

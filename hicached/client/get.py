@@ -16,9 +16,9 @@ import torch
 
 from hicached import protocol as P
 from hicached.client.exists import KV
-from hicached.errors import DaemonUnavailable, InvalidTransfer
 from hicached.client.hostpool import PageIO
 from hicached.client.leaseless import read_known
+from hicached.errors import DaemonUnavailable, InvalidTransfer
 from hicached.types import PoolTransfer
 
 log = logging.getLogger(__name__)

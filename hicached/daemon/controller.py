@@ -1,6 +1,6 @@
 """The tier controller: the daemon side of exists / set / get across L2 (arena) and L3 (backend).
 
-Steps of the life of a page it owns (README, "Life of a page"):
+Steps of the life of a page it owns (docs/life-of-a-page.md):
   2. ``reserve``  slots for every pool of a set call (or "present" / "in flight" / "no space")
   4. ``commit``   publishes all pools' pages of the call at once, then hands them to L3 (5.)
   6. ``exists``   hit semantics over L2 then L3 (``hits.py``); keys L2 lacks and L3 is not known
@@ -22,15 +22,15 @@ from collections.abc import Callable
 import numpy as np
 
 from hicached import protocol as P
-from hicached.errors import InvalidTransfer, PageSizeMismatch, ProtocolError
 from hicached.daemon.flushing import L2Flush
-from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
 from hicached.daemon.index import Entry, PageIndex, TableId
+from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.leases import LeaseTable
 from hicached.daemon.quotas import NoQuotas
 from hicached.daemon.session_control import SessionControl
 from hicached.daemon.sessions import ParkedExists, ParkedGet, PoolSpec, Session
-from hicached.daemon.l3.tier import L3Tier
+from hicached.errors import InvalidTransfer, PageSizeMismatch, ProtocolError
+from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
 
 log = logging.getLogger(__name__)
 

@@ -36,6 +36,7 @@ from itertools import repeat
 
 import numpy as np
 
+from hicached.daemon.slabs import SlabAllocator
 from hicached.presence import (
     MAX_LOAD,
     PresenceTable,
@@ -43,7 +44,6 @@ from hicached.presence import (
     fingerprints,
     namespace_seed,
 )
-from hicached.daemon.slabs import SlabAllocator
 
 TableId = tuple[str, str]  # (namespace digest, pool name)
 MAX_POOLS = 63  # pools a namespace may have: one bit each in an int64 presence mask

@@ -21,8 +21,8 @@ from typing import Any
 
 from hicached import protocol as P
 from hicached.backends.base import BACKENDS, is_backend_name
-from hicached.ops.config import WRITE_POLICIES, DaemonConfig
-from hicached.ops.metrics import stats_json
+from hicached.daemon.l3.tier import close_quietly
+from hicached.daemon.sessions import ParkedExists, ParkedGet
 from hicached.errors import (
     BackendConflict,
     BackendError,
@@ -30,8 +30,8 @@ from hicached.errors import (
     ProtocolError,
     ShuttingDown,
 )
-from hicached.daemon.sessions import ParkedExists, ParkedGet
-from hicached.daemon.l3.tier import close_quietly
+from hicached.ops.config import WRITE_POLICIES, DaemonConfig
+from hicached.ops.metrics import stats_json
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,19 @@ import zmq
 
 from hicached import protocol as P
 from hicached.arena import Arena, release_if_made
-from hicached.daemon.auth import make_auth
 from hicached.backends.base import L3Backend, create_backend
-from hicached.ops.config import DaemonConfig
+from hicached.daemon.auth import make_auth
 from hicached.daemon.controller import Controller
 from hicached.daemon.files import DaemonFiles
+from hicached.daemon.handshake import Handshakes
+from hicached.daemon.index import PageIndex
+from hicached.daemon.l3.tier import L3Tier, close_quietly
+from hicached.daemon.l3.workers import IOWorkers
+from hicached.daemon.leases import LeaseTable
+from hicached.daemon.operations import DaemonOperations, backend_options
+from hicached.daemon.quotas import make_quotas
+from hicached.daemon.sessions import Session
+from hicached.daemon.slabs import SlabAllocator
 from hicached.errors import (
     BackendError,
     BackendUnavailable,
@@ -36,19 +44,11 @@ from hicached.errors import (
     ShuttingDown,
     UnknownSession,
 )
-from hicached.daemon.handshake import Handshakes
-from hicached.daemon.index import PageIndex
-from hicached.daemon.leases import LeaseTable
 from hicached.liveness import own_pid_ns
+from hicached.ops.config import DaemonConfig
 from hicached.ops.metrics import make_metrics
-from hicached.daemon.operations import DaemonOperations, backend_options
-from hicached.presence import TAG_GRAIN, PresenceTable, default_slots
-from hicached.daemon.quotas import make_quotas
 from hicached.ops.sdnotify import NullNotifier
-from hicached.daemon.sessions import Session
-from hicached.daemon.slabs import SlabAllocator
-from hicached.daemon.l3.tier import L3Tier, close_quietly
-from hicached.daemon.l3.workers import IOWorkers
+from hicached.presence import TAG_GRAIN, PresenceTable, default_slots
 
 log = logging.getLogger(__name__)
 

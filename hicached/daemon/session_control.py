@@ -8,9 +8,9 @@ import logging
 import secrets
 
 from hicached import protocol as P
+from hicached.daemon.sessions import Session, namespace_digest
 from hicached.errors import ProtocolError
 from hicached.liveness import ProcessRef, alive
-from hicached.daemon.sessions import Session, namespace_digest
 
 log = logging.getLogger("hicached.daemon.controller")
 

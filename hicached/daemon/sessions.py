@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hicached import protocol as P
-from hicached.errors import UnknownPool
 from hicached.daemon.index import Entry
+from hicached.errors import UnknownPool
 from hicached.liveness import ProcessRef
 
 

@@ -29,8 +29,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from hicached.errors import HicachedError
 from hicached.client.hostpool import HostPool
+from hicached.errors import HicachedError
 
 
 class PoolError(HicachedError):

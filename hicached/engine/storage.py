@@ -122,8 +122,8 @@ class HicachedStorage(Storage):
         calls miss at once for this long (a dead daemon costs one timeout, not one per call).
         ``namespace`` (model, weights, dtype, layout, slice, tenant: ``hicached.keys``) is the
         plugin's model name, so the plugin's namespace carries all of it."""
-        from hicached.plugin.sglang import HicachedStorage as Plugin
         from hicached.client.prefetch import make_policy
+        from hicached.plugin.sglang import HicachedStorage as Plugin
 
         self.policy = make_policy(prefetch_policy)  # ValueError names the valid ones
         self.endpoint, self.namespace, self.timeout_s = endpoint, namespace, timeout_s

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicached.errors import ArenaError
 from hicached.client.hostpool import PageIO
+from hicached.errors import ArenaError
 from hicached.kernels import reference
 from hicached.kernels.cpu import (
     as_index_array,

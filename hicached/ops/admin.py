@@ -38,7 +38,6 @@ from typing import NamedTuple
 from aiohttp import web
 
 from hicached.backends.guard import StoreUnavailable
-from hicached.ops.config import WRITE_POLICIES, parse_options
 from hicached.errors import (
     BackendConflict,
     BackendError,
@@ -48,6 +47,7 @@ from hicached.errors import (
     ProtocolError,
     ShuttingDown,
 )
+from hicached.ops.config import WRITE_POLICIES, parse_options
 from hicached.ops.metrics import stats_json
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ How the daemon is found (first that applies):
                      else the systemd unit's ipc:///run/hicached/hicached.sock
 
 The socket needs no admin key: whoever may connect to it is trusted like an operator already
-(README, Access); a daemon with a ``client_token`` needs it (HICACHED_CLIENT_TOKEN, or the
+(docs/operating.md, Access); a daemon with a ``client_token`` needs it (HICACHED_CLIENT_TOKEN, or the
 config's). Human output by default, ``--json`` for scripts. Exit status: 0 done (status:
 ready), 1 the daemon answered an error or could not be reached (the message says which), 2 bad
 usage or config, 3 (status only) reachable but not ready. Long calls (flushing a large L3,
@@ -40,9 +40,9 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any, Self
 
+from hicached.errors import ConfigError, HicachedError
 from hicached.ops.config import parse_options, read_config_table
 from hicached.settings import default_runtime_dir
-from hicached.errors import ConfigError, HicachedError
 
 DEFAULT_DAEMON_CONFIG = "/etc/hicached/hicached.toml"
 UNIT_SOCKET = "ipc:///run/hicached/hicached.sock"  # configs/hicached.service

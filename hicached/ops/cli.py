@@ -18,11 +18,11 @@ import logging
 import os
 import sys
 
-from hicached.ops import adminctl, interrupts
 from hicached import __version__
+from hicached.errors import HicachedError
+from hicached.ops import adminctl, interrupts
 from hicached.ops.config import DaemonConfig, load_config
 from hicached.settings import default_runtime_dir, default_state_dir
-from hicached.errors import HicachedError
 
 
 def _serve_parser(sub) -> None:

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field, fields
 log = logging.getLogger(__name__)
 
 from hicached.errors import ConfigError
-from hicached.settings import MAX_SIZE, default_runtime_dir, default_state_dir, parse_size
+from hicached.settings import default_runtime_dir, default_state_dir, parse_size
+
 
 @dataclass(frozen=True)
 class DaemonConfig:
@@ -58,7 +59,7 @@ class DaemonConfig:
     shared_gets: bool = True  # publish slot tags there too (clients get known pages leaselessly)
     socket_mode: int = 0o600
     log_level: str = "info"
-    # operations (README, "Operating hicached")
+    # operations (docs/operating.md)
     admin_host: str = "127.0.0.1"  # admin HTTP API address
     admin_port: int = 0  # admin HTTP API port (0: no admin API)
     admin_api_key: str = field(default="", repr=False)  # Bearer key of mutating admin endpoints

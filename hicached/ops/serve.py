@@ -25,13 +25,13 @@ import signal
 import threading
 from collections.abc import Callable
 
+from hicached.daemon.quotas import NoQuotas, make_quotas
+from hicached.daemon.server import Daemon
+from hicached.errors import HicachedError
 from hicached.ops import interrupts
 from hicached.ops.admin import check_admin_port, start_admin
 from hicached.ops.config import DaemonConfig
-from hicached.errors import HicachedError
-from hicached.daemon.quotas import NoQuotas, make_quotas
 from hicached.ops.sdnotify import NullNotifier
-from hicached.daemon.server import Daemon
 
 log = logging.getLogger(__name__)
 

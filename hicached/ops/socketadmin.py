@@ -1,7 +1,7 @@
 """The admin commands over the daemon's own control socket: ``hicached status | flush | attach |
 detach`` on the daemon's machine with no admin API configured (``adminctl`` picks the way).
 
-Whoever may connect to the socket is trusted like an operator already (README, Access): the
+Whoever may connect to the socket is trusted like an operator already (docs/operating.md, Access): the
 socket carries flushes and attaches for engines too. A daemon with a ``client_token`` wants it
 in a handshake first, as from any client; without one the admin requests need no session.
 The answers are shaped as the admin HTTP API's, so one formatter prints both.

@@ -294,8 +294,8 @@ def test_a_client_cannot_reach_another_namespace_through_a_pool_name(daemon):
     from conftest import wait_until
     from pools import kv_pool, kv_tokens, pages
 
-    from hicached.errors import ProtocolError
     from hicached.daemon.sessions import namespace_digest
+    from hicached.errors import ProtocolError
 
     keys = [f"p{i}" for i in range(4)]
     own = kv_pool(seed=1)

@@ -4,13 +4,13 @@ went on counting on those copies would neither write them again nor keep them (w
 when L2 evicts them, and they would be gone for every engine and restart."""
 
 import pytest
-from test_hf3fs import capacity_for, fill, make
 from l3_doubles import commit_pages, wait_jobs
+from test_hf3fs import capacity_for, fill, make
 
 from hicached.daemon.index import PageIndex
-from hicached.daemon.slabs import SlabAllocator
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.l3.workers import IOWorkers
+from hicached.daemon.slabs import SlabAllocator
 
 P = 4096
 

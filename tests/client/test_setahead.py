@@ -18,10 +18,10 @@ from test_speculative import TOKENS, page, pool, tokens
 
 from hicached import HostPool, PoolTransfer
 from hicached import protocol as P
-from hicached.errors import ProtocolError
 from hicached.daemon.index import PageIndex
 from hicached.daemon.leases import LeaseTable
 from hicached.daemon.slabs import SlabAllocator
+from hicached.errors import ProtocolError
 
 PAGE = 128 * 1024  # test_speculative's pool: 16 tokens * 4 layers * 512 * 4 bytes
 MIB = 1 << 20

@@ -11,15 +11,14 @@ import time
 import pytest
 import torch
 from conftest import run_client_proc, wait_until
+from pools import PAGE, indexer_pool, kv_pool, kv_tokens, mamba_pool, pages  # noqa: F401
 
 from hicached import HostPool, PoolHitPolicy, PoolName, PoolTransfer
 from hicached import protocol as P
+from hicached.daemon.index import MAX_POOLS
 from hicached.errors import (
     ProtocolError,
 )
-from hicached.daemon.index import MAX_POOLS
-
-from pools import PAGE, indexer_pool, kv_pool, kv_tokens, mamba_pool, pages  # noqa: F401
 
 
 def test_set_get_roundtrip_three_pools(daemon):

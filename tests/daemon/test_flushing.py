@@ -10,9 +10,9 @@ import torch
 from hicached import HostPool, PoolTransfer
 from hicached.daemon.flushing import CHECK_EVERY, L2Flush
 from hicached.daemon.index import PageIndex
-from hicached.daemon.slabs import SlabAllocator
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.l3.workers import IOWorkers
+from hicached.daemon.slabs import SlabAllocator
 
 PAGE = 4096
 TABLE = ("ns", "kv")

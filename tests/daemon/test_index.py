@@ -5,8 +5,8 @@ import random
 import pytest
 
 from hicached.daemon.index import MAX_POOLS, PageIndex
-from hicached.presence import TABLE_WORD, PresenceTable
 from hicached.daemon.slabs import SlabAllocator
+from hicached.presence import TABLE_WORD, PresenceTable
 
 T = ("ns", "kv")
 M = ("ns", "mamba")

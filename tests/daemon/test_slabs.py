@@ -2,8 +2,8 @@
 
 import pytest
 
-from hicached.errors import ArenaError
 from hicached.daemon.slabs import SlabAllocator, stride_for
+from hicached.errors import ArenaError
 
 
 def test_stride_rounds_to_64():

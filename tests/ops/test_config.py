@@ -2,9 +2,9 @@
 
 import pytest
 
+from hicached.errors import ConfigError
 from hicached.ops.config import DaemonConfig, load_config
 from hicached.settings import parse_size
-from hicached.errors import ConfigError
 
 
 def test_parse_size():

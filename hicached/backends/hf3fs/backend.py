@@ -96,8 +96,8 @@ from hicached.backends.hf3fs.records import clear_root, prepare_root, publish_po
 from hicached.backends.hf3fs.slots import SCRATCH_PER_PAGE, read_pointed, write_slots
 from hicached.backends.hf3fs.space import NodeSpace, Slot
 from hicached.backends.integrity import Integrity, identity_seed
-from hicached.settings import parse_size
 from hicached.errors import ConfigError
+from hicached.settings import parse_size
 
 log = logging.getLogger(__name__)
 

@@ -62,10 +62,10 @@ from collections.abc import Callable, Mapping, Sequence
 from hicached.arena import Arena
 from hicached.backends.base import L3Backend
 from hicached.backends.guard import Breaker, CallTimeout, DeadlineCaller, StoreUnavailable
+from hicached.backends.integrity import BadKeys, Integrity
 from hicached.backends.mooncake.options import MooncakeOptions, redact
 from hicached.backends.mooncake.probe import probe_master, probe_setup
 from hicached.backends.mooncake.trailer import FORMAT_PART, SLOTS, TRAILER_BYTES, Trailers
-from hicached.backends.integrity import BadKeys, Integrity
 from hicached.errors import ArenaError, BackendError, BackendUnavailable, ConfigError
 
 log = logging.getLogger(__name__)

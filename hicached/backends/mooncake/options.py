@@ -52,8 +52,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hicached.settings import parse_size
 from hicached.errors import ConfigError
+from hicached.settings import parse_size
 
 log = logging.getLogger(__name__)
 

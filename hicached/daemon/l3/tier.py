@@ -45,13 +45,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from hicached.backends.base import L3Backend, NullBackend
-from hicached.ops.config import WRITE_POLICIES
-from hicached.errors import HicachedError, ProtocolError
 from hicached.daemon.index import Entry, PageIndex, TableId
-from hicached.daemon.l3.keymemory import KeyMemory
 from hicached.daemon.l3.audit import TierAudit
-from hicached.daemon.l3.writes import TierWrites
+from hicached.daemon.l3.keymemory import KeyMemory
 from hicached.daemon.l3.workers import IOJob, IOWorkers
+from hicached.daemon.l3.writes import TierWrites
+from hicached.errors import HicachedError, ProtocolError
+from hicached.ops.config import WRITE_POLICIES
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from l3_doubles import RecordingBackend, commit_pages, wait_jobs
 
 from hicached.backends.file import file_bytes
 from hicached.daemon.index import PageIndex
-from hicached.daemon.slabs import SlabAllocator
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.l3.workers import IOWorkers
+from hicached.daemon.slabs import SlabAllocator
 
 PAGE = 4096
 TABLE = ("ns", "kv")

@@ -3,18 +3,17 @@ others, on the writer thread (the control loop never waits on the store), and a 
 fails the question still gets every page; lookups (an exists, a get of keys not known to be in
 L3) run on the prober thread. Real file backend, real arena, real threads."""
 
-import threading
 import time
 
 import pytest
+from l3_doubles import RecordingBackend, commit_pages, wait_jobs
 
 from hicached.arena import Arena
-from hicached.backends.file import FileBackend, file_bytes
+from hicached.backends.file import file_bytes
 from hicached.daemon.index import PageIndex
-from hicached.daemon.slabs import SlabAllocator
 from hicached.daemon.l3.tier import ABSENT_TTL_S, L3Tier
 from hicached.daemon.l3.workers import IOWorkers
-from l3_doubles import RecordingBackend, commit_pages, wait_jobs
+from hicached.daemon.slabs import SlabAllocator
 
 PAGE = 4096
 
