@@ -339,40 +339,43 @@ def _pair_run(c: Client, src: HostPool, rep: int, tag: str) -> tuple[float, floa
 
 
 def bench_checksum(reps: int, daemon_args: str = "") -> dict:
-    """What L3 checksums cost: two daemons side by side, one with checksums and one without
-    (``HICACHED_BENCH_NO_CHECKSUMS``), each rep on both in turn: the write-through of 64 MiB
+    """What L3 checksums cost: daemons side by side, two with checksums and two without
+    (``HICACHED_BENCH_NO_CHECKSUMS``), each rep on all four in turn: the write-through of 64 MiB
     (hashed on the writer thread) and a cold get of it (read, verified, then copied out). On
     the file L3 (page cache: the store is as fast as memory, the worst case for the hash) and,
     where the Mooncake client is installed, on Mooncake over loopback TCP."""
     out: dict = {"hash_gbps": hash_speed()}
-    stores = ["file"]
-    try:
-        import mooncake.store  # noqa: F401
-        stores.append("mooncake")
-    except ImportError:
-        pass
+    stores = [s for s in CHECKSUM_STORES if s == "file" or _has_mooncake()]
     for store in stores:
         logdir = tempfile.mkdtemp(prefix=f"bench-sum-{store}-")
         procs = Procs(logdir)
         try:
             master = start_master_and_provider(procs) if store == "mooncake" else None
-            ends = {on: start_daemon(procs, master, shlex.split(daemon_args),
-                                     name="on" if on else "off", checksums=on,
-                                     key_prefix="on" if on else "off") for on in (True, False)}
+            # two daemons of each kind, started and run in mirrored order: a daemon's own
+            # place (its start, its files, its arena) moves its figures by more than the
+            # checksums do, so neither kind may own one place
+            kinds = [("a", True), ("b", False), ("c", False), ("d", True)]
+            ends = {name: start_daemon(procs, master, shlex.split(daemon_args), name=name,
+                                       checksums=on, key_prefix=name) for name, on in kinds}
             times = {f"{what}_{on}": [] for what in ("write", "get") for on in ("on", "off")}
-            with Client(ends[True], NAMESPACE) as c_on, Client(ends[False], NAMESPACE) as c_off:
+            clients = {name: Client(ends[name], NAMESPACE) for name, _ in kinds}
+            try:
                 src = HostPool.allocate_mla(PAGES, PAGE_SIZE, LAYERS, KV_DIM,
                                             dtype=torch.bfloat16)
                 src.kv_buffer.normal_()
-                for c in (c_on, c_off):
+                for c in clients.values():
                     c.register_mem_host_pool_v2(src, "kv")
                 for rep in range(reps + 1):  # rep 0 warms up
-                    order = [("on", c_on), ("off", c_off)][::1 if rep % 2 else -1]
-                    for tag, c in order:
-                        w, g = _pair_run(c, src, rep, tag)
+                    turn = kinds[rep % 4:] + kinds[:rep % 4]
+                    for name, on in turn:
+                        w, g = _pair_run(clients[name], src, rep, name)
                         if rep:
+                            tag = "on" if on else "off"
                             times[f"write_{tag}"].append(w)
                             times[f"get_{tag}"].append(g)
+            finally:
+                for c in clients.values():
+                    c.close()
             nbytes = PAGES * src.page_bytes
             r = {k: gbps(nbytes, v) for k, v in times.items()}
             r["get_on_over_off"] = r["get_on"]["median"] / r["get_off"]["median"]
@@ -381,6 +384,17 @@ def bench_checksum(reps: int, daemon_args: str = "") -> dict:
         finally:
             procs.stop()
     return out
+
+
+CHECKSUM_STORES = ["file", "mooncake"]  # --stores
+
+
+def _has_mooncake() -> bool:
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def print_checksum(r: dict, reps: int) -> None:
@@ -452,8 +466,11 @@ def main() -> None:
     ap.add_argument("--daemon-args", default="",
                     help="extra `hicached serve` options (mooncake section), "
                     'e.g. "--l3-load-chunk 8MiB"')
+    ap.add_argument("--stores", default="file,mooncake",
+                    help="checksum section: the L3 stores to measure (file, mooncake)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    CHECKSUM_STORES[:] = [s.strip() for s in args.stores.split(",") if s.strip()]
     results = {name: SECTIONS[name](args.reps, args.daemon_args)
                for name in (args.section or SECTIONS)}
     if args.json:

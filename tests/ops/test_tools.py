@@ -40,3 +40,12 @@ def test_bench_l3_3fs_section_reads_back_what_it_wrote(tmp_path):
              env={"HICACHED_BENCH_3FS_DIR": str(tmp_path)})["3fs"]
     assert r["io"] == "posix" and r["n_pages"] == 256 and r["verify_failures"] == 0
     assert r["plain_preadv_gbps"]["median"] > 0 and r["hf3fs_get_gbps"]["median"] > 0
+
+
+def test_bench_l3_checksum_section_compares_daemons_with_and_without():
+    r = _run("bench_l3.py", "--section", "checksum", "--reps", "1", "--stores", "file",
+             timeout=180)["checksum"]
+    assert r["hash_gbps"]["cold"] > 0 and r["hash_gbps"]["in_cache"] > 0
+    f = r["file"]
+    assert set(f) >= {"get_on", "get_off", "write_on", "write_off", "get_on_over_off"}
+    assert f["get_on"]["median"] > 0 and f["write_off"]["median"] > 0 and "mooncake" not in r
