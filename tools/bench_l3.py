@@ -49,6 +49,9 @@ from hicached.backends.mooncake.trailer import FORMAT_PART, TRAILER_BYTES
 from hicached.daemon.sessions import namespace_digest
 from hicached.errors import DaemonUnavailable
 
+# Mooncake's C++ client logs each connection step at INFO: warnings only (as the daemon does)
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+
 PAGES, PAGE_SIZE, LAYERS, KV_DIM = 64, 64, 16, 512  # MLA bf16: 64*16*512*2 = 1 MiB a page
 NAMESPACE = "bench-l3-mla-1mib"
 SEGMENT = 512 * 2**20

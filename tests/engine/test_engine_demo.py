@@ -33,3 +33,14 @@ def test_demo_reports_hits_from_every_tier(capsys):
         l3 = rows(out, arch, "L3")
         assert l3[0][2] > 0 and all(r[1] == 0 for r in l3)  # the daemon's L2 was flushed
         assert "no cache" in out.split(f"{arch}: TTFT per turn")[1]
+
+
+def test_demo_on_another_daemon_says_it_skips_the_l3_phase(daemon, capsys):
+    assert main(["demo", "--models", "qwen3_next", "--conversations", "1", "--systems", "1",
+                 "--turns", "1", "--system-tokens", "16", "--user-tokens", "8",
+                 "--new-tokens", "1", "--page-size", "8", "--kv-pages", "64",
+                 "--hicached-endpoint", daemon.endpoint]) == 0
+    out = capsys.readouterr().out
+    assert f"the L3 phase is skipped: it flushes the L2 of the daemon at {daemon.endpoint}" in out
+    assert "--flush-daemon-l2 runs it" in out
+    assert not rows(out, "qwen3_next", "L3") and rows(out, "qwen3_next", "new engine")
