@@ -271,6 +271,9 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
 # ---------------------------------------------------------------- commands
 
 
+FINDING = __doc__[__doc__.index("How the daemon is found"):__doc__.index("The socket needs")].rstrip()
+
+
 def add_parsers(sub) -> None:
     """Add the admin subcommands to ``hicached``'s subparsers."""
     common = argparse.ArgumentParser(add_help=False)
@@ -285,10 +288,12 @@ def add_parsers(sub) -> None:
                         "when readable)")
     common.add_argument("--json", action="store_true", help="machine-readable output")
     common.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
-    sub.add_parser("status", parents=[common], help="health, readiness and counters")
-    p = sub.add_parser("flush", parents=[common], help="drop cached pages")
+    how = {"epilog": FINDING, "formatter_class": argparse.RawDescriptionHelpFormatter}
+    sub.add_parser("status", parents=[common], help="health, readiness and counters", **how)
+    p = sub.add_parser("flush", parents=[common], help="drop cached pages", **how)
     p.add_argument("--tier", choices=["l2", "l3", "all"], default="l2")
-    p = sub.add_parser("attach", parents=[common], help="attach an L3 backend at runtime")
+    p = sub.add_parser("attach", parents=[common], help="attach an L3 backend at runtime",
+                       **how)
     p.add_argument("backend", help="backend name: file, mooncake, hf3fs, ...")
     p.add_argument("--config", dest="backend_config", default="",
                    help="backend options as a JSON object or @file.json")
@@ -296,7 +301,7 @@ def add_parsers(sub) -> None:
                    choices=["write_through", "write_through_selective", "write_back"])
     p.add_argument("--prefetch-policy", dest="prefetch_policy",
                    choices=["best_effort", "wait_complete", "timeout"])
-    sub.add_parser("detach", parents=[common], help="detach the L3 backend")
+    sub.add_parser("detach", parents=[common], help="detach the L3 backend", **how)
 
 
 def admin_settings(path: str | None, env) -> dict:

@@ -182,6 +182,8 @@ def test_version_module_entry_and_every_serve_default_in_help(home):
         out = subprocess.run([*cmd, "--version"], env=env, cwd=elsewhere, capture_output=True,
                              text=True)
         assert (out.returncode, out.stdout) == (0, f"hicached {__version__}\n"), out.stderr
+    for cmd in ("status", "flush", "attach", "detach"):  # each says how it finds the daemon
+        assert "How the daemon is found" in hicached(cmd, "--help", env=env, cwd=elsewhere).stdout
     text = hicached("serve", "--help", env=env, cwd=elsewhere).stdout
     blocks: dict[str, str] = {}  # each option's lines in the help, as a reader sees them
     for line in text.split("options:")[1].splitlines():
