@@ -367,39 +367,10 @@ def connect(args: argparse.Namespace, env: Mapping[str, str]):
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     """Run one admin subcommand (``env``: the process environment, read by the entry point);
     returns the exit status."""
-    out = sys.stdout
+    client = None
     try:
         client = connect(args, env)
-    except ConfigError as e:
-        print(f"hicached: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except AdminError as e:
-        print(f"hicached {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    try:
-        if args.command == "status":
-            health, ready, stats = client.status()
-            if args.json:
-                where = "url" if isinstance(client, AdminClient) else "endpoint"
-                print(json.dumps({where: client.where, "health": health, "ready": ready,
-                                  "stats": stats}, indent=2), file=out)
-            else:
-                print(format_status(client.where, health, ready, stats), file=out)
-            return EXIT_OK if ready.get("ready") else EXIT_NOT_READY
-        if args.command == "flush":
-            probe = client.l3_pages_left if args.tier != "l2" else None
-            with Progress(f"flushing {args.tier}", probe):
-                res = client.flush(args.tier, max(args.timeout, 3600.0))
-        elif args.command == "attach":
-            options = parse_options(args.backend_config or "{}", "--config")
-            with Progress(f"attaching {args.backend}"):
-                res = client.attach(args.backend, options, args.write_policy,
-                                    args.prefetch_policy, max(args.timeout, 600.0))
-        elif args.command == "detach":  # write_back: dirty pages first (drain_timeout_s)
-            with Progress("detaching"):
-                res = client.detach(max(args.timeout, 600.0))
-        else:
-            raise AssertionError(args.command)
+        return _command(client, args, sys.stdout)
     except ConfigError as e:
         print(f"hicached: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -407,7 +378,35 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         print(f"hicached {args.command}: error: {e}", file=sys.stderr)
         return EXIT_FAILED
     finally:
-        client.close()
+        if client is not None:
+            client.close()
+
+
+def _command(client, args: argparse.Namespace, out) -> int:
+    """``args.command`` through ``client`` (the HTTP API or the socket); prints its answer."""
+    if args.command == "status":
+        health, ready, stats = client.status()
+        if args.json:
+            where = "url" if isinstance(client, AdminClient) else "endpoint"
+            print(json.dumps({where: client.where, "health": health, "ready": ready,
+                              "stats": stats}, indent=2), file=out)
+        else:
+            print(format_status(client.where, health, ready, stats), file=out)
+        return EXIT_OK if ready.get("ready") else EXIT_NOT_READY
+    if args.command == "flush":
+        probe = client.l3_pages_left if args.tier != "l2" else None
+        with Progress(f"flushing {args.tier}", probe):
+            res = client.flush(args.tier, max(args.timeout, 3600.0))
+    elif args.command == "attach":
+        options = parse_options(args.backend_config or "{}", "--config")
+        with Progress(f"attaching {args.backend}"):
+            res = client.attach(args.backend, options, args.write_policy,
+                                args.prefetch_policy, max(args.timeout, 600.0))
+    elif args.command == "detach":  # write_back: dirty pages first (drain_timeout_s)
+        with Progress("detaching"):
+            res = client.detach(max(args.timeout, 600.0))
+    else:
+        raise AssertionError(args.command)
     if args.json:
         print(json.dumps(res, indent=2), file=out)
     elif args.command == "attach":
