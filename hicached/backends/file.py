@@ -400,7 +400,7 @@ class FileBackend(L3Backend):
                                       else "page bytes or identity changed")
                 self._drop_stale(ns, pool, key, path, fd)
                 return False
-            self.integrity.verified += 1
+            self.integrity.verified_loads(1)
             with self._lock:
                 if (ns, pool, key) in self._lru:
                     self._lru.move_to_end((ns, pool, key))

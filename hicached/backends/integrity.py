@@ -94,6 +94,11 @@ class Integrity:
                     key_digest(key), pool, why,
                     f" ({quiet} more since the last such line)" if quiet else "")
 
+    def verified_loads(self, n: int) -> None:
+        """``n`` loaded copies were hashed and verified (two I/O threads may count)."""
+        with self._lock:
+            self.verified += n
+
     def stats(self) -> dict:
         with self._lock:
             return {"integrity_failures": sum(self.by_pool.values()),

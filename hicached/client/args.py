@@ -13,7 +13,11 @@ MAX_NAMESPACE_LEN = 4096  # characters; the SGLang plugin's namespaces are a few
 def _number(name: str, value: object, minimum: float, inclusive: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgument(f"{name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite or value < minimum or (value == minimum and not inclusive):
         raise InvalidArgument(f"{name} must be {'>=' if inclusive else '>'} {minimum:g} "
                               f"seconds, got {value!r}")
 

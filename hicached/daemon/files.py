@@ -76,6 +76,9 @@ class DaemonFiles:
         except (OSError, zmq.ZMQError) as e:
             sock.close(linger=0)
             raise ConfigError(f"endpoint: cannot listen on {endpoint}: {e}") from None
+        except BaseException:
+            sock.close(linger=0)
+            raise
         return sock
 
     def _bind_to(self, sock: zmq.Socket, endpoint: str) -> None:

@@ -92,6 +92,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
     def __init__(self, config: DaemonConfig):
         self.config = config
         self._stop = threading.Event()
+        self._stop_asked = False  # set by a signal handler (stop_on_signal)
         self._lock_fd = self._take_state_lock(config.state_dir)
         try:
             self._check_endpoint(config.endpoint)  # taken: say so before the arena and L3
@@ -132,7 +133,10 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         except BaseException:
             if hasattr(self, "workers"):
                 self.workers.close()
+            if getattr(self, "tier", None) is not None:
                 self.tier.close()
+            if hasattr(self, "ctx"):
+                self.ctx.term()
             if getattr(self, "presence", None) is not None:
                 self.presence.close()
             release_if_made(config.arena_path + ".presence")  # interrupted while made
@@ -179,13 +183,23 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
     # ------------------------------------------------------------ loop
 
     def stop(self) -> None:
-        """Ask the loop to finish (thread- and signal-safe)."""
+        """Ask the loop to finish (thread-safe; from a signal handler: ``stop_on_signal``)."""
         self._stop.set()
+
+    def stop_on_signal(self) -> None:
+        """``stop`` for a signal handler: it takes no lock (a handler runs on the loop's thread,
+        possibly inside ``Event.set`` of an earlier signal, and a lock taken twice by one
+        thread never returns); the loop sees the flag at its next turn, woken by the pipe."""
+        self._stop_asked = True
+        try:
+            os.write(self._call_w, b"x")
+        except OSError:
+            pass
 
     @property
     def draining(self) -> bool:
         """True from SIGTERM / ``stop()`` on: new work is refused with ``ShuttingDown``."""
-        return self._stop.is_set()
+        return self._stop_asked or self._stop.is_set()
 
     def _presence_table(self, config: DaemonConfig) -> PresenceTable | None:
         """The shared presence table beside the arena, or None (``shared_exists`` off)."""
@@ -237,6 +251,9 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             gc.callbacks.append(freeze_survivors)
         try:
             while not self._stop.is_set():
+                if self._stop_asked:  # a signal: set the event here, outside any handler
+                    self._stop.set()
+                    break
                 now = time.monotonic()
                 if now < busy_until or self.controller.flusher.active:
                     timeout_ms = 0

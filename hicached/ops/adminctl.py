@@ -43,6 +43,7 @@ from typing import Any, Self
 from hicached.errors import ConfigError, HicachedError
 from hicached.ops.config import parse_options, read_config_table
 from hicached.settings import default_runtime_dir
+from hicached.sockpath import refusal
 
 DEFAULT_DAEMON_CONFIG = "/etc/hicached/hicached.toml"
 UNIT_SOCKET = "ipc:///run/hicached/hicached.sock"  # configs/hicached.service
@@ -330,7 +331,9 @@ def local_endpoint(configured: str) -> str:
     if configured:
         return configured
     mine = f"ipc://{default_runtime_dir()}/hicached.sock"
-    if not os.path.exists(mine[len("ipc://"):]) and os.path.exists(UNIT_SOCKET[len("ipc://"):]):
+    unit = UNIT_SOCKET[len("ipc://"):]
+    if refusal(mine[len("ipc://"):]) is not None and os.path.exists(unit) and \
+            refusal(unit) is None:  # (a dead daemon's leftover socket file is nobody)
         return UNIT_SOCKET
     return mine
 

@@ -130,7 +130,7 @@ def serve(config: DaemonConfig, notifier: NullNotifier | None = None,
             t.start()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: daemon.stop())
+            signal.signal(sig, lambda *_: daemon.stop_on_signal())
         signal.signal(signal.SIGHUP, on_hup)
         interrupts.check()
     except BaseException:

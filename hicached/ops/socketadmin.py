@@ -10,9 +10,13 @@ The answers are shaped as the admin HTTP API's, so one formatter prints both.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
+import msgspec
+
 from hicached import protocol as P
+from hicached.errors import ConfigError
 from hicached.ops.adminctl import AdminError
 from hicached.sockpath import refusal
 
@@ -38,7 +42,12 @@ class SocketAdmin:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        try:
+            self._sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise ConfigError(f"endpoint: cannot connect to {endpoint!r}: {e}") from None
         self._req = 0
         self._session = 0
 
@@ -68,13 +77,20 @@ class SocketAdmin:
             self._handshake()
         req = self._next()
         timeout_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout_s
         self._sock.send(P.encode(make(req)))
         while True:
-            if not self._sock.poll(int(timeout_s * 1000)):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
                 raise AdminError(f"no answer from the hicached daemon on {self.where} within "
                                  f"{timeout_s:g} s: it may still be working on {what} (see its "
                                  "log; raise --timeout)")
-            answer = P.answer_decoder.decode(self._sock.recv())
+            try:
+                answer = P.answer_decoder.decode(self._sock.recv())
+            except msgspec.DecodeError as e:
+                raise AdminError(f"the daemon on {self.where} answered {what} with something "
+                                 f"this hicached cannot read ({e}): is it another version?"
+                                 ) from None
             if answer.req_id == req:
                 break  # (an earlier request's late answer is dropped)
         if isinstance(answer, P.Error):
@@ -100,6 +116,10 @@ class SocketAdmin:
 
     def status(self) -> tuple[dict, dict, dict | None]:
         view = self.call(lambda r: P.GetStats(r, "status"), "status").stats
+        if not {"health", "ready", "stats"} <= set(view):  # a daemon from before the view
+            raise AdminError(f"the daemon on {self.where} predates `hicached status` over its "
+                             "socket: restart it with this hicached, or use --url with its "
+                             "admin_port")
         return view["health"], view["ready"], view["stats"]
 
     def backend(self) -> dict:

@@ -131,6 +131,9 @@ def test_no_daemon_is_one_line_naming_where_it_looked(home):
     both = hicached("status", "--url", "http://127.0.0.1:1", "--endpoint", "ipc:///x", env=env,
                     cwd=elsewhere)
     assert both.returncode == 2 and "give one" in both.stderr
+    bad = hicached("status", "--endpoint", "tcp://no-port", env=env, cwd=elsewhere)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.count("\n") == 1 and "tcp://no-port" in bad.stderr
 
 
 def test_a_reader_that_leaves_is_no_traceback(home, default_daemon):
@@ -242,6 +245,7 @@ def test_demo_without_its_extra_says_what_to_install(home):
     ({"timeout_s": 0}, "timeout_s"),
     ({"timeout_s": float("nan")}, "timeout_s"),
     ({"timeout_s": "5"}, "timeout_s"),
+    ({"timeout_s": 10**400}, "timeout_s"),  # (too large for a float)
     ({"spin_s": -1}, "spin_s"),
     ({"release_delay_s": float("inf")}, "release_delay_s"),
     ({"client_name": None}, "client_name"),
@@ -257,3 +261,20 @@ def test_client_arguments_are_checked_by_name(tmp_path, kwargs, named):
     with pytest.raises(InvalidArgument, match=rf"^{named} must") as e:
         Client(endpoint, namespace, **args)
     assert isinstance(e.value, ValueError) and isinstance(e.value, TypeError)
+
+
+def test_ctrl_c_pressed_again_and_again_while_serving_stops_it(home, tmp_path):
+    """Signals that land while the stop of an earlier one is under way (Ctrl-C pressed twice, a
+    wrapper that forwards it, systemd's SIGTERM beside another) never hang the daemon."""
+    env, elsewhere, _ = home
+    endpoint = f"ipc://{tmp_path}/s.sock"
+    p = subprocess.Popen([sys.executable, "-m", "hicached", "serve", "--l2-size", "16MiB",
+                          "--slab-size", "1MiB", "--endpoint", endpoint, "--l3-backend",
+                          "none"], env=env, cwd=elsewhere, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert "listening on" in p.stdout.readline()
+    for i in range(50):
+        p.send_signal(signal.SIGINT if i % 2 else signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0 and "hicached stopped" in out, err
+    assert "Traceback" not in err

@@ -377,9 +377,9 @@ class MooncakeBackend(L3Backend):
         if not keys:
             return []
         ptrs, names = self._ptrs(offsets, page_bytes), self._names(ns, pool, keys)
-        again = [n for n, k in zip(names, keys) if (ns, pool, k) in self.bad]
+        again = [(n, (ns, pool, k)) for n, k in zip(names, keys) if (ns, pool, k) in self.bad]
         if again:  # their bad copies are still there: a put would keep the first value
-            self._remove(again)
+            self._remove([n for n, _ in again], keys=[key for _, key in again])
         with self.trailers.locks["put"]:
             for i, (key, off) in enumerate(zip(keys, offsets)):
                 self.trailers.seal("put", i, ns, pool, key, page_bytes,
@@ -388,7 +388,10 @@ class MooncakeBackend(L3Backend):
                               self.trailers.ptrs("put", len(keys)), page_bytes)
         if rcs is None:
             return [False] * len(keys)
-        out = [rc in (0, OBJECT_ALREADY_EXISTS) for rc in rcs]  # already stored: a success
+        # already stored: a success, unless what is stored is a bad copy that could not be
+        # removed (still in ``bad``): then the page is not in L3, and stays a failed put
+        out = [rc == 0 or (rc == OBJECT_ALREADY_EXISTS and (ns, pool, k) not in self.bad)
+               for rc, k in zip(rcs, keys)]
         for key, ok in zip(keys, out):
             if ok:
                 self.bad.discard(ns, pool, key)
@@ -430,7 +433,7 @@ class MooncakeBackend(L3Backend):
                         bad.append(names[i])
                         self.bad.add(ns, pool, key)  # until the copy is removed or replaced
                 out.append(rc == whole and why is None)
-            self.integrity.verified += sum(out)
+            self.integrity.verified_loads(sum(out))
         if bad:
             self._remove(bad, keys=[(ns, pool, k) for k, n in zip(keys, names) if n in bad])
         # another size: larger answers -600, smaller -800 (a get into two buffers that the
