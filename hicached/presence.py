@@ -63,7 +63,14 @@ H_MAGIC, H_CAPACITY, H_HEARTBEAT, H_FLAGS, H_ENTRIES, H_EPOCH, H_GRAIN, H_TAGS =
 F_L3, F_OVERFLOW, F_CLOSED = 1, 2, 4
 MAX_LOAD = 0.6  # past this share of slots in use the table stops taking keys (OVERFLOW)
 STALE_S = 1.0  # a heartbeat older than this: readers ask the daemon instead
-MIN_SLOTS, MAX_SLOTS = 1 << 14, 1 << 26
+MIN_SLOTS, MAX_SLOTS = 1 << 14, 1 << 26  # 256 KiB .. 1 GiB of slots (locked shared memory)
+# Default sizing (``default_slots``): one key per this many bytes of arena. The arena takes pages
+# down to one 64 B slot (``slabs.ALIGN``), but a table for those would cost up to 83% of the
+# arena. A key's pages (all pools of one token page) hold at least one KV page, all layers: 12
+# KiB per token already for a 0.5B model, so at 4 KiB an arena full of the smallest real pages
+# still fits (a million of them in a 4 GiB arena), for 0.65-1.3% of the arena (power-of-2
+# rounding). Smaller pages: set ``presence_slots``.
+KEY_BYTES = 4096
 TAG_GRAIN = 64 * 1024  # arena bytes per slot tag: pages this large or larger get a tag
 # Readers rely on the daemon's stores becoming visible in program order, and causally (x86): a
 # mask before its fp, a session word after the commits it acknowledges, a tag zeroed before any
@@ -77,12 +84,22 @@ _P1, _P2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
 _NP1, _NP2 = np.uint64(_P1), np.uint64(_P2)
 _S29, _S32 = np.uint64(29), np.uint64(32)
 _WORDS: dict[int, struct.Struct] = {}
+_U8 = np.dtype("<u8")
+_SEP = "\0" * 8
 
 
 def default_slots(arena_bytes: int) -> int:
-    """Slots for an arena: room for one key per 8 KiB of arena at ``MAX_LOAD``, a power of 2."""
-    want = int(arena_bytes // 8192 / MAX_LOAD) + 1
+    """Slots for an arena: room for one key per ``KEY_BYTES`` of arena at ``MAX_LOAD``, a power
+    of 2 within [``MIN_SLOTS``, ``MAX_SLOTS``] (the table file: ``table_bytes``)."""
+    want = int(arena_bytes // KEY_BYTES / MAX_LOAD) + 1
     return min(MAX_SLOTS, max(MIN_SLOTS, 1 << (want - 1).bit_length()))
+
+
+def table_bytes(slots: int, arena_bytes: int, grain: int = TAG_GRAIN) -> int:
+    """Bytes of the table file (``PresenceTable.nbytes``): header and session words, 16 B per
+    slot (fp, mask), 8 B per ``grain`` of arena for the slot tags (``grain`` 0: none)."""
+    tags = arena_bytes // grain if arena_bytes >= grain > 0 else 0
+    return (TABLE_WORD + 2 * slots + tags) * 8
 
 
 def fingerprint(seed: int, key: str) -> int:
@@ -122,26 +139,34 @@ def fingerprints(seed: int, keys: Sequence[str]) -> np.ndarray | None:
     if width == 0 or width & 7:
         return None
     try:
-        blob = "\0".join(keys).encode() + b"\0"
+        # keys 8 NULs apart: every key's words start 8-byte aligned (gathered by one aligned
+        # copy), and a key of another length moves some separator off its place
+        blob = _SEP.join(keys).encode()
     except TypeError:
         return None  # not all str: the daemon's typed error
-    if len(blob) != n * (width + 1):
+    stride = width + 8
+    if len(blob) != n * stride - 8:
         return None  # non-ASCII (more bytes than characters), or lengths differ
-    rows = np.frombuffer(blob, np.uint8).reshape(n, width + 1)
-    if rows[:, width].any() or np.count_nonzero(rows) != n * width:
-        return None  # lengths differ (a separator is not at a row's end), or a NUL in a key
-    # words[j]: the j-th 8 bytes of every key (gathered from stride width + 1: aligned rows)
-    words = np.ascontiguousarray(np.ndarray((width >> 3, n), np.dtype("<u8"), blob, 0,
-                                            (8, width + 1)))
-    h = np.full(n, seed ^ width, np.uint64)
-    for w in words:
-        h ^= w
+    if (np.count_nonzero(np.frombuffer(blob, np.uint8)) != n * width
+            or np.count_nonzero(np.ndarray((n - 1,), _U8, blob, width, (stride,)))):
+        return None  # a NUL in a key, or lengths differ (a separator is not where a row ends)
+    # words[j]: the j-th 8 bytes of every key, contiguous (one pass per word below)
+    words = np.ascontiguousarray(np.ndarray((width >> 3, n), _U8, blob, 0, (8, stride)))
+    h = np.bitwise_xor(words[0], np.uint64(seed ^ width))
+    t = np.empty(n, np.uint64)  # every shift lands here: no temporary per step
+    for j in range(width >> 3):
+        if j:
+            h ^= words[j]
         h *= _NP1
-        h ^= h >> _S32
-    h ^= h >> _S29
+        np.right_shift(h, _S32, out=t)
+        h ^= t
+    np.right_shift(h, _S29, out=t)
+    h ^= t
     h *= _NP2
-    h ^= h >> _S32
-    h[h < 2] += np.uint64(2)
+    np.right_shift(h, _S32, out=t)
+    h ^= t
+    if h.min() < 2:  # (one pass; the fix-up is a 2^-63 event)
+        h[h < 2] += np.uint64(2)
     return h
 
 
@@ -160,7 +185,7 @@ class PresenceTable:
         self.grain = grain if arena_bytes >= grain > 0 else 0
         self.tag_count = arena_bytes // self.grain if self.grain else 0
         self._tags_at = TABLE_WORD + 2 * slots
-        self.nbytes = (self._tags_at + self.tag_count) * 8
+        self.nbytes = table_bytes(slots, arena_bytes, self.grain)
         self._buf = create_mapped(path, self.nbytes, mode, "presence table")
         self._w = memoryview(self._buf).cast("Q")  # slot s: fp at TABLE_WORD + 2s, then mask
         # the tags (kept up to date until the daemon exits, even after ``close``: readers check
@@ -199,9 +224,10 @@ class PresenceTable:
             return  # readers no longer trust the table: nothing to keep up
         if not self._put(fp, mask):
             self._set_flag(F_OVERFLOW)
-            log.warning("presence table full (%d keys in %d slots): clients ask the daemon for "
-                        "every exists until L2 holds fewer keys again; raise presence_slots",
-                        self.entries, self.slots)
+            log.warning("presence table full (%d keys in %d slots): clients ask the daemon over "
+                        "the socket for every exists until L2 holds fewer keys again; raise "
+                        "presence_slots (16 B a slot) above %d", self.entries, self.slots,
+                        self.slots)
 
     def _put(self, fp: int, mask: int) -> bool:
         w = self._w

@@ -15,18 +15,23 @@ from pools import indexer_pool, kv_pool, mamba_pool, pages
 
 from hicached import PoolTransfer
 from hicached.errors import DaemonUnavailable
+from hicached.ops.config import load_config
 from hicached.presence import (
     F_CLOSED,
     H_FLAGS,
+    KEY_BYTES,
     MAX_LOAD,
+    MIN_SLOTS,
     SESSION_WORDS,
     TABLE_WORD,
+    TAG_GRAIN,
     PresenceTable,
     PresenceView,
     default_slots,
     fingerprint,
     fingerprints,
     namespace_seed,
+    table_bytes,
 )
 
 SEED = namespace_seed("ns-test")
@@ -54,12 +59,28 @@ def test_fingerprints_match_the_per_key_twin():
     assert min(fingerprint(s, "") for s in range(1000)) >= 2  # 0 (empty) and 1 never occur
 
 
+def test_fingerprints_match_the_twin_bit_for_bit_on_any_ascii():
+    """Clients and daemons of different versions must agree: every printable and control
+    character but NUL, batches of 1 to 2000 keys of several widths."""
+    rng = random.Random(2)
+    chars = [chr(c) for c in range(1, 128)]
+    for width in (8, 24, 64, 72, 256):
+        for n in (1, 2, 7, 1024, 2000):
+            keys = ["".join(rng.choices(chars, k=width)) for _ in range(n)]
+            seed = rng.getrandbits(64)
+            vec = fingerprints(seed, keys)
+            assert vec is not None and vec.shape == (n,)
+            assert vec.tolist() == [fingerprint(seed, k) for k in keys]
+
+
 @pytest.mark.parametrize("keys", [
     ["abc", "def"],                          # not a multiple of 8 bytes
     ["a" * 8, "b" * 16],                     # lengths differ
     ["a" * 16, "b" * 8 + "c" * 8, "d" * 8],  # lengths differ, total fits
     ["é" * 8, "a" * 8],                      # non-ASCII
     ["a\0" * 4, "b" * 8],                    # a NUL inside
+    ["a" * 24, "b" * 8, "c" * 8 + "\0" * 8 + "d" * 24],  # NULs where a separator would be
+    ["a" * 8, "b" * 8, 5],                   # not all str
 ])
 def test_fingerprints_refuse_batches_the_vector_path_cannot_hash(keys):
     assert fingerprints(SEED, keys) is None
@@ -186,8 +207,24 @@ def test_session_words_acknowledge_commits(table):
 def test_bad_sizes_and_default_slots(tmp_path):
     with pytest.raises(ValueError, match="power of 2"):
         PresenceTable(f"/dev/shm/hicached-test-bad-{os.getpid()}", 100, 1)
-    assert default_slots(1 << 30) == 1 << 18  # one key per 8 KiB at MAX_LOAD, rounded up
+    assert default_slots(1 << 30) == 1 << 19  # one key per 4 KiB at MAX_LOAD, rounded up
     assert default_slots(1 << 20) == 1 << 14 and default_slots(1 << 50) == 1 << 26
+
+
+@pytest.mark.parametrize("l2_size", ["16MiB", "100MiB", "1GiB", "4GiB", "48GiB", "150GiB"])
+def test_the_default_table_holds_an_arena_full_of_small_pages(l2_size, tmp_path):
+    """A million 4 KiB pages in a 4 GiB arena stay answered from shared memory (issue 24): the
+    daemon's default (``Daemon._presence_table``) fits ``l2_size // KEY_BYTES`` keys, for about
+    1% of the arena."""
+    config = load_config(None, {}, {"l2_size": l2_size, "slab_size": "1MiB",
+                                    "state_dir": str(tmp_path)})
+    assert config.presence_slots == 0
+    slots = default_slots(config.l2_size)
+    assert int(slots * MAX_LOAD) >= config.l2_size // KEY_BYTES
+    assert slots * MAX_LOAD < 2 * config.l2_size // KEY_BYTES or slots == MIN_SLOTS
+    nbytes = table_bytes(slots, config.l2_size)
+    assert nbytes == (TABLE_WORD + 2 * slots + config.l2_size // TAG_GRAIN) * 8
+    assert nbytes < 0.017 * config.l2_size or slots == MIN_SLOTS
 
 
 # ---------------------------------------------------------------- through real daemons
@@ -374,6 +411,8 @@ def test_full_table_falls_back_to_the_socket_until_the_keys_fit(make_daemon):
         assert answered_shared(c, lambda: c.batch_exists(keys)) == 4
     out = daemon.output()
     assert "presence table full (9 keys in 16 slots)" in out
+    assert out.count("presence table full") == 1  # once, though more keys came and went
+    assert "over the socket" in out and "raise presence_slots (16 B a slot) above 16" in out
     assert "presence table rebuilt with 0 keys" in out
 
 

@@ -202,11 +202,10 @@ class Controller(SessionControl):
         offsets, tags, bound, present = [], [], [], []
         for p, (t, spec) in enumerate(zip(msg.transfers, specs)):
             table = (s.ns, t.pool)
-            committed = self.index.table(table)
             claims = msg.ahead[p] if ahead is not None and p < len(msg.ahead) else ()
             row, tag_row, bound_row = [], [0] * len(t.keys), [False] * len(t.keys)
             for i, key in enumerate(t.keys):
-                e = committed.get(key)
+                e = self.index.get(table, key)
                 if e is not None:
                     self.index.touch(e)
                     row.append(P.SLOT_PRESENT)
@@ -219,8 +218,8 @@ class Controller(SessionControl):
                     if i < len(claims) and claims[i] >= 0:  # its page is already in that slot
                         e = self.leases.take_ahead(ahead, t.pool, claims[i])
                         if e is not None:
-                            self.index.bind(e, table, key, spec.page_bytes)
-                            bound_row[i] = True
+                            e = self.index.bind(e, table, key, spec.page_bytes)
+                            bound_row[i] = e is not None
                     if e is None and self.quotas.admit(s.ns, spec.stride):
                         e = self.index.reserve(table, key, spec.page_bytes, spec.stride)
                     if e is None:
@@ -319,8 +318,8 @@ class Controller(SessionControl):
         parked = ParkedGet(s, msg, reply, self.clock() + self.get_wait_s)
         present = False
         for t in msg.transfers:
-            committed = self.index.tables.get((s.ns, t.pool)) or {}
-            missing = [k for k in t.keys if k not in committed]
+            have = self.index.contains((s.ns, t.pool), t.keys)
+            missing = [t.keys[i] for i in np.flatnonzero(~have).tolist()]
             present = present or len(missing) < len(t.keys)
             if missing and msg.load:  # a page another client is writing: wait for its commit
                 self._wait_for_writers(parked, (s.ns, t.pool), missing)
@@ -336,7 +335,7 @@ class Controller(SessionControl):
         return self._lease_present(s, msg)
 
     def _wait_for_writers(self, parked: ParkedGet, table: TableId, keys: list[str]) -> None:
-        pend = self.index.pending.get(table)
+        pend = self.index.pending.get(table)  # live handles
         if not pend:
             return
         for key in keys:
@@ -360,10 +359,10 @@ class Controller(SessionControl):
         from_l3: list[list[int]] = []
         for t in msg.transfers:
             table = (s.ns, t.pool)
-            committed = self.index.tables.get(table) or {}
+            get = self.index.get
             row, tag_row, l3_row = [], [0] * len(t.keys), []
             for i, key in enumerate(t.keys):
-                e = committed.get(key)
+                e = get(table, key)
                 if e is not None:
                     entries.append(e)
                     row.append(e.offset)

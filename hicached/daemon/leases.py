@@ -168,7 +168,7 @@ class LeaseTable:
         fence's end."""
         for e in entries:
             p = self.index.pending.get(e.table)
-            if p is not None and p.get(e.key) is e:
+            if p is not None and p.get(e.key) == e:
                 del p[e.key]
             self.fenced_bytes += e.stride
         if entries:

@@ -255,8 +255,8 @@ class DaemonOperations:
         only)."""
         c, table = self.controller, self.presence
         pools: dict[str, int] = {}
-        for (_, pool), pages in c.index.tables.items():
-            pools[pool] = pools.get(pool, 0) + len(pages)
+        for (_, pool), n in c.index.counts().items():
+            pools[pool] = pools.get(pool, 0) + n
         return {
             "l2_pages": len(c.index),
             "l2_pages_by_pool": pools,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 
-from hicached.daemon.index import Entry, PageIndex
+from hicached.daemon.index import COMMITTED, PageIndex
 from hicached.daemon.sessions import namespace_digest
 
 
@@ -55,7 +55,8 @@ class NamespaceQuotas(NoQuotas):
         self.index = index
         self._limits: dict[str, tuple[str, int]] = {}  # digest -> (namespace, bytes)
         self._counts: dict[str, dict[str, int]] = {}  # digest -> evictions / rejections
-        self._queues: dict[str, tuple[deque[Entry], int]] = {}  # digest -> (LRU queue, tick)
+        # digest -> (queue of (page record, generation), next victim first; the newest tick)
+        self._queues: dict[str, tuple[deque[tuple[int, int]], int]] = {}
         self.set_quotas(quotas)
 
     def set_quotas(self, quotas: Mapping[str, int]) -> None:
@@ -85,7 +86,8 @@ class NamespaceQuotas(NoQuotas):
 
     def _evict_own(self, ns: str, need_bytes: int) -> None:
         freed = 0
-        pinned: list[Entry] = []
+        pinned: list[tuple[int, int]] = []
+        ix = self.index
         queue, tick = self._queues.get(ns) or self._rebuild(ns)
         rebuilt = False
         while freed < need_bytes:
@@ -96,23 +98,22 @@ class NamespaceQuotas(NoQuotas):
                 queue, tick = self._rebuild(ns)
                 rebuilt = True
                 continue
-            e = queue.popleft()
-            if not e.committed or e.last_used > tick:
+            p, gen = queue.popleft()
+            if ix.p_gen[p] != gen or not ix.p_flags[p] & COMMITTED or ix.p_used[p] > tick:
                 continue  # gone, or used since the sort: it is further back now
-            if e.pins:
-                pinned.append(e)
+            if ix.p_pins[p]:
+                pinned.append((p, gen))
                 continue
-            self.index.evict(e)
-            freed += e.stride
+            freed += ix.p_stride[p]
+            ix.evict(ix.handle(p))
             self._counts[ns]["evictions"] += 1
         queue.extendleft(reversed(pinned))  # still the oldest: first in line next time
 
-    def _rebuild(self, ns: str) -> tuple[deque[Entry], int]:
-        entries = [e for (table_ns, _), table in self.index.tables.items() if table_ns == ns
-                   for e in table.values()]
-        entries.sort(key=lambda e: e.last_used)
-        tick = entries[-1].last_used if entries else 0
-        self._queues[ns] = (deque(entries), tick)
+    def _rebuild(self, ns: str) -> tuple[deque[tuple[int, int]], int]:
+        ix = self.index
+        recs = ix.policy.ranked(ns)
+        tick = max(map(ix.p_used.__getitem__, recs), default=0)
+        self._queues[ns] = (deque((p, ix.p_gen[p]) for p in recs), tick)
         return self._queues[ns]
 
     def snapshot(self) -> list[dict]:

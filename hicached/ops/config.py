@@ -55,7 +55,7 @@ class DaemonConfig:
     io_queue_depth: int = 256
     busy_poll_ms: float = 0.0  # after a request, poll without sleeping this long (0: never)
     shared_exists: bool = True  # publish L2 presence in shared memory (clients answer exists)
-    presence_slots: int = 0  # slots of that table, a power of 2 (0: from l2_size)
+    presence_slots: int = 0  # slots of that table, a power of 2, 16 B each (0: l2_size / 4 KiB)
     shared_gets: bool = True  # publish slot tags there too (clients get known pages leaselessly)
     socket_mode: int = 0o600
     log_level: str = "info"

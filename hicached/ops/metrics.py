@@ -54,10 +54,10 @@ class NullMetrics:
         """Every counter the views need, taken at once (call on the control loop)."""
         d = self.daemon
         pools: dict[str, dict[str, int]] = {}
-        for (ns, pool), table in d.index.tables.items():
+        for (ns, pool), n in d.index.counts().items():
             p = pools.setdefault(pool, {"pages": 0, "bytes": 0})
-            p["pages"] += len(table)
-            p["bytes"] += len(table) * d.controller.geometry.get((ns, pool), 0)
+            p["pages"] += n
+            p["bytes"] += n * d.controller.geometry.get((ns, pool), 0)
         return {
             "stats": d.loop_stats(),
             "pools": pools,

@@ -21,7 +21,7 @@ def test_pending_is_invisible_until_commit():
     e = ix.reserve(T, "a", 256, 256)
     assert ix.get(T, "a") is None and ix.get_pending(T, "a") is e
     ix.commit(e)
-    assert ix.get(T, "a") is e and ix.get_pending(T, "a") is None
+    assert ix.get(T, "a") == e and ix.get_pending(T, "a") is None
     assert e.pins == 0
 
 
@@ -94,7 +94,7 @@ def test_drop_skips_pinned():
     ix.commit(b)
     ix.pin(a)
     assert ix.drop(list(ix.table(T).values())) == 1
-    assert ix.get(T, "a") is a and ix.get(T, "b") is None
+    assert ix.get(T, "a") == a and ix.get(T, "b") is None
 
 
 # ---------------------------------------------------------------- presence masks
@@ -127,7 +127,7 @@ def test_presence_follows_commit_abort_evict_and_drop():
     ix.pin(ix.get(T, "b"))
     assert ix.drop([ix.get(M, "a"), ix.get(T, "b"), ix.get(T, "d")]) == 2  # b is pinned
     assert ix.presence("ns", ["a", "b", "d"]).tolist() == [0, kv, 0]
-    assert "a" not in ix._presence["ns"]  # no empty masks kept
+    assert ix.chain("ns", "a") == (None, -1)  # no key record kept for a key L2 lacks
 
 
 def test_presence_random_operations_match_the_tables():
@@ -185,7 +185,7 @@ def test_entries_that_survive_a_full_collection_are_frozen_out_of_later_ones():
         assert gc.get_freeze_count() == 0  # a young pass freezes nothing
         freeze_survivors("stop", {"generation": 2})
         frozen = gc.get_freeze_count()
-        assert frozen >= 8
+        assert frozen > 0  # records are arrays now: few objects, whatever survives is frozen
         ix.drop(list(ix.tables[T].values()))  # frozen entries still come and go
         ix.commit(ix.reserve(T, "new", 256, 256))
         assert ix.get(T, "new") is not None and ix.get(T, "k0") is None
@@ -199,8 +199,9 @@ def _state(ix, shared):
         {t: sorted((k, e.offset, e.gen, e.last_used, e.pins) for k, e in d.items())
          for t, d in ix.tables.items()},
         {t: sorted(d) for t, d in ix.pending.items()},
-        {s: [(e.table, e.key) for e in lru] for s, lru in ix._lru.items()},
-        ix._presence, ix._tick,
+        {s: [(e.table, e.key) for e in ix.lru_order(s)] for s in ix.policy.strides()},
+        {ns: ix.presence(ns, [f"k{i}" for i in range(200)]).tolist() for ns in ("ns", "other")},
+        ix._tick,
         [(s.index, s.pinned, s.last_used) for s in ix.alloc.slabs],
         {s: [x.index for x in o] for s, o in ix.alloc._by_age.items()},
         shared._w[TABLE_WORD:].tobytes() if shared is not None else None,  # slots and tags

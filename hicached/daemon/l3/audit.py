@@ -50,9 +50,11 @@ class TierAudit:
             return 0
         self._next_audit = now + self.audit_s
         by_table: dict[TableId, list[Entry]] = {}
-        for lru in self.index._lru.values():
+        policy = self.index.policy
+        for stride in policy.strides():
             # pinned pages are passed over (as eviction does): they are not evicted next
-            evictable = itertools.islice((e for e in lru if e.pins == 0), AUDIT_WINDOW)
+            evictable = map(self.index.handle,
+                            itertools.islice(policy.unpinned(stride), AUDIT_WINDOW))
             oldest = (e for e in evictable if e.in_l3 and e.committed and not e.writing)
             for e in itertools.islice(oldest, AUDIT_PAGES):
                 by_table.setdefault(e.table, []).append(e)
@@ -75,7 +77,7 @@ class TierAudit:
         for e, have in zip(job.entries, job.result):
             if have:
                 self._remember(e.table, e.key)
-            elif e.in_l3 and self.index.get(e.table, e.key) is e:
+            elif e.in_l3 and self.index.get(e.table, e.key) == e:
                 lost.append(e)
         if not lost:
             return

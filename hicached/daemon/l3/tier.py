@@ -164,9 +164,8 @@ class L3Tier(TierWrites, TierAudit):
         lacks)."""
         self.known_in_l3.clear()
         self.absent_in_l3.clear()
-        for table in self.index.tables.values():
-            for e in table.values():
-                self._lost_copy(e, dirty_again)
+        for e in list(self.index.entries()):
+            self._lost_copy(e, dirty_again)
 
     def _close_idle_retired(self) -> None:
         for b in [b for b in self._retired if not self._jobs_of.get(id(b))]:

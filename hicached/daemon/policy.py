@@ -1,0 +1,145 @@
+"""Which L2 pages go next: the one eviction policy every path asks.
+
+Eviction on reserve (``PageIndex._make_room``), slab reclaim (a size class takes a whole slab
+from another), namespace quotas (``quotas.py``), the L3 audit (``l3/audit.py``: the pages to be
+evicted next are the ones whose L3 copies matter) and stats all ask this object, through:
+
+    inserted(p) / touched(p) / removed(p)   a page record was committed / used / dropped
+    order(stride)                           committed pages of a class, next victim first
+    victims(ns)                             unpinned pages of every class, next victim first
+    make_room(stride)                       the pages to evict so that ``stride`` gets a slot
+
+``LruPolicy`` is least recently used, exactly as before this hook existed: one list per size
+class in the order of last use (a call's pages in call order), linked through two arrays indexed
+by page record, and ``make_room`` evicts either the class's least recently used unpinned page or
+the least recently touched unpinned slab of another class (all its pages), whichever was used
+longer ago (a whole slab frees room for any page size). Pinned pages are passed over.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from hicached.daemon.index import PageIndex
+
+COMMITTED = 1  # index.COMMITTED (that module imports this one)
+
+
+class LruPolicy:
+    """Least recently used per size class (see the module docstring)."""
+
+    def __init__(self):
+        self.ix: PageIndex | None = None
+        self._prev = array("i")
+        self._next = array("i")
+        self._ends: dict[int, list[int]] = {}  # stride -> [oldest, newest] page record (-1)
+
+    def bind(self, ix: PageIndex) -> None:
+        self.ix = ix
+
+    def grow(self, n: int) -> None:
+        """Page records now number ``n``."""
+        add = n - len(self._prev)
+        self._prev.frombytes(bytes(4 * add))
+        self._next.frombytes(bytes(4 * add))
+
+    # ------------------------------------------------------------ the index's events
+
+    def inserted(self, p: int) -> None:
+        stride = self.ix.p_stride[p]
+        ends = self._ends.get(stride)
+        if ends is None:
+            ends = self._ends[stride] = [-1, -1]
+        last = ends[1]
+        self._prev[p] = last
+        self._next[p] = -1
+        if last >= 0:
+            self._next[last] = p
+        else:
+            ends[0] = p
+        ends[1] = p
+
+    def removed(self, p: int) -> None:
+        ends = self._ends[self.ix.p_stride[p]]
+        prev, nxt = self._prev[p], self._next[p]
+        if prev >= 0:
+            self._next[prev] = nxt
+        else:
+            ends[0] = nxt
+        if nxt >= 0:
+            self._prev[nxt] = prev
+        else:
+            ends[1] = prev
+
+    def touched(self, p: int) -> None:
+        ends = self._ends[self.ix.p_stride[p]]
+        if ends[1] != p:
+            self.removed(p)
+            self.inserted(p)
+
+    # ------------------------------------------------------------ questions
+
+    def order(self, stride: int) -> Iterator[int]:
+        """Committed page records of class ``stride``, next victim first (pinned included)."""
+        ends = self._ends.get(stride)
+        p = ends[0] if ends else -1
+        nxt = self._next
+        while p >= 0:
+            q = nxt[p]  # read first: the caller may evict ``p``
+            yield p
+            p = q
+
+    def strides(self) -> list[int]:
+        return list(self._ends)
+
+    def unpinned(self, stride: int) -> Iterator[int]:
+        """``order(stride)`` without the pinned pages."""
+        pins = self.ix.p_pins
+        return (p for p in self.order(stride) if pins[p] == 0)
+
+    def victims(self, ns: str | None = None) -> Iterator[int]:
+        """Unpinned committed page records of every class (of namespace ``ns``), next victim
+        first; the caller may evict each as it is given."""
+        ix = self.ix
+        used = ix.p_used
+        merged = heapq.merge(*(self.unpinned(s) for s in list(self._ends)),
+                             key=used.__getitem__)
+        if ns is None:
+            return merged
+        nsid = ix._ns_id.get(ns)
+        k_ns, krec = ix.k_ns, ix.p_krec
+        return (p for p in merged if k_ns[krec[p]] == nsid)
+
+    def ranked(self, ns: str) -> list[int]:
+        """Every committed page record of namespace ``ns`` (pinned ones included), next victim
+        first: a snapshot (``quotas.py`` consumes it while pages come and go)."""
+        ix = self.ix
+        tids = [t for t, (t_ns, _) in enumerate(ix._tables) if t_ns == ns]
+        if not tids:
+            return []
+        flags = np.frombuffer(ix.p_flags, np.uint8)
+        sel = np.flatnonzero(((flags & COMMITTED) != 0)
+                             & np.isin(np.frombuffer(ix.p_tid, np.int16), tids))
+        del flags
+        used = np.frombuffer(ix.p_used, np.int64)[sel]
+        return sel[np.argsort(used, kind="stable")].tolist()
+
+    def make_room(self, stride: int) -> list[int]:
+        """The committed, unpinned page records to evict so that class ``stride`` may get a
+        slot: the class's oldest page, or every page of another class's oldest slab; empty when
+        nothing can be evicted."""
+        ix = self.ix
+        page = next(self.unpinned(stride), -1)
+        slab = ix.alloc.oldest_unpinned(stride)
+        if page >= 0 and (slab is None or ix.p_used[page] <= slab.last_used):
+            return [page]
+        if slab is not None:
+            slots = ix._slots.get(slab.index, ())
+            return [p for p in slots if p >= 0]
+        return []
