@@ -116,6 +116,7 @@ class PageIndex:
         self._bits: dict[str, dict[str, int]] = {}  # ns -> pool -> its bit in those masks
         self.shared: PresenceTable | None = None  # those masks, published for clients
         self._seeds: dict[str, int] = {}  # ns -> its fingerprint seed in ``shared``
+        self._links: dict[str, dict[str, tuple[str | None, int]]] = {}  # ns -> key -> chain()
 
     # ------------------------------------------------------------ lookups
 
@@ -412,3 +413,31 @@ class PageIndex:
         del self._by_offset[entry.offset]
         self.alloc.free(entry.offset)
         entry.offset = -1
+
+    # ------------------------------------------------------------ chains (a stand-in)
+
+    def link(self, ns: str, keys: Sequence[str], parent: str | None, depth: int) -> None:
+        """Record that ``keys`` are consecutive pages of one sequence of namespace ``ns``
+        (``Reserve.anchor_pool``): keys[0]'s parent is ``parent`` (None: a root, or not known),
+        keys[i+1]'s is keys[i]; keys[i] has ``depth + i`` pages before it (-1 when ``depth`` is
+        -1: not known). Only keys the index holds (pending or committed, in any pool of ``ns``)
+        are linked; a key linked again keeps the newest links.
+
+        A stand-in: links are not forgotten when a key leaves L2, only no longer reported
+        (``chain``), so the map grows with every key ever linked."""
+        links = self._links.setdefault(ns, {})
+        for i, key in enumerate(keys):
+            if self._holds(ns, key):
+                links[key] = (keys[i - 1] if i else parent, depth + i if depth >= 0 else -1)
+
+    def chain(self, ns: str, key: str) -> tuple[str | None, int]:
+        """(parent key or None, depth or -1) of ``key`` in namespace ``ns`` (``link``); (None,
+        -1) for a key never linked or no longer held."""
+        found = self._links.get(ns, {}).get(key)
+        return found if found is not None and self._holds(ns, key) else (None, -1)
+
+    def _holds(self, ns: str, key: str) -> bool:
+        """Whether some pool of ``ns`` holds ``key``, committed or pending."""
+        if self._presence.get(ns, {}).get(key):
+            return True
+        return any(key in self.pending.get((ns, pool), ()) for pool in self._bits.get(ns, ()))
