@@ -9,6 +9,7 @@ import pytest
 from conftest import raw_socket
 from inproc_daemon import inproc_daemon
 from pools import kv_pool, mamba_pool, pages
+from protocol_v4 import OldReserve
 
 from hicached import Client, PoolTransfer
 from hicached import protocol as P
@@ -110,21 +111,6 @@ def test_anchor_pool_names_the_transfer_whose_keys_are_the_chain(daemon):
 
 
 # ---------------------------------------------------------------- over the wire: raw frames
-
-
-class _OldMsg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="op"):
-    pass
-
-
-class OldReserve(_OldMsg, tag="reserve"):
-    """``Reserve`` as protocol version 4 had it before the chain fields."""
-
-    req_id: int
-    session: int
-    transfers: list[P.PoolKeys]
-    ahead: list[list[int]] = []
-    want_ahead: list[int] = []
-    release: list[int] = []
 
 
 def ask(sock, msg):
