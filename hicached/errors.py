@@ -63,8 +63,9 @@ class LengthMismatch(HicachedError):
 
 class InvalidTransfer(HicachedError, ValueError):
     """A call's transfers are unusable: host indices that are not integer page starts inside
-    the pool, keys that are not strings or longer than ``protocol.MAX_KEY_LEN``, a pool named
-    twice in one call. Nothing of the call was stored or copied."""
+    the pool, keys (or a parent key) that are not strings or longer than
+    ``protocol.MAX_KEY_LEN``, a pool named twice in one call, an anchor pool that is not one of
+    the call's. Nothing of the call was stored or copied."""
 
     code = "invalid_transfer"
 

@@ -55,6 +55,8 @@ COUNT_MAX = (1 << 63) - 1
 # small enough for the int64 arithmetic of ``hits.trailing_mask`` (a window past 2**63 ended
 # every answer to it as an internal error, and a parked one was never answered at all).
 Window = Annotated[int, msgspec.Meta(le=1 << 40)]
+# Pages before a key on its chain (``Reserve.depth``): -1 when not known, never absurd.
+Depth = Annotated[int, msgspec.Meta(ge=-1, le=1 << 40)]
 
 # Negative "offsets": what a key got instead of a slot.
 SLOT_PRESENT = -1  # Reserve: already committed (nothing to copy; counts as stored)
@@ -148,6 +150,12 @@ class Reserve(_Msg, tag="reserve"):
     granted in an earlier ``Reserved.ahead``) into which the client has already copied key i's
     page, -1 where none; ``want_ahead[p]`` is how many set-ahead slots of pool p the client wants
     to hold after this request (empty: no change; slots not named are kept unless fewer wanted).
+
+    The call's chain (``PageIndex.link``): the keys of the ``anchor_pool`` transfer ("": the
+    first transfer's) are consecutive pages of one sequence, key i+1's parent being key i;
+    ``parent`` is the key of the page before the first one ("": a root, or not known) and
+    ``depth`` the number of pages before it (-1: not known). Trailing fields, so no version
+    bump: an older daemon ignores them, an older client sends none (a root of unknown depth).
     """
 
     req_id: int
@@ -156,6 +164,9 @@ class Reserve(_Msg, tag="reserve"):
     ahead: list[list[int]] = []
     want_ahead: list[int] = []
     release: list[int] = []  # piggybacked Release
+    anchor_pool: str = ""
+    parent: str = ""
+    depth: Depth = -1
 
 
 class Commit(_Msg, tag="commit"):

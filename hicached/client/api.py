@@ -38,7 +38,7 @@ import zmq
 from hicached import protocol as P
 from hicached.arena import Arena
 from hicached.client.admin import ClientAdmin
-from hicached.client.args import check_client_args
+from hicached.client.args import NO_CHAIN, Chain, check_chain, check_client_args
 from hicached.client.calls import InFlight, token_starts
 from hicached.client.exists import KV, ExistsCalls
 from hicached.client.flatpages import TensorPages
@@ -331,30 +331,41 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
             raise InvalidTransfer(f"pool {name!r}: {e}") from None
         return name, [(name, io, keys, list(range(len(keys))))]
 
-    def batch_set_v2(self, transfers: Sequence[Any], extra_info: Any = None
-                     ) -> dict[str, list[bool]]:
+    def batch_set_v2(self, transfers: Sequence[Any], extra_info: Any = None, *,
+                     parent: str | None = None, depth: int | None = None,
+                     anchor_pool: Any = None) -> dict[str, list[bool]]:
         """Store every pool's pages of the call atomically (reserve -> copy -> commit).
 
         One round trip (Reserve); the Commit is sent without waiting. Per key: True when the
         page was copied (or was already there / being written by another client), False when
-        the arena had no evictable room."""
-        return self._store(self._plan(transfers))
+        the arena had no evictable room.
+
+        Where the call's pages hang, for the daemon's chains (``Reserve``): the keys of the
+        ``anchor_pool`` transfer (None: the first transfer) are consecutive pages of one
+        sequence; ``parent`` is the key of the page before the first of them (None: a root or
+        not known) and ``depth`` the number of pages before it (None: not known). SGLang
+        passes them as ``extra_info.prefix_keys``: parent = its last, depth = its length."""
+        plan = self._plan(transfers)
+        return self._store(plan, check_chain(parent, depth, anchor_pool, [p[0] for p in plan]))
 
     def batch_set_pages(self, pool_name: Any, keys: Sequence[str],
-                        pages: Sequence[torch.Tensor]) -> list[bool]:
+                        pages: Sequence[torch.Tensor], *, parent: str | None = None,
+                        depth: int | None = None) -> list[bool]:
         """Store flat page tensors (SGLang's generic v0 path): ``pages[i]`` under ``keys[i]``
-        in the registered pool ``pool_name`` (whose page size they must have)."""
+        in the registered pool ``pool_name`` (whose page size they must have). ``parent`` and
+        ``depth``: as ``batch_set_v2``."""
+        chain = check_chain(parent, depth, None, ())
         name, plan = self._pages_plan(pool_name, keys, [p.contiguous() for p in pages])
-        return self._store(plan)[name]
+        return self._store(plan, chain)[name]
 
-    def _store(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
-               ) -> dict[str, list[bool]]:
+    def _store(self, plan: list[tuple[str, PageIO, list[str], list[int]]],
+               chain: Chain = NO_CHAIN) -> dict[str, list[bool]]:
         with self._inflight:  # counted before the check: close() waits for it, or it sees
             if self._closed:   # the client closed
                 raise DaemonUnavailable("client is closed")
-            return self._store_now(plan)
+            return self._store_now(plan, chain)
 
-    def _store_now(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
+    def _store_now(self, plan: list[tuple[str, PageIO, list[str], list[int]]], chain: Chain
                    ) -> dict[str, list[bool]]:
         sent = time.monotonic()
         epoch = self._epoch
@@ -363,8 +374,11 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
 
         def build(s: int, r: int) -> P.Reserve:
             if claim is None or self._epoch != epoch:  # joined again: those slots are void
-                return P.Reserve(r, s, pool_keys)
-            return P.Reserve(r, s, pool_keys, claim.ahead, claim.want)
+                return P.Reserve(r, s, pool_keys, anchor_pool=chain.anchor_pool,
+                                 parent=chain.parent, depth=chain.depth)
+            return P.Reserve(r, s, pool_keys, claim.ahead, claim.want,
+                             anchor_pool=chain.anchor_pool, parent=chain.parent,
+                             depth=chain.depth)
 
         arena = self.arena
         failed = claim.failed if claim is not None else set()
@@ -419,10 +433,12 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
         # if this is lost, the reservation expires on its own
         self._send_only(P.Commit(0, self.session, reservation_id, abort=True, reply=False))
 
-    def batch_set_v1(self, keys: Sequence[str], host_indices: Any, extra_info: Any = None
-                     ) -> list[bool]:
-        """v1: store KV pages from the registered KV host pool."""
-        return self.batch_set_v2([PoolTransfer(KV, host_indices, keys=list(keys))])[KV]
+    def batch_set_v1(self, keys: Sequence[str], host_indices: Any, extra_info: Any = None, *,
+                     parent: str | None = None, depth: int | None = None) -> list[bool]:
+        """v1: store KV pages from the registered KV host pool (``parent`` and ``depth``: as
+        ``batch_set_v2``)."""
+        return self.batch_set_v2([PoolTransfer(KV, host_indices, keys=list(keys))],
+                                 parent=parent, depth=depth)[KV]
 
     # ------------------------------------------------------------ prefetch
 

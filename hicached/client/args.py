@@ -1,11 +1,15 @@
-"""The arguments of a ``Client``, checked before anything is connected: a wrong one is an
-``InvalidArgument`` naming it, not a ZeroMQ error or a protocol error deep in the handshake."""
+"""The arguments of a ``Client`` (and of its set calls' chains), checked before anything is
+connected or sent: a wrong one is an ``InvalidArgument`` naming it, not a ZeroMQ error or a
+protocol error deep in the handshake."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from hicached.errors import InvalidArgument
+from hicached.protocol import MAX_KEY_LEN
 
 MAX_NAMESPACE_LEN = 4096  # characters; the SGLang plugin's namespaces are a few hundred
 
@@ -54,3 +58,39 @@ def check_client_args(endpoint: object, namespace: object, timeout_s: object,
     for name, value in (("shared_exists", shared_exists), ("shared_gets", shared_gets)):
         if not isinstance(value, bool):
             raise InvalidArgument(f"{name} must be True or False, got {value!r}")
+
+
+class Chain(NamedTuple):
+    """Where a set call's pages hang (``Reserve.anchor_pool`` / ``parent`` / ``depth``, wire
+    values: "" and -1 when not said)."""
+
+    anchor_pool: str
+    parent: str
+    depth: int
+
+
+NO_CHAIN = Chain("", "", -1)
+MAX_DEPTH = 1 << 40  # pages before a key (``protocol.Depth``)
+
+
+def check_chain(parent: object, depth: object, anchor_pool: object, pools: Sequence[str]
+                ) -> Chain:
+    """The wire values of a set call's ``parent`` / ``depth`` / ``anchor_pool`` arguments, or
+    ``InvalidArgument`` for the first that is unusable (``pools``: the call's, in order)."""
+    if parent is not None and (not isinstance(parent, str) or not parent
+                               or len(parent) > MAX_KEY_LEN):
+        raise InvalidArgument(f"parent must be None or a key (a non-empty str of at most "
+                              f"{MAX_KEY_LEN} characters), got {parent!r:.80}")
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)
+                              or not 0 <= depth <= MAX_DEPTH):
+        raise InvalidArgument(f"depth must be None or an int in [0, {MAX_DEPTH}] (pages "
+                              f"before the call's first key), got {depth!r}")
+    if parent is not None and depth == 0:
+        raise InvalidArgument(f"depth 0 says the first key is a root, but parent is {parent!r}")
+    if anchor_pool is not None:
+        name = getattr(anchor_pool, "value", anchor_pool)
+        if name not in pools:
+            raise InvalidArgument(f"anchor_pool must be None or one of the call's pools "
+                                  f"{list(pools)}, got {anchor_pool!r}")
+        anchor_pool = name
+    return Chain(anchor_pool or "", parent or "", -1 if depth is None else depth)

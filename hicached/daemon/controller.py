@@ -193,6 +193,7 @@ class Controller(SessionControl):
             if t.keys and max(map(len, t.keys)) > P.MAX_KEY_LEN:
                 raise InvalidTransfer(f"pool {t.pool!r}: a key is longer than "
                                       f"{P.MAX_KEY_LEN} characters; nothing was stored")
+        chain = self._chain(msg)
         named = [off for row in msg.ahead for off in row if off >= 0]
         if len(named) != len(set(named)):  # two pages copied into one slot: neither is intact
             raise ProtocolError("Reserve.ahead names a set-ahead slot twice")
@@ -233,6 +234,8 @@ class Controller(SessionControl):
             offsets.append(row)
             tags.append(tag_row)
             bound.append(bound_row)
+        if chain is not None:  # after the loop: its pending keys are held now
+            self.index.link(s.ns, chain.keys, msg.parent or None, msg.depth)
         if present:
             self.tier.on_present(present)
         if self.tier.dirty:  # write_back: make dirty pages evictable before the arena fills
@@ -244,6 +247,25 @@ class Controller(SessionControl):
             self.leases.take_reservation(r.id, s.id)
             return P.Reserved(msg.req_id, 0, offsets, tags, granted, bound)
         return P.Reserved(msg.req_id, r.id, offsets, tags, granted, bound)
+
+    @staticmethod
+    def _chain(msg: P.Reserve) -> P.PoolKeys | None:
+        """The transfer whose keys the call links into a chain (``Reserve.anchor_pool``), None
+        when it has no keys, after checking the chain fields (nothing is reserved before)."""
+        if len(msg.parent) > P.MAX_KEY_LEN:
+            raise InvalidTransfer(f"the parent key is longer than {P.MAX_KEY_LEN} characters; "
+                                  "nothing was stored")
+        if msg.parent and msg.depth == 0:
+            raise ProtocolError("Reserve.depth is 0 (a root) but it names a parent")
+        if not msg.anchor_pool:
+            anchor = msg.transfers[0] if msg.transfers else None
+        else:
+            anchor = next((t for t in msg.transfers if t.pool == msg.anchor_pool), None)
+            if anchor is None:
+                raise InvalidTransfer(f"anchor pool {msg.anchor_pool!r} is not one of the "
+                                      f"call's pools {[t.pool for t in msg.transfers]}; "
+                                      "nothing was stored")
+        return anchor if anchor is not None and anchor.keys else None
 
     def _grant_ahead(self, s: Session, ahead, msg: P.Reserve, specs: list[PoolSpec]
                      ) -> list[list[int]]:

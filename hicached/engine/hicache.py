@@ -86,15 +86,35 @@ class HiCache:
             self.backup(node)
 
     def backup(self, node: TreeNode) -> None:
-        """Store the unstored part of ``node``'s path: KV pages and every state on it."""
+        """Store the unstored part of ``node``'s path: KV pages and every state on it. States
+        alone go one call each: the daemon links a call's first pool's keys as consecutive
+        pages (``Client.batch_set_v2``), and the states of several nodes are not."""
         path = node.path()
         kv_nodes = [n for n in path if not n.kv_stored]
         state_nodes = [n for n in path if n.state is not None and not n.state_stored]
-        if not kv_nodes and not state_nodes:
-            return
+        if kv_nodes:
+            self._store(path, kv_nodes, state_nodes)
+        else:
+            for n in state_nodes:
+                self._store(path, [], [n])
+
+    def _store(self, path: list[TreeNode], kv_nodes: list[TreeNode],
+               state_nodes: list[TreeNode]) -> None:
+        """One store call, with the keys of every page before its first (SGLang's
+        ``prefix_keys``): where its pages hang, for the daemon's chains. The KV pages are the
+        path's unstored tail (a node is stored with its whole path), else the prefix is not
+        said."""
+        first = kv_nodes[0] if kv_nodes else state_nodes[0]
+        at = path.index(first)
+        prefix: list[str] | None = [h for n in path[:at] for h in n.hashes]
+        if not kv_nodes:
+            prefix += first.hashes[:-1]  # a state's key is its node's last page's
+        elif path[at:] != kv_nodes:
+            prefix = None
         kv_ok, state_ok = self.storage.store(
             [h for n in kv_nodes for h in n.hashes], [p for n in kv_nodes for p in n.pages],
-            [n.hashes[-1] for n in state_nodes], [n.state for n in state_nodes])
+            [n.hashes[-1] for n in state_nodes], [n.state for n in state_nodes],
+            prefix_keys=prefix)
         if kv_ok:
             for n in kv_nodes:
                 n.kv_stored = True

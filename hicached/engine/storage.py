@@ -6,7 +6,8 @@ engine speaks two methods:
 
     prefetch(keys, usable_pages, kv_pages_have, reserve)   exists + get of the longest prefix
                                                            every pool can restore
-    store(kv_keys, kv_pages, state_keys, state_slots)      one atomic multi-pool batch_set_v2
+    store(kv_keys, kv_pages, state_keys, state_slots,      one atomic multi-pool batch_set_v2
+          prefix_keys)                                     (SGLang's prefix keys: the chain)
 
 Pools registered with the daemon (the device pools' host geometry, ``pools.py``):
 
@@ -81,9 +82,11 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def store(self, kv_keys: Sequence[str], kv_pages: Sequence[int], state_keys: Sequence[str],
-              state_slots: Sequence[int]) -> tuple[bool, bool]:
+              state_slots: Sequence[int], prefix_keys: Sequence[str] | None = None
+              ) -> tuple[bool, bool]:
         """Write KV (and indexer) pages and states in one call; (all KV stored, all states
-        stored)."""
+        stored). ``prefix_keys``: the keys of every page before the call's first key (its
+        first KV key, else its only state key), as SGLang passes them; None: not known."""
 
     def close(self) -> None:
         """Release connections (idempotent)."""
@@ -98,7 +101,8 @@ class NullStorage(Storage):
     def prefetch(self, keys, usable_pages, kv_pages_have, reserve) -> Fetched:
         return MISS
 
-    def store(self, kv_keys, kv_pages, state_keys, state_slots) -> tuple[bool, bool]:
+    def store(self, kv_keys, kv_pages, state_keys, state_slots, prefix_keys=None
+              ) -> tuple[bool, bool]:
         return False, False
 
 
@@ -248,7 +252,8 @@ class HicachedStorage(Storage):
 
     # ------------------------------------------------------------ write
 
-    def store(self, kv_keys, kv_pages, state_keys, state_slots) -> tuple[bool, bool]:
+    def store(self, kv_keys, kv_pages, state_keys, state_slots, prefix_keys=None
+              ) -> tuple[bool, bool]:
         if not (kv_keys or state_keys):
             return False, False
         self.kv.to_host(kv_pages)
@@ -256,8 +261,9 @@ class HicachedStorage(Storage):
             self.indexer.to_host(kv_pages)
         if state_keys:
             self.states.to_host(state_slots)
+        extra = None if prefix_keys is None else SimpleNamespace(prefix_keys=list(prefix_keys))
         res = {_pool(k): v for k, v in self.plugin.batch_set_v2(
-            self._transfers(kv_keys, kv_pages, state_keys, state_slots)).items()}
+            self._transfers(kv_keys, kv_pages, state_keys, state_slots), extra).items()}
         kv_ok = all(res.get(PoolName.KV.value, [])) and all(res.get(PoolName.INDEXER.value, []))
         return kv_ok, all(res.get(PoolName.MAMBA.value, []))
 

@@ -93,6 +93,17 @@ def _value(x: Any) -> str:
     return str(getattr(x, "value", x))
 
 
+def _chain(extra_info: Any) -> dict[str, Any]:
+    """The ``parent`` / ``depth`` keyword arguments of a set call from SGLang's
+    ``HiCacheStorageExtraInfo.prefix_keys`` (the keys of every page before the call's first,
+    sent only with ``hicache_storage_pass_prefix_keys: true``): its last key and its length.
+    Nothing (a root of unknown depth) without them, or when they are not a list of keys."""
+    prefix = getattr(extra_info, "prefix_keys", None)
+    if not isinstance(prefix, (list, tuple)) or (prefix and not isinstance(prefix[-1], str)):
+        return {}
+    return {"parent": prefix[-1] if prefix else None, "depth": len(prefix)}
+
+
 def _result(kv_hit_pages: int, hits: dict[str, int], restorable: list[int]) -> Any:
     """SGLang's ``PoolTransferResult`` (``restorable_prefix_pages`` only where it exists)."""
     if _RESULT_HAS_RESTORABLE:
@@ -218,7 +229,8 @@ class HicachedStorage(_Base):
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None
                      ) -> list[bool]:
         """Store KV pages from the registered KV host pool at ``host_indices``."""
-        return self.batch_set_v2([PoolTransfer("kv", host_indices, keys=list(keys))])["kv"]
+        return self.batch_set_v2([PoolTransfer("kv", host_indices, keys=list(keys))],
+                                 extra_info)["kv"]
 
     # ------------------------------------------------------------ KV: generic (v0) path
 
@@ -267,7 +279,8 @@ class HicachedStorage(_Base):
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        """Store flat KV pages (``get_data_page(i)`` each); True when all are stored."""
+        """Store flat KV pages (``get_data_page(i)`` each); True when all are stored. (SGLang
+        passes no prefix keys on this path: its pages are roots of unknown depth.)"""
         keys = list(keys)
         if not keys:
             return True
@@ -318,7 +331,8 @@ class HicachedStorage(_Base):
                                                       t.host_indices, keys=keys)))
         return done, todo
 
-    def _batch_v2(self, transfers: list[Any], writing: bool) -> dict[Any, list[bool]]:
+    def _batch_v2(self, transfers: list[Any], writing: bool, extra_info: Any = None
+                  ) -> dict[Any, list[bool]]:
         done, todo = self._split(list(transfers), writing)
         if not todo:
             if transfers:
@@ -329,7 +343,8 @@ class HicachedStorage(_Base):
         def run(client: Client) -> dict[str, list[bool]]:
             t0 = time.perf_counter()
             calls = [pt for _, pt in todo]
-            got = client.batch_set_v2(calls) if writing else client.batch_get_v2(calls)
+            got = (client.batch_set_v2(calls, **_chain(extra_info)) if writing
+                   else client.batch_get_v2(calls))
             pages = sum(len(pt.keys) for pt in calls)
             ok = sum(sum(row) for row in got.values())
             for pt in calls:
@@ -352,8 +367,10 @@ class HicachedStorage(_Base):
 
     def batch_set_v2(self, transfers: list[Any], extra_info: Any = None
                      ) -> dict[Any, list[bool]]:
-        """Store each transfer's pages, all pools of the call published at once."""
-        return self._batch_v2(transfers, writing=True)
+        """Store each transfer's pages, all pools of the call published at once. With
+        ``extra_info.prefix_keys`` the daemon learns where the pages hang (``_chain``): SGLang
+        gives every transfer of one call the same prefix (``_trailing_chain_groups``)."""
+        return self._batch_v2(transfers, writing=True, extra_info=extra_info)
 
     # ------------------------------------------------------------ admin
 

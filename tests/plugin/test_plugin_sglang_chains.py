@@ -1,0 +1,87 @@
+"""The SGLang plugin hands SGLang's prefix keys to the daemon as its set calls' chains.
+
+With ``hicache_storage_pass_prefix_keys: true`` in the storage extra config, SGLang 0.5.23 passes
+``HiCacheStorageExtraInfo(prefix_keys=...)`` to ``batch_set_v1`` (KV, batch by batch, the prefix
+growing by each batch: ``CacheController._page_backup``) and ``batch_set_v2`` (sidecars, grouped
+by ``_trailing_chain_groups`` so that prefix_keys + keys is one chain); without it, prefix_keys
+is None. The daemon runs in-process to read its index's ``chain``.
+"""
+
+import pytest
+import torch
+from inproc_daemon import inproc_daemon
+from sglang_env import PAGE, idx, keys_of, kv_pool, mamba_pool, sglang_source_object
+
+HYBRID = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller"
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    with inproc_daemon(tmp_path, l2_size=32 << 20) as d:
+        yield d
+
+
+def page_backup(hs, backend, keys, first_page, prefix_keys):
+    """``CacheController._page_backup`` through the v1 path: KV batches of
+    ``STORAGE_BATCH_SIZE`` pages, each with the keys of every page before it."""
+    for i in range(0, len(keys), hs.STORAGE_BATCH_SIZE):
+        batch = keys[i:i + hs.STORAGE_BATCH_SIZE]
+        extra = hs.HiCacheStorageExtraInfo(prefix_keys=prefix_keys)
+        assert all(backend.batch_set_v1(batch, idx(first_page + i, len(batch)), extra))
+        if prefix_keys is not None:
+            prefix_keys = prefix_keys + batch
+
+
+def test_kv_batches_hang_after_their_prefix_keys(sg, plugin, daemon):
+    keys = keys_of("kv-", 130)  # two batches
+    w = plugin(daemon.endpoint, {"kv": kv_pool(seed=1)}, extra={"interface_v1": 1})
+    ns = w.namespace.namespace
+    page_backup(sg.hs, w, keys, 0, ["anc-0", "anc-1"])  # the node's ancestors' pages
+    assert [daemon.chain(ns, k) for k in (keys[0], keys[1], keys[127], keys[128])] == [
+        ("anc-1", 2), (keys[0], 3), (keys[126], 129), (keys[127], 130)]
+    page_backup(sg.hs, w, ["root-0", "root-1"], 140, [])  # a root node: depth 0
+    assert [daemon.chain(ns, k) for k in ("root-0", "root-1")] == [(None, 0), ("root-0", 1)]
+    assert w.get_stats().counters["errors"] == 0
+
+
+def test_without_prefix_keys_the_plugin_says_nothing(sg, plugin, daemon):
+    """SGLang without ``hicache_storage_pass_prefix_keys`` (prefix_keys None), no extra info
+    at all, and the generic v0 path (whose ``batch_set`` SGLang gives no extra info)."""
+    src = kv_pool(seed=2)
+    w = plugin(daemon.endpoint, {"kv": src}, extra={"interface_v1": 1})
+    ns = w.namespace.namespace
+    page_backup(sg.hs, w, ["n-0", "n-1"], 0, None)
+    assert w.batch_set_v1(["o-0"], idx(2, 1)) == [True]
+    assert w.batch_set(["g-0", "g-1"], [src.get_data_page(p * PAGE) for p in (3, 4)])
+    for first, second in (("n-0", "n-1"), ("g-0", "g-1")):
+        assert [daemon.chain(ns, k) for k in (first, second)] == [(None, -1), (first, -1)]
+    assert daemon.chain(ns, "o-0") == (None, -1)
+
+
+def test_a_non_writer_mla_rank_links_its_own_pool_by_namespace_and_key(sg, plugin, daemon):
+    """MLA with tp 2: only rank 0 writes KV; rank 1's calls carry only its rank-tagged Mamba
+    pool, grouped by SGLang's own ``_trailing_chain_groups``. Both ranks' links are the same
+    (namespace, key)'s."""
+    hs = sg.hs
+    groups = sglang_source_object(HYBRID, "_trailing_chain_groups",
+                                  {"HiCacheStorageExtraInfo": hs.HiCacheStorageExtraInfo})
+    keys, prefix = keys_of("mla-", 3), ["anc-0"]
+    rank1, rank0 = (plugin(daemon.endpoint, {"kv": kv_pool(seed=3), "mamba": mamba_pool(seed=4)},
+                           mla=True, tp_rank=r, tp_size=2, extra={"interface_v1": 1})
+                    for r in (1, 0))
+    ns = rank1.namespace.namespace
+    assert rank0.namespace.namespace == ns
+    assert rank1._sessions.wire("mamba") == "mamba@tp1of2"
+    for backend in (rank1, rank0):
+        sidecar = hs.PoolTransfer(name=hs.PoolName.MAMBA, host_indices=torch.tensor([0]),
+                                  keys=keys[-1:], hit_policy=hs.PoolHitPolicy.TRAILING_PAGES)
+        for extra, transfers in groups(prefix, keys, [sidecar]):
+            assert extra.prefix_keys == prefix + keys[:-1]
+            assert backend.batch_set_v2(transfers, extra) == {hs.PoolName.MAMBA: [True]}
+        if backend is rank1:  # its Mamba page is linked; no KV page is held yet
+            assert daemon.chain(ns, keys[-1]) == (keys[-2], 3)
+            assert [daemon.chain(ns, k) for k in keys[:-1]] == [(None, -1)] * 2
+    page_backup(hs, rank1, keys, 0, prefix)  # skipped: rank 0 writes the KV
+    assert rank1.get_stats().counters["skipped_write_pages"] == 3
+    page_backup(hs, rank0, keys, 0, prefix)
+    assert [daemon.chain(ns, k) for k in keys] == [("anc-0", 1), (keys[0], 2), (keys[1], 3)]
