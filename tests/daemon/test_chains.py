@@ -38,7 +38,7 @@ def index_with(keys, pool="kv", commit=True):
 
 
 def test_link_chains_the_keys_after_the_parent_with_their_depths():
-    index, _ = index_with(["a", "b", "c"])
+    index, _ = index_with(["root", "a", "b", "c"])
     index.link("ns", ["a", "b", "c"], "root", 5)
     assert [index.chain("ns", k) for k in "abc"] == [("root", 5), ("a", 6), ("b", 7)]
     index.link("ns", ["b", "c"], None, -1)  # the newest wins: b a root of unknown depth now
@@ -51,8 +51,11 @@ def test_link_chains_the_keys_after_the_parent_with_their_depths():
 
 def test_only_held_keys_are_linked_and_a_key_that_left_l2_has_no_chain():
     index, (a, b) = index_with(["a", "b"], pool="mamba@tp1of2", commit=False)  # pending
-    index.link("ns", ["a", "b", "x"], "p", 1)  # x: held by no pool
-    assert (index.chain("ns", "a"), index.chain("ns", "b")) == (("p", 1), ("a", 2))
+    index.link("ns", ["a", "b", "x"], "p", 1)  # x: held by no pool; nor is p
+    # a parent L2 does not hold is kept as its fingerprint: named once L2 holds it
+    assert (index.chain("ns", "a"), index.chain("ns", "b")) == ((None, 1), ("a", 2))
+    index.commit(index.reserve(("ns", "kv"), "p", 4096, 4096))
+    assert index.chain("ns", "a") == ("p", 1)
     assert index.chain("ns", "x") == (None, -1)
     index.commit(a)
     index.abort(b)
@@ -71,7 +74,7 @@ def test_parent_and_depth_arrive_and_calls_without_them_are_roots_of_unknown_dep
         assert c.batch_set_v2([PoolTransfer("kv", pages(0, 3), keys=["k0", "k1", "k2"])],
                               parent="p", depth=7)["kv"] == [True] * 3
         assert [daemon.chain(NS, k) for k in ("k0", "k1", "k2")] == [
-            ("p", 7), ("k0", 8), ("k1", 9)]
+            (None, 7), ("k0", 8), ("k1", 9)]  # p: a parent L2 does not hold
         assert c.batch_set_v2([PoolTransfer("kv", pages(3, 2), keys=["r0", "r1"])])["kv"]
         assert [daemon.chain(NS, k) for k in ("r0", "r1")] == [(None, -1), ("r0", -1)]
         c.batch_set_v1(["s0"], pages(5, 1), depth=0)
@@ -92,7 +95,7 @@ def test_links_are_kept_by_namespace_and_key_across_pools_and_calls(daemon):
         rank1.register_mem_host_pool_v2(mamba_pool(seed=2), "mamba@tp1of2")
         assert rank1.batch_set_v2([PoolTransfer("mamba@tp1of2", [3], keys=["c2"])],
                                   parent="c1", depth=2)["mamba@tp1of2"] == [True]
-        assert daemon.chain(NS, "c2") == ("c1", 2)
+        assert daemon.chain(NS, "c2") == (None, 2)  # c1 is not in L2 yet: not named
         writer.batch_set_v2([PoolTransfer("kv", pages(0, 3), keys=["c0", "c1", "c2"])],
                             depth=0)  # c2 is linked again: the newest wins
         assert [daemon.chain(NS, k) for k in ("c0", "c1", "c2")] == [
@@ -107,7 +110,7 @@ def test_anchor_pool_names_the_transfer_whose_keys_are_the_chain(daemon):
                         PoolTransfer("kv", pages(0, 3), keys=["m0", "m1", "m2"])],
                        parent="root", depth=4, anchor_pool="kv")
         assert [daemon.chain(NS, k) for k in ("m0", "m1", "m2")] == [
-            ("root", 4), ("m0", 5), ("m1", 6)]
+            (None, 4), ("m0", 5), ("m1", 6)]  # root: not in L2
 
 
 # ---------------------------------------------------------------- over the wire: raw frames

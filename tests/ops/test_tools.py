@@ -3,9 +3,11 @@ here, only that they measure what they say and that the bytes they move are righ
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -49,3 +51,33 @@ def test_bench_l3_checksum_section_compares_daemons_with_and_without():
     f = r["file"]
     assert set(f) >= {"get_on", "get_off", "write_on", "write_off", "get_on_over_off"}
     assert f["get_on"]["median"] > 0 and f["write_off"]["median"] > 0 and "mooncake" not in r
+
+
+def test_bench_index_tiny_run_prints_every_row_side_by_side(capsys):
+    r = _run("bench_index.py", "--small", "--clients", "1", "--seconds", "1", timeout=60)
+    (one,) = r["trees"]  # no --baseline: the current tree only
+    assert one["tree"] == str(TOOLS.parent) and one["pages"] == 2000 and one["first"] == 1000
+    for at in ("exists_first", "exists_full"):
+        for path in ("table", "socket"):
+            assert 0 < one[at][path]["p50_ms"] <= one[at][path]["p99_ms"], (at, path)
+        assert one[at]["from_table"] is True  # x86, and 2k keys fit the default table
+    assert one["presence_full"]["keys"] == 2000 and one["presence_full"]["full"] is False
+    assert one["rss_before"] > 0 and one["set"]["pages_per_s"] > 0 and one["get"]["gbps"] > 0
+    mixed = one["mixed"]
+    assert mixed["clients"] == 1 and mixed["ops_per_s"] > 0 and mixed["get_hit_share"] == 1.0
+    assert all(mixed[kind]["count"] > 0 for kind in ("exists", "get", "set"))
+    # the side-by-side table, as --baseline prints it (this run twice: every ratio numeric is 1)
+    spec = importlib.util.spec_from_file_location("bench_index", TOOLS / "bench_index.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.print_table([one, one])
+    out = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(out) if line.startswith("metric"))
+    assert out[head].split() == ["metric", "current", "baseline1", "ratio"]
+    rows = {name: cells for name, *cells in (re.split(r"\s{2,}", line.strip())
+                                             for line in out[head + 1:])}
+    for name in ("exists p50 via table @1k (ms)", "exists p99 via socket @2k (ms)",
+                 "heap bytes / indexed page (target <= 250)", "set 1k->2k (k pages/s)",
+                 "get 64 pages @2k (k pages/s)", "mixed, 1 clients: ops/s", "get p99 (ms)"):
+        assert rows[name][-1] == "1.00", (name, rows[name])
+    assert rows["presence table @2k: keys / slots, full"][-1] == "-"

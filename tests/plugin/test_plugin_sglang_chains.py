@@ -38,7 +38,7 @@ def test_kv_batches_hang_after_their_prefix_keys(sg, plugin, daemon):
     ns = w.namespace.namespace
     page_backup(sg.hs, w, keys, 0, ["anc-0", "anc-1"])  # the node's ancestors' pages
     assert [daemon.chain(ns, k) for k in (keys[0], keys[1], keys[127], keys[128])] == [
-        ("anc-1", 2), (keys[0], 3), (keys[126], 129), (keys[127], 130)]
+        (None, 2), (keys[0], 3), (keys[126], 129), (keys[127], 130)]  # anc-1: not in L2
     page_backup(sg.hs, w, ["root-0", "root-1"], 140, [])  # a root node: depth 0
     assert [daemon.chain(ns, k) for k in ("root-0", "root-1")] == [(None, 0), ("root-0", 1)]
     assert w.get_stats().counters["errors"] == 0
@@ -79,9 +79,9 @@ def test_a_non_writer_mla_rank_links_its_own_pool_by_namespace_and_key(sg, plugi
             assert extra.prefix_keys == prefix + keys[:-1]
             assert backend.batch_set_v2(transfers, extra) == {hs.PoolName.MAMBA: [True]}
         if backend is rank1:  # its Mamba page is linked; no KV page is held yet
-            assert daemon.chain(ns, keys[-1]) == (keys[-2], 3)
+            assert daemon.chain(ns, keys[-1]) == (None, 3)  # its parent: not in L2 yet
             assert [daemon.chain(ns, k) for k in keys[:-1]] == [(None, -1)] * 2
     page_backup(hs, rank1, keys, 0, prefix)  # skipped: rank 0 writes the KV
     assert rank1.get_stats().counters["skipped_write_pages"] == 3
     page_backup(hs, rank0, keys, 0, prefix)
-    assert [daemon.chain(ns, k) for k in keys] == [("anc-0", 1), (keys[0], 2), (keys[1], 3)]
+    assert [daemon.chain(ns, k) for k in keys] == [(None, 1), (keys[0], 2), (keys[1], 3)]
