@@ -334,10 +334,12 @@ def measure(args) -> dict:
 
 
 def run_tree(tree: pathlib.Path, argv: list[str]) -> dict:
-    """This script's ``--measure`` with ``PYTHONPATH=tree`` (daemon and clients inherit it)."""
+    """This script's ``--measure`` with ``PYTHONPATH=tree``, run in ``tree`` (daemon and clients
+    inherit both: ``python -m`` puts the working directory first on the path, before
+    PYTHONPATH, so a daemon started elsewhere would run that directory's code)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     proc = subprocess.Popen([sys.executable, str(HERE), "--measure", *argv], env=env,
-                            stdout=subprocess.PIPE, text=True)
+                            cwd=str(tree), stdout=subprocess.PIPE, text=True)
     try:
         out, _ = proc.communicate()
     except KeyboardInterrupt:  # it got the Ctrl-C too: let it stop its daemon and clients

@@ -205,9 +205,8 @@ class Controller(SessionControl):
             table = (s.ns, t.pool)
             claims = msg.ahead[p] if ahead is not None and p < len(msg.ahead) else ()
             row, tag_row, bound_row = [], [0] * len(t.keys), [False] * len(t.keys)
-            for i, key in enumerate(t.keys):
-                e = self.index.get(table, key)
-                if e is not None:
+            for i, (key, e) in enumerate(zip(t.keys, self.index.get_many(table, t.keys))):
+                if e is not None and e.committed:  # (not evicted for an earlier key of the call)
                     self.index.touch(e)
                     row.append(P.SLOT_PRESENT)
                     if not e.in_l3:
@@ -381,10 +380,8 @@ class Controller(SessionControl):
         from_l3: list[list[int]] = []
         for t in msg.transfers:
             table = (s.ns, t.pool)
-            get = self.index.get
             row, tag_row, l3_row = [], [0] * len(t.keys), []
-            for i, key in enumerate(t.keys):
-                e = get(table, key)
+            for i, (key, e) in enumerate(zip(t.keys, self.index.get_many(table, t.keys))):
                 if e is not None:
                     entries.append(e)
                     row.append(e.offset)

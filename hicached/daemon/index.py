@@ -20,7 +20,7 @@ hits, pins, flags, owner, the next page of its key) and every (namespace, key) L
 is a *key record* (``k_*``: the key's bytes, the mask of the pools holding it committed, its first
 page, its presence fingerprint, its chain: parent and depth). Each namespace maps its keys to key
 records through an open-addressing table of 64-bit fingerprints (``FpTable``; Python's own string
-hash, salted per namespace: this table never leaves the process), looked up for 1024 keys at once
+hash, itself salted per process: this table never leaves the process), looked up for 1024 keys at once
 with numpy. About 220 bytes a page in all (``tools/bench_index.py`` measures it).
 
 ``Entry`` is a handle on a page record, made when code asks for one: its fixed fields (table,
@@ -64,11 +64,11 @@ TableId = tuple[str, str]  # (namespace digest, pool name)
 MAX_POOLS = 63  # pools a namespace may have: one bit each in an int64 presence mask
 REPUBLISH_MAX = 32768  # keys a full presence table is refilled with at most (one pause of ~0.1 s)
 KEY_BYTES = 64  # a key of up to this many UTF-8 bytes is kept inline in its record (else a dict)
-GROW_MIN = 1 << 12  # records added at least when the arrays grow (then a quarter more)
+GROW_MIN = 1 << 12  # records added at least when the arrays grow (then an eighth more)
 
 # page flags
 COMMITTED, PENDING, IN_L3, WRITING, FROM_L3 = 1, 2, 4, 8, 16
-_M64 = (1 << 64) - 1
+_TOP = 1 << 63  # Python's hash (int64) + 2**63: the same bits as uint64, the top one flipped
 
 
 def _grown(a: array, n: int) -> None:
@@ -107,23 +107,46 @@ class Entry:
         """Its slot in the arena; -1 once its page is gone."""
         return self._offset if self._ix.p_gen[self.rec] == self.gen else -1
 
-    def _flag(self, flag: int) -> bool:
+    # each read checks the generation: a handle of a page that is gone reads as gone
+    @property
+    def committed(self) -> bool:
         ix, r = self._ix, self.rec
-        return ix.p_gen[r] == self.gen and bool(ix.p_flags[r] & flag)
+        return ix.p_gen[r] == self.gen and ix.p_flags[r] & COMMITTED != 0
+
+    @property
+    def in_l3(self) -> bool:
+        """A copy is known to be in the L3 backend."""
+        ix, r = self._ix, self.rec
+        return ix.p_gen[r] == self.gen and ix.p_flags[r] & IN_L3 != 0
+
+    @in_l3.setter
+    def in_l3(self, on: bool) -> None:
+        self._set_flag(IN_L3, on)
+
+    @property
+    def writing(self) -> bool:
+        """An L3 write of this page is in flight."""
+        ix, r = self._ix, self.rec
+        return ix.p_gen[r] == self.gen and ix.p_flags[r] & WRITING != 0
+
+    @writing.setter
+    def writing(self, on: bool) -> None:
+        self._set_flag(WRITING, on)
+
+    @property
+    def from_l3(self) -> bool:
+        """Loaded from L3 and not read since (its first read is an L3 hit)."""
+        ix, r = self._ix, self.rec
+        return ix.p_gen[r] == self.gen and ix.p_flags[r] & FROM_L3 != 0
+
+    @from_l3.setter
+    def from_l3(self, on: bool) -> None:
+        self._set_flag(FROM_L3, on)
 
     def _set_flag(self, flag: int, on: bool) -> None:
         ix, r = self._ix, self.rec
         if ix.p_gen[r] == self.gen:
             ix.p_flags[r] = ix.p_flags[r] | flag if on else ix.p_flags[r] & ~flag
-
-    committed = property(lambda self: self._flag(COMMITTED))
-    in_l3 = property(lambda self: self._flag(IN_L3),
-                     lambda self, v: self._set_flag(IN_L3, v))  # a copy is known in L3
-    writing = property(lambda self: self._flag(WRITING),
-                       lambda self, v: self._set_flag(WRITING, v))  # an L3 write is in flight
-    # loaded from L3 and not read since (its first read is an L3 hit)
-    from_l3 = property(lambda self: self._flag(FROM_L3),
-                       lambda self, v: self._set_flag(FROM_L3, v))
 
     @property
     def pins(self) -> int:
@@ -150,13 +173,13 @@ class Entry:
     def owner(self) -> int:
         """Pending: the session that reserved it (0: the daemon, an L3 load)."""
         ix, r = self._ix, self.rec
-        return ix.p_owner[r] if ix.p_gen[r] == self.gen else 0
+        return ix.owners.get(r, 0) if ix.p_gen[r] == self.gen else 0
 
     @owner.setter
     def owner(self, sid: int) -> None:
         ix, r = self._ix, self.rec
         if ix.p_gen[r] == self.gen:
-            ix.p_owner[r] = sid
+            ix.owners[r] = sid
 
     def __repr__(self) -> str:
         state = "committed" if self.committed else "pending" if self.alive else "gone"
@@ -164,12 +187,11 @@ class Entry:
 
 
 class _Keys:
-    """One namespace's keys: fingerprint -> key record, and the salt of its fingerprints."""
+    """One namespace's keys: fingerprint -> key record."""
 
-    __slots__ = ("salt", "table")
+    __slots__ = ("table",)
 
     def __init__(self):
-        self.salt = secrets.randbits(64)
         self.table = FpTable()
 
 
@@ -190,27 +212,27 @@ class PageIndex:
         self.p_tid = array("h")  # table id (``_tables``), -1 while unbound
         self.p_krec = array("i")  # key record, -1 while unbound
         self.p_off = array("q")
-        self.p_stride = array("q")
-        self.p_pbytes = array("q")
+        size = "i" if allocator.slab_bytes < 1 << 31 else "q"  # a page fits a slab
+        self.p_stride = array(size)
+        self.p_pbytes = array(size)
         self.p_gen = array("q")  # 0 while the record is free
         self.p_used = array("q")  # tick of its last use
         self.p_hits = array("i")
         self.p_pins = array("i")
         self.p_flags = array("B")
-        self.p_owner = array("q")
+        self.owners: dict[int, int] = {}  # pending page record -> the session that reserved it
         self.p_knext = array("i")  # the next page record of the same key, -1 at the end
-        self._p_free: list[int] = []
+        self._p_free = array("i")  # free page records, the lowest last
         # key records
         self.k_bytes = bytearray()  # KEY_BYTES per record
         self.k_len = array("B")  # 0: free record; 255: the key is in ``_long_keys``
         self.k_ns = array("h")
-        self.k_fp = array("Q")  # its fingerprint in its namespace's ``_Keys``
         self.k_sfp = array("Q")  # its fingerprint in the shared presence table (0: not yet)
         self.k_mask = array("q")  # pools holding it committed (``pool_bit``)
         self.k_head = array("i")  # its first page record
         self.k_parent = array("Q")  # the parent key's fingerprint in its namespace (0: none)
         self.k_depth = array("i")  # pages before it in its chain (-1: unknown)
-        self._k_free: list[int] = []
+        self._k_free = array("i")
         self._long_keys: dict[int, str] = {}
         # tables and namespaces
         self._tables: list[TableId] = []
@@ -238,24 +260,24 @@ class PageIndex:
     def _new_page(self) -> int:
         if not self._p_free:
             n = len(self.p_gen)
-            add = max(GROW_MIN, n >> 2)
+            add = max(GROW_MIN, n >> 3)
             for a in (self.p_tid, self.p_krec, self.p_off, self.p_stride, self.p_pbytes,
                       self.p_gen, self.p_used, self.p_hits, self.p_pins, self.p_flags,
-                      self.p_owner, self.p_knext):
+                      self.p_knext):
                 _grown(a, add)
             self.policy.grow(n + add)
-            self._p_free = list(range(n + add - 1, n - 1, -1))
+            self._p_free = array("i", range(n + add - 1, n - 1, -1))
         return self._p_free.pop()
 
     def _new_key(self) -> int:
         if not self._k_free:
             n = len(self.k_len)
-            add = max(GROW_MIN, n >> 2)
+            add = max(GROW_MIN, n >> 3)
             self.k_bytes.extend(bytes(KEY_BYTES * add))
-            for a in (self.k_len, self.k_ns, self.k_fp, self.k_sfp, self.k_mask, self.k_head,
+            for a in (self.k_len, self.k_ns, self.k_sfp, self.k_mask, self.k_head,
                       self.k_parent, self.k_depth):
                 _grown(a, add)
-            self._k_free = list(range(n + add - 1, n - 1, -1))
+            self._k_free = array("i", range(n + add - 1, n - 1, -1))
         return self._k_free.pop()
 
     def _ns(self, ns: str) -> int:
@@ -278,7 +300,7 @@ class PageIndex:
         return tid
 
     def _fp(self, keys: _Keys, key: str) -> int:
-        return ((hash(key) ^ keys.salt) & _M64) or 1
+        return (hash(key) + _TOP) or 1
 
     def _key_of(self, k: int) -> str:
         n = self.k_len[k]
@@ -302,7 +324,8 @@ class PageIndex:
         if n == 255:
             return self._long_keys.get(k) == key
         b = key.encode()
-        return len(b) == n and self.k_bytes[k * KEY_BYTES:k * KEY_BYTES + n] == b
+        at = k * KEY_BYTES
+        return len(b) == n and self.k_bytes.startswith(b, at, at + n)
 
     def _key_record(self, ns: str, key: str) -> int:
         """The key record of (ns, key), made if missing; -1 on a fingerprint collision."""
@@ -320,7 +343,6 @@ class PageIndex:
             self.k_len[k] = 255
             self._long_keys[k] = key
         self.k_ns[k] = self._ns_id[ns]
-        self.k_fp[k] = fp
         self.k_sfp[k] = 0
         self.k_mask[k] = 0
         self.k_head[k] = -1
@@ -346,16 +368,52 @@ class PageIndex:
 
     def get(self, table: TableId, key: str) -> Entry | None:
         """The committed entry of ``key`` or None."""
-        tid = self._tid.get(table)
-        if tid is None:
+        t = self._tid.get(table)
+        if t is None:
             return None
-        k = self._find_key(table[0], key)
+        keys = self._keys[self._ns_id[table[0]]]
+        k = keys.table.get((hash(key) + _TOP) or 1)
         if k < 0:
             return None
-        p = self._page_of(k, tid)
+        n = self.k_len[k]
+        if n == 255:
+            if self._long_keys.get(k) != key:
+                return None
+        else:
+            b = key.encode()
+            if len(b) != n or not self.k_bytes.startswith(b, k * KEY_BYTES, k * KEY_BYTES + n):
+                return None
+        p = self.k_head[k]
+        while p >= 0 and self.p_tid[p] != t:
+            p = self.p_knext[p]
         if p < 0 or not self.p_flags[p] & COMMITTED:
             return None
         return Entry(self, p, table, key)
+
+    def get_many(self, table: TableId, keys: Sequence[str]) -> list[Entry | None]:
+        """``get`` of every key (one vectorised lookup when they are many)."""
+        if len(keys) < 32:
+            return [self.get(table, key) for key in keys]
+        t = self._tid.get(table)
+        if t is None:
+            return [None] * len(keys)
+        ks = self._keys[self._ns_id[table[0]]]
+        fps = np.fromiter(map(hash, keys), np.int64, count=len(keys)).view(np.uint64)
+        fps ^= np.uint64(_TOP)
+        fps[fps == 0] = 1
+        out: list[Entry | None] = [None] * len(keys)
+        recs = ks.table.get_many(fps)
+        same, head, tid, nxt, flags = (self._same_key, self.k_head, self.p_tid, self.p_knext,
+                                       self.p_flags)
+        for i in np.flatnonzero(recs >= 0).tolist():
+            k, key = int(recs[i]), keys[i]
+            if same(k, key):
+                p = head[k]
+                while p >= 0 and tid[p] != t:
+                    p = nxt[p]
+                if p >= 0 and flags[p] & COMMITTED:
+                    out[i] = Entry(self, p, table, key)
+        return out
 
     def get_pending(self, table: TableId, key: str) -> Entry | None:
         p = self.pending.get(table)
@@ -389,7 +447,7 @@ class PageIndex:
             return np.zeros(n, np.int64)
         ks = self._keys[i]
         fps = np.fromiter(map(hash, keys), np.int64, count=n).view(np.uint64)
-        fps ^= np.uint64(ks.salt)
+        fps ^= np.uint64(_TOP)
         fps[fps == 0] = 1
         recs = ks.table.get_many(fps)
         found = recs >= 0
@@ -519,7 +577,6 @@ class PageIndex:
         self.p_hits[p] = 0
         self.p_pins[p] = 0
         self.p_flags[p] = flags
-        self.p_owner[p] = 0
         self.p_knext[p] = -1
         self._place(p, offset, stride)
 
@@ -572,6 +629,7 @@ class PageIndex:
         slabs, slab_bytes = alloc.slabs, alloc.slab_bytes
         flags, pins, used, mask_of = self.p_flags, self.p_pins, self.p_used, self.k_mask
         touched: dict = {}  # slab -> None, in the order of their last touch
+        owners = self.owners
         tick = self._tick
         for e in entries:
             p = e.rec
@@ -582,6 +640,8 @@ class PageIndex:
             if not pend:
                 del self.pending[e.table]
             flags[p] = (flags[p] & ~PENDING) | COMMITTED
+            if owners:
+                owners.pop(p, None)
             tid = self.p_tid[p]
             self._tcount[tid] += 1
             self.committed_count += 1
@@ -759,12 +819,14 @@ class PageIndex:
             if self.k_head[k] < 0:
                 self._free_key(k)
         self.p_gen[p] = 0
+        self.owners.pop(p, None)
         self.p_flags[p] = 0
         self.p_pins[p] = 0
         self._p_free.append(p)
 
     def _free_key(self, k: int) -> None:
-        self._keys[self.k_ns[k]].table.remove(self.k_fp[k])
+        keys = self._keys[self.k_ns[k]]
+        keys.table.remove(self._fp(keys, self._key_of(k)))
         if self.k_len[k] == 255:
             del self._long_keys[k]
         self.k_len[k] = 0

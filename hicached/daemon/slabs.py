@@ -15,6 +15,7 @@ This module only does bookkeeping; what to evict when ``alloc`` returns None is 
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -39,7 +40,9 @@ class Slab:
         self.offset = offset
         self.stride = 0
         self.num_slots = 0
-        self.free: list[int] = []  # stack of free slot indices, lowest on top
+        # stack of free slot indices, lowest on top (an int array: a slab of 4 KiB pages has
+        # 16k slots, and a list would hold an int object for each)
+        self.free = array("i")
         self.in_partial = False  # on its class's stack of slabs with free slots
         self.pinned = 0  # entries in this slab that may not be evicted (owned by index.py)
         self.last_used = 0.0  # newest access of any entry in this slab (owned by index.py)
@@ -104,7 +107,7 @@ class SlabAllocator:
             slab = self.slabs[heapq.heappop(self._free_slabs)]
             slab.stride = stride
             slab.num_slots = self.slab_bytes // stride
-            slab.free = list(range(slab.num_slots - 1, -1, -1))
+            slab.free = array("i", range(slab.num_slots - 1, -1, -1))
             slab.in_partial = True
             partial.append(slab)
             self._by_age.setdefault(stride, OrderedDict())[slab] = None
@@ -129,7 +132,7 @@ class SlabAllocator:
                 slab.in_partial = False
             del self._by_age[slab.stride][slab]
             slab.stride = slab.num_slots = 0
-            slab.free = []
+            slab.free = array("i")
             slab.last_used = 0.0
             heapq.heappush(self._free_slabs, slab.index)
         elif not slab.in_partial:

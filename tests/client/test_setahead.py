@@ -39,7 +39,7 @@ def test_unbound_slot_is_pinned_counted_and_bound_with_a_new_generation():
     index.bind(e, ("ns", "kv"), "k", MIB - 64)
     assert index.get_pending(("ns", "kv"), "k") is e and e.gen != gen
     index.commit(e)
-    assert index.get(("ns", "kv"), "k") is e and e.pins == 0
+    assert index.get(("ns", "kv"), "k") == e and e.pins == 0
     other = index.reserve_unbound("ns", MIB)
     index.abort(other)  # an unbound slot is freed like a pending one
     assert index.ns_bytes["ns"] == MIB and other.offset == -1
