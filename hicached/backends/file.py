@@ -47,6 +47,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from hicached.backends.base import L3Backend
+from hicached.backends.fanout import Fanout
 from hicached.backends.integrity import Integrity, identity_seed, page_digest
 from hicached.errors import ConfigError
 from hicached.protocol import MAX_KEY_LEN
@@ -125,7 +126,8 @@ def decode_header(raw: bytes) -> tuple[int, str, int, int]:
 
 
 class FileBackend(L3Backend):
-    """Pages as files under ``root``; safe for one writer and one reader thread plus the loop.
+    """Pages as files under ``root``; safe for one writer and one reader thread plus the loop
+    (a reader's batch is shared with its helper thread: ``fanout.py``).
 
     ``capacity``: bytes the pages may take (a size or a share of the filesystem, ``"25%"``).
     ``min_free``: bytes a put leaves free on the filesystem at least (size or share, ``"5%"``;
@@ -153,12 +155,14 @@ class FileBackend(L3Backend):
         self.used = 0
         self._dirs: set[str] = set()
         self.errors = 0
+        self._errors_lock = threading.Lock()
         self.evictions = 0
         self.refused = 0  # pages not stored: no room could be made for them
         self._full_logged = False
         self._evicted: deque[tuple[str, str, str]] = deque()
         self._evicted_lost = False
         self.integrity = Integrity("file")
+        self._fanout = Fanout("hicached-file-get")  # the second thread of every batch_get
         self._scan()
         with self._lock:
             self._make_room(0)  # a restart with a smaller capacity
@@ -353,11 +357,18 @@ class FileBackend(L3Backend):
             return False
 
     def batch_get(self, ns, pool, keys, offsets, page_bytes):
+        """Each page is read and verified by one thread; the pages of a batch are shared
+        between this thread and the helper (``fanout.py``), so one page's hash overlaps the
+        next page's read. Returns once every page is verified."""
         have = self._keys.get((ns, pool), {}) if safe_pool(pool) else {}
-        return [
-            key in have and self._get_one(ns, pool, key, offset, page_bytes)
-            for key, offset in zip(keys, offsets)
-        ]
+        out = [False] * len(keys)
+        todo = [i for i, key in enumerate(keys) if key in have]
+
+        def load(i: int) -> None:
+            out[i] = self._get_one(ns, pool, keys[i], offsets[i], page_bytes)
+
+        self._fanout.run(load, todo, len(todo) * page_bytes)
+        return out
 
     def _drop_stale(self, ns: str, pool: str, key: str, path: str, fd: int) -> None:
         """Remove a file that can never be this key's page (another page size: the namespace
@@ -410,7 +421,7 @@ class FileBackend(L3Backend):
                 pass
             return True
         except OldFormat:
-            self.integrity.unchecked += 1
+            self.integrity.unchecked_copies()
             self._drop_stale(ns, pool, key, path, fd)
             return False
         except (OSError, ValueError, UnicodeDecodeError) as e:
@@ -427,10 +438,12 @@ class FileBackend(L3Backend):
         return out
 
     def _count_error(self, what: str, path: str, err: Exception) -> None:
-        if self.errors == 0:
+        with self._errors_lock:  # (not ``_lock``: _make_room counts under it)
+            first = self.errors == 0
+            self.errors += 1
+        if first:
             log.error("file L3 %s failed for %s: %s (further errors are only counted)",
                       what, path, err)
-        self.errors += 1
 
     def clear(self) -> int:
         n = 0
@@ -446,6 +459,9 @@ class FileBackend(L3Backend):
             self._lru.clear()
             self.used = 0
         return n
+
+    def close(self) -> None:
+        self._fanout.close()
 
     def stats(self) -> dict:
         return {"pages": len(self._lru), "bytes": self.used, "capacity": self.capacity,
