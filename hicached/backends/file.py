@@ -264,7 +264,8 @@ class FileBackend(L3Backend):
         """Delete least recently used pages until ``need`` more bytes fit the capacity and
         leave ``min_free`` free on the filesystem; whether they do (a page larger than the
         whole capacity evicts nothing)."""
-        while need <= self.capacity and self._lru and (self.used + need > self.capacity or not self._disk_fits(need)):
+        while need <= self.capacity and self._lru and (
+                self.used + need > self.capacity or not self._disk_fits(need)):
             ns, pool, key = next(iter(self._lru))
             self._forget(ns, pool, key)
             if len(self._evicted) < EVICTED_MAX:
