@@ -47,7 +47,6 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from hicached.backends.base import L3Backend
-from hicached.backends.fanout import Fanout
 from hicached.backends.integrity import Integrity, identity_seed, page_digest
 from hicached.errors import ConfigError
 from hicached.protocol import MAX_KEY_LEN
@@ -126,8 +125,7 @@ def decode_header(raw: bytes) -> tuple[int, str, int, int]:
 
 
 class FileBackend(L3Backend):
-    """Pages as files under ``root``; safe for one writer and one reader thread plus the loop
-    (a reader's batch is shared with its helper thread: ``fanout.py``).
+    """Pages as files under ``root``; safe for one writer and one reader thread plus the loop.
 
     ``capacity``: bytes the pages may take (a size or a share of the filesystem, ``"25%"``).
     ``min_free``: bytes a put leaves free on the filesystem at least (size or share, ``"5%"``;
@@ -162,7 +160,6 @@ class FileBackend(L3Backend):
         self._evicted: deque[tuple[str, str, str]] = deque()
         self._evicted_lost = False
         self.integrity = Integrity("file")
-        self._fanout = Fanout("hicached-file-get")  # the second thread of every batch_get
         self._scan()
         with self._lock:
             self._make_room(0)  # a restart with a smaller capacity
@@ -358,18 +355,11 @@ class FileBackend(L3Backend):
             return False
 
     def batch_get(self, ns, pool, keys, offsets, page_bytes):
-        """Each page is read and verified by one thread; the pages of a batch are shared
-        between this thread and the helper (``fanout.py``), so one page's hash overlaps the
-        next page's read. Returns once every page is verified."""
         have = self._keys.get((ns, pool), {}) if safe_pool(pool) else {}
-        out = [False] * len(keys)
-        todo = [i for i, key in enumerate(keys) if key in have]
-
-        def load(i: int) -> None:
-            out[i] = self._get_one(ns, pool, keys[i], offsets[i], page_bytes)
-
-        self._fanout.run(load, todo, len(todo) * page_bytes)
-        return out
+        return [
+            key in have and self._get_one(ns, pool, key, offset, page_bytes)
+            for key, offset in zip(keys, offsets)
+        ]
 
     def _drop_stale(self, ns: str, pool: str, key: str, path: str, fd: int) -> None:
         """Remove a file that can never be this key's page (another page size: the namespace
@@ -439,7 +429,7 @@ class FileBackend(L3Backend):
         return out
 
     def _count_error(self, what: str, path: str, err: Exception) -> None:
-        with self._errors_lock:  # (not ``_lock``: _make_room counts under it)
+        with self._errors_lock:  # the writer and the reader count (not ``_lock``: held here)
             first = self.errors == 0
             self.errors += 1
         if first:
@@ -460,9 +450,6 @@ class FileBackend(L3Backend):
             self._lru.clear()
             self.used = 0
         return n
-
-    def close(self) -> None:
-        self._fanout.close()
 
     def stats(self) -> dict:
         return {"pages": len(self._lru), "bytes": self.used, "capacity": self.capacity,

@@ -6,9 +6,8 @@ seeded with ``identity_seed(ns, pool, key, page_bytes)`` (itself XXH3-64 of the 
 copy whose bytes changed (bit rot, a torn or misdirected write), or that is intact but belongs
 to another key, pool, namespace or page size (a swapped object, a copied directory), does not
 verify: the load is a miss, never a hit. Each backend hashes a page right after its own read
-or write, on an I/O thread, while the bytes are in the CPU cache; never on the control loop.
-``xxhash`` releases the GIL while it hashes, so a load's pages are read and hashed on two
-threads at once (``fanout.py``): one page's hash overlaps another's transfer.
+or write, on its I/O thread, while the bytes are in the CPU cache; never on the control loop.
+``xxhash`` releases the GIL while it hashes.
 
 What a backend does when a copy does not verify (``Integrity.failed``): count it per pool
 (``hicached_l3_integrity_failures_total{backend,pool}``), log once per episode (the key's

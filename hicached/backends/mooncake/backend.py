@@ -3,9 +3,9 @@
     open(arena)   setup() the client, register_buffer(the whole arena, the trailers) once
     batch_put     batch_put_from_multi_buffers(object keys, [arena slot, trailer] per page)
     batch_get     batch_get_into_multi_buffers(object keys, [arena slot, trailer] per page),
-                  then every page checked against its trailer (``trailer.py``, two pages at
-                  a time: ``fanout.py``): a page that does not verify is a miss, counted, and
-                  its object removed (force)                         (both: ``transfers.py``)
+                  then every page checked against its trailer (``trailer.py``): a page that
+                  does not verify is a miss, counted, and its object removed (force)
+                                                                     (both: ``transfers.py``)
     exists        batch_is_exist(object keys)
     clear         remove_by_regex("^<key_prefix>/", force): our pages only, other users' stay
 
@@ -55,7 +55,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 from hicached.arena import Arena
 from hicached.backends.base import L3Backend
-from hicached.backends.fanout import Fanout
 from hicached.backends.guard import Breaker, CallTimeout, DeadlineCaller, StoreUnavailable
 from hicached.backends.integrity import BadKeys, Integrity
 from hicached.backends.mooncake.options import MooncakeOptions, redact
@@ -111,7 +110,6 @@ class MooncakeBackend(MooncakeTransfers, L3Backend):
         self._recoveries_told = 0  # breaker recoveries ``take_evicted`` has answered for
         self.trailers = Trailers()  # registered with the client beside the arena
         self.integrity = Integrity("mooncake")
-        self._fanout = Fanout("hicached-mooncake-get")  # the second thread verifying a get
         self.bad = BadKeys()  # keys whose bad copy could not be removed: stored again
         self.counters = {"puts": 0, "put_failures": 0, "gets": 0, "get_misses": 0,
                          "exists_calls": 0, "size_mismatches": 0,
@@ -353,7 +351,6 @@ class MooncakeBackend(MooncakeTransfers, L3Backend):
             self._closed = True
             store, self._store = self._store, None
         self._stop.set()
-        self._fanout.close()
         if store is None:
             self._caller.close()
             return

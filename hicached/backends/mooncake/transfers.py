@@ -5,9 +5,9 @@ connection, the breaker and the guarded calls it uses are ``backend.py``'s).
     put     per ``SLOTS`` pages: seal each page's trailer (``trailer.py``), then one
             ``batch_put_from_multi_buffers`` of [arena slot, trailer] per page
     get     per ``SLOTS`` pages: one ``batch_get_into_multi_buffers`` into [arena slot, trailer],
-            then every page that came whole checked against its trailer, two pages at a time
-            (``fanout.py``), before the batch answers: a page that does not verify is a miss,
-            counted, and its object removed (force)
+            then every page that came whole checked against its trailer, on the reader
+            thread, before the batch answers: a page that does not verify is a miss, counted,
+            and its object removed (force)
     remove  ``batch_remove`` (force) of the objects that did not verify; a key whose object
             stays is kept in ``bad`` (written again, never counted on)
 
@@ -69,8 +69,8 @@ def code_name(rc: int) -> str:
 
 class MooncakeTransfers:
     """The put, get and remove of ``MooncakeBackend`` (its ``opts``, ``arena``, ``trailers``,
-    ``integrity``, ``bad``, ``counters``, ``breaker``, ``_fanout`` and guarded calls
-    ``_admit`` / ``_transfer`` / ``_settle`` / ``_call``)."""
+    ``integrity``, ``bad``, ``counters``, ``breaker`` and guarded calls ``_admit`` /
+    ``_transfer`` / ``_settle`` / ``_call``)."""
 
     def _names(self, ns: str, pool: str, keys: Sequence[str]) -> list[str]:
         prefix = f"{self.opts.key_prefix}/{FORMAT_PART}"  # objects with a trailer (trailer.py)
@@ -162,22 +162,16 @@ class MooncakeTransfers:
                               self.trailers.ptrs("get", len(keys)), page_bytes)
             if rcs is None:
                 return [False] * len(keys)
-            # checked here, on the reader thread and its helper (``fanout.py``: two pages
-            # hashed at once), before L2 sees them
-            whys: list[str | None] = [None] * len(keys)
-
-            def check(i: int) -> None:
-                whys[i] = self.trailers.check("get", i, ns, pool, keys[i], page_bytes,
-                                              self.arena.view(offsets[i], page_bytes))
-
-            came = [i for i, rc in enumerate(rcs) if rc == whole]
-            self._fanout.run(check, came, len(came) * page_bytes)
             out = []
-            for i, (rc, key, why) in enumerate(zip(rcs, keys, whys)):
-                if rc == whole and why is not None:
-                    self.integrity.failed(ns, pool, key, why)
-                    bad.append(names[i])
-                    self.bad.add(ns, pool, key)  # until the copy is removed or replaced
+            for i, (rc, key, off) in enumerate(zip(rcs, keys, offsets)):
+                why = None
+                if rc == whole:  # checked here, on the reader thread, before L2 sees it
+                    why = self.trailers.check("get", i, ns, pool, key, page_bytes,
+                                              self.arena.view(off, page_bytes))
+                    if why is not None:
+                        self.integrity.failed(ns, pool, key, why)
+                        bad.append(names[i])
+                        self.bad.add(ns, pool, key)  # until the copy is removed or replaced
                 out.append(rc == whole and why is None)
             self.integrity.verified_loads(sum(out))
         if bad:
