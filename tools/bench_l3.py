@@ -44,8 +44,8 @@ import torch
 from hicached import Client, HostPool, PoolTransfer
 from hicached.arena import Arena
 from hicached.backends.integrity import identity_seed, page_digest
-from hicached.backends.mooncake.backend import object_key
 from hicached.backends.mooncake.trailer import FORMAT_PART, TRAILER_BYTES
+from hicached.backends.mooncake.transfers import object_key
 from hicached.daemon.sessions import namespace_digest
 from hicached.errors import DaemonUnavailable
 

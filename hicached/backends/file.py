@@ -153,6 +153,7 @@ class FileBackend(L3Backend):
         self.used = 0
         self._dirs: set[str] = set()
         self.errors = 0
+        self._errors_lock = threading.Lock()
         self.evictions = 0
         self.refused = 0  # pages not stored: no room could be made for them
         self._full_logged = False
@@ -260,7 +261,8 @@ class FileBackend(L3Backend):
         """Delete least recently used pages until ``need`` more bytes fit the capacity and
         leave ``min_free`` free on the filesystem; whether they do (a page larger than the
         whole capacity evicts nothing)."""
-        while need <= self.capacity and self._lru and (self.used + need > self.capacity or not self._disk_fits(need)):
+        while need <= self.capacity and self._lru and (
+                self.used + need > self.capacity or not self._disk_fits(need)):
             ns, pool, key = next(iter(self._lru))
             self._forget(ns, pool, key)
             if len(self._evicted) < EVICTED_MAX:
@@ -410,7 +412,7 @@ class FileBackend(L3Backend):
                 pass
             return True
         except OldFormat:
-            self.integrity.unchecked += 1
+            self.integrity.unchecked_copies()
             self._drop_stale(ns, pool, key, path, fd)
             return False
         except (OSError, ValueError, UnicodeDecodeError) as e:
@@ -427,10 +429,12 @@ class FileBackend(L3Backend):
         return out
 
     def _count_error(self, what: str, path: str, err: Exception) -> None:
-        if self.errors == 0:
+        with self._errors_lock:  # the writer and the reader count (not ``_lock``: held here)
+            first = self.errors == 0
+            self.errors += 1
+        if first:
             log.error("file L3 %s failed for %s: %s (further errors are only counted)",
                       what, path, err)
-        self.errors += 1
 
     def clear(self) -> int:
         n = 0

@@ -94,6 +94,11 @@ class Integrity:
                     key_digest(key), pool, why,
                     f" ({quiet} more since the last such line)" if quiet else "")
 
+    def unchecked_copies(self, n: int = 1) -> None:
+        """``n`` copies of a format before checksums were found (misses)."""
+        with self._lock:
+            self.unchecked += n
+
     def verified_loads(self, n: int) -> None:
         """``n`` loaded copies were hashed and verified (two I/O threads may count)."""
         with self._lock:

@@ -105,7 +105,8 @@ class Metrics(NullMetrics):
         self.client_bytes = {"client_to_l2": 0, "l2_to_client": 0}
         self.exists_keys: dict[str, int] = {}  # anchor pool -> keys asked
         self.exists_hits: dict[str, int] = {}  # pool -> pages answered as restorable hits
-        self._parked: OrderedDict[int, tuple[float, list[set[str]]]] = OrderedDict()
+        # id of a request waiting for L3 (a get's loads, a lookup) -> when it was read (t0)
+        self._parked: OrderedDict[int, float] = OrderedDict()
         self.registry.register(_Collector(self))
 
     # ------------------------------------------------------------ dispatch hook (control loop)
@@ -157,7 +158,7 @@ class Metrics(NullMetrics):
 
     def on_parked_answer(self, msg, answer) -> None:
         """A request that waited for L3 (loads, lookups) is answered now."""
-        t0, _ = self._parked.pop(id(msg), (None, None))
+        t0 = self._parked.pop(id(msg), None)
         if t0 is None:
             return
         ok = type(answer) is not P.Error
@@ -176,7 +177,7 @@ class Metrics(NullMetrics):
         self.requests[key] = self.requests.get(key, 0) + 1
 
     def _park(self, msg: P.Lease | P.Exists, t0: float) -> None:
-        self._parked[id(msg)] = (t0, None)
+        self._parked[id(msg)] = t0
         while len(self._parked) > MAX_PARKED:
             self._parked.popitem(last=False)
 

@@ -1,9 +1,11 @@
 """The admin commands over the daemon's own control socket: ``hicached status | flush | attach |
 detach`` on the daemon's machine with no admin API configured (``adminctl`` picks the way).
 
-Whoever may connect to the socket is trusted like an operator already (docs/operating.md, Access): the
-socket carries flushes and attaches for engines too. A daemon with a ``client_token`` wants it
-in a handshake first, as from any client; without one the admin requests need no session.
+Whoever may connect to the socket is trusted like an operator already (docs/operating.md,
+Access): the socket carries flushes and attaches for engines too. A daemon with a
+``client_token`` wants it in a handshake first, as from any client (``status`` then leaves that
+session out of what it shows: ``without_own_session``); without one the admin requests need no
+session.
 The answers are shaped as the admin HTTP API's, so one formatter prints both.
 """
 
@@ -21,6 +23,7 @@ from hicached.ops.adminctl import AdminError
 from hicached.sockpath import refusal
 
 TIERS = {"l2": "L2", "l3": "L3", "all": "L2 and L3"}
+ADMIN_NS = "hicached-admin"  # the namespace of the session this CLI opens (with a client token)
 
 
 class SocketAdmin:
@@ -105,7 +108,7 @@ class SocketAdmin:
         welcome = None
         token, self._token = self._token, ""  # (call() must not handshake again)
         try:
-            welcome = self.call(lambda r: P.Hello(r, P.PROTOCOL_VERSION, "hicached-admin",
+            welcome = self.call(lambda r: P.Hello(r, P.PROTOCOL_VERSION, ADMIN_NS,
                                                   os.getpid(), "hicached-cli", token,
                                                   own_start_ticks(), own_pid_ns()), "Hello")
         finally:
@@ -120,7 +123,8 @@ class SocketAdmin:
             raise AdminError(f"the daemon on {self.where} predates `hicached status` over its "
                              "socket: restart it with this hicached, or use --url with its "
                              "admin_port")
-        return view["health"], view["ready"], view["stats"]
+        stats = view["stats"]
+        return view["health"], view["ready"], without_own_session(stats) if self._session else stats
 
     def backend(self) -> dict:
         return self.call(lambda r: P.GetBackend(r), "the L3 status").status
@@ -154,3 +158,17 @@ class SocketAdmin:
 
     def l3_pages_left(self) -> str:
         return ""  # one request at a time on this socket: the progress line shows the time only
+
+
+def without_own_session(stats: dict) -> dict:
+    """``stats`` (the admin API's ``/stats`` body) without the session this CLI opened to ask
+    for it: a daemon with a ``client_token`` wants a handshake first, and the CLI is no client.
+    Its namespace (``ADMIN_NS``) goes too where nothing else is in it."""
+    out = {**stats, "sessions": max(0, stats["sessions"] - 1), "namespaces": []}
+    for n in stats.get("namespaces", []):
+        if n["namespace"] == ADMIN_NS:
+            n = {**n, "sessions": max(0, n["sessions"] - 1)}
+            if not (n["sessions"] or n["used_bytes"] or n.get("quota_bytes") is not None):
+                continue
+        out["namespaces"].append(n)
+    return out

@@ -201,8 +201,8 @@ def mooncake_daemon(tmp_path, master):
 @pytest.mark.parametrize("how", sorted(CORRUPTIONS))
 @pytest.mark.parametrize("when", ["l2 flush", "restart"])
 def test_mooncake_never_serves_a_replaced_object(mooncake_parts, tmp_path, how, when):
-    from hicached.backends.mooncake.backend import object_key
     from hicached.backends.mooncake.trailer import FORMAT_PART, TRAILER_BYTES
+    from hicached.backends.mooncake.transfers import object_key
 
     master, other, arena = mooncake_parts
     d = mooncake_daemon(tmp_path, master).start()

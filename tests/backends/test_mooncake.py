@@ -33,8 +33,9 @@ from pools import kv_pool, kv_tokens, pages
 from hicached import PoolTransfer
 from hicached.arena import Arena
 from hicached.backends import create_backend
-from hicached.backends.mooncake.backend import MooncakeBackend, key_part, object_key
+from hicached.backends.mooncake.backend import MooncakeBackend
 from hicached.backends.mooncake.options import MooncakeOptions, redact
+from hicached.backends.mooncake.transfers import key_part, object_key
 from hicached.errors import BackendUnavailable, ConfigError
 
 MASTER_BIN = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")

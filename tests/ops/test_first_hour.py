@@ -114,6 +114,11 @@ def test_the_cli_over_a_socket_that_wants_a_client_token(home, tmp_path):
         wait_until(lambda: os.path.exists(endpoint[len("ipc://"):]), 30)
         ok = hicached("status", "--endpoint", endpoint, env=env, cwd=elsewhere)
         assert ok.returncode == 0 and "ok, ready" in ok.stdout, ok.stderr
+        # the session the CLI opened for its token is not a client of the daemon
+        assert "clients 0 sessions" in ok.stdout and "hicached-admin" not in ok.stdout
+        doc = json.loads(hicached("status", "--endpoint", endpoint, "--json", env=env,
+                                  cwd=elsewhere).stdout)
+        assert doc["stats"]["sessions"] == 0 and doc["stats"]["namespaces"] == []
         no = hicached("status", "--endpoint", endpoint, cwd=elsewhere,
                       env={k: v for k, v in env.items() if k != "HICACHED_CLIENT_TOKEN"})
         assert no.returncode == 1 and "HICACHED_CLIENT_TOKEN" in no.stderr

@@ -1,0 +1,25 @@
+"""ops.metrics.Metrics on its own (no daemon): what it keeps of requests parked for L3."""
+
+import time
+
+from hicached import protocol as P
+from hicached.ops import metrics as M
+
+
+def test_a_parked_request_keeps_only_its_start_and_is_timed_when_answered(monkeypatch):
+    m = M.Metrics(daemon=None)
+    t0 = time.perf_counter()
+    lookup = P.Exists(1, 7, ["a", "b"])
+    m.on_request(lookup, None, t0)  # no answer yet: it waits for L3
+    assert m._parked == {id(lookup): t0}
+    assert m.requests == {}
+    m.on_parked_answer(lookup, P.Error(1, "busy", "try again"))
+    assert m._parked == {} and m.requests == {("exists", "busy"): 1}
+    m.on_parked_answer(lookup, P.Error(1, "busy", "again"))  # not parked (any more): ignored
+    assert m.requests == {("exists", "busy"): 1}
+
+    monkeypatch.setattr(M, "MAX_PARKED", 2)  # the oldest are forgotten past the bound
+    parked = [P.Exists(i, 7, ["k"]) for i in range(3)]
+    for i, msg in enumerate(parked):
+        m.on_request(msg, None, float(i))
+    assert list(m._parked.items()) == [(id(parked[1]), 1.0), (id(parked[2]), 2.0)]
