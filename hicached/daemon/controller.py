@@ -448,12 +448,12 @@ class Controller(SessionControl):
         self.counters["misses"] += sum(off == P.SLOT_MISS for row in offsets for off in row)
         if not entries:
             return P.Leased(req_id, 0, offsets, tags)
-        for e in entries:
-            self.index.touch(e)
-            e.hits += 1
+        self.index.touch_many(entries)
+        self.index.count_hits(entries)
         g = self.leases.new_lease(s.id, entries, self.clock())
-        for e in entries:  # after the lease pinned them: a selective write-through may start
-            self.tier.on_hit(e)
+        if self.tier.selective:  # after the lease pinned them: a selective write-through may start
+            for e in entries:
+                self.tier.on_hit(e)
         return P.Leased(req_id, g.id, offsets, tags)
 
     def release(self, s: Session, lease_ids: list[int]) -> None:

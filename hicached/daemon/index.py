@@ -71,14 +71,10 @@ COMMITTED, PENDING, IN_L3, WRITING, FROM_L3 = 1, 2, 4, 8, 16
 _TOP = 1 << 63  # Python's hash (int64) + 2**63: the same bits as uint64, the top one flipped
 
 
-def _grown(a: array, n: int) -> None:
-    a.frombytes(bytes(a.itemsize * n))
-
-
 class Entry:
     """A handle on one page record (see the module docstring)."""
 
-    __slots__ = ("_ix", "_offset", "gen", "key", "page_bytes", "rec", "stride", "table")
+    __slots__ = ("_ix", "_offset", "gen", "key", "rec", "stride", "table")
 
     def __init__(self, ix: PageIndex, rec: int, table: TableId, key: str):
         self._ix = ix
@@ -87,8 +83,11 @@ class Entry:
         self.key = key
         self._offset = ix.p_off[rec]
         self.stride = ix.p_stride[rec]
-        self.page_bytes = ix.p_pbytes[rec]
         self.gen = ix.p_gen[rec]
+
+    @property
+    def page_bytes(self) -> int:
+        return self._ix.p_pbytes[self.rec]
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Entry) and self.gen == other.gen and self.rec == other.rec
@@ -208,30 +207,35 @@ class PageIndex:
         self.on_evict = on_evict
         self.policy = policy or LruPolicy()
         self.policy.bind(self)
-        # page records
-        self.p_tid = array("h")  # table id (``_tables``), -1 while unbound
-        self.p_krec = array("i")  # key record, -1 while unbound
-        self.p_off = array("q")
-        size = "i" if allocator.slab_bytes < 1 << 31 else "q"  # a page fits a slab
-        self.p_stride = array(size)
-        self.p_pbytes = array(size)
-        self.p_gen = array("q")  # 0 while the record is free
-        self.p_used = array("q")  # tick of its last use
-        self.p_hits = array("i")
-        self.p_pins = array("i")
-        self.p_flags = array("B")
+        # page and key records: numpy columns (zeroed lazily by the kernel, so capacity not yet
+        # used costs no memory, and ``np`` gives vectorised reads), read and written one item at
+        # a time through memoryviews (``p_*``, ``k_*``: Python ints, about as fast as a list)
+        self.np: dict[str, np.ndarray] = {}
+        size = np.int32 if allocator.slab_bytes < 1 << 31 else np.int64  # a page fits a slab
+        self._page_cols = {
+            "p_tid": np.int16,  # table id (``_tables``), -1 while unbound
+            "p_krec": np.int32,  # key record (unbound: its namespace id)
+            "p_off": np.int64, "p_stride": size, "p_pbytes": size,
+            "p_gen": np.int64,  # 0 while the record is free
+            "p_used": np.int64,  # tick of its last use
+            "p_hits": np.int32, "p_pins": np.int32, "p_flags": np.uint8,
+            "p_knext": np.int32,  # the next page record of the same key, -1 at the end
+        }
+        self._key_cols = {
+            "k_bytes": (np.uint8, KEY_BYTES),  # the key's UTF-8 bytes
+            "k_len": np.uint8,  # 0: free record; 255: the key is in ``_long_keys``
+            "k_ns": np.int16,
+            "k_sfp": np.uint64,  # its fingerprint in the shared presence table (0: not yet)
+            "k_mask": np.int64,  # pools holding it committed (``pool_bit``)
+            "k_head": np.int32,  # its first page record
+            "k_parent": np.uint64,  # the parent key's fingerprint in its namespace (0: none)
+            "k_depth": np.int32,  # pages before it in its chain (-1: unknown)
+        }
+        self._grow(self._page_cols, 0, 0)
+        self._grow(self._key_cols, 0, 0)
         self.owners: dict[int, int] = {}  # pending page record -> the session that reserved it
-        self.p_knext = array("i")  # the next page record of the same key, -1 at the end
-        self._p_free = array("i")  # free page records, the lowest last
-        # key records
-        self.k_bytes = bytearray()  # KEY_BYTES per record
-        self.k_len = array("B")  # 0: free record; 255: the key is in ``_long_keys``
-        self.k_ns = array("h")
-        self.k_sfp = array("Q")  # its fingerprint in the shared presence table (0: not yet)
-        self.k_mask = array("q")  # pools holding it committed (``pool_bit``)
-        self.k_head = array("i")  # its first page record
-        self.k_parent = array("Q")  # the parent key's fingerprint in its namespace (0: none)
-        self.k_depth = array("i")  # pages before it in its chain (-1: unknown)
+        self._p_top = self._k_top = 0  # records ever used (those above were never touched)
+        self._p_free = array("i")  # records freed since, to be used again first
         self._k_free = array("i")
         self._long_keys: dict[int, str] = {}
         # tables and namespaces
@@ -257,28 +261,35 @@ class PageIndex:
 
     # ------------------------------------------------------------ records
 
+    def _grow(self, cols: dict, old: int, new: int) -> None:
+        """Columns ``cols`` of ``old`` records now hold ``new``."""
+        for name, dtype in cols.items():
+            dtype, width = dtype if isinstance(dtype, tuple) else (dtype, 1)
+            arr = np.zeros(new * width, dtype)
+            if old:
+                arr[:old * width] = self.np[name]
+            self.np[name] = arr
+            setattr(self, name, memoryview(arr))
+
     def _new_page(self) -> int:
-        if not self._p_free:
-            n = len(self.p_gen)
-            add = max(GROW_MIN, n >> 3)
-            for a in (self.p_tid, self.p_krec, self.p_off, self.p_stride, self.p_pbytes,
-                      self.p_gen, self.p_used, self.p_hits, self.p_pins, self.p_flags,
-                      self.p_knext):
-                _grown(a, add)
-            self.policy.grow(n + add)
-            self._p_free = array("i", range(n + add - 1, n - 1, -1))
-        return self._p_free.pop()
+        if self._p_free:
+            return self._p_free.pop()
+        p = self._p_top
+        if p == len(self.p_gen):
+            new = p + max(GROW_MIN, p >> 3)
+            self._grow(self._page_cols, p, new)
+            self.policy.grow(new)
+        self._p_top = p + 1
+        return p
 
     def _new_key(self) -> int:
-        if not self._k_free:
-            n = len(self.k_len)
-            add = max(GROW_MIN, n >> 3)
-            self.k_bytes.extend(bytes(KEY_BYTES * add))
-            for a in (self.k_len, self.k_ns, self.k_sfp, self.k_mask, self.k_head,
-                      self.k_parent, self.k_depth):
-                _grown(a, add)
-            self._k_free = array("i", range(n + add - 1, n - 1, -1))
-        return self._k_free.pop()
+        if self._k_free:
+            return self._k_free.pop()
+        k = self._k_top
+        if k == len(self.k_len):
+            self._grow(self._key_cols, k, k + max(GROW_MIN, k >> 3))
+        self._k_top = k + 1
+        return k
 
     def _ns(self, ns: str) -> int:
         i = self._ns_id.get(ns)
@@ -306,7 +317,7 @@ class PageIndex:
         n = self.k_len[k]
         if n == 255:
             return self._long_keys[k]
-        return self.k_bytes[k * KEY_BYTES:k * KEY_BYTES + n].decode()
+        return self.k_bytes[k * KEY_BYTES:k * KEY_BYTES + n].tobytes().decode()
 
     def _find_key(self, ns: str, key: str) -> int:
         """The key record of (ns, key), or -1."""
@@ -325,7 +336,7 @@ class PageIndex:
             return self._long_keys.get(k) == key
         b = key.encode()
         at = k * KEY_BYTES
-        return len(b) == n and self.k_bytes.startswith(b, at, at + n)
+        return len(b) == n and self.k_bytes[at:at + n] == b
 
     def _key_record(self, ns: str, key: str) -> int:
         """The key record of (ns, key), made if missing; -1 on a fingerprint collision."""
@@ -381,7 +392,7 @@ class PageIndex:
                 return None
         else:
             b = key.encode()
-            if len(b) != n or not self.k_bytes.startswith(b, k * KEY_BYTES, k * KEY_BYTES + n):
+            if len(b) != n or self.k_bytes[k * KEY_BYTES:k * KEY_BYTES + n] != b:
                 return None
         p = self.k_head[k]
         while p >= 0 and self.p_tid[p] != t:
@@ -392,27 +403,54 @@ class PageIndex:
 
     def get_many(self, table: TableId, keys: Sequence[str]) -> list[Entry | None]:
         """``get`` of every key (one vectorised lookup when they are many)."""
-        if len(keys) < 32:
+        n = len(keys)
+        if n < 32:
             return [self.get(table, key) for key in keys]
+        out: list[Entry | None] = [None] * n
         t = self._tid.get(table)
         if t is None:
-            return [None] * len(keys)
+            return out
         ks = self._keys[self._ns_id[table[0]]]
-        fps = np.fromiter(map(hash, keys), np.int64, count=len(keys)).view(np.uint64)
+        fps = np.fromiter(map(hash, keys), np.int64, count=n).view(np.uint64)
         fps ^= np.uint64(_TOP)
         fps[fps == 0] = 1
-        out: list[Entry | None] = [None] * len(keys)
         recs = ks.table.get_many(fps)
-        same, head, tid, nxt, flags = (self._same_key, self.k_head, self.p_tid, self.p_knext,
-                                       self.p_flags)
-        for i in np.flatnonzero(recs >= 0).tolist():
-            k, key = int(recs[i]), keys[i]
-            if same(k, key):
-                p = head[k]
+        idx = np.flatnonzero(recs >= 0)
+        if not idx.size:
+            return out
+        kr = recs[idx]
+        cols = self.np
+        width = len(keys[0])
+        blob = "".join(keys).encode() if 0 < width <= KEY_BYTES else b""
+        if len(blob) == n * width:  # one ASCII length: the keys' bytes compared at once
+            mine = np.frombuffer(blob, np.uint8).reshape(n, width)[idx]
+            held = cols["k_bytes"].reshape(-1, KEY_BYTES)[kr, :width]
+            same = (held == mine).all(1) & (cols["k_len"][kr] == width)
+        else:
+            same = np.fromiter((self._same_key(k, keys[i])
+                                for k, i in zip(kr.tolist(), idx.tolist())), bool, len(kr))
+        idx, kr = idx[same], kr[same]
+        pages = cols["k_head"][kr]
+        other = np.flatnonzero(cols["p_tid"][pages] != t)
+        if other.size:  # the key's first page is another pool's: walk its pages
+            tid, nxt = self.p_tid, self.p_knext
+            for j in other.tolist():
+                p = int(pages[j])
                 while p >= 0 and tid[p] != t:
                     p = nxt[p]
-                if p >= 0 and flags[p] & COMMITTED:
-                    out[i] = Entry(self, p, table, key)
+                pages[j] = p
+            found = pages >= 0
+            idx, pages = idx[found], pages[found]
+        live = (cols["p_flags"][pages] & COMMITTED) != 0
+        idx, pages = idx[live], pages[live]
+        new = Entry.__new__
+        for i, p, off, stride, gen in zip(idx.tolist(), pages.tolist(),
+                                          cols["p_off"][pages].tolist(),
+                                          cols["p_stride"][pages].tolist(),
+                                          cols["p_gen"][pages].tolist()):
+            e = out[i] = new(Entry)
+            e._ix, e.rec, e.table, e.key, e._offset, e.stride, e.gen = (
+                self, p, table, keys[i], off, stride, gen)
         return out
 
     def get_pending(self, table: TableId, key: str) -> Entry | None:
@@ -453,9 +491,7 @@ class PageIndex:
         found = recs >= 0
         out = np.zeros(n, np.int64)
         if found.any():
-            masks = np.frombuffer(self.k_mask, np.int64)
-            out[found] = masks[recs[found]]
-            del masks
+            out[found] = self.np["k_mask"][recs[found]]
             if verify:
                 for j in np.flatnonzero(found).tolist():
                     if not self._same_key(int(recs[j]), keys[j]):
@@ -485,7 +521,7 @@ class PageIndex:
     def entries(self, ns: str | None = None) -> Iterator[Entry]:
         """Every committed page (of ``ns``), in no particular order."""
         nsid = self._ns_id.get(ns, -2) if ns is not None else -1
-        for p in range(len(self.p_gen)):
+        for p in range(self._p_top):
             if self.p_flags[p] & COMMITTED and (nsid == -1 or self.k_ns[self.p_krec[p]] == nsid):
                 yield self.handle(p)
 
@@ -612,7 +648,7 @@ class PageIndex:
         self.p_gen[p] = self._new_gen()
         self.p_knext[p] = self.k_head[k]
         self.k_head[k] = p
-        entry.table, entry.key, entry.page_bytes, entry.gen = table, key, page_bytes, self.p_gen[p]
+        entry.table, entry.key, entry.gen = table, key, self.p_gen[p]
         self.pending.setdefault(table, {})[key] = entry
         return entry
 
@@ -707,6 +743,57 @@ class PageIndex:
         self.alloc.touch(entry.offset, self._tick)
         if self.p_flags[p] & COMMITTED:
             self.policy.touched(p)
+
+    def touch_many(self, entries: Sequence[Entry]) -> None:
+        """``touch`` of each of ``entries`` in turn, in one pass (a get's pages)."""
+        gen, used, flags, policy = self.p_gen, self.p_used, self.p_flags, self.policy
+        slabs, slab_bytes = self.alloc.slabs, self.alloc.slab_bytes
+        touched: dict = {}  # slab -> None, in the order of their last touch
+        tick = self._tick
+        for e in entries:
+            p = e.rec
+            if gen[p] != e.gen:
+                continue
+            tick += 1
+            used[p] = tick
+            slab = slabs[e._offset // slab_bytes]
+            slab.last_used = tick
+            touched.pop(slab, None)
+            touched[slab] = None
+            if flags[p] & COMMITTED:
+                policy.touched(p)
+        self._tick = tick
+        self.alloc.touched(touched)
+
+    def pin_many(self, entries: Sequence[Entry]) -> None:
+        """``pin`` of each of ``entries``."""
+        gen, pins = self.p_gen, self.p_pins
+        slabs, slab_bytes = self.alloc.slabs, self.alloc.slab_bytes
+        for e in entries:
+            p = e.rec
+            assert gen[p] == e.gen, e
+            if pins[p] == 0:
+                slabs[e._offset // slab_bytes].pinned += 1
+            pins[p] += 1
+
+    def unpin_many(self, entries: Sequence[Entry]) -> None:
+        """``unpin`` of each of ``entries``."""
+        gen, pins = self.p_gen, self.p_pins
+        slabs, slab_bytes = self.alloc.slabs, self.alloc.slab_bytes
+        for e in entries:
+            p = e.rec
+            assert gen[p] == e.gen and pins[p] > 0, e
+            pins[p] -= 1
+            if pins[p] == 0:
+                slabs[e._offset // slab_bytes].pinned -= 1
+
+    def count_hits(self, entries: Sequence[Entry]) -> None:
+        """One more hit for each of ``entries`` (those still in their slot)."""
+        gen, hits = self.p_gen, self.p_hits
+        for e in entries:
+            p = e.rec
+            if gen[p] == e.gen and hits[p] < 0x7FFFFFFF:
+                hits[p] += 1
 
     # ------------------------------------------------------------ eviction
 
@@ -838,7 +925,7 @@ class PageIndex:
         t = self.shared
         if t is None or not t.overflowed:
             return False
-        ks = [k for k in range(len(self.k_len)) if self.k_mask[k]]
+        ks = np.flatnonzero(self.np["k_mask"][:self._k_top]).tolist()
         if len(ks) > min(at_most, t.slots * MAX_LOAD / 2):
             return False
         return t.rebuild((self._sfp(k), self.k_mask[k]) for k in ks)

@@ -191,8 +191,7 @@ class LeaseTable:
     def new_lease(self, session: int, entries: list[Entry], now: float) -> LeaseGrant:
         """Pin ``entries`` under a new lease that expires after ``lease_ttl_s``."""
         g = LeaseGrant(next(self._ids), session, now + self.lease_ttl_s, entries)
-        for e in entries:
-            self.index.pin(e)
+        self.index.pin_many(entries)
         self.leases[g.id] = g
         return g
 
@@ -206,8 +205,7 @@ class LeaseTable:
         return True
 
     def _unpin_all(self, g: LeaseGrant) -> None:
-        for e in g.entries:
-            self.index.unpin(e)
+        self.index.unpin_many(g.entries)
 
     # ------------------------------------------------------------ expiry
 

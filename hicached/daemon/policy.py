@@ -19,7 +19,6 @@ longer ago (a whole slab frees room for any page size). Pinned pages are passed 
 from __future__ import annotations
 
 import heapq
-from array import array
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -36,8 +35,8 @@ class LruPolicy:
 
     def __init__(self):
         self.ix: PageIndex | None = None
-        self._prev = array("i")
-        self._next = array("i")
+        self._prev = memoryview(np.zeros(0, np.int32))
+        self._next = memoryview(np.zeros(0, np.int32))
         self._ends: dict[int, list[int]] = {}  # stride -> [oldest, newest] page record (-1)
 
     def bind(self, ix: PageIndex) -> None:
@@ -45,9 +44,11 @@ class LruPolicy:
 
     def grow(self, n: int) -> None:
         """Page records now number ``n``."""
-        add = n - len(self._prev)
-        self._prev.frombytes(bytes(4 * add))
-        self._next.frombytes(bytes(4 * add))
+        for name in ("_prev", "_next"):
+            arr = np.zeros(n, np.int32)
+            old = getattr(self, name)
+            arr[:len(old)] = old
+            setattr(self, name, memoryview(arr))
 
     # ------------------------------------------------------------ the index's events
 
@@ -79,9 +80,20 @@ class LruPolicy:
 
     def touched(self, p: int) -> None:
         ends = self._ends[self.ix.p_stride[p]]
-        if ends[1] != p:
-            self.removed(p)
-            self.inserted(p)
+        last = ends[1]
+        if last == p:
+            return
+        prev_, next_ = self._prev, self._next
+        prev, nxt = prev_[p], next_[p]  # unlink (``nxt`` is a page: ``p`` is not the last)
+        if prev >= 0:
+            next_[prev] = nxt
+        else:
+            ends[0] = nxt
+        prev_[nxt] = prev
+        prev_[p] = last  # and append
+        next_[p] = -1
+        next_[last] = p
+        ends[1] = p
 
     # ------------------------------------------------------------ questions
 
@@ -123,11 +135,8 @@ class LruPolicy:
         tids = [t for t, (t_ns, _) in enumerate(ix._tables) if t_ns == ns]
         if not tids:
             return []
-        flags = np.frombuffer(ix.p_flags, np.uint8)
-        sel = np.flatnonzero(((flags & COMMITTED) != 0)
-                             & np.isin(np.frombuffer(ix.p_tid, np.int16), tids))
-        del flags
-        used = np.frombuffer(ix.p_used, np.int64)[sel]
+        sel = np.flatnonzero(((ix.np["p_flags"] & COMMITTED) != 0) & np.isin(ix.np["p_tid"], tids))
+        used = ix.np["p_used"][sel]
         return sel[np.argsort(used, kind="stable")].tolist()
 
     def make_room(self, stride: int) -> list[int]:

@@ -46,6 +46,11 @@ class TierWrites:
         if self.write_policy == "write_through" and self.attached:
             self.write([e for e in entries if not e.in_l3 and not e.writing])
 
+    @property
+    def selective(self) -> bool:
+        """Hits may start writes (``on_hit``)."""
+        return self.write_policy == "write_through_selective" and self.attached
+
     def on_hit(self, e: Entry) -> None:
         if (self.write_policy == "write_through_selective" and self.attached
                 and e.hits >= self.threshold and not e.in_l3 and not e.writing):
