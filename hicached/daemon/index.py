@@ -583,22 +583,62 @@ class PageIndex:
         The caller checks first that the key is neither committed nor pending. ValueError (from
         ``pool_bit``) when the table would be the namespace's pool past ``MAX_POOLS``.
         """
-        tid = self._table_id(table)  # its pool bit given now, so that commit cannot fail
-        offset = self._take_slot(stride)
+        tid = self._tid.get(table)
+        if tid is None:
+            tid = self._table_id(table)  # its pool bit given now, so that commit cannot fail
+        offset = self.alloc.alloc(stride)
         if offset is None:
-            return None
-        k = self._key_record(table[0], key)
+            offset = self._make_room(stride)
+            if offset is None:
+                return None
+        ns = table[0]
+        keys = self._keys[self._ns_id[ns]]
+        fp = (hash(key) + _TOP) or 1
+        k = keys.table.get(fp)
         if k < 0:
+            k = self._new_key()
+            b = key.encode()
+            if 0 < len(b) <= KEY_BYTES:
+                self.k_bytes[k * KEY_BYTES:k * KEY_BYTES + len(b)] = b
+                self.k_len[k] = len(b)
+            else:  # long (or empty: a length of 0 marks a free record)
+                self.k_len[k] = 255
+                self._long_keys[k] = key
+            self.k_ns[k] = self._ns_id[ns]
+            self.k_sfp[k] = self.k_mask[k] = self.k_parent[k] = 0
+            self.k_head[k] = -1
+            self.k_depth[k] = -1
+            keys.table.put(fp, k)
+        elif not self._same_key(k, key):
             self.alloc.free(offset)
             return None
         p = self._new_page()
-        self._init_page(p, tid, k, offset, page_bytes, stride, PENDING)
+        self._gen = gen = self._gen + 1
+        self.p_tid[p] = tid
+        self.p_krec[p] = k
+        self.p_off[p] = offset
+        self.p_stride[p] = stride
+        self.p_pbytes[p] = page_bytes
+        self.p_gen[p] = gen
+        self.p_used[p] = self.p_hits[p] = 0
+        self.p_pins[p] = 1  # pinned while pending
+        self.p_flags[p] = PENDING
         self.p_knext[p] = self.k_head[k]
         self.k_head[k] = p
-        self.ns_bytes[table[0]] = self.ns_bytes.get(table[0], 0) + stride
-        entry = Entry(self, p, table, key)
-        self.pending.setdefault(table, {})[key] = entry
-        self.pin(entry)
+        slab = self.alloc.slabs[offset // self.alloc.slab_bytes]
+        slab.pinned += 1
+        slots = self._slots.get(slab.index)
+        if slots is None or len(slots) != slab.num_slots:
+            slots = self._slots[slab.index] = array("i", [-1]) * slab.num_slots
+        slots[(offset - slab.offset) // stride] = p
+        self.ns_bytes[ns] = self.ns_bytes.get(ns, 0) + stride
+        entry = Entry.__new__(Entry)
+        entry._ix, entry.rec, entry.table, entry.key = self, p, table, key
+        entry._offset, entry.stride, entry.gen = offset, stride, gen
+        pend = self.pending.get(table)
+        if pend is None:
+            pend = self.pending[table] = {}
+        pend[key] = entry
         return entry
 
     def _init_page(self, p: int, tid: int, k: int, offset: int, page_bytes: int, stride: int,
@@ -687,11 +727,11 @@ class PageIndex:
             if shared is not None:
                 if new != old:
                     shared.set(self._sfp(k), new)
-                shared.publish_tag(e.offset, e.stride, e.gen)
+                shared.publish_tag(e._offset, e.stride, e.gen)
             tick += 1
             used[p] = tick
             policy.inserted(p)
-            slab = slabs[e.offset // slab_bytes]
+            slab = slabs[e._offset // slab_bytes]
             slab.last_used = tick
             touched.pop(slab, None)
             touched[slab] = None
@@ -723,7 +763,7 @@ class PageIndex:
         p = entry.rec
         assert self.p_gen[p] == entry.gen, entry
         if self.p_pins[p] == 0:
-            self.alloc.slab_of(entry.offset).pinned += 1
+            self.alloc.slab_of(entry._offset).pinned += 1
         self.p_pins[p] += 1
 
     def unpin(self, entry: Entry) -> None:
@@ -731,7 +771,7 @@ class PageIndex:
         assert self.p_gen[p] == entry.gen and self.p_pins[p] > 0, entry
         self.p_pins[p] -= 1
         if self.p_pins[p] == 0:
-            self.alloc.slab_of(entry.offset).pinned -= 1
+            self.alloc.slab_of(entry._offset).pinned -= 1
 
     def touch(self, entry: Entry) -> None:
         """Mark ``entry`` most recently used."""
