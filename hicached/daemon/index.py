@@ -462,6 +462,9 @@ class PageIndex:
         tid = self._tid.get(table)
         if tid is None:
             return np.zeros(len(keys), bool)
+        if len(keys) < 32:  # a few: one by one is cheaper than the vectorised calls
+            return np.fromiter((e is not None for e in self.get_many(table, keys)), bool,
+                               len(keys))
         return (self.presence(table[0], keys, verify=True) & self._tbit[tid]) != 0
 
     def pool_bit(self, table: TableId) -> int:
@@ -484,6 +487,14 @@ class PageIndex:
         if i is None or not n:
             return np.zeros(n, np.int64)
         ks = self._keys[i]
+        if n < 32:  # a few: one by one is cheaper than the vectorised calls
+            get, same, mask = ks.table.get, self._same_key, self.k_mask
+            out = np.zeros(n, np.int64)
+            for j, key in enumerate(keys):
+                k = get((hash(key) + _TOP) or 1)
+                if k >= 0 and (not verify or same(k, key)):
+                    out[j] = mask[k]
+            return out
         fps = np.fromiter(map(hash, keys), np.int64, count=n).view(np.uint64)
         fps ^= np.uint64(_TOP)
         fps[fps == 0] = 1
