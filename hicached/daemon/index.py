@@ -548,6 +548,20 @@ class PageIndex:
             return
         ks = self._keys[i]
         prev = self._fp(ks, parent) if parent is not None else 0
+        n = len(keys)
+        if n >= 32:  # vectorised (a fingerprint collision, 2^-64, mislinks a key: advice only)
+            fps = np.fromiter(map(hash, keys), np.int64, count=n).view(np.uint64)
+            fps ^= np.uint64(_TOP)
+            fps[fps == 0] = 1
+            recs = ks.table.get_many(fps)
+            parents = np.empty(n, np.uint64)
+            parents[0] = prev
+            parents[1:] = fps[:-1]
+            held = recs >= 0
+            self.np["k_parent"][recs[held]] = parents[held]
+            self.np["k_depth"][recs[held]] = (np.flatnonzero(held) + depth if depth >= 0
+                                              else -1)
+            return
         for j, key in enumerate(keys):
             fp = self._fp(ks, key)
             k = ks.table.get(fp)
