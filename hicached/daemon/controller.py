@@ -73,6 +73,7 @@ class Controller(SessionControl):
         stride = self.index.alloc.check_page_bytes(page_bytes)
         table = (s.ns, pool)
         try:
+            self.index.table_id(table)
             bit = self.index.pool_bit(table)
         except ValueError as e:
             raise ProtocolError(str(e)) from None

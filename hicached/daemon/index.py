@@ -62,6 +62,7 @@ from hicached.presence import (
 
 TableId = tuple[str, str]  # (namespace digest, pool name)
 MAX_POOLS = 63  # pools a namespace may have: one bit each in an int64 presence mask
+MAX_TABLES = 32767  # (namespace, pool) pairs a daemon's life may see: an int16 in each record
 REPUBLISH_MAX = 32768  # keys a full presence table is refilled with at most (one pause of ~0.1 s)
 KEY_BYTES = 64  # a key of up to this many UTF-8 bytes is kept inline in its record (else a dict)
 GROW_MIN = 1 << 12  # records added at least when the arrays grow (then an eighth more)
@@ -299,9 +300,14 @@ class PageIndex:
             self._keys.append(_Keys())
         return i
 
-    def _table_id(self, table: TableId) -> int:
+    def table_id(self, table: TableId) -> int:
+        """``table``'s id in the page records, given on first use (ValueError past
+        ``MAX_TABLES`` (namespace, pool) pairs in this daemon's life, or as ``pool_bit``)."""
         tid = self._tid.get(table)
         if tid is None:
+            if len(self._tables) >= MAX_TABLES:
+                raise ValueError(f"this daemon has seen {MAX_TABLES} (namespace, pool) pairs, the "
+                                 "most its page records can tell apart: restart it")
             bit = self.pool_bit(table)
             tid = self._tid[table] = len(self._tables)
             self._tables.append(table)
@@ -610,7 +616,7 @@ class PageIndex:
         """
         tid = self._tid.get(table)
         if tid is None:
-            tid = self._table_id(table)  # its pool bit given now, so that commit cannot fail
+            tid = self.table_id(table)  # its pool bit given now, so that commit cannot fail
         offset = self.alloc.alloc(stride)
         if offset is None:
             offset = self._make_room(stride)
@@ -703,7 +709,7 @@ class PageIndex:
         p = entry.rec
         assert (entry.alive and self.p_tid[p] < 0
                 and self._ns_names[self.p_krec[p]] == table[0]), entry
-        tid = self._table_id(table)
+        tid = self.table_id(table)
         k = self._key_record(table[0], key)
         if k < 0:
             self.abort(entry)

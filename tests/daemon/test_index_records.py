@@ -110,3 +110,17 @@ def test_a_page_costs_about_200_bytes_of_records():
     used += ix._keys[0].table.nbytes + 2 * 4 * len(ix.policy._prev)
     assert used / n < 250, used / n
     assert not any(np.asarray(ix.np["p_flags"][n:]))  # records past the pages: never used
+
+
+def test_past_the_tables_a_record_can_name_a_new_one_is_refused_clearly(monkeypatch):
+    import pytest
+
+    from hicached.daemon import index as index_module
+
+    monkeypatch.setattr(index_module, "MAX_TABLES", 3)
+    ix = make()
+    for pool in ("a", "b", "c"):
+        ix.commit(ix.reserve(("ns", pool), "k", 256, 256))
+    with pytest.raises(ValueError, match="3 .namespace, pool. pairs"):
+        ix.table_id(("ns", "d"))
+    assert ix.get(("ns", "a"), "k") is not None and len(ix) == 3  # nothing else changed
