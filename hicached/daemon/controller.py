@@ -339,13 +339,17 @@ class Controller(SessionControl):
             s.spec(t.pool)
         parked = ParkedGet(s, msg, reply, self.clock() + self.get_wait_s)
         present = False
+        found: list[list[Entry | None]] | None = []  # the pages of each transfer, while valid
         for t in msg.transfers:
-            have = self.index.contains((s.ns, t.pool), t.keys)
-            missing = [t.keys[i] for i in np.flatnonzero(~have).tolist()]
+            got = self.index.get_many((s.ns, t.pool), t.keys)
+            missing = [k for k, e in zip(t.keys, got) if e is None]
             present = present or len(missing) < len(t.keys)
+            if found is not None:
+                found.append(got)
             if missing and msg.load:  # a page another client is writing: wait for its commit
                 self._wait_for_writers(parked, (s.ns, t.pool), missing)
             if missing:
+                found = None  # a load may evict pages found before: look again when answering
                 spec = s.spec(t.pool)
                 parked.jobs |= self.tier.load((s.ns, t.pool), missing, spec.page_bytes,
                                               spec.stride, waiter=parked,
@@ -354,7 +358,7 @@ class Controller(SessionControl):
             self.parked[id(parked)] = parked
             return None
         self._settle(parked)  # answered now: the loads it joined must not answer it again
-        return self._lease_present(s, msg)
+        return self._lease_present(s, msg, found=found)
 
     def _wait_for_writers(self, parked: ParkedGet, table: TableId, keys: list[str]) -> None:
         pend = self.index.pending.get(table)  # live handles
@@ -370,19 +374,22 @@ class Controller(SessionControl):
                 parked.pending.append(e)
                 parked.jobs.add(id(e))
 
-    def _lease_present(self, s: Session, msg: P.Lease, final: bool = False) -> P.Leased:
+    def _lease_present(self, s: Session, msg: P.Lease, final: bool = False,
+                       found: list[list[Entry | None]] | None = None) -> P.Leased:
         """Lease the pages of ``msg`` that are in L2 now; the others are misses (or, for a
-        stream not answered at its deadline, ``SLOT_LOADING`` while their load is in flight)."""
+        stream not answered at its deadline, ``SLOT_LOADING`` while their load is in flight).
+        ``found``: the pages of each transfer, looked up since the last change of L2."""
         offsets: list[list[int]] = []
         tags: list[list[int]] = []
         entries: list[Entry] = []
         loading = self.tier.loading if msg.stream and not final else {}
         partial = False
         from_l3: list[list[int]] = []
-        for t in msg.transfers:
+        for p, t in enumerate(msg.transfers):
             table = (s.ns, t.pool)
             row, tag_row, l3_row = [], [0] * len(t.keys), []
-            for i, (key, e) in enumerate(zip(t.keys, self.index.get_many(table, t.keys))):
+            got = found[p] if found else self.index.get_many(table, t.keys)
+            for i, (key, e) in enumerate(zip(t.keys, got)):
                 if e is not None:
                     entries.append(e)
                     row.append(e.offset)
