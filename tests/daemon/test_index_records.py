@@ -115,9 +115,9 @@ def test_a_page_costs_about_200_bytes_of_records():
 def test_past_the_tables_a_record_can_name_a_new_one_is_refused_clearly(monkeypatch):
     import pytest
 
-    from hicached.daemon import index as index_module
+    from hicached.daemon import records as records_module
 
-    monkeypatch.setattr(index_module, "MAX_TABLES", 3)
+    monkeypatch.setattr(records_module, "MAX_TABLES", 3)
     ix = make()
     for pool in ("a", "b", "c"):
         ix.commit(ix.reserve(("ns", pool), "k", 256, 256))

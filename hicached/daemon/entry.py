@@ -1,0 +1,143 @@
+"""A handle on a page record of the L2 index (``records.py``), and the records' constants."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hicached.daemon.fptable import FpTable
+
+if TYPE_CHECKING:
+    from hicached.daemon.records import Records
+
+TableId = tuple[str, str]  # (namespace digest, pool name)
+MAX_POOLS = 63  # pools a namespace may have: one bit each in an int64 presence mask
+MAX_TABLES = 32767  # (namespace, pool) pairs a daemon's life may see: an int16 in each record
+KEY_BYTES = 64  # a key of up to this many UTF-8 bytes is kept inline in its record (else a dict)
+GROW_MIN = 1 << 12  # records added at least when the arrays grow (then an eighth more)
+
+# page flags
+COMMITTED, PENDING, IN_L3, WRITING, FROM_L3 = 1, 2, 4, 8, 16
+_TOP = 1 << 63  # Python's hash (int64) + 2**63: the same bits as uint64, the top one flipped
+
+
+class Entry:
+    """A handle on one page record (see the module docstring)."""
+
+    __slots__ = ("_ix", "_offset", "gen", "key", "rec", "stride", "table")
+
+    def __init__(self, ix: Records, rec: int, table: TableId, key: str):
+        self._ix = ix
+        self.rec = rec
+        self.table = table
+        self.key = key
+        self._offset = ix.p_off[rec]
+        self.stride = ix.p_stride[rec]
+        self.gen = ix.p_gen[rec]
+
+    @property
+    def page_bytes(self) -> int:
+        return self._ix.p_pbytes[self.rec]
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Entry) and self.gen == other.gen and self.rec == other.rec
+                and self._ix is other._ix)
+
+    def __hash__(self) -> int:
+        return hash(self.gen)
+
+    @property
+    def alive(self) -> bool:
+        """Its page still holds its slot (committed, pending or unbound)."""
+        return self._ix.p_gen[self.rec] == self.gen
+
+    @property
+    def offset(self) -> int:
+        """Its slot in the arena; -1 once its page is gone."""
+        return self._offset if self._ix.p_gen[self.rec] == self.gen else -1
+
+    # each read checks the generation: a handle of a page that is gone reads as gone
+    @property
+    def committed(self) -> bool:
+        ix, r = self._ix, self.rec
+        return ix.p_gen[r] == self.gen and ix.p_flags[r] & COMMITTED != 0
+
+    @property
+    def in_l3(self) -> bool:
+        """A copy is known to be in the L3 backend."""
+        ix, r = self._ix, self.rec
+        return ix.p_gen[r] == self.gen and ix.p_flags[r] & IN_L3 != 0
+
+    @in_l3.setter
+    def in_l3(self, on: bool) -> None:
+        self._set_flag(IN_L3, on)
+
+    @property
+    def writing(self) -> bool:
+        """An L3 write of this page is in flight."""
+        ix, r = self._ix, self.rec
+        return ix.p_gen[r] == self.gen and ix.p_flags[r] & WRITING != 0
+
+    @writing.setter
+    def writing(self, on: bool) -> None:
+        self._set_flag(WRITING, on)
+
+    @property
+    def from_l3(self) -> bool:
+        """Loaded from L3 and not read since (its first read is an L3 hit)."""
+        ix, r = self._ix, self.rec
+        return ix.p_gen[r] == self.gen and ix.p_flags[r] & FROM_L3 != 0
+
+    @from_l3.setter
+    def from_l3(self, on: bool) -> None:
+        self._set_flag(FROM_L3, on)
+
+    def _set_flag(self, flag: int, on: bool) -> None:
+        ix, r = self._ix, self.rec
+        if ix.p_gen[r] == self.gen:
+            ix.p_flags[r] = ix.p_flags[r] | flag if on else ix.p_flags[r] & ~flag
+
+    @property
+    def pins(self) -> int:
+        ix, r = self._ix, self.rec
+        return ix.p_pins[r] if ix.p_gen[r] == self.gen else 0
+
+    @property
+    def last_used(self) -> int:
+        ix, r = self._ix, self.rec
+        return ix.p_used[r] if ix.p_gen[r] == self.gen else 0
+
+    @property
+    def hits(self) -> int:
+        ix, r = self._ix, self.rec
+        return ix.p_hits[r] if ix.p_gen[r] == self.gen else 0
+
+    @hits.setter
+    def hits(self, n: int) -> None:
+        ix, r = self._ix, self.rec
+        if ix.p_gen[r] == self.gen:
+            ix.p_hits[r] = min(n, 0x7FFFFFFF)
+
+    @property
+    def owner(self) -> int:
+        """Pending: the session that reserved it (0: the daemon, an L3 load)."""
+        ix, r = self._ix, self.rec
+        return ix.owners.get(r, 0) if ix.p_gen[r] == self.gen else 0
+
+    @owner.setter
+    def owner(self, sid: int) -> None:
+        ix, r = self._ix, self.rec
+        if ix.p_gen[r] == self.gen:
+            ix.owners[r] = sid
+
+    def __repr__(self) -> str:
+        state = "committed" if self.committed else "pending" if self.alive else "gone"
+        return f"Entry({self.table[1]}:{self.key} @{self.offset} {state} pins={self.pins})"
+
+
+class _Keys:
+    """One namespace's keys: fingerprint -> key record."""
+
+    __slots__ = ("table",)
+
+    def __init__(self):
+        self.table = FpTable()

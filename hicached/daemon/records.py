@@ -1,0 +1,466 @@
+"""The page index's records: columns of page and key records, and the lookups over them.
+
+``index.py``'s module docstring says what the records hold and why; ``PageIndex`` adds the
+life of a page (reserve, commit, pins, eviction, publishing) on top of ``Records``. ``Entry`` is
+a handle on a page record.
+"""
+
+from __future__ import annotations
+
+import secrets
+from array import array
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from hicached.daemon.entry import (  # noqa: F401 - names the daemon imports from here
+    _TOP,
+    COMMITTED,
+    FROM_L3,
+    GROW_MIN,
+    IN_L3,
+    KEY_BYTES,
+    MAX_POOLS,
+    MAX_TABLES,
+    PENDING,
+    WRITING,
+    Entry,
+    TableId,
+    _Keys,
+)
+from hicached.daemon.slabs import SlabAllocator
+from hicached.presence import (
+    MAX_LOAD,
+    PresenceTable,
+    fingerprint,
+    fingerprints,
+    namespace_seed,
+)
+
+REPUBLISH_MAX = 32768  # keys a full presence table is refilled with at most (one pause of ~0.1 s)
+
+
+class Records:
+    """Page and key records and the lookups over them (see ``index.py``). Not thread-safe."""
+
+    def __init__(self, allocator: SlabAllocator):
+        self.alloc = allocator
+        # page and key records: numpy columns (zeroed lazily by the kernel, so capacity not yet
+        # used costs no memory, and ``np`` gives vectorised reads), read and written one item at
+        # a time through memoryviews (``p_*``, ``k_*``: Python ints, about as fast as a list)
+        self.np: dict[str, np.ndarray] = {}
+        size = np.int32 if allocator.slab_bytes < 1 << 31 else np.int64  # a page fits a slab
+        self._page_cols = {
+            "p_tid": np.int16,  # table id (``_tables``), -1 while unbound
+            "p_krec": np.int32,  # key record (unbound: its namespace id)
+            "p_off": np.int64, "p_stride": size, "p_pbytes": size,
+            "p_gen": np.int64,  # 0 while the record is free
+            "p_used": np.int64,  # tick of its last use
+            "p_hits": np.int32, "p_pins": np.int32, "p_flags": np.uint8,
+            "p_knext": np.int32,  # the next page record of the same key, -1 at the end
+        }
+        self._key_cols = {
+            "k_bytes": (np.uint8, KEY_BYTES),  # the key's UTF-8 bytes
+            "k_len": np.uint8,  # 0: free record; 255: the key is in ``_long_keys``
+            "k_ns": np.int16,
+            "k_sfp": np.uint64,  # its fingerprint in the shared presence table (0: not yet)
+            "k_mask": np.int64,  # pools holding it committed (``pool_bit``)
+            "k_head": np.int32,  # its first page record
+            "k_parent": np.uint64,  # the parent key's fingerprint in its namespace (0: none)
+            "k_depth": np.int32,  # pages before it in its chain (-1: unknown)
+        }
+        self._grow(self._page_cols, 0, 0)
+        self._grow(self._key_cols, 0, 0)
+        self.owners: dict[int, int] = {}  # pending page record -> the session that reserved it
+        self._p_top = self._k_top = 0  # records ever used (those above were never touched)
+        self._p_free = array("i")  # records freed since, to be used again first
+        self._k_free = array("i")
+        self._long_keys: dict[int, str] = {}
+        # tables and namespaces
+        self._tables: list[TableId] = []
+        self._tid: dict[TableId, int] = {}
+        self._tcount: list[int] = []  # committed pages per table
+        self._tbit: list[int] = []
+        self._ns_names: list[str] = []
+        self._ns_id: dict[str, int] = {}
+        self._keys: list[_Keys] = []
+        # slot -> page record, per slab (an array of its slots), for ``at`` / ``tagged``
+        self._slots: dict[int, array] = {}
+        self.pending: dict[TableId, dict[str, Entry]] = {}  # pending pages: live handles
+        self._tick = 0
+        # Slot generations: a random start, so tags of an earlier daemon never match this one's.
+        self._gen = secrets.randbits(48) << 8
+        self.evictions = 0
+        self.committed_count = 0
+        self.ns_bytes: dict[str, int] = {}  # namespace digest -> slot bytes held (quotas.py)
+        self._bits: dict[str, dict[str, int]] = {}  # ns -> pool -> its bit in the masks
+        self.shared: PresenceTable | None = None  # those masks, published for clients
+        self._seeds: dict[str, int] = {}  # ns -> its fingerprint seed in ``shared``
+
+    # ------------------------------------------------------------ records
+
+    def _grow(self, cols: dict, old: int, new: int) -> None:
+        """Columns ``cols`` of ``old`` records now hold ``new``."""
+        for name, dtype in cols.items():
+            dtype, width = dtype if isinstance(dtype, tuple) else (dtype, 1)
+            arr = np.zeros(new * width, dtype)
+            if old:
+                arr[:old * width] = self.np[name]
+            self.np[name] = arr
+            setattr(self, name, memoryview(arr))
+
+    def _new_page(self) -> int:
+        if self._p_free:
+            return self._p_free.pop()
+        p = self._p_top
+        if p == len(self.p_gen):
+            new = p + max(GROW_MIN, p >> 3)
+            self._grow(self._page_cols, p, new)
+            self.policy.grow(new)
+        self._p_top = p + 1
+        return p
+
+    def _new_key(self) -> int:
+        if self._k_free:
+            return self._k_free.pop()
+        k = self._k_top
+        if k == len(self.k_len):
+            self._grow(self._key_cols, k, k + max(GROW_MIN, k >> 3))
+        self._k_top = k + 1
+        return k
+
+    def _ns(self, ns: str) -> int:
+        i = self._ns_id.get(ns)
+        if i is None:
+            i = self._ns_id[ns] = len(self._ns_names)
+            self._ns_names.append(ns)
+            self._keys.append(_Keys())
+        return i
+
+    def table_id(self, table: TableId) -> int:
+        """``table``'s id in the page records, given on first use (ValueError past
+        ``MAX_TABLES`` (namespace, pool) pairs in this daemon's life, or as ``pool_bit``)."""
+        tid = self._tid.get(table)
+        if tid is None:
+            if len(self._tables) >= MAX_TABLES:
+                raise ValueError(f"this daemon has seen {MAX_TABLES} (namespace, pool) pairs, the "
+                                 "most its page records can tell apart: restart it")
+            bit = self.pool_bit(table)
+            tid = self._tid[table] = len(self._tables)
+            self._tables.append(table)
+            self._tcount.append(0)
+            self._tbit.append(bit)
+            self._ns(table[0])
+        return tid
+
+    def _fp(self, keys: _Keys, key: str) -> int:
+        return (hash(key) + _TOP) or 1
+
+    def _key_of(self, k: int) -> str:
+        n = self.k_len[k]
+        if n == 255:
+            return self._long_keys[k]
+        return self.k_bytes[k * KEY_BYTES:k * KEY_BYTES + n].tobytes().decode()
+
+    def _find_key(self, ns: str, key: str) -> int:
+        """The key record of (ns, key), or -1."""
+        i = self._ns_id.get(ns)
+        if i is None:
+            return -1
+        keys = self._keys[i]
+        k = keys.table.get(self._fp(keys, key))
+        if k < 0 or not self._same_key(k, key):
+            return -1
+        return k
+
+    def _same_key(self, k: int, key: str) -> bool:
+        n = self.k_len[k]
+        if n == 255:
+            return self._long_keys.get(k) == key
+        b = key.encode()
+        at = k * KEY_BYTES
+        return len(b) == n and self.k_bytes[at:at + n] == b
+
+    def _key_record(self, ns: str, key: str) -> int:
+        """The key record of (ns, key), made if missing; -1 on a fingerprint collision."""
+        keys = self._keys[self._ns(ns)]
+        fp = self._fp(keys, key)
+        k = keys.table.get(fp)
+        if k >= 0:
+            return k if self._same_key(k, key) else -1
+        k = self._new_key()
+        b = key.encode()
+        if 0 < len(b) <= KEY_BYTES:
+            self.k_bytes[k * KEY_BYTES:k * KEY_BYTES + len(b)] = b
+            self.k_len[k] = len(b)
+        else:  # long (or empty: a length of 0 marks a free record)
+            self.k_len[k] = 255
+            self._long_keys[k] = key
+        self.k_ns[k] = self._ns_id[ns]
+        self.k_sfp[k] = 0
+        self.k_mask[k] = 0
+        self.k_head[k] = -1
+        self.k_parent[k] = 0
+        self.k_depth[k] = -1
+        keys.table.put(fp, k)
+        return k
+
+    def _page_of(self, k: int, tid: int) -> int:
+        p = self.k_head[k]
+        while p >= 0 and self.p_tid[p] != tid:
+            p = self.p_knext[p]
+        return p
+
+    def handle(self, p: int, key: str | None = None) -> Entry:
+        tid = self.p_tid[p]
+        if tid < 0:
+            return Entry(self, p, (self._ns_names[self.p_krec[p]], ""), "")
+        return Entry(self, p, self._tables[tid], self._key_of(self.p_krec[p]) if key is None
+                     else key)
+
+    # ------------------------------------------------------------ lookups
+
+    def get(self, table: TableId, key: str) -> Entry | None:
+        """The committed entry of ``key`` or None."""
+        t = self._tid.get(table)
+        if t is None:
+            return None
+        keys = self._keys[self._ns_id[table[0]]]
+        k = keys.table.get((hash(key) + _TOP) or 1)
+        if k < 0:
+            return None
+        n = self.k_len[k]
+        if n == 255:
+            if self._long_keys.get(k) != key:
+                return None
+        else:
+            b = key.encode()
+            if len(b) != n or self.k_bytes[k * KEY_BYTES:k * KEY_BYTES + n] != b:
+                return None
+        p = self.k_head[k]
+        while p >= 0 and self.p_tid[p] != t:
+            p = self.p_knext[p]
+        if p < 0 or not self.p_flags[p] & COMMITTED:
+            return None
+        return Entry(self, p, table, key)
+
+    def get_many(self, table: TableId, keys: Sequence[str]) -> list[Entry | None]:
+        """``get`` of every key (one vectorised lookup when they are many)."""
+        n = len(keys)
+        if n < 32:
+            return [self.get(table, key) for key in keys]
+        out: list[Entry | None] = [None] * n
+        t = self._tid.get(table)
+        if t is None:
+            return out
+        ks = self._keys[self._ns_id[table[0]]]
+        fps = np.fromiter(map(hash, keys), np.int64, count=n).view(np.uint64)
+        fps ^= np.uint64(_TOP)
+        fps[fps == 0] = 1
+        recs = ks.table.get_many(fps)
+        idx = np.flatnonzero(recs >= 0)
+        if not idx.size:
+            return out
+        kr = recs[idx]
+        cols = self.np
+        width = len(keys[0])
+        blob = "".join(keys).encode() if 0 < width <= KEY_BYTES else b""
+        if len(blob) == n * width:  # one ASCII length: the keys' bytes compared at once
+            mine = np.frombuffer(blob, np.uint8).reshape(n, width)[idx]
+            held = cols["k_bytes"].reshape(-1, KEY_BYTES)[kr, :width]
+            same = (held == mine).all(1) & (cols["k_len"][kr] == width)
+        else:
+            same = np.fromiter((self._same_key(k, keys[i])
+                                for k, i in zip(kr.tolist(), idx.tolist())), bool, len(kr))
+        idx, kr = idx[same], kr[same]
+        pages = cols["k_head"][kr]
+        other = np.flatnonzero(cols["p_tid"][pages] != t)
+        if other.size:  # the key's first page is another pool's: walk its pages
+            tid, nxt = self.p_tid, self.p_knext
+            for j in other.tolist():
+                p = int(pages[j])
+                while p >= 0 and tid[p] != t:
+                    p = nxt[p]
+                pages[j] = p
+            found = pages >= 0
+            idx, pages = idx[found], pages[found]
+        live = (cols["p_flags"][pages] & COMMITTED) != 0
+        idx, pages = idx[live], pages[live]
+        new = Entry.__new__
+        for i, p, off, stride, gen in zip(idx.tolist(), pages.tolist(),
+                                          cols["p_off"][pages].tolist(),
+                                          cols["p_stride"][pages].tolist(),
+                                          cols["p_gen"][pages].tolist()):
+            e = out[i] = new(Entry)
+            e._ix, e.rec, e.table, e.key, e._offset, e.stride, e.gen = (
+                self, p, table, keys[i], off, stride, gen)
+        return out
+
+    def get_pending(self, table: TableId, key: str) -> Entry | None:
+        p = self.pending.get(table)
+        return p.get(key) if p else None
+
+    def contains(self, table: TableId, keys: Sequence[str]) -> np.ndarray:
+        """Per key (bool): ``table`` holds it committed."""
+        tid = self._tid.get(table)
+        if tid is None:
+            return np.zeros(len(keys), bool)
+        if len(keys) < 32:  # a few: one by one is cheaper than the vectorised calls
+            return np.fromiter((e is not None for e in self.get_many(table, keys)), bool,
+                               len(keys))
+        return (self.presence(table[0], keys, verify=True) & self._tbit[tid]) != 0
+
+    def pool_bit(self, table: TableId) -> int:
+        """The bit of ``table``'s pool in its namespace's presence masks (given on first use;
+        ValueError past ``MAX_POOLS`` pools in one namespace)."""
+        ns, pool = table
+        bits = self._bits.setdefault(ns, {})
+        bit = bits.get(pool)
+        if bit is None:
+            if len(bits) >= MAX_POOLS:
+                raise ValueError(f"a namespace holds at most {MAX_POOLS} pools")
+            bit = bits[pool] = 1 << len(bits)
+        return bit
+
+    def presence(self, ns: str, keys: Sequence[str], verify: bool = False) -> np.ndarray:
+        """Per key (int64): the OR of ``pool_bit`` of every pool of ``ns`` holding it committed.
+        Fingerprints only (a collision, a 2^-64 event, reads as present) unless ``verify``."""
+        i = self._ns_id.get(ns)
+        n = len(keys)
+        if i is None or not n:
+            return np.zeros(n, np.int64)
+        ks = self._keys[i]
+        if n < 32:  # a few: one by one is cheaper than the vectorised calls
+            get, same, mask = ks.table.get, self._same_key, self.k_mask
+            out = np.zeros(n, np.int64)
+            for j, key in enumerate(keys):
+                k = get((hash(key) + _TOP) or 1)
+                if k >= 0 and (not verify or same(k, key)):
+                    out[j] = mask[k]
+            return out
+        fps = np.fromiter(map(hash, keys), np.int64, count=n).view(np.uint64)
+        fps ^= np.uint64(_TOP)
+        fps[fps == 0] = 1
+        recs = ks.table.get_many(fps)
+        found = recs >= 0
+        out = np.zeros(n, np.int64)
+        if found.any():
+            out[found] = self.np["k_mask"][recs[found]]
+            if verify:
+                for j in np.flatnonzero(found).tolist():
+                    if not self._same_key(int(recs[j]), keys[j]):
+                        out[j] = 0
+        return out
+
+    def __len__(self) -> int:
+        return self.committed_count
+
+    @property
+    def tables(self) -> dict[TableId, dict[str, Entry]]:
+        """Committed entries per table: a snapshot, made on demand (tests and tools; it walks
+        every page)."""
+        out: dict[TableId, dict[str, Entry]] = {}
+        for e in self.entries():
+            out.setdefault(e.table, {})[e.key] = e
+        return out
+
+    def table(self, table: TableId) -> dict[str, Entry]:
+        """The committed entries of one table: a snapshot, as ``tables``."""
+        return {e.key: e for e in self.entries() if e.table == table}
+
+    def counts(self) -> dict[TableId, int]:
+        """Committed pages per table."""
+        return {t: n for t, n in zip(self._tables, self._tcount) if n}
+
+    def entries(self, ns: str | None = None) -> Iterator[Entry]:
+        """Every committed page (of ``ns``), in no particular order."""
+        nsid = self._ns_id.get(ns, -2) if ns is not None else -1
+        for p in range(self._p_top):
+            if self.p_flags[p] & COMMITTED and (nsid == -1 or self.k_ns[self.p_krec[p]] == nsid):
+                yield self.handle(p)
+
+    # ------------------------------------------------------------ chains
+
+    def link(self, ns: str, keys: Sequence[str], parent: str | None, depth: int) -> None:
+        """``keys[0]``'s parent is ``parent`` (None: a root, of unknown depth unless ``depth``
+        >= 0), ``keys[i+1]``'s is ``keys[i]``; depth of ``keys[i]`` is ``depth + i`` (-1 when
+        unknown). Kept for keys L2 holds a page of (pending or committed), by (namespace,
+        key), until the last page of the key leaves; the newest link wins."""
+        i = self._ns_id.get(ns)
+        if i is None:
+            return
+        ks = self._keys[i]
+        prev = self._fp(ks, parent) if parent is not None else 0
+        n = len(keys)
+        if n >= 32:  # vectorised (a fingerprint collision, 2^-64, mislinks a key: advice only)
+            fps = np.fromiter(map(hash, keys), np.int64, count=n).view(np.uint64)
+            fps ^= np.uint64(_TOP)
+            fps[fps == 0] = 1
+            recs = ks.table.get_many(fps)
+            parents = np.empty(n, np.uint64)
+            parents[0] = prev
+            parents[1:] = fps[:-1]
+            held = recs >= 0
+            self.np["k_parent"][recs[held]] = parents[held]
+            self.np["k_depth"][recs[held]] = (np.flatnonzero(held) + depth if depth >= 0
+                                              else -1)
+            return
+        for j, key in enumerate(keys):
+            fp = self._fp(ks, key)
+            k = ks.table.get(fp)
+            if k >= 0 and self._same_key(k, key):
+                self.k_parent[k] = prev
+                self.k_depth[k] = depth + j if depth >= 0 else -1
+            prev = fp
+
+    def chain(self, ns: str, key: str) -> tuple[str | None, int]:
+        """(the parent key, when L2 holds a page of it, else None; the depth, -1 unknown)."""
+        k = self._find_key(ns, key)
+        if k < 0:
+            return None, -1
+        parent = None
+        if self.k_parent[k]:
+            pk = self._keys[self.k_ns[k]].table.get(self.k_parent[k])
+            if pk >= 0:
+                parent = self._key_of(pk)
+        return parent, self.k_depth[k]
+
+    # ------------------------------------------------------------ the shared presence table
+
+    def republish(self, at_most: int = REPUBLISH_MAX) -> bool:
+        """Refill a full presence table once L2 holds few enough keys again (at most half the
+        table's load, and ``at_most``: each costs ~3 us of the loop); whether it did."""
+        t = self.shared
+        if t is None or not t.overflowed:
+            return False
+        ks = np.flatnonzero(self.np["k_mask"][:self._k_top]).tolist()
+        if len(ks) > min(at_most, t.slots * MAX_LOAD / 2):
+            return False
+        return t.rebuild((self._sfp(k), self.k_mask[k]) for k in ks)
+
+    def fingerprint_all(self, entries: Sequence[Entry]) -> None:
+        """Fingerprint the keys of ``entries`` in one vectorised call (a commit's pages), so
+        that publishing them costs ~0.7 us a key instead of ~2.5 (``presence.fingerprints``)."""
+        if self.shared is None:
+            return
+        todo = [e for e in entries if not self.k_sfp[self.p_krec[e.rec]]]
+        if len(todo) < 8 or any(e.table[0] != todo[0].table[0] for e in todo):
+            return  # few, or of several namespaces: one by one when published
+        fps = fingerprints(self.seed(todo[0].table[0]), [e.key for e in todo])
+        if fps is not None:
+            for e, fp in zip(todo, fps.tolist(), strict=True):
+                self.k_sfp[self.p_krec[e.rec]] = fp
+
+    def seed(self, ns: str) -> int:
+        """The fingerprint seed of namespace ``ns`` in the shared presence table."""
+        seed = self._seeds.get(ns)
+        if seed is None:
+            seed = self._seeds[ns] = namespace_seed(ns)
+        return seed
+
+    def _sfp(self, k: int) -> int:
+        fp = self.k_sfp[k]
+        if not fp:
+            fp = self.k_sfp[k] = fingerprint(self.seed(self._ns_names[self.k_ns[k]]),
+                                             self._key_of(k))
+        return fp
