@@ -156,6 +156,8 @@ class Reserve(_Msg, tag="reserve"):
     ``parent`` is the key of the page before the first one ("": a root, or not known) and
     ``depth`` the number of pages before it (-1: not known). Trailing fields, so no version
     bump: an older daemon ignores them, an older client sends none (a root of unknown depth).
+    ``trailing`` names the call's pools with TRAILING_PAGES hits (Mamba states, sliding window):
+    the eviction policy keeps a state only while its KV prefix is kept (``hybrid.py``).
     """
 
     req_id: int
@@ -167,6 +169,7 @@ class Reserve(_Msg, tag="reserve"):
     anchor_pool: str = ""
     parent: str = ""
     depth: Depth = -1
+    trailing: list[str] = []  # the call's pools whose hits are TRAILING_PAGES (states)
 
 
 class Commit(_Msg, tag="commit"):

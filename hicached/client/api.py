@@ -60,13 +60,14 @@ from hicached.errors import (
 )
 from hicached.liveness import own_pid_ns, own_start_ticks
 from hicached.sockpath import refusal
-from hicached.types import PoolTransfer, pool_value
+from hicached.types import PoolHitPolicy, PoolTransfer, pool_value
 
 if TYPE_CHECKING:
     from hicached.client.prefetch import PrefetchOperation, StopPolicy
 
 log = logging.getLogger(__name__)
 
+TRAILING = PoolHitPolicy.TRAILING_PAGES.value
 PROBE_EVERY_S = 0.1  # a call waiting longer checks this often that the daemon still listens
 # Pages at least this large are copied while a request travels (get: ``PageRecall``; set:
 # ``SetAhead``): below it, the bookkeeping per key costs more than the copy it would overlap.
@@ -346,7 +347,10 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
         not known) and ``depth`` the number of pages before it (None: not known). SGLang
         passes them as ``extra_info.prefix_keys``: parent = its last, depth = its length."""
         plan = self._plan(transfers)
-        return self._store(plan, check_chain(parent, depth, anchor_pool, [p[0] for p in plan]))
+        chain = check_chain(parent, depth, anchor_pool, [p[0] for p in plan])
+        trailing = tuple(p[0] for p, t in zip(plan, transfers, strict=True)
+                         if _value(getattr(t, "hit_policy", None)) == TRAILING)
+        return self._store(plan, chain._replace(trailing=trailing) if trailing else chain)
 
     def batch_set_pages(self, pool_name: Any, keys: Sequence[str],
                         pages: Sequence[torch.Tensor], *, parent: str | None = None,
@@ -375,10 +379,11 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
         def build(s: int, r: int) -> P.Reserve:
             if claim is None or self._epoch != epoch:  # joined again: those slots are void
                 return P.Reserve(r, s, pool_keys, anchor_pool=chain.anchor_pool,
-                                 parent=chain.parent, depth=chain.depth)
+                                 parent=chain.parent, depth=chain.depth,
+                                 trailing=list(chain.trailing))
             return P.Reserve(r, s, pool_keys, claim.ahead, claim.want,
                              anchor_pool=chain.anchor_pool, parent=chain.parent,
-                             depth=chain.depth)
+                             depth=chain.depth, trailing=list(chain.trailing))
 
         arena = self.arena
         failed = claim.failed if claim is not None else set()
@@ -502,3 +507,7 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _value(enum_or_str: Any) -> Any:
+    return getattr(enum_or_str, "value", enum_or_str)

@@ -67,6 +67,7 @@ class Chain(NamedTuple):
     anchor_pool: str
     parent: str
     depth: int
+    trailing: tuple[str, ...] = ()  # the call's pools with TRAILING_PAGES hits
 
 
 NO_CHAIN = Chain("", "", -1)

@@ -202,38 +202,48 @@ class Controller(SessionControl):
         r = self.leases.new_reservation(s.id, now)
         ahead = self.leases.ahead_of(s.id, now) if msg.want_ahead or msg.ahead else None
         offsets, tags, bound, present = [], [], [], []
-        for p, (t, spec) in enumerate(zip(msg.transfers, specs)):
-            table = (s.ns, t.pool)
-            claims = msg.ahead[p] if ahead is not None and p < len(msg.ahead) else ()
-            row, tag_row, bound_row = [], [0] * len(t.keys), [False] * len(t.keys)
-            for i, (key, e) in enumerate(zip(t.keys, self.index.get_many(table, t.keys))):
-                if e is not None and e.committed:  # (not evicted for an earlier key of the call)
-                    self.index.touch(e)
-                    row.append(P.SLOT_PRESENT)
-                    if not e.in_l3:
-                        present.append(e)
-                elif self.index.get_pending(table, key) is not None:
-                    row.append(P.SLOT_INFLIGHT)
-                else:
-                    e = None
-                    if i < len(claims) and claims[i] >= 0:  # its page is already in that slot
-                        e = self.leases.take_ahead(ahead, t.pool, claims[i])
-                        if e is not None:
-                            e = self.index.bind(e, table, key, spec.page_bytes)
-                            bound_row[i] = e is not None
-                    if e is None and self.quotas.admit(s.ns, spec.stride):
-                        e = self.index.reserve(table, key, spec.page_bytes, spec.stride)
-                    if e is None:
-                        self.counters["no_space"] += 1
-                        row.append(P.SLOT_NO_SPACE)
+        for name in msg.trailing:  # states (a name not of the call says nothing)
+            if any(t.pool == name for t in msg.transfers):
+                self.index.mark_trailing((s.ns, name))
+        # the call's parent stays while its pages are reserved (it is about to be extended:
+        # the policy must not make room with it, which would orphan the call at birth)
+        guard = self.index.key_pages(s.ns, msg.parent) if chain is not None and msg.parent else []
+        self.index.pin_many(guard)
+        try:
+            for p, (t, spec) in enumerate(zip(msg.transfers, specs)):
+                table = (s.ns, t.pool)
+                claims = msg.ahead[p] if ahead is not None and p < len(msg.ahead) else ()
+                row, tag_row, bound_row = [], [0] * len(t.keys), [False] * len(t.keys)
+                for i, (key, e) in enumerate(zip(t.keys, self.index.get_many(table, t.keys))):
+                    if e is not None and e.committed:  # (not evicted for an earlier key of the call)
+                        self.index.touch(e)
+                        row.append(P.SLOT_PRESENT)
+                        if not e.in_l3:
+                            present.append(e)
+                    elif self.index.get_pending(table, key) is not None:
+                        row.append(P.SLOT_INFLIGHT)
                     else:
-                        e.owner = s.id
-                        r.slots.append((p, i, e))
-                        row.append(e.offset)
-                        tag_row[i] = e.gen
-            offsets.append(row)
-            tags.append(tag_row)
-            bound.append(bound_row)
+                        e = None
+                        if i < len(claims) and claims[i] >= 0:  # its page is already in that slot
+                            e = self.leases.take_ahead(ahead, t.pool, claims[i])
+                            if e is not None:
+                                e = self.index.bind(e, table, key, spec.page_bytes)
+                                bound_row[i] = e is not None
+                        if e is None and self.quotas.admit(s.ns, spec.stride):
+                            e = self.index.reserve(table, key, spec.page_bytes, spec.stride)
+                        if e is None:
+                            self.counters["no_space"] += 1
+                            row.append(P.SLOT_NO_SPACE)
+                        else:
+                            e.owner = s.id
+                            r.slots.append((p, i, e))
+                            row.append(e.offset)
+                            tag_row[i] = e.gen
+                offsets.append(row)
+                tags.append(tag_row)
+                bound.append(bound_row)
+        finally:
+            self.index.unpin_many(guard)
         if chain is not None:  # after the loop: its pending keys are held now
             self.index.link(s.ns, chain.keys, msg.parent or None, msg.depth)
         if present:

@@ -93,8 +93,8 @@ class L2Flush:
                     if e is not None and e.committed:
                         if e.writing:
                             writing.add(e)
-                        elif drop_one(e):
-                            self.dropped += 1
+                        else:
+                            self.dropped += drop_one(e)  # with the pages that depend on it
                 self.slot = stop
                 if self.clock() >= deadline:
                     return

@@ -264,6 +264,8 @@ class PageIndex(Records):
                 slab.pinned -= 1
         self._tick = tick
         alloc.touched(touched)
+        for p in policy.stale():  # pages no hit can use any more (``hybrid.py``)
+            self._evict_page(p)
 
     def abort(self, entry: Entry) -> None:
         """Drop a pending (or unbound) entry and free its slot."""
@@ -365,33 +367,47 @@ class PageIndex(Records):
 
     def _make_room(self, stride: int) -> int | None:
         while True:
-            victims = self.policy.make_room(stride)
+            victims = self.policy.make_room(stride)  # dependants included, in order
             if not victims:
                 return None
-            for p in victims:
-                self.evict(self.handle(p))
+            if not sum(map(self._evict_page, victims)):
+                return None  # a policy naming only pages that cannot go: no room
             offset = self.alloc.alloc(stride)
             if offset is not None:
                 return offset
 
-    def evict(self, entry: Entry) -> None:
-        """Remove a committed, unpinned entry from L2 and free its slot."""
-        assert entry.committed and entry.pins == 0, entry
+    def _evict_page(self, p: int) -> int:
+        """Evict page record ``p`` if it is committed and unpinned (1), else 0."""
+        if not self.p_flags[p] & COMMITTED or self.p_pins[p]:
+            return 0
         if self.on_evict is not None:
-            self.on_evict(entry)
-        self._unpublish(entry.rec)
+            self.on_evict(self.handle(p))
+        self._unpublish(p)
         self.evictions += 1
+        return 1
+
+    def evict(self, entry: Entry) -> int:
+        """Remove a committed, unpinned entry from L2 and free its slot, with the pages the
+        policy says depend on it (before it: ``policy.doomed``); returns the pages evicted."""
+        assert entry.committed and entry.pins == 0, entry
+        return sum(map(self._evict_page, self.policy.doomed(entry.rec)))
 
     def drop(self, entries: Sequence[Entry]) -> int:
-        """Remove committed, unpinned entries; returns how many were dropped."""
+        """Remove committed, unpinned entries (and their dependants); returns how many pages
+        were dropped."""
         return sum(self.drop_one(e) for e in list(entries))
 
-    def drop_one(self, entry: Entry) -> bool:
-        """Remove ``entry`` if it is committed and unpinned (flush); whether it was."""
+    def drop_one(self, entry: Entry) -> int:
+        """Remove ``entry`` if it is committed and unpinned (flush), with its dependants as
+        ``evict``; the pages dropped (0: ``entry`` stays)."""
         if entry.committed and entry.pins == 0:
-            self._unpublish(entry.rec)
-            return True
-        return False
+            n = 0
+            for p in self.policy.doomed(entry.rec):
+                if self.p_flags[p] & COMMITTED and not self.p_pins[p]:
+                    self._unpublish(p)
+                    n += 1
+            return n
+        return 0
 
     def _rec_at(self, offset: int) -> int:
         slab = self.alloc.slab_of(offset)
@@ -474,6 +490,7 @@ class PageIndex(Records):
         self._p_free.append(p)
 
     def _free_key(self, k: int) -> None:
+        self.policy.key_freed(k)
         keys = self._keys[self.k_ns[k]]
         keys.table.remove(self._fp(keys, self._key_of(k)))
         if self.k_len[k] == 255:

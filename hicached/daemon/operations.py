@@ -21,6 +21,7 @@ from typing import Any
 
 from hicached import protocol as P
 from hicached.backends.base import BACKENDS, is_backend_name
+from hicached.daemon.hybrid import orphans
 from hicached.daemon.l3.tier import close_quietly
 from hicached.daemon.sessions import ParkedExists, ParkedGet
 from hicached.errors import (
@@ -263,6 +264,8 @@ class DaemonOperations:
             "l2_used_bytes": c.index.alloc.used_bytes(),
             "arena_free_slabs": c.index.alloc.free_slab_count,
             "evictions": c.index.evictions,
+            "eviction": c.index.policy.name,
+            "l2_orphan_bytes": self._orphan_bytes(),
             "reservations": len(c.leases.reservations),
             "leases": len(c.leases.leases),
             "expired_reservations": c.leases.expired_reservations,
@@ -283,6 +286,12 @@ class DaemonOperations:
             "requests": self.requests,
             "presence": table.stats() if table is not None else None,
         }
+
+    def _orphan_bytes(self) -> int | None:
+        """Slot bytes of L2's orphans (``hybrid.orphans``), None in an index too large to
+        count them on every stats call."""
+        found = orphans(self.controller.index, l3=self.controller.tier.attached)
+        return None if found is None else found[1]
 
     def _attach_for(self, identity: bytes, msg: P.Attach) -> None:
         """A client's Attach: connect off the loop, answer from the loop."""

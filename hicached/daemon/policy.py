@@ -33,6 +33,8 @@ COMMITTED = 1  # index.COMMITTED (that module imports this one)
 class LruPolicy:
     """Least recently used per size class (see the module docstring)."""
 
+    name = "lru"
+
     def __init__(self):
         self.ix: PageIndex | None = None
         self._prev = memoryview(np.zeros(0, np.int32))
@@ -49,6 +51,23 @@ class LruPolicy:
             old = getattr(self, name)
             arr[:len(old)] = old
             setattr(self, name, memoryview(arr))
+
+    def grow_keys(self, n: int) -> None:
+        """Key records now number ``n``."""
+
+    def linked(self, recs, parent: int) -> None:
+        """Key records ``recs`` were linked in a chain (``Records.link``); LRU keeps no tree."""
+
+    def key_freed(self, k: int) -> None:
+        """Key record ``k`` is about to be freed."""
+
+    def stale(self) -> list[int]:
+        """Page records to evict now, pressure or not (none under LRU)."""
+        return []
+
+    def doomed(self, p: int) -> list[int]:
+        """The page records to evict, in order, for page record ``p`` to go: ``p`` alone."""
+        return [p]
 
     # ------------------------------------------------------------ the index's events
 

@@ -104,9 +104,9 @@ class NamespaceQuotas(NoQuotas):
             if ix.p_pins[p]:
                 pinned.append((p, gen))
                 continue
-            freed += ix.p_stride[p]
-            ix.evict(ix.handle(p))
-            self._counts[ns]["evictions"] += 1
+            before = ix.ns_bytes.get(ns, 0)
+            self._counts[ns]["evictions"] += ix.evict(ix.handle(p))  # with its dependants
+            freed += before - ix.ns_bytes.get(ns, 0)
         queue.extendleft(reversed(pinned))  # still the oldest: first in line next time
 
     def _rebuild(self, ns: str) -> tuple[deque[tuple[int, int]], int]:

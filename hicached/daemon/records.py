@@ -83,6 +83,7 @@ class Records:
         self._tbit: list[int] = []
         self._ns_names: list[str] = []
         self._ns_id: dict[str, int] = {}
+        self._ns_trail: list[int] = []  # per namespace id: the bits of its trailing pools
         self._keys: list[_Keys] = []
         # slot -> page record, per slab (an array of its slots), for ``at`` / ``tagged``
         self._slots: dict[int, array] = {}
@@ -125,7 +126,9 @@ class Records:
             return self._k_free.pop()
         k = self._k_top
         if k == len(self.k_len):
-            self._grow(self._key_cols, k, k + max(GROW_MIN, k >> 3))
+            new = k + max(GROW_MIN, k >> 3)
+            self._grow(self._key_cols, k, new)
+            self.policy.grow_keys(new)
         self._k_top = k + 1
         return k
 
@@ -135,6 +138,7 @@ class Records:
             i = self._ns_id[ns] = len(self._ns_names)
             self._ns_names.append(ns)
             self._keys.append(_Keys())
+            self._ns_trail.append(0)
         return i
 
     def table_id(self, table: TableId) -> int:
@@ -152,6 +156,16 @@ class Records:
             self._tbit.append(bit)
             self._ns(table[0])
         return tid
+
+    def mark_trailing(self, table: TableId) -> None:
+        """``table``'s pool has TRAILING_PAGES hits (a state: ``Reserve.trailing``)."""
+        tid = self.table_id(table)
+        self._ns_trail[self._ns_id[table[0]]] |= self._tbit[tid]
+
+    def trailing(self, ns: str) -> int:
+        """The pool bits of namespace ``ns``'s trailing pools."""
+        i = self._ns_id.get(ns)
+        return self._ns_trail[i] if i is not None else 0
 
     def _fp(self, keys: _Keys, key: str) -> int:
         return (hash(key) + _TOP) or 1
@@ -404,14 +418,32 @@ class Records:
             self.np["k_parent"][recs[held]] = parents[held]
             self.np["k_depth"][recs[held]] = (np.flatnonzero(held) + depth if depth >= 0
                                               else -1)
+            self.policy.linked(recs.tolist(), ks.table.get(prev) if prev else -1)
             return
+        up = ks.table.get(prev) if prev else -1
+        recs = []
         for j, key in enumerate(keys):
             fp = self._fp(ks, key)
             k = ks.table.get(fp)
             if k >= 0 and self._same_key(k, key):
                 self.k_parent[k] = prev
                 self.k_depth[k] = depth + j if depth >= 0 else -1
+            else:
+                k = -1
+            recs.append(k)
             prev = fp
+        self.policy.linked(recs, up)
+
+    def key_pages(self, ns: str, key: str) -> list[Entry]:
+        """The committed pages of (``ns``, ``key``), every pool."""
+        k = self._find_key(ns, key)
+        out = []
+        p = self.k_head[k] if k >= 0 else -1
+        while p >= 0:
+            if self.p_flags[p] & COMMITTED:
+                out.append(self.handle(p))
+            p = self.p_knext[p]
+        return out
 
     def chain(self, ns: str, key: str) -> tuple[str | None, int]:
         """(the parent key, when L2 holds a page of it, else None; the depth, -1 unknown)."""

@@ -28,6 +28,7 @@ from hicached.daemon.auth import make_auth
 from hicached.daemon.controller import Controller
 from hicached.daemon.files import DaemonFiles
 from hicached.daemon.handshake import Handshakes
+from hicached.daemon.hybrid import make_policy
 from hicached.daemon.index import PageIndex
 from hicached.daemon.l3.tier import L3Tier, close_quietly
 from hicached.daemon.l3.workers import IOWorkers
@@ -111,7 +112,8 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             raise
         try:
             self.allocator = SlabAllocator(config.l2_size, config.slab_size)
-            self.index = PageIndex(self.allocator)
+            self.index = PageIndex(self.allocator,
+                                   policy=make_policy(config.eviction, config.eviction_alpha))
             self.presence = self._presence_table(config)
             self.index.shared = self.presence
             self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)

@@ -96,6 +96,11 @@ def _serve_parser(sub) -> None:
                    help="accept a tcp:// endpoint (needs a client token)")
     p.add_argument("--namespace-quotas", dest="namespace_quotas",
                    help='per-namespace L2 quotas as JSON, e.g. \'{"tenant-a": "8GiB"}\'')
+    p.add_argument("--eviction", dest="eviction",
+                   help="which L2 pages go first: hybrid (default: chains leaf first, states "
+                   "and tokens per byte weighed), prefix (chains leaf first, LRU) or lru")
+    p.add_argument("--eviction-alpha", dest="eviction_alpha", type=float,
+                   help="hybrid eviction: weight of a page's value against its recency")
     p.add_argument("--print-config", action="store_true", help="print the effective config as "
                    "TOML (--config reads it back; secrets left out)")
     _help_with_defaults(p)
@@ -107,7 +112,8 @@ OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l
                "set_ahead_bytes", "busy_poll_ms", "shared_exists", "shared_gets", "presence_slots",
                "log_level", "admin_host", "admin_port", "admin_api_key", "drain_timeout_s",
                "socket_group", "client_token", "allow_tcp", "namespace_quotas",
-               "io_queue_depth", "socket_mode", "unchecked_idle_s", "l3_audit_s")
+               "io_queue_depth", "socket_mode", "unchecked_idle_s", "l3_audit_s",
+               "eviction", "eviction_alpha")
 
 
 _SIZES = ("l2_size", "slab_size", "l3_load_chunk", "set_ahead_bytes")
@@ -132,9 +138,7 @@ def serve_defaults() -> dict[str, str]:
             value = str(value).lower()
         elif f.name == "socket_mode":
             value = f"{value:04o}"
-        elif f.name in _SECRETS:
-            value = "none"
-        elif value == {} or value == "":
+        elif f.name in _SECRETS or value == {} or value == "":
             value = "none"
         out[f.name] = str(value)
     state = default_state_dir()

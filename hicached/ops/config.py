@@ -70,6 +70,9 @@ class DaemonConfig:
     client_token: str = field(default="", repr=False)  # clients must present it in the handshake
     allow_tcp: bool = False  # tcp:// endpoints need this and a client_token
     namespace_quotas: Mapping = field(default_factory=dict)  # namespace -> max L2 bytes
+    # which L2 pages go under memory pressure (docs/eviction.md): lru | prefix | hybrid
+    eviction: str = "hybrid"
+    eviction_alpha: float = 1.0  # hybrid: weight of a page's value (tokens / bytes) vs recency
 
     def resolved(self) -> DaemonConfig:
         """Fill the derived defaults (paths) and check values."""
@@ -106,6 +109,12 @@ class DaemonConfig:
             raise ConfigError(f"get_wait_s: must be > 0, got {self.get_wait_s}")
         if self.set_ahead_bytes < 0:
             raise ConfigError(f"set_ahead_bytes: must be >= 0, got {self.set_ahead_bytes}")
+        from hicached.daemon.hybrid import EVICTIONS
+
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(f"eviction: unknown {self.eviction!r}; valid: {list(EVICTIONS)}")
+        if not 0 <= self.eviction_alpha < 1e6:
+            raise ConfigError(f"eviction_alpha: must be >= 0, got {self.eviction_alpha}")
         p = self.presence_slots
         if p < 0 or (p and (p < 2 or p & (p - 1))):
             raise ConfigError(f"presence_slots: must be 0 (auto) or a power of 2, got {p}")

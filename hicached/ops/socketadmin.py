@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 
@@ -63,7 +63,7 @@ class SocketAdmin:
         self._sock.close(linger=100)
         self._ctx.term()
 
-    def __enter__(self) -> SocketAdmin:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

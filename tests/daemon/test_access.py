@@ -132,10 +132,13 @@ def test_namespace_quota_enforced_with_metrics(make_daemon):
         keys = [f"a{i}" for i in range(12)]
         assert a.batch_set_v1(keys[:8], pages(0, 8)) == [True] * 8
         assert all(b.batch_set_v1([f"b{i}" for i in range(20)], pages(0, 20)))  # no quota
-        assert a.batch_set_v1(keys[8:], pages(8, 4)) == [True] * 4  # evicts a0..a3
-        assert a.batch_exists(keys[:1]) == 0 and a.batch_exists(keys[4:]) == 8
+        # evicts a chain's deep end, a7..a4 (a0..a3 still hit; LRU would leave a4..a7, which
+        # no hit can reach, and evict a0..a3: ``--eviction lru``)
+        assert a.batch_set_v1(keys[8:], pages(8, 4)) == [True] * 4
+        assert a.batch_exists(keys[:8]) == 4 and a.batch_exists(keys[8:]) == 4
         assert b.batch_exists([f"b{i}" for i in range(20)]) == 20
-        held = a._call(lambda s, r: P.Lease(r, s, [P.PoolKeys("kv", keys[4:])]))  # pin all
+        mine = keys[:4] + keys[8:]
+        held = a._call(lambda s, r: P.Lease(r, s, [P.PoolKeys("kv", mine)]))  # pin all
         assert a.batch_set_v1(["a12"], pages(0, 1)) == [False]  # quota full of pinned pages
         a._send_only(P.Release(0, a.session, [held.lease_id]))
         m = scrape(url)

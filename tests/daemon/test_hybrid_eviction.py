@@ -1,0 +1,244 @@
+"""The hybrid cache controller's eviction (issue 25, ``hicached/daemon/hybrid.py``): exact orders
+on small arenas, the dependants that go with a page on every path that frees pages, and the
+orphan bound under random workloads."""
+
+import random
+
+import pytest
+
+from hicached.daemon.hybrid import HybridPolicy, make_policy, orphans
+from hicached.daemon.index import IN_L3, PageIndex
+from hicached.daemon.policy import LruPolicy
+from hicached.daemon.quotas import NamespaceQuotas
+from hicached.daemon.slabs import SlabAllocator
+
+KV, STATE = 64, 512  # slot strides: a slab of 1 KiB holds 16 KV pages or 2 states
+
+
+def make(slabs, policy="prefix", slab=1024, alpha=1.0):
+    return PageIndex(SlabAllocator(slabs * slab, slab), policy=make_policy(policy, alpha))
+
+
+def store(ix, keys, parent=None, depth=-1, states=(), ns="ns", anchor="kv"):
+    """One call: KV pages of ``keys`` (a chain under ``parent``) and states of the keys in
+    ``states``, reserved, linked and committed as the controller does; the keys stored."""
+    entries, done = [], []
+    guard = ix.get((ns, anchor), parent) if parent is not None else None
+    if guard is not None:  # the controller keeps the call's parent for the call
+        ix.pin(guard)
+    for k in keys:
+        e = ix.reserve((ns, anchor), k, KV, KV)
+        if e is not None:
+            entries.append(e)
+            done.append(k)
+    for k in states:
+        ix.mark_trailing((ns, "mamba"))
+        e = ix.reserve((ns, "mamba"), k, STATE, STATE)
+        if e is not None:
+            entries.append(e)
+    ix.link(ns, list(keys), parent, depth)
+    ix.commit_many(entries)
+    if guard is not None:
+        ix.unpin(guard)
+    return done
+
+
+def held(ix, pool="kv", ns="ns"):
+    return sorted(ix.tables.get((ns, pool), ()))
+
+
+def chain(name, n):
+    return [f"{name}{i:02d}" for i in range(n)]
+
+
+# ---------------------------------------------------------------- exact orders
+
+
+def test_lru_empties_a_chain_from_its_head_and_prefix_from_its_leaf():
+    """The issue's first finding, on one slab of 16 KV pages: chain A (10), then chain B (10).
+    LRU evicts A's head, leaving 6 pages no hit can reach; prefix evicts A's tail."""
+    a, b = chain("a", 10), chain("b", 10)
+    lru = make(1, "lru")
+    store(lru, a)
+    store(lru, b)
+    assert held(lru) == sorted(a[4:] + b)  # a00..a03 gone: every hit on A is 0
+    ix = make(1, "prefix")
+    store(ix, a)
+    store(ix, b)
+    assert held(ix) == sorted(a[:6] + b)  # a06..a09 gone: A still hits 6 pages
+    assert orphans(ix) == (0, 0)
+    assert orphans(lru)[0] == 6  # every page of A left behind
+
+
+def test_a_branching_tree_loses_leaves_first_and_never_the_shared_stem():
+    ix = make(1, "prefix")
+    stem = chain("s", 4)
+    store(ix, stem)
+    store(ix, chain("x", 4), parent="s03", depth=4)
+    store(ix, chain("y", 4), parent="s03", depth=4)  # 12 pages
+    store(ix, chain("z", 8))  # 4 more than the slab has: the oldest leaf branch goes first
+    assert held(ix) == sorted(stem + chain("y", 4) + chain("z", 8))
+    store(ix, chain("w", 4))  # next: y's branch (the stem is not a leaf while y hangs on it)
+    assert held(ix) == sorted(stem + chain("z", 8) + chain("w", 4))
+    assert orphans(ix) == (0, 0)
+
+
+def test_a_chain_continued_across_calls_goes_from_the_deep_end_of_the_newest_call():
+    ix = make(1, "prefix")
+    first, second = chain("c", 6), chain("d", 6)
+    store(ix, first)
+    store(ix, second, parent="c05", depth=6)  # a conversation's second turn
+    store(ix, chain("e", 8))  # 4 over: d's tail goes, then (still needing room) nothing of c
+    assert held(ix) == sorted(first + second[:2] + chain("e", 8))
+    assert orphans(ix) == (0, 0)
+
+
+def test_calls_with_no_parent_are_roots_and_still_go_leaf_first_within_the_call():
+    ix = make(1, "prefix")
+    store(ix, chain("a", 8))
+    store(ix, chain("b", 8))  # b00 names no parent: another root
+    store(ix, chain("c", 4))
+    assert held(ix) == sorted(chain("a", 4) + chain("b", 8) + chain("c", 4))
+
+
+def test_a_state_goes_with_the_kv_page_it_needs_and_its_dependants_with_it():
+    ix = make(4, "prefix")
+    keys = chain("k", 8)
+    store(ix, keys, states=["k03", "k07"])
+    assert held(ix, "mamba") == ["k03", "k07"]
+    # a flush slice (or a quota) takes k02's KV page: k03..k07 and both states depend on it,
+    # and k00, k01 then lead to no state (no hit can end on them): all 10 go
+    assert ix.drop_one(ix.get(("ns", "kv"), "k02")) == 10
+    assert held(ix) == [] and held(ix, "mamba") == []
+    store(ix, chain("k", 8), states=["k01", "k07"])
+    assert ix.drop_one(ix.get(("ns", "kv"), "k04")) == 7  # k04..k07, the state, k03 and k02
+    assert held(ix) == ["k00", "k01"] and held(ix, "mamba") == ["k01"]
+    assert orphans(ix) == (0, 0)
+
+
+def test_a_state_leaving_a_leaf_takes_the_kv_pages_no_hit_can_use_any_more():
+    ix = make(4, "prefix")
+    store(ix, chain("k", 8), states=["k03", "k07"])
+    assert ix.drop_one(ix.get(("ns", "mamba"), "k07")) == 5  # the state, k07..k04's KV pages
+    assert held(ix) == chain("k", 4) and held(ix, "mamba") == ["k03"]
+    assert ix.drop_one(ix.get(("ns", "mamba"), "k03")) == 5  # now nothing is left to hit
+    assert held(ix) == []
+
+
+def test_a_page_with_an_l3_copy_takes_nothing_with_it():
+    ix = make(4, "prefix")
+    store(ix, chain("k", 6), states=["k05"])
+    e = ix.get(("ns", "kv"), "k02")
+    e.in_l3 = True
+    assert ix.drop_one(e) == 1  # k03.. stay restorable through L3
+    assert len(held(ix)) == 5 and held(ix, "mamba") == ["k05"]
+    assert orphans(ix, l3=True) == (0, 0)
+
+
+def test_state_less_tails_are_evicted_before_states_and_the_value_keeps_long_prefixes():
+    """hybrid: a long shared prefix's state (many KV pages per state byte) outlives a short
+    conversation tail used as recently; prefix (LRU among leaves) would take the prefix."""
+    for policy, gone in (("prefix", "long"), ("hybrid", "tail")):
+        ix = make(3, policy, alpha=2.0)  # 3 slabs: 2 of KV (32 pages), 1 of states (2)
+        store(ix, chain("L", 24), states=["L23"])  # a long prefix and its state: first
+        store(ix, chain("T", 2), states=["T01"])  # a short tail, later
+        store(ix, chain("n", 4), states=["n03"])  # needs a state slot: one of the two goes
+        states = held(ix, "mamba")
+        assert "n03" in states and len(states) == 2
+        assert ("L23" not in states) == (gone == "long"), (policy, states)
+        assert orphans(ix) == (0, 0), policy
+
+
+def test_a_kv_class_reclaims_a_slab_of_states_with_their_dependants():
+    ix = make(2, "prefix")
+    store(ix, chain("k", 8), states=["k01", "k07"])  # slab 0: 8 KV pages, slab 1: 2 states
+    store(ix, chain("m", 8))  # fills slab 0 (16 KV)
+    assert ix.alloc.free_slab_count == 0
+    store(ix, chain("n", 8))  # 8 more KV: the state slab is the oldest other-class slab?
+    assert orphans(ix) == (0, 0)
+    for key in held(ix, "mamba"):  # every state left still has its whole KV prefix
+        assert all(k in held(ix) for k in chain("k", int(key[1:]) + 1))
+
+
+def test_a_namespace_quota_evicts_its_own_chains_leaf_first():
+    ix = make(4, "prefix")
+    quotas = NamespaceQuotas(ix, {"q": 16 * KV})
+    quotas._limits = {"q": ("q", 16 * KV)}  # the digest of "q" is "q" here (raw namespace)
+    quotas._counts["q"] = {"evictions": 0, "rejections": 0}
+    store(ix, chain("a", 12), ns="q")
+    for k in chain("b", 8):
+        assert quotas.admit("q", KV)
+        store(ix, [k], parent=None if k == "b00" else f"b{int(k[1:]) - 1:02d}", ns="q")
+    assert held(ix, ns="q") == sorted(chain("a", 8) + chain("b", 8))
+    assert orphans(ix) == (0, 0)
+
+
+def test_reload_of_alpha_and_names():
+    assert type(make_policy("lru")) is LruPolicy
+    assert (make_policy("prefix").name, make_policy("hybrid", 2.0).alpha) == ("prefix", 2.0)
+    with pytest.raises(ValueError, match="eviction: 'mru' is not one of lru, prefix, hybrid"):
+        make_policy("mru")
+
+
+def test_a_cycle_in_links_is_refused_not_followed():
+    ix = make(1, "prefix")
+    store(ix, ["a", "b"])
+    ix.link("ns", ["b", "a"], None, -1)  # a under b: b hangs under a, so a would be its own
+    assert ix.drop_one(ix.get(("ns", "kv"), "a")) >= 1  # terminates
+    assert isinstance(ix.policy, HybridPolicy)
+
+
+# ---------------------------------------------------------------- the orphan bound
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_hybrid_workloads_keep_no_orphans(seed):
+    """Conversations, branches, documents with states, under pressure (and flush slices,
+    quotas of nothing, leases that pin pages for a while): after every call, no orphan page."""
+    rng = random.Random(seed)
+    ix = make(12, rng.choice(["prefix", "hybrid"]))
+    roots: list[list[str]] = []
+    pinned = []
+    for step in range(300):
+        seq = []
+        if roots and rng.random() < 0.6:  # extend or branch what an exists finds of one
+            base, kv = rng.choice(roots), set(held(ix))
+            hit = next((i for i, k in enumerate(base) if k not in kv), len(base))
+            if hit:
+                seq = base[:rng.randrange(1, hit + 1)]
+                ix.touch_many([ix.get(("ns", "kv"), k) for k in seq])  # its get
+        new = [f"s{step}p{i}" for i in range(rng.randint(1, 10))]
+        states = sorted({new[-1]} | ({new[0]} if rng.random() < 0.3 else set()))
+        parent = seq[-1] if seq else None
+        done = store(ix, new, parent=parent, depth=len(seq) if seq else 0, states=states)
+        roots.append(seq + new)
+        if done and rng.random() < 0.2:  # a lease pins a page for a few calls
+            e = ix.get(("ns", "kv"), rng.choice(done))
+            if e is not None:
+                ix.pin(e)
+                pinned.append(e)
+        if pinned and rng.random() < 0.3:
+            ix.unpin(pinned.pop(0))
+        if rng.random() < 0.05:  # a flush slice drops a random committed page
+            keys = held(ix)
+            if keys:
+                e = ix.get(("ns", "kv"), rng.choice(keys))
+                if e.pins == 0:
+                    ix.drop_one(e)
+        assert orphans(ix) == (0, 0), (seed, step)
+    for e in pinned:
+        ix.unpin(e)
+
+
+def test_orphans_counts_what_lru_leaves_behind():
+    ix = make(1, "lru")
+    store(ix, chain("a", 10), states=[])
+    ix.mark_trailing(("ns", "mamba"))
+    assert orphans(ix, grace_ticks=0)[0] == 10  # no state anywhere below: nothing to hit
+    ix2 = make(1, "lru")
+    store(ix2, chain("a", 10))
+    e = ix2.get(("ns", "kv"), "a03")
+    ix2.drop_one(e)
+    assert orphans(ix2) == (6, 6 * KV)
+    assert orphans(ix2, l3=True) == (0, 0)  # with L3, a03 may come back from there
+    assert IN_L3  # (the flag a page copied to L3 carries)
