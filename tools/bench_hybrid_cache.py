@@ -27,19 +27,19 @@ Geometry, stated in bytes (bench scale; the ratio is what matters):
                  = 256 B a token, 16 KiB a page (MHA, page_first)
     Mamba state  --state-pages (32) KV pages of bytes: 4 linear-attention layers x (SSM state
                  [p, 32, 31] fp32 + conv state [4, 16 p] bf16) = 512 KiB at 32. Qwen3-Next-80B
-                 (12 full-attention layers, 2 KV heads x 256, 36 Gated DeltaNet layers of
-                 32 x 128 x 128 states) holds 16-48 KV pages of bytes per state over TP 1-4 and
-                 SSM dtypes: --state-pages 16..48
+                 (12 full-attention layers of 2 KV heads x 256; 36 Gated DeltaNet layers of
+                 32 x 128 x 128 states): a state holds ~49 KV pages of bytes at TP 1-2 with an
+                 fp32 SSM state, ~25 at TP 4 (KV heads replicated) or in bf16: --state-pages 16..48
 
 The trace (``--trace``; ``--seed``, default the mix's) mixes, with Zipf popularity (weight of
 rank r ~ 1 / r^s) over each kind's items:
 
-    chat       multi-turn conversations in --conversations slots: a turn's prompt is its system
+    chat       multi-turn conversations in the mix's slots: a turn's prompt is its system
                prompt (one of a few long ones) + every earlier turn (user message + reply) + a
                new user message, so it extends its own prefix; a conversation ends after its
                turns and a new one takes its slot. Branch: the system prompt's end
     fewshot    one of a few long few-shot prefixes + a fresh question. Branch: the prefix's end
-    document   a shared instruction + one of --documents live documents + a fresh question; a
+    document   a shared instruction + one of the mix's live documents + a fresh question; a
                document is asked a few times, then a new one takes its slot. Branches: the
                instruction's end, the document's end
 
