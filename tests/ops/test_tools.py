@@ -81,3 +81,47 @@ def test_bench_index_tiny_run_prints_every_row_side_by_side(capsys):
                  "get 64 pages @2k (k pages/s)", "mixed, 1 clients: ops/s", "get p99 (ms)"):
         assert rows[name][-1] == "1.00", (name, rows[name])
     assert rows["presence table @2k: keys / slots, full"][-1] == "-"
+
+
+def test_bench_hybrid_cache_tiny_run_replays_the_trace_per_budget(capsys, monkeypatch):
+    r = _run("bench_hybrid_cache.py", "--small", "--policies", "lru", timeout=120)
+    trace = r["trace"]
+    assert trace["requests"] == 120 and trace["warmup_requests"] == 12
+    assert trace["working_set_bytes"] == (trace["stored_kv_pages"] * 16384
+                                          + trace["stored_states"] * 32 * 16384)
+    runs = {(x["budget"], x["policy"]): x for x in r["runs"]}
+    assert set(runs) == {(0.1, "lru"), (0.25, "lru"), (None, "lru")}
+    top = runs[None, "lru"]  # nothing evicted: the hit rate worked out offline, exactly
+    assert top["evictions"] == 0 and top["hit_rate"] == trace["ceiling_hit_rate"]
+    assert top["orphans_client"]["max"] == 0 and top["dead_kv"]["max"] == 0
+    assert 0 < runs[0.1, "lru"]["hit_rate"] < runs[0.25, "lru"]["hit_rate"] < top["hit_rate"] < 1
+    for x in r["runs"]:
+        assert x["l2_bytes"] % (1 << 20) == 0 and x["over_lru"] == 1.0
+        assert x["get_misses"] == 0 and x["set_refused"] == 0
+        assert x["bytes_read_per_hit_token"] > 256  # a KV page's bytes a token, plus the states
+        assert x["orphans_client"]["samples"] == 6  # every 20 requests
+        assert 0 <= x["orphans_client"]["mean"] <= x["orphans_client"]["max"] < x["l2_bytes"]
+        for kind in ("exists", "get", "set"):
+            assert x[kind]["count"] > 0 and 0 < x[kind]["p50_ms"] <= x[kind]["p99_ms"], kind
+    assert r["targets"] == []  # LRU only: nothing to compare
+    # the report, with the same runs as a second policy's: its targets against LRU's
+    spec = importlib.util.spec_from_file_location("bench_hybrid_cache",
+                                                  TOOLS / "bench_hybrid_cache.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # (its dataclasses look themselves up)
+    spec.loader.exec_module(bench)
+    both = r["runs"] + [dict(x, policy="hybrid:2") for x in r["runs"]]
+    bench._ratios(both)
+    met = {what.split(":")[0].split(" at most")[0]: ok
+           for policy, what, ok in bench.targets(both) if policy == "hybrid:2"}
+    orphans = max(x["orphans_client"]["max"] / x["l2_bytes"] for x in r["runs"])
+    assert met == {"10 %": runs[0.1, "lru"]["over_ceiling"] >= 0.85, "no budget below LRU": True,
+                   "orphans": orphans <= 0.01, "exists p99": True, "get p99": True,
+                   "set p99": True}
+    args = bench.argparse.Namespace(state_pages=32, slab_size=1 << 20, set_batch=128,
+                                    daemon_args="")
+    bench.print_report(trace, both, args)
+    out = capsys.readouterr().out
+    assert "L2 10% of the working set" in out and "L2 unbounded (ceiling)" in out
+    assert "WARNING" not in out and "targets (issue 25)" in out
+    assert len([line for line in out.splitlines() if line.startswith("hybrid:2 ")]) == 3

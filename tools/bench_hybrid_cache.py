@@ -1,0 +1,751 @@
+"""Hybrid cache controller benchmark (issue 25): token hit rate per L2 budget and eviction policy.
+
+A seeded trace of hybrid-model (Qwen3-Next-like: KV pages plus one Mamba state per endpoint)
+requests is replayed through a real daemon (``python -m hicached serve``, L3 off, one daemon per
+budget and policy) by one client, the way SGLang's hybrid cache controller drives a storage
+backend. For each request, whose finished sequence (prompt + reply) has pages 0..n-1 of 64
+tokens, keys chained like SGLang's page hashes (sha256 of the parent's digest + the page's
+token ids, 64 hex):
+
+    exists   batch_exists_v2(the prompt's pages, [KV ALL_PAGES, MAMBA TRAILING_PAGES window 1])
+             -> L, the longest prefix every pool can restore (the state at page L-1 included)
+    get      batch_get_v2([KV pages 0..L-1, MAMBA state of page L-1]) (L > 0)
+    set      the pages the request computed, L..n-1, in calls of --set-batch (128) KV pages,
+             each with parent = the key before its first page (None at depth 0), depth, anchor
+             pool KV; the MAMBA transfer (TRAILING_PAGES) rides on the call holding its page:
+             the state at the last full page (n-1) and at every branching point passed
+             (the end of a shared system prompt, few-shot prefix, document instruction or
+             document), as SGLang's Mamba radix cache keeps states where its tree branches
+
+A hit is L whole pages restored: the prompt's tokens counted are all but its last (SGLang matches
+at most len - 1), hit tokens are 64 L. Only the daemon caches: the engine is modelled with no
+radix cache of its own (each request asks storage).
+
+Geometry, stated in bytes (bench scale; the ratio is what matters):
+
+    KV page      64 tokens x 4 full-attention layers x 2 KV heads x head_dim 8 x K,V x bf16
+                 = 256 B a token, 16 KiB a page (MHA, page_first)
+    Mamba state  --state-pages (32) KV pages of bytes: 4 linear-attention layers x (SSM state
+                 [p, 32, 31] fp32 + conv state [4, 16 p] bf16) = 512 KiB at 32. Qwen3-Next-80B
+                 (12 full-attention layers of 2 KV heads x 256; 36 Gated DeltaNet layers of
+                 32 x 128 x 128 states): a state holds ~49 KV pages of bytes at TP 1-2 with an
+                 fp32 SSM state, ~25 at TP 4 (KV heads replicated) or in bf16: --state-pages 16..48
+
+The trace (``--trace``; ``--seed``, default the mix's) mixes, with Zipf popularity (weight of
+rank r ~ 1 / r^s) over each kind's items:
+
+    chat       multi-turn conversations in the mix's slots: a turn's prompt is its system
+               prompt (one of a few long ones) + every earlier turn (user message + reply) + a
+               new user message, so it extends its own prefix; a conversation ends after its
+               turns and a new one takes its slot. Branch: the system prompt's end
+    fewshot    one of a few long few-shot prefixes + a fresh question. Branch: the prefix's end
+    document   a shared instruction + one of the mix's live documents + a fresh question; a
+               document is asked a few times, then a new one takes its slot. Branches: the
+               instruction's end, the document's end
+
+    mix1   chat-heavy: 55 % chat (4 system prompts of 1k-3k tokens, 300 conversation slots of
+           3-20 turns, user messages 50-1500 tokens, replies 100-1200), 20 % few-shot (6
+           prefixes of 1.5k-5k, questions 40-300, answers 10-120), 25 % documents (64 live,
+           4k-16k tokens, 2-8 queries each); Zipf s = 0.9; 1600 requests, seed 1
+    mix2   documents and few-shot: 25 % chat (3 system prompts of 0.8k-3k, 100 slots of 3-16
+           turns), 35 % few-shot (10 prefixes of 1k-6k, questions 30-200, answers 5-80), 40 %
+           documents (48 live, 5k-20k tokens, 2-6 queries); Zipf s = 1.0; 1000 requests,
+           seed 2: the trace to check defaults chosen on mix1 against
+
+The working set is every page and state the trace stores (what an unbounded L2 holds at the
+end). L2 budgets (--budgets, % of it: 5, 10, 25, 50) and an unbounded L2 (working set x 1.1: the
+ceiling) each run once per policy (--policies lru,prefix,hybrid; ``hybrid:A`` passes
+``--eviction-alpha A``; ``lru`` passes no --eviction, so it runs on daemons that know no other
+policy). The first --warmup (10 %) of the requests are replayed but not counted. Printed per
+budget and policy:
+
+    hit rate      hit tokens / prompt tokens; / LRU's; / the ceiling's
+    orphans       bytes no hit can use, max and mean over samples every --sample-every (50)
+                  requests, also as % of the arena: the daemon's (stats "l2_orphan_bytes"; n/a
+                  when it has none) and the client's own count from the shared presence table
+                  (a KV page whose chain lost an ancestor, a state whose KV prefix is not all
+                  there); "dead KV": KV pages with a whole chain but no state at or below them
+                  (no hit can end in their subtree, so a hybrid client cannot use them)
+    B/hit tok     bytes read (KV pages + states) per hit token
+    latency       exists / get / set p50 and p99 (ms)
+
+Targets (issue 25): at 5 % >= 1.5 x LRU's hit rate; at 10 % >= 0.85 x the ceiling; at no budget
+below LRU; orphan bytes <= 1 % of the arena at every sample; exists / get / set p99 no worse
+than LRU's by more than 10 %. The unbounded run's hit rate must equal the trace's own ceiling
+(computed offline with no eviction): the summary says when it does not.
+
+    python tools/bench_hybrid_cache.py [--trace mix1|mix2] [--seed N] [--policies lru,prefix,hybrid]
+        [--budgets 5,10,25,50] [--requests N] [--state-pages 32] [--daemon-args "..."] [--json]
+    python tools/bench_hybrid_cache.py --small   # a tiny trace, 2 budgets: a check that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import math
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+PAGE_TOKENS = 64
+KV_LAYERS, KV_HEADS, KV_HEAD_DIM = 4, 2, 8  # bf16, K and V: 256 B a token
+KV_PAGE_BYTES = 2 * PAGE_TOKENS * KV_LAYERS * KV_HEADS * KV_HEAD_DIM * 2  # 16 KiB
+MAMBA_LAYERS = 4
+VOCAB = 151_936  # Qwen3's
+NS = "bench-hybrid|qwen3-next-like|bf16|tp0of1"
+HEADROOM = 1.1  # the unbounded arena over the working set
+
+
+def progress(msg: str) -> None:
+    print(f"[bench_hybrid_cache {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, nearest rank below (as bench_index's)."""
+    s = sorted(values)
+    return s[max(0, min(len(s) - 1, int(len(s) * q + 0.5) - 1))] if s else float("nan")
+
+
+# ----------------------------------------------------------------- the trace
+
+
+@dataclass(frozen=True)
+class Mix:
+    """One trace's mix: kinds' shares, item counts, token lengths (lo, hi: log-uniform)."""
+
+    about: str
+    shares: tuple[tuple[str, float], ...]
+    zipf_s: float
+    requests: int
+    seed: int
+    system_prompts: int
+    system_tokens: tuple[int, int]
+    conversations: int
+    turns: tuple[int, int]
+    user_tokens: tuple[int, int]
+    reply_tokens: tuple[int, int]
+    fewshots: int
+    fewshot_tokens: tuple[int, int]
+    question_tokens: tuple[int, int]
+    answer_tokens: tuple[int, int]
+    documents: int
+    document_tokens: tuple[int, int]
+    queries: tuple[int, int]
+    instruction_tokens: int = 400
+
+
+MIXES = {
+    "mix1": Mix("chat-heavy", (("chat", 0.55), ("fewshot", 0.20), ("document", 0.25)), 0.9,
+                1600, 1, system_prompts=4, system_tokens=(1000, 3000), conversations=300,
+                turns=(3, 20), user_tokens=(50, 1500), reply_tokens=(100, 1200), fewshots=6,
+                fewshot_tokens=(1500, 5000), question_tokens=(40, 300), answer_tokens=(10, 120),
+                documents=64, document_tokens=(4000, 16000), queries=(2, 8)),
+    "mix2": Mix("documents and few-shot", (("chat", 0.25), ("fewshot", 0.35), ("document", 0.40)),
+                1.0, 1000, 2, system_prompts=3, system_tokens=(800, 3000), conversations=100,
+                turns=(3, 16), user_tokens=(50, 1500), reply_tokens=(100, 1200), fewshots=10,
+                fewshot_tokens=(1000, 6000), question_tokens=(30, 200), answer_tokens=(5, 80),
+                documents=48, document_tokens=(5000, 20000), queries=(2, 6)),
+}
+
+
+class Request(NamedTuple):
+    """One request of the trace. ``keys``: the finished sequence's full pages (prompt + reply);
+    ``ids``: their indices in ``Trace.keys``; ``prompt_pages``: the pages an exists asks,
+    (prompt_tokens - 1) // 64; ``branches``: page counts b at shared segments' ends (the state
+    is the one of page b - 1)."""
+
+    kind: str
+    keys: list[str]
+    ids: list[int]
+    prompt_tokens: int
+    prompt_pages: int
+    branches: tuple[int, ...]
+
+
+@dataclass
+class Trace:
+    """The requests, and every distinct key in first-seen order (a parent before its child)
+    with its parent's index (-1: a root) and depth."""
+
+    name: str
+    seed: int
+    requests: list[Request]
+    keys: list[str]
+    parent: np.ndarray
+    depth: np.ndarray
+
+
+class _Gen:
+    """Builds one trace; all randomness from one seeded generator."""
+
+    def __init__(self, mix: Mix, seed: int):
+        self.mix, self.rng = mix, np.random.default_rng(seed)
+        self.index: dict[str, int] = {}
+        self.parent: list[int] = []
+        self.depth: list[int] = []
+
+    def length(self, lo_hi: tuple[int, int]) -> int:
+        lo, hi = lo_hi
+        return round(math.exp(self.rng.uniform(math.log(lo), math.log(hi))))
+
+    def tokens(self, n: int) -> np.ndarray:
+        return self.rng.integers(0, VOCAB, n, dtype=np.uint32)
+
+    def zipf(self, n: int) -> int:
+        w = 1.0 / np.arange(1, n + 1) ** self.mix.zipf_s
+        return int(self.rng.choice(n, p=w / w.sum()))
+
+    def keys(self, tokens: np.ndarray) -> tuple[list[str], list[int]]:
+        """Chained page keys of ``tokens``' full pages (SGLang's: sha256 over the parent's
+        digest and the page's token ids), and their distinct-key indices."""
+        keys, ids, prev, parent = [], [], b"", -1
+        data = tokens.astype("<u4").tobytes()
+        step = 4 * PAGE_TOKENS
+        for p in range(len(tokens) // PAGE_TOKENS):
+            h = hashlib.sha256(prev + data[p * step:(p + 1) * step])
+            prev, key = h.digest(), h.hexdigest()
+            i = self.index.get(key)
+            if i is None:
+                i = self.index[key] = len(self.parent)
+                self.parent.append(parent)
+                self.depth.append(p)
+            keys.append(key)
+            ids.append(i)
+            parent = i
+        return keys, ids
+
+    def request(self, kind: str, shared: list[np.ndarray], fresh: np.ndarray,
+                reply: np.ndarray) -> Request:
+        """A request whose prompt is ``shared`` segments (branching points at each one's end)
+        then ``fresh`` tokens, with the reply ``reply``."""
+        ends = np.cumsum([len(s) for s in shared])
+        prompt = np.concatenate([*shared, fresh])
+        keys, ids = self.keys(np.concatenate([prompt, reply]))
+        branches = tuple(sorted({int(e) // PAGE_TOKENS for e in ends} - {0}))
+        return Request(kind, keys, ids, len(prompt), (len(prompt) - 1) // PAGE_TOKENS, branches)
+
+
+def make_trace(name: str, seed: int | None = None, requests: int | None = None) -> Trace:
+    """The seeded trace of mix ``name`` (``seed`` / ``requests``: the mix's own when None)."""
+    mix = MIXES[name]
+    seed = mix.seed if seed is None else seed
+    g = _Gen(mix, seed)
+    systems = [g.tokens(g.length(mix.system_tokens)) for _ in range(mix.system_prompts)]
+    fewshots = [g.tokens(g.length(mix.fewshot_tokens)) for _ in range(mix.fewshots)]
+    instruction = g.tokens(mix.instruction_tokens)
+    convs: list[dict | None] = [None] * mix.conversations
+    docs: list[dict | None] = [None] * mix.documents
+    kinds, shares = zip(*mix.shares, strict=True)
+    out = []
+    for _ in range(mix.requests if requests is None else requests):
+        kind = kinds[int(g.rng.choice(len(kinds), p=np.array(shares) / sum(shares)))]
+        if kind == "chat":
+            slot = g.zipf(mix.conversations)
+            c = convs[slot]
+            if c is None or c["left"] == 0:
+                c = convs[slot] = {"system": systems[g.zipf(mix.system_prompts)],
+                                   "history": np.zeros(0, np.uint32),
+                                   "left": int(g.rng.integers(mix.turns[0], mix.turns[1] + 1))}
+            user = g.tokens(g.length(mix.user_tokens))
+            reply = g.tokens(g.length(mix.reply_tokens))
+            req = g.request(kind, [c["system"]], np.concatenate([c["history"], user]), reply)
+            c["history"] = np.concatenate([c["history"], user, reply])  # the next turn's prefix
+            c["left"] -= 1
+        elif kind == "fewshot":
+            req = g.request(kind, [fewshots[g.zipf(mix.fewshots)]],
+                            g.tokens(g.length(mix.question_tokens)),
+                            g.tokens(g.length(mix.answer_tokens)))
+        else:
+            slot = g.zipf(mix.documents)
+            d = docs[slot]
+            if d is None or d["left"] == 0:
+                d = docs[slot] = {"tokens": g.tokens(g.length(mix.document_tokens)),
+                                  "left": int(g.rng.integers(mix.queries[0], mix.queries[1] + 1))}
+            req = g.request(kind, [instruction, d["tokens"]],
+                            g.tokens(g.length(mix.question_tokens)),
+                            g.tokens(g.length(mix.answer_tokens)))
+            d["left"] -= 1
+        out.append(req)
+    return Trace(name, seed, out, list(g.index), np.array(g.parent, np.int64),
+                 np.array(g.depth, np.int64))
+
+
+def states_to_set(req: Request, hit: int) -> list[int]:
+    """Pages b whose state (that of page b - 1) a request with ``hit`` pages restored stores:
+    every branching point it computed past, and its last full page."""
+    n = len(req.keys)
+    return sorted({b for b in req.branches if hit < b <= n} | ({n} if hit < n else set()))
+
+
+def ceiling(trace: Trace, warmup: int) -> dict:
+    """The trace with no eviction, worked out here: hit tokens of the counted requests, and
+    the working set (every KV page and state stored, at the end)."""
+    kv: set[int] = set()
+    states: set[int] = set()
+    hit_tokens = prompt_tokens = 0
+    for i, req in enumerate(trace.requests):
+        kv_pages = 0
+        while kv_pages < req.prompt_pages and req.ids[kv_pages] in kv:
+            kv_pages += 1
+        hit = kv_pages
+        while hit and req.ids[hit - 1] not in states:
+            hit -= 1
+        if i >= warmup:
+            hit_tokens += hit * PAGE_TOKENS
+            prompt_tokens += req.prompt_tokens
+        kv.update(req.ids[hit:])
+        states.update(req.ids[b - 1] for b in states_to_set(req, hit))
+    return {"hit_tokens": hit_tokens, "prompt_tokens": prompt_tokens,
+            "hit_rate": hit_tokens / max(1, prompt_tokens), "kv_pages": len(kv),
+            "states": len(states)}
+
+
+def summary(trace: Trace, warmup: int, state_bytes: int) -> dict:
+    """What the trace is: requests per kind, tokens, distinct pages, working set, ceiling."""
+    c = ceiling(trace, warmup)
+    kinds: dict[str, int] = {}
+    for req in trace.requests:
+        kinds[req.kind] = kinds.get(req.kind, 0) + 1
+    return {"trace": trace.name, "seed": trace.seed, "about": MIXES[trace.name].about,
+            "zipf_s": MIXES[trace.name].zipf_s, "requests": len(trace.requests),
+            "warmup_requests": warmup, "kinds": kinds,
+            "prompt_tokens": sum(r.prompt_tokens for r in trace.requests),
+            "mean_prompt_tokens": sum(r.prompt_tokens for r in trace.requests)
+            / max(1, len(trace.requests)),
+            "unique_pages": len(trace.keys), "kv_page_bytes": KV_PAGE_BYTES,
+            "state_bytes": state_bytes, "stored_kv_pages": c["kv_pages"],
+            "stored_states": c["states"],
+            "working_set_bytes": c["kv_pages"] * KV_PAGE_BYTES + c["states"] * state_bytes,
+            "ceiling_hit_rate": c["hit_rate"]}
+
+
+# ----------------------------------------------------------------- the daemon
+
+
+def start_daemon(tmp: str, l2_bytes: int, slab_bytes: int, extra: list[str]):
+    """``python -m hicached serve`` on an ipc socket in ``tmp``, L3 off; (process, endpoint)
+    once it answers a ping."""
+    from hicached import Client
+    from hicached.errors import DaemonUnavailable
+
+    endpoint = f"ipc://{tmp}/bench.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hicached", "serve", "--endpoint", endpoint,
+         "--l2-size", str(l2_bytes), "--slab-size", str(slab_bytes), "--state-dir",
+         f"{tmp}/state", "--l3-backend", "none", "--log-level", "warning", *extra],
+        stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with Client(endpoint, "probe", timeout_s=1.0) as c:
+                c.ping()
+            return proc, endpoint
+        except DaemonUnavailable:
+            time.sleep(0.1)
+    stop(proc)
+    raise SystemExit(f"daemon did not start (exit {proc.returncode}; does it know the options "
+                     f"{extra}? is /dev/shm full of arenas of killed daemons?)")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (not SIGKILL: the daemon removes its arena file on the way out), then wait."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def policy_args(policy: str) -> list[str]:
+    """``lru`` -> no option (a daemon that knows only LRU runs it); ``NAME`` -> --eviction
+    NAME; ``NAME:A`` -> --eviction NAME --eviction-alpha A."""
+    name, _, alpha = policy.partition(":")
+    if name == "lru" and not alpha:
+        return []
+    return ["--eviction", name] + (["--eviction-alpha", alpha] if alpha else [])
+
+
+# ----------------------------------------------------------------- orphans
+
+
+class Orphans:
+    """Orphan bytes counted by the client from the daemon's shared presence table (which
+    says, per key, which pools L2 holds it in). Reads client internals (``Client._shared``),
+    as bench_index does: a cross-check of the daemon's own figure."""
+
+    def __init__(self, trace: Trace, state_bytes: int):
+        self.keys, self.parent, self.state_bytes = trace.keys, trace.parent, state_bytes
+        order = np.argsort(trace.depth, kind="stable")
+        bounds = np.searchsorted(trace.depth[order], np.arange(trace.depth.max() + 2))
+        self.levels = [order[bounds[d]:bounds[d + 1]] for d in range(len(bounds) - 1)]
+
+    def sample(self, client, upto: int) -> dict | None:
+        """Bytes of the first ``upto`` keys' pages no hit can use, or None (no usable table).
+        ``orphan``: KV pages whose chain lost an ancestor, and states whose KV prefix is not
+        whole; ``dead_kv``: KV pages of whole chains with no state at or below them."""
+        shared = client._shared
+        if shared is None or shared.view.usable() is None:
+            return None
+        masks = shared.view.lookup(self.keys[:upto])
+        kv_bit, st_bit = shared.bits.get("kv", 0), shared.bits.get("mamba", 0)
+        if masks is None or not kv_bit or not st_bit:
+            return None
+        kv = (masks & kv_bit) != 0
+        st = (masks & st_bit) != 0
+        whole = kv.copy()  # KV pages 0..i all in L2
+        parent = self.parent[:upto]
+        cut = [lv[lv < upto] for lv in self.levels]
+        for lv in cut[1:]:
+            whole[lv] &= whole[parent[lv]]
+        useful = st & whole  # a hit can end at this page, or below it
+        for lv in reversed(cut[1:]):
+            np.logical_or.at(useful, parent[lv], useful[lv])
+        return {"orphan": int((kv & ~whole).sum()) * KV_PAGE_BYTES
+                + int((st & ~whole).sum()) * self.state_bytes,
+                "dead_kv": int((whole & ~useful).sum()) * KV_PAGE_BYTES}
+
+
+# ----------------------------------------------------------------- the replay
+
+
+def pools(trace: Trace, state_pages: int):
+    """The engine's host pools: KV pages for the longest sequence, Mamba slots for one get and
+    the most states one set call stores; noise in both."""
+    import torch
+
+    from hicached import HostPool
+
+    max_pages = max(len(r.keys) for r in trace.requests)
+    kv = HostPool.allocate_mha(max_pages, PAGE_TOKENS, KV_LAYERS, KV_HEADS, KV_HEAD_DIM,
+                               layout="page_first", dtype=torch.bfloat16)
+    kv.kv_buffer.normal_()
+    slots = 1 + max(len(r.branches) + 1 for r in trace.requests)
+    mamba = HostPool.allocate_mamba(slots, MAMBA_LAYERS, (state_pages, 32, 31),
+                                    [(4, 16 * state_pages)])
+    for b in mamba.buffers:
+        b.copy_(torch.randn(b.shape).to(b.dtype))
+    assert kv.page_bytes == KV_PAGE_BYTES, kv.page_bytes
+    assert mamba.page_bytes == state_pages * KV_PAGE_BYTES, mamba.page_bytes
+    return kv, mamba
+
+
+def replay(endpoint: str, trace: Trace, state_pages: int, warmup: int, sample_every: int,
+           set_batch: int, orphans: Orphans) -> dict:
+    """Every request of ``trace`` through one client, in order (see the module docstring)."""
+    import torch
+
+    from hicached import Client, PoolHitPolicy, PoolName, PoolTransfer
+
+    KV, MAMBA = PoolName.KV, PoolName.MAMBA
+    ALL, TRAILING = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
+    state_bytes = state_pages * KV_PAGE_BYTES
+    kv_pool, mamba_pool = pools(trace, state_pages)
+    lat: dict[str, list[float]] = {"exists": [], "get": [], "set": []}
+    hit_tokens = prompt_tokens = bytes_read = 0
+    get_misses = set_refused = 0
+    daemon_orphans: list[int] = []
+    client_orphans: list[int] = []
+    dead_kv: list[int] = []
+    seen = 0  # distinct keys the requests so far named (ids are first-seen order)
+    with Client(endpoint, NS, timeout_s=30.0) as c:
+        c.register_mem_host_pool_v2(kv_pool, KV)
+        c.register_mem_host_pool_v2(mamba_pool, MAMBA)
+        for i, req in enumerate(trace.requests):
+            keys, n, p = req.keys, len(req.keys), req.prompt_pages
+            seen = max(seen, max(req.ids) + 1)
+            hit = 0
+            if p:
+                t = time.perf_counter()
+                r = c.batch_exists_v2(keys[:p], [
+                    PoolTransfer(KV, keys=keys[:p], hit_policy=ALL),
+                    PoolTransfer(MAMBA, keys=keys[p - 1:p], hit_policy=TRAILING)])
+                lat["exists"].append((time.perf_counter() - t) * 1e3)
+                hit = r.kv_hit_pages
+            if hit:
+                t = time.perf_counter()
+                got = c.batch_get_v2([
+                    PoolTransfer(KV, torch.arange(hit * PAGE_TOKENS), keys=keys[:hit]),
+                    PoolTransfer(MAMBA, torch.tensor([0]), keys=keys[hit - 1:hit],
+                                 hit_policy=TRAILING)])
+                lat["get"].append((time.perf_counter() - t) * 1e3)
+                if not (all(got["kv"]) and all(got["mamba"])):
+                    get_misses += 1  # (one client, in order: nothing evicts in between)
+                    hit = 0
+            states = states_to_set(req, hit)
+            slot = {b: 1 + j for j, b in enumerate(states)}
+            for lo in range(hit, n, set_batch):
+                hi = min(n, lo + set_batch)
+                mine = [b for b in states if lo < b <= hi]  # the states of this call's pages
+                transfers = [PoolTransfer(KV, torch.arange(lo * PAGE_TOKENS, hi * PAGE_TOKENS),
+                                          keys=keys[lo:hi], hit_policy=ALL)]
+                if mine:
+                    transfers.append(PoolTransfer(
+                        MAMBA, torch.tensor([slot[b] for b in mine]),
+                        keys=[keys[b - 1] for b in mine], hit_policy=TRAILING))
+                t = time.perf_counter()
+                res = c.batch_set_v2(transfers, parent=keys[lo - 1] if lo else None, depth=lo,
+                                     anchor_pool=KV)
+                lat["set"].append((time.perf_counter() - t) * 1e3)
+                set_refused += sum(row.count(False) for row in res.values())
+            if i >= warmup:
+                hit_tokens += hit * PAGE_TOKENS
+                prompt_tokens += req.prompt_tokens
+                bytes_read += hit * KV_PAGE_BYTES + (state_bytes if hit else 0)
+            if (i + 1) % sample_every == 0 or i + 1 == len(trace.requests):
+                st = c.stats()
+                if st.get("l2_orphan_bytes") is not None:
+                    daemon_orphans.append(int(st["l2_orphan_bytes"]))
+                o = orphans.sample(c, seen)
+                if o is not None:
+                    client_orphans.append(o["orphan"])
+                    dead_kv.append(o["dead_kv"])
+        st = c.stats()
+    return {
+        "hit_tokens": hit_tokens, "prompt_tokens": prompt_tokens,
+        "hit_rate": hit_tokens / max(1, prompt_tokens),
+        "bytes_read_per_hit_token": bytes_read / hit_tokens if hit_tokens else None,
+        "get_misses": get_misses, "set_refused": set_refused,
+        "eviction": st.get("eviction"), "evictions": st.get("evictions"),
+        "l2_used_bytes": st.get("l2_used_bytes"),
+        "orphans_daemon": _spread(daemon_orphans), "orphans_client": _spread(client_orphans),
+        "dead_kv": _spread(dead_kv),
+        **{k: {"count": len(v), "p50_ms": pct(v, 0.5), "p99_ms": pct(v, 0.99)}
+           for k, v in lat.items()},
+    }
+
+
+def _spread(samples: list[int]) -> dict | None:
+    return {"max": max(samples), "mean": sum(samples) / len(samples),
+            "samples": len(samples)} if samples else None
+
+
+# ----------------------------------------------------------------- the runs and the table
+
+
+def arena_bytes(budget: float | None, working_set: int, slab_bytes: int) -> int:
+    """The L2 size of a budget (a fraction of the working set; None: unbounded, the working
+    set x HEADROOM), a whole number of slabs, at least 4."""
+    want = working_set * (HEADROOM if budget is None else budget)
+    return max(4, math.ceil(want / slab_bytes)) * slab_bytes
+
+
+def run_all(args, trace: Trace, info: dict) -> list[dict]:
+    """One daemon per (budget, policy), budgets in order (the ceiling last), every policy at
+    each budget before the next budget."""
+    orphans = Orphans(trace, info["state_bytes"])
+    warmup = info["warmup_requests"]
+    runs = []
+    budgets: list[float | None] = [b / 100 for b in args.budgets] + [None]
+    for budget in budgets:
+        l2 = arena_bytes(budget, info["working_set_bytes"], args.slab_size)
+        for policy in args.policies:
+            extra = policy_args(policy) + shlex.split(args.daemon_args)
+            label = "unbounded" if budget is None else f"{budget:.0%}"
+            progress(f"{label} ({l2 / 2**20:.0f} MiB arena), {policy}")
+            started = time.monotonic()
+            with tempfile.TemporaryDirectory(prefix="bench-hybrid-") as tmp:
+                proc, endpoint = start_daemon(tmp, l2, args.slab_size, extra)
+                try:
+                    r = replay(endpoint, trace, args.state_pages, warmup, args.sample_every,
+                               args.set_batch, orphans)
+                finally:
+                    stop(proc)
+            if r["eviction"] is not None and r["eviction"] != policy.partition(":")[0]:
+                raise SystemExit(f"asked for eviction {policy!r}, the daemon runs "
+                                 f"{r['eviction']!r}")
+            runs.append({"budget": budget, "policy": policy, "l2_bytes": l2,
+                         "seconds": time.monotonic() - started, **r})
+    _ratios(runs)
+    return runs
+
+
+def _ratios(runs: list[dict]) -> None:
+    """Each run's hit rate over LRU's at its budget and over its policy's unbounded run."""
+    lru = {r["budget"]: r["hit_rate"] for r in runs if r["policy"] == "lru"}
+    top = {r["policy"]: r["hit_rate"] for r in runs if r["budget"] is None}
+    for r in runs:
+        base, ceil = lru.get(r["budget"]), top.get(r["policy"])
+        r["over_lru"] = r["hit_rate"] / base if base else None
+        r["over_ceiling"] = r["hit_rate"] / ceil if ceil else None
+
+
+def targets(runs: list[dict]) -> list[tuple[str, str, bool | None]]:
+    """(policy, what, met) for each non-LRU policy's issue-25 targets (None: cannot say)."""
+    out: list[tuple[str, str, bool | None]] = []
+    lru = {r["budget"]: r for r in runs if r["policy"] == "lru"}
+    for policy in dict.fromkeys(r["policy"] for r in runs):
+        if policy == "lru":
+            continue
+        mine = [r for r in runs if r["policy"] == policy]
+        at = {r["budget"]: r for r in mine}
+        if 0.05 in at and at[0.05]["over_lru"] is not None:
+            v = at[0.05]["over_lru"]
+            out.append((policy, f"5 %: hit rate {v:.2f} x LRU's (>= 1.5)", v >= 1.5))
+        if 0.10 in at and at[0.10]["over_ceiling"] is not None:
+            v = at[0.10]["over_ceiling"]
+            out.append((policy, f"10 %: hit rate {v:.2f} x the ceiling (>= 0.85)", v >= 0.85))
+        ratios = [r["over_lru"] for r in mine if r["over_lru"] is not None]
+        if ratios:
+            out.append((policy, f"no budget below LRU: lowest {min(ratios):.3f} x (>= 1)",
+                        min(ratios) >= 1.0))
+        worst = None
+        for r in mine:
+            o = r["orphans_daemon"] or r["orphans_client"]
+            if o is not None:
+                worst = max(worst or 0.0, o["max"] / r["l2_bytes"])
+        src = "daemon's" if all(r["orphans_daemon"] for r in mine) else "client's count"
+        share = "n/a" if worst is None else f"{worst:.2%}"
+        out.append((policy, f"orphans at most {share} of the arena ({src}; <= 1 %)",
+                    None if worst is None else worst <= 0.01))
+        for kind in ("exists", "get", "set"):
+            ratios = [r[kind]["p99_ms"] / lru[r["budget"]][kind]["p99_ms"]
+                      for r in mine if r["budget"] in lru]
+            if ratios:
+                out.append((policy, f"{kind} p99: worst {max(ratios):.2f} x LRU's (<= 1.10)",
+                            max(ratios) <= 1.10))
+    return out
+
+
+def _mib(v: float | None) -> str:
+    return "n/a" if v is None else f"{v / 2**20:.1f}"
+
+
+def _orph(o: dict | None, l2: int) -> str:
+    return "n/a" if o is None else f"{_mib(o['max'])}/{_mib(o['mean'])} ({o['max'] / l2:.1%})"
+
+
+def print_report(info: dict, runs: list[dict], args) -> None:
+    """The trace summary, one table per budget, the targets."""
+    mib = 2**20
+    kinds = ", ".join(f"{k} {v}" for k, v in info["kinds"].items())
+    print(f"bench_hybrid_cache: trace {info['trace']} (seed {info['seed']}, {info['about']}, "
+          f"Zipf s {info['zipf_s']}): {info['requests']} requests ({kinds}), the first "
+          f"{info['warmup_requests']} not counted")
+    print(f"  {info['prompt_tokens']:,} prompt tokens (mean {info['mean_prompt_tokens']:,.0f}), "
+          f"{info['unique_pages']:,} distinct pages; stored: {info['stored_kv_pages']:,} KV pages "
+          f"of {KV_PAGE_BYTES // 1024} KiB + {info['stored_states']:,} states of "
+          f"{info['state_bytes'] // 1024} KiB ({args.state_pages} pages) = working set "
+          f"{info['working_set_bytes'] / mib:,.1f} MiB; ceiling (no eviction) hit rate "
+          f"{info['ceiling_hit_rate']:.4f}")
+    print(f"  slab {args.slab_size / mib:g} MiB, L3 off, set calls of <= {args.set_batch} pages"
+          + (f", daemon args {args.daemon_args!r}" if args.daemon_args else ""))
+    for r in runs:
+        if r["budget"] is None and abs(r["hit_rate"] - info["ceiling_hit_rate"]) > 1e-9:
+            print(f"  WARNING: {r['policy']} unbounded hit rate {r['hit_rate']:.4f} != the "
+                  f"trace's ceiling {info['ceiling_hit_rate']:.4f} (evictions "
+                  f"{r['evictions']}, refused {r['set_refused']})")
+    cols = ["policy", "hit rate", "/LRU", "/ceil", "orphans MiB max/mean (daemon)",
+            "orphans (client)", "dead KV mean", "B/hit tok", "exists p50/p99", "get p50/p99",
+            "set p50/p99 ms", "evictions"]
+    for budget in dict.fromkeys(r["budget"] for r in runs):
+        mine = [r for r in runs if r["budget"] == budget]
+        label = "unbounded (ceiling)" if budget is None else f"{budget:.0%} of the working set"
+        print(f"\nL2 {label}: arena {mine[0]['l2_bytes'] / mib:,.0f} MiB")
+        rows = []
+        for r in mine:
+            dead = r["dead_kv"]
+            rows.append([
+                r["policy"], f"{r['hit_rate']:.4f}",
+                "-" if r["over_lru"] is None else f"{r['over_lru']:.2f}",
+                "-" if r["over_ceiling"] is None else f"{r['over_ceiling']:.2f}",
+                _orph(r["orphans_daemon"], r["l2_bytes"]),
+                _orph(r["orphans_client"], r["l2_bytes"]),
+                "n/a" if dead is None else _mib(dead["mean"]),
+                "-" if r["bytes_read_per_hit_token"] is None
+                else f"{r['bytes_read_per_hit_token']:,.0f}",
+                *(f"{r[k]['p50_ms']:.2f}/{r[k]['p99_ms']:.2f}" for k in ("exists", "get", "set")),
+                str(r["evictions"])])
+        widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(cols, widths, strict=True))))
+        for row in rows:
+            print("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                            for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+        odd = [f"{r['policy']}: {r['get_misses']} gets missed after exists, "
+               f"{r['set_refused']} pages refused" for r in mine
+               if r["get_misses"] or r["set_refused"]]
+        for line in odd:
+            print(f"  NOTE {line}")
+    found = targets(runs)
+    if found:
+        print("\ntargets (issue 25)")
+        for policy, what, met in found:
+            print(f"  {policy:12s} {'n/a ' if met is None else 'met ' if met else 'MISS'}  {what}")
+
+
+def _csv(kind):
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", choices=sorted(MIXES), default="mix1")
+    ap.add_argument("--seed", type=int, default=None, help="the trace's seed (default: the mix's)")
+    ap.add_argument("--requests", type=int, default=None, help="requests (default: the mix's)")
+    ap.add_argument("--policies", type=_csv(str), default=["lru", "prefix", "hybrid"],
+                    help="comma-separated: lru, prefix, hybrid, hybrid:ALPHA (default all three)")
+    ap.add_argument("--budgets", type=_csv(float), default=[5, 10, 25, 50],
+                    help="L2 budgets, %% of the working set (an unbounded run is always added)")
+    ap.add_argument("--state-pages", type=int, default=32,
+                    help="a Mamba state's bytes in KV pages (16..48: Qwen3-Next-80B, TP 1-4)")
+    ap.add_argument("--slab-size", type=int, default=4 << 20, help="daemon slab bytes")
+    ap.add_argument("--warmup", type=float, default=0.1,
+                    help="fraction of the requests replayed but not counted")
+    ap.add_argument("--sample-every", type=int, default=50,
+                    help="requests between orphan samples")
+    ap.add_argument("--set-batch", type=int, default=128, help="KV pages a set call holds")
+    ap.add_argument("--daemon-args", default="", help="more `hicached serve` options")
+    ap.add_argument("--small", action="store_true",
+                    help="a tiny run: 120 requests, budgets 10 and 25 %%, 1 MiB slabs")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.small:  # its own defaults; flags given still win
+        ap.set_defaults(requests=120, budgets=[10, 25], slab_size=1 << 20, sample_every=20)
+        args = ap.parse_args()
+    if not 1 <= args.state_pages <= 256:
+        raise SystemExit(f"--state-pages must be in 1..256, got {args.state_pages}")
+    if args.slab_size % 64 or args.slab_size < args.state_pages * KV_PAGE_BYTES:
+        raise SystemExit(f"--slab-size must be a multiple of 64 holding a state "
+                         f"({args.state_pages * KV_PAGE_BYTES} bytes), got {args.slab_size}")
+    import torch
+
+    torch.set_num_threads(1)  # the copies are small; idle threads would spin
+    progress(f"building trace {args.trace}")
+    trace = make_trace(args.trace, args.seed, args.requests)
+    info = summary(trace, int(len(trace.requests) * args.warmup),
+                   args.state_pages * KV_PAGE_BYTES)
+    progress(f"{info['requests']} requests, working set {info['working_set_bytes'] / 2**20:.0f} "
+             f"MiB, ceiling hit rate {info['ceiling_hit_rate']:.4f}")
+    gc.collect()
+    gc.freeze()  # the trace's objects: out of every later collection (steadier p99)
+    runs = run_all(args, trace, info)
+    if args.json:
+        print(json.dumps({"trace": info, "config": {
+            "policies": args.policies, "budgets_pct": args.budgets,
+            "state_pages": args.state_pages, "slab_bytes": args.slab_size,
+            "warmup": args.warmup, "sample_every": args.sample_every,
+            "set_batch": args.set_batch, "daemon_args": args.daemon_args},
+            "runs": runs, "targets": [{"policy": p, "target": w, "met": m}
+                                      for p, w, m in targets(runs)]}, indent=2))
+    else:
+        print_report(info, runs, args)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # finally blocks stop the daemon
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)
