@@ -55,8 +55,7 @@ rank r ~ 1 / r^s) over each kind's items:
 The working set is every page and state the trace stores (what an unbounded L2 holds at the
 end). L2 budgets (--budgets, % of it: 5, 10, 25, 50) and an unbounded L2 (working set x 1.1: the
 ceiling) each run once per policy (--policies lru,prefix,hybrid; ``hybrid:A`` passes
-``--eviction-alpha A``; ``lru`` passes no --eviction, so it runs on daemons that know no other
-policy). The first --warmup (10 %) of the requests are replayed but not counted. Printed per
+``--eviction-alpha A``; each passes ``--eviction NAME``). The first --warmup (10 %) of the requests are replayed but not counted. Printed per
 budget and policy:
 
     hit rate      hit tokens / prompt tokens; / LRU's; / the ceiling's
@@ -369,11 +368,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def policy_args(policy: str) -> list[str]:
-    """``lru`` -> no option (a daemon that knows only LRU runs it); ``NAME`` -> --eviction
-    NAME; ``NAME:A`` -> --eviction NAME --eviction-alpha A."""
+    """``NAME`` -> --eviction NAME; ``NAME:A`` -> --eviction NAME --eviction-alpha A."""
     name, _, alpha = policy.partition(":")
-    if name == "lru" and not alpha:
-        return []
     return ["--eviction", name] + (["--eviction-alpha", alpha] if alpha else [])
 
 

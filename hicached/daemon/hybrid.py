@@ -369,23 +369,50 @@ class HybridPolicy(LruPolicy):
                 back.append((c[0], c[1]))
         for entry in back:
             heapq.heappush(heap, entry)
+        other = self._oldest_leaf_slab(stride)
+        # an older leaf in a class of other namespaces only (another model, idle): its slab is
+        # reclaimed (a KV class and the state class of the same namespaces never reclaim each
+        # other's slabs by age: a chain's stem is always older than its leaf)
+        if best is not None and (other is None or other[0] >= cands[0][0] or self._class_ns.get(
+                other[1].stride, set()) & self._class_ns[stride]):
+            return best[1][2]
+        if other is not None:  # a slab of another class: the one of its oldest leaf (the
+            # deep end of a chain: what it takes with it is mostly in that slab)
+            pages = self._expand([p for p in ix._slots.get(other[1].index, ()) if p >= 0])
+            if pages:
+                return pages
         if best is not None:
-            slab = ix.alloc.oldest_unpinned(stride)
-            if (slab is None or slab.last_used >= cands[0][0]
-                    or self._class_ns.get(slab.stride, set()) & self._class_ns[stride]):
-                return best[1][2]
-            # an older slab of a class of other namespaces (another model, idle): reclaimed
-            # as LRU does (a KV class's slabs are older than its own namespaces' states: the
-            # stems of their chains, never reclaimed by age for them)
+            return best[1][2]
+        slab = ix.alloc.oldest_unpinned(stride)  # no leaf anywhere may go: LRU's slab
+        if slab is not None:
             pages = self._expand([p for p in ix._slots.get(slab.index, ()) if p >= 0])
             if pages:
                 return pages
-            return best[1][2]
         for p in itertools.islice(self.unpinned(stride), FALLBACK_PAGES):
             pages = self.doomed(p)  # the class's least recently used page that may go
             if pages:
                 return pages
         return []
+
+    def _oldest_leaf_slab(self, stride: int):
+        """(tick, slab) of the least recently used leaf page of another class whose slab holds
+        no pinned page, or None (each class's heap cleaned of dead entries at its top)."""
+        ix, best = self.ix, None
+        for other, heap in self._heaps.items():
+            if other == stride:
+                continue
+            while heap and not self._live(*heap[0]):
+                heapq.heappop(heap)
+            if not heap or (best is not None and heap[0][0] >= best[0]):
+                continue
+            t, k = heap[0]
+            p = ix.k_head[k]
+            while p >= 0 and not (ix.p_used[p] == t and ix.p_flags[p] & COMMITTED):
+                p = ix.p_knext[p]
+            slab = ix.alloc.slab_of(ix.p_off[p])
+            if slab.pinned == 0:
+                best = (t, slab)
+        return best
 
     def _segment(self, k: int, t: int, tick: int) -> tuple[list[int], float] | None:
         """(the pages a leaf ``k`` takes with it, its value), or None while it may not go (a
