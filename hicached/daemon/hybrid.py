@@ -394,6 +394,32 @@ class HybridPolicy(LruPolicy):
                 return pages
         return []
 
+    def upcoming(self, stride: int, n: int) -> list[int]:
+        """The pages of class ``stride``'s next leaf segments (the least recently used leaves,
+        up to ``n`` pages; their order by score is ``make_room``'s business)."""
+        ix, heap = self.ix, self._heaps.get(stride, [])
+        out, back = [], []
+        while heap and len(out) < n:
+            t, k = heapq.heappop(heap)
+            if not self._live(t, k):
+                continue
+            back.append((t, k))
+            seg = self._segment(k, t, ix._tick)
+            if seg is None:
+                continue
+            out.extend(seg[0])
+            child = ix.p_krec[seg[0][-1]]  # then the keys above that would be leaves next
+            q = self._up[child] - 1
+            while q >= 0 and len(out) < n and self._kid[q] == child + 1 and not self._sib[child]:
+                pages = self._pages(q)
+                if pages is None:
+                    break
+                out.extend(pages)
+                child, q = q, self._up[q] - 1
+        for entry in back:
+            heapq.heappush(heap, entry)
+        return out[:n]
+
     def _oldest_leaf_slab(self, stride: int):
         """(tick, slab) of the least recently used leaf page of another class whose slab holds
         no pinned page, or None (each class's heap cleaned of dead entries at its top)."""

@@ -19,6 +19,7 @@ longer ago (a whole slab frees room for any page size). Pinned pages are passed 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -133,6 +134,11 @@ class LruPolicy:
         """``order(stride)`` without the pinned pages."""
         pins = self.ix.p_pins
         return (p for p in self.order(stride) if pins[p] == 0)
+
+    def upcoming(self, stride: int, n: int) -> list[int]:
+        """About the ``n`` unpinned page records of class ``stride`` evicted next (the L3
+        audit asks the store about their copies)."""
+        return list(itertools.islice(self.unpinned(stride), n))
 
     def victims(self, ns: str | None = None) -> Iterator[int]:
         """Unpinned committed page records of every class (of namespace ``ns``), next victim

@@ -434,6 +434,21 @@ class Records:
             prev = fp
         self.policy.linked(recs, up)
 
+    def parent_pages(self, entry: Entry) -> list[Entry]:
+        """The committed pages of ``entry``'s parent key (its chain's page before it), every
+        pool; empty when L2 holds none or the chain is not known."""
+        k = self.p_krec[entry.rec]
+        if self.p_gen[entry.rec] != entry.gen or not self.k_parent[k]:
+            return []
+        pk = self._keys[self.k_ns[k]].table.get(self.k_parent[k])
+        out = []
+        p = self.k_head[pk] if pk >= 0 else -1
+        while p >= 0:
+            if self.p_flags[p] & COMMITTED:
+                out.append(self.handle(p))
+            p = self.p_knext[p]
+        return out
+
     def key_pages(self, ns: str, key: str) -> list[Entry]:
         """The committed pages of (``ns``, ``key``), every pool."""
         k = self._find_key(ns, key)

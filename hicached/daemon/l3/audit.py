@@ -54,7 +54,7 @@ class TierAudit:
         for stride in policy.strides():
             # pinned pages are passed over (as eviction does): they are not evicted next
             evictable = map(self.index.handle,
-                            itertools.islice(policy.unpinned(stride), AUDIT_WINDOW))
+                            policy.upcoming(stride, AUDIT_WINDOW))
             oldest = (e for e in evictable if e.in_l3 and e.committed and not e.writing)
             for e in itertools.islice(oldest, AUDIT_PAGES):
                 by_table.setdefault(e.table, []).append(e)

@@ -22,6 +22,7 @@ log = logging.getLogger("hicached.daemon.l3.tier")
 
 DIRTY_HIGH = 0.5  # write_back: start writing when dirty pages fill this share of the arena
 DIRTY_TARGET = 0.4  # ... and write the oldest until they are below this share
+HEADS_MAX = 4096  # pages of a chain written before one write_back pick at most
 WRITING_MAX = 0.5  # share of the arena that pages waiting for their write may pin (not dirty)
 
 
@@ -53,8 +54,21 @@ class TierWrites:
 
     def on_hit(self, e: Entry) -> None:
         if (self.write_policy == "write_through_selective" and self.attached
-                and e.hits >= self.threshold and not e.in_l3 and not e.writing):
+                and e.hits >= self.threshold and not e.in_l3 and not e.writing
+                and self._prefix_stored(e)):
             self.write([e])
+
+    def _prefix_stored(self, e: Entry) -> bool:
+        """A state (a trailing pool's page) is worth an L3 write only once its key's KV pages
+        are stored or being written (``hybrid.py``: a state without its prefix restores
+        nothing); any other page always is."""
+        ix = self.index
+        ns = e.table[0]
+        trail = ix.trailing(ns)
+        if not trail or not trail & ix.pool_bit(e.table):
+            return True
+        return all(p.in_l3 or p.writing for p in ix.key_pages(ns, e.key)
+                   if not trail & ix.pool_bit(p.table))
 
     def relieve_pressure(self, force: bool = False) -> int:
         """write_back: write the least recently used dirty pages when they fill more than
@@ -74,9 +88,26 @@ class TierWrites:
                 break
             pick.append(e)
             dirty -= e.stride
-        n = self.write(pick)
+        n = self.write(self._heads_first(pick))
         self.counters["write_backs"] += n
         return n
+
+    def _heads_first(self, pick: list[Entry]) -> list[Entry]:
+        """``pick`` with the dirty pages of each one's chain above it, each chain from its root
+        side: the store is written heads before tails, so a crash never leaves it holding a
+        tail whose head it lacks (``Records.parent_pages``: the chains the sets named)."""
+        out: dict[Entry, None] = {}
+        for e in pick:
+            up, pages = [], [e]
+            while pages and len(up) < HEADS_MAX:
+                dirty = [p for p in pages if p in self.dirty and not p.writing and p not in out]
+                if not dirty:
+                    break
+                up.append(dirty)
+                pages = self.index.parent_pages(dirty[0])
+            for group in reversed(up):
+                out.update(dict.fromkeys(group))
+        return list(out)
 
     def write_back_all(self) -> int:
         """Queue every dirty page (flush, shutdown, policy change); returns how many."""
