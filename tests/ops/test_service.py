@@ -123,7 +123,8 @@ def test_sighup_reloads_policy_keys(make_daemon, tmp_path):
             conf.write_text('write_policy = "write_through_selective"\n'
                             'write_through_threshold = 3\nprefetch = false\nget_wait_s = 1.5\n'
                             'log_level = "debug"\nl2_size = "32MiB"\nio_queue_depth = 8\n'
-                            'namespace_quotas = { "model-a" = "1MiB" }\nset_ahead_bytes = 0\n')
+                            'namespace_quotas = { "model-a" = "1MiB" }\nset_ahead_bytes = 0\n'
+                            'eviction_alpha = 2.5\neviction = "lru"\n')
             d.proc.send_signal(signal.SIGHUP)
             assert wait_until(lambda: _backend_status(c)["write_policy"]
                               == "write_through_selective")
@@ -134,7 +135,8 @@ def test_sighup_reloads_policy_keys(make_daemon, tmp_path):
             assert "get_wait_s=1.5" in out and "log_level='debug'" in out
             assert "set_ahead_bytes=0" in out
             # l2_size comes from the command line (flags beat the file): unchanged
-            assert "reload: io_queue_depth changed; restart hicached to apply" in out
+            assert "eviction_alpha=2.5" in out  # the hybrid policy's weight: applied
+            assert "reload: io_queue_depth, eviction changed; restart hicached to apply" in out
             conf.write_text('write_policy = "sometimes"\n')
             d.proc.send_signal(signal.SIGHUP)
             assert wait_until(lambda: "reload failed; the running config stays" in d.output())
