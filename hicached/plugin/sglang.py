@@ -327,8 +327,10 @@ class HicachedStorage(_Base):
                                            f"indices, got {n}; answering misses")
                     done[t.name] = [False] * len(keys)
                 else:
-                    todo.append((t.name, PoolTransfer(self._sessions.wire(name),
-                                                      t.host_indices, keys=keys)))
+                    policy = _value(getattr(t, "hit_policy", None)) or "all_pages"
+                    todo.append((t.name, PoolTransfer(  # the policy: the daemon keeps states
+                        self._sessions.wire(name), t.host_indices, keys=keys,  # with their KV
+                        hit_policy=policy if policy in POLICIES else "all_pages")))
         return done, todo
 
     def _batch_v2(self, transfers: list[Any], writing: bool, extra_info: Any = None

@@ -12,6 +12,8 @@ import torch
 from inproc_daemon import inproc_daemon
 from sglang_env import PAGE, idx, keys_of, kv_pool, mamba_pool, sglang_source_object
 
+from hicached.daemon.sessions import namespace_digest
+
 HYBRID = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller"
 
 
@@ -80,6 +82,10 @@ def test_a_non_writer_mla_rank_links_its_own_pool_by_namespace_and_key(sg, plugi
             assert backend.batch_set_v2(transfers, extra) == {hs.PoolName.MAMBA: [True]}
         if backend is rank1:  # its Mamba page is linked; no KV page is held yet
             assert daemon.chain(ns, keys[-1]) == (None, 3)  # its parent: not in L2 yet
+            # and the daemon knows that pool holds states (kept only with their KV prefix)
+            ix, digest = daemon.daemon.index, namespace_digest(ns)
+            assert daemon.daemon.call(lambda: ix.trailing(digest) == ix.pool_bit(
+                (digest, "mamba@tp1of2")))
             assert [daemon.chain(ns, k) for k in keys[:-1]] == [(None, -1)] * 2
     page_backup(hs, rank1, keys, 0, prefix)  # skipped: rank 0 writes the KV
     assert rank1.get_stats().counters["skipped_write_pages"] == 3
