@@ -46,6 +46,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pages per prefill forward (1: the engine's page-chunked default)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--target", type=float, default=0.2, help="L2 TTFT / recompute goal")
+    p.add_argument("--pressure", action="store_true",
+                   help="instead: the run under memory pressure, once per eviction policy "
+                   "(an L2 that holds the base prompt and half the noise, no L3)")
+    p.add_argument("--noise", type=int, default=3,
+                   help="--pressure: unrelated prompts computed after the base prompt")
+    p.add_argument("--policies", default="lru,prefix,hybrid",
+                   help="--pressure: the daemon's --eviction for each run")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (tiny models gain nothing from more, and on a "
                         "shared machine spinning OpenMP threads make timings erratic)")
@@ -55,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.pressure:
+        return pressure(args)
     n, ps = args.prompt_tokens, args.page_size
     shared = int(n * args.hit)
     g = torch.Generator().manual_seed(0)
@@ -129,6 +138,74 @@ def main(argv=None) -> int:
     l2 = statistics.median(r[0] for r in results["L2"]) / ref
     verdict = "met" if l2 <= args.target else "NOT met"
     print(f"target L2 TTFT <= {args.target} x recompute: {l2:.3f} ({verdict})")
+    return 0
+
+
+def pressure(args: argparse.Namespace) -> int:
+    """The run under memory pressure (issue 25): per policy, a daemon whose L2 (no L3) holds
+    the base prompt's pages and states plus about half of ``--noise`` unrelated prompts of the
+    same length. An engine computes the base prompt, then the noise (L2 fills and evicts), then
+    a fresh engine asks ``--repeats`` prompts sharing ``--hit`` of the base: what L2 still
+    serves of the base decides their TTFT. LRU evicts the base's oldest pages, its head, first
+    (and its hit falls to the deepest state before the first missing page: 0); the chain-aware
+    policies take it from its deep end."""
+    n, ps = args.prompt_tokens, args.page_size
+    shared = int(n * args.hit)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 256, (n,), generator=g).tolist()
+    noise = [torch.randint(0, 256, (n,), generator=g).tolist() for _ in range(args.noise)]
+    asks = [base[:shared] + torch.randint(0, 256, (n - shared,), generator=g).tolist()
+            for _ in range(args.repeats)]
+    lm = load_model("qwen3_next", device=args.device, hidden_size=args.hidden,
+                    num_hidden_layers=args.layers)
+    lm.warmup(ps)
+    slab = 1 << 20
+    per_prompt = None
+    rows = []
+    for policy in ["unbounded"] + [p.strip() for p in args.policies.split(",") if p.strip()]:
+        if policy == "unbounded":
+            l2, extra = 2 << 30, ["--l3-backend", "none"]
+        else:
+            l2 = -(-int(per_prompt * (1 + args.noise / 2)) // slab) * slab
+            extra = ["--l3-backend", "none", "--eviction", policy]
+        daemon = DaemonLauncher(l2_size=str(l2), slab_size=str(slab), extra=extra)
+        try:
+            def engine(daemon=daemon) -> Engine:
+                return Engine(lm, EngineConfig(
+                    page_size=ps, kv_pages=4 * (n // ps + 2) * 2, state_slots=256,
+                    track_interval=args.track_interval,
+                    prefill_chunk_pages=args.prefill_chunk_pages, device=args.device,
+                    storage_backend="hicached", hicached_endpoint=daemon.endpoint))
+
+            with Client(daemon.endpoint, "admin") as admin:
+                for prompt in [base, *noise]:
+                    eng = engine()  # each its own engine: what it keeps is the daemon's
+                    eng.generate(prompt, 1)
+                    eng.close()
+                    if per_prompt is None:
+                        per_prompt = admin.stats()["l2_used_bytes"]
+                runs = []
+                for p in asks:
+                    eng = engine()
+                    req = eng.add_request(p, 1)
+                    while not req.done:
+                        eng.step()
+                    runs.append((req.ttft_s, req.cached_tokens))
+                    eng.close()
+                st = admin.stats()
+            rows.append((policy, l2, statistics.median(r[0] for r in runs),
+                         statistics.median(r[1] for r in runs) / n, st["evictions"],
+                         st.get("l2_orphan_bytes")))
+        finally:
+            daemon.close()
+    print(f"qwen3_next hidden {args.hidden}, {args.layers} layers, {n}-token prompts, "
+          f"{args.hit:.0%} shared with the base, {args.noise} noise prompts, page {ps}, track "
+          f"{args.track_interval}, {args.device}, median of {args.repeats}")
+    print(f"{'policy':<10} {'L2 MiB':>7} {'hit rate':>8} {'ttft ms':>9} {'evictions':>9} "
+          f"{'orphan KiB':>10}")
+    for policy, l2, ttft, hit, ev, orphan in rows:
+        print(f"{policy:<10} {l2 / (1 << 20):>7.1f} {hit:>8.1%} {ttft * 1e3:>9.1f} {ev:>9} "
+              f"{'n/a' if orphan is None else orphan // 1024:>10}")
     return 0
 
 

@@ -61,6 +61,11 @@ class HybridPolicy(LruPolicy):
         self._heaps: dict[int, list[tuple[int, int]]] = {}  # stride -> (tick, leaf key)
         self._pushes = 0
         self._class_ns: dict[int, set[int]] = {}  # stride -> namespace ids that had a leaf in it
+        # stride -> (tick, page record): states of keys with children (mid-chain states, and
+        # states at branching points): a state may go alone, nothing depends on it
+        self._mids: dict[int, list[tuple[int, int]]] = {}
+        # leaf key k -> (keys, bytes) of its segment; ~k -> (keys, bytes) of its state alone
+        self._vals: dict[int, tuple[int, int]] = {}
         # (tick, key): leaves of trailing namespaces committed without a state; ``stale`` takes
         # the ones still state-less after ``GRACE_TICKS`` (no hit can end on them)
         self._tails: list[tuple[int, int]] = []  # a heap
@@ -101,6 +106,15 @@ class HybridPolicy(LruPolicy):
         if first:
             self._psib[first - 1] = k + 1
         self._kid[q] = k + 1
+        self._vals.pop(k, None)
+        self._vals.pop(~k, None)
+        if not first:  # q is no leaf now: its states may go alone
+            ix = self.ix
+            p = ix.k_head[q]
+            while p >= 0:
+                if ix.p_flags[p] & COMMITTED:
+                    self._push_mid(p)
+                p = ix.p_knext[p]
 
     def _below(self, q: int, k: int) -> bool:
         """Whether ``q`` is ``k`` or hangs under it (walks up from ``q``)."""
@@ -125,6 +139,7 @@ class HybridPolicy(LruPolicy):
             self._psib[s - 1] = ps
         self._up[k] = self._sib[k] = self._psib[k] = 0
         if not self._kid[q]:
+            self._vals.pop(q, None)
             self._push(q)  # a leaf now
             self._maybe_tail(q)
 
@@ -141,14 +156,20 @@ class HybridPolicy(LruPolicy):
             c = nxt
         self._kid[k] = 0
         self._kflags[k] = 0
+        self._vals.pop(k, None)
+        self._vals.pop(~k, None)
 
     # ------------------------------------------------------------ the index's events
 
     def inserted(self, p: int) -> None:
         super().inserted(p)
-        if not self._kid[self.ix.p_krec[p]]:
+        k = self.ix.p_krec[p]
+        self._vals.pop(k, None)
+        if not self._kid[k]:
             self._push_page(p)
-            self._maybe_tail(self.ix.p_krec[p])
+            self._maybe_tail(k)
+        else:
+            self._push_mid(p)
 
     def _maybe_tail(self, k: int) -> None:
         ix = self.ix
@@ -189,6 +210,17 @@ class HybridPolicy(LruPolicy):
         super().touched(p)
         if not self._kid[self.ix.p_krec[p]]:
             self._push_page(p)
+        else:
+            self._push_mid(p)
+
+    def _push_mid(self, p: int) -> None:
+        ix = self.ix
+        if ix._tbit[ix.p_tid[p]] & ix._ns_trail[ix.k_ns[ix.p_krec[p]]]:  # a state
+            heap = self._mids.get(ix.p_stride[p])
+            if heap is None:
+                heap = self._mids[ix.p_stride[p]] = []
+            heapq.heappush(heap, (ix.p_used[p], p))
+            self._pushes += 1
 
     def _push_page(self, p: int) -> None:
         ix = self.ix
@@ -225,7 +257,16 @@ class HybridPolicy(LruPolicy):
             live = [(t, k) for t, k in heap if self._live(t, k)]
             heapq.heapify(live)
             self._heaps[stride] = live
-        self._pushes = sum(map(len, self._heaps.values()))
+        for stride, heap in list(self._mids.items()):
+            live = [(t, p) for t, p in heap if self._mid_live(t, p)]
+            heapq.heapify(live)
+            self._mids[stride] = live
+        self._pushes = sum(map(len, self._heaps.values())) + sum(map(len, self._mids.values()))
+
+    def _mid_live(self, t: int, p: int) -> bool:
+        ix = self.ix
+        return (ix.p_used[p] == t and bool(ix.p_flags[p] & COMMITTED)
+                and bool(self._kid[ix.p_krec[p]]))
 
     def _live(self, t: int, k: int) -> bool:
         ix = self.ix
@@ -344,45 +385,54 @@ class HybridPolicy(LruPolicy):
 
     def make_room(self, stride: int) -> list[int]:
         ix = self.ix
-        heap, tick = self._heaps.get(stride, []), ix._tick
-        cands, back = [], []  # (tick, key, pages, value) / heap entries to put back
+        tick = ix._tick
+        cands, back, mback = [], [], []  # [tick, key, value, state page or -1]
+        heap = self._heaps.get(stride, [])
         while heap and len(cands) < CANDIDATES:
             t, k = heapq.heappop(heap)
             if not self._live(t, k):
                 continue
-            seg = self._segment(k, t, tick)
-            if seg is None:
-                back.append((t, k))
+            back.append((t, k))
+            v = self._value(k, t, tick)
+            if v is not None:
+                cands.append((t, k, v, -1))
+        mids, n = self._mids.get(stride, []), 0
+        while mids and n < CANDIDATES:
+            t, p = heapq.heappop(mids)
+            if not self._mid_live(t, p):
                 continue
-            cands.append((t, k, *seg))
+            mback.append((t, p))
+            if not ix.p_pins[p]:  # a state alone (nothing depends on it)
+                cands.append((t, ix.p_krec[p], self._state_value(ix.p_krec[p], p), p))
+                n += 1
         best = None
         if cands:
-            lo, hi = cands[0][0], max(c[0] for c in cands)
-            top = max(c[3] for c in cands) or 1.0
+            lo, hi = min(c[0] for c in cands), max(c[0] for c in cands)
+            top = max(c[2] for c in cands) or 1.0
             span = (hi - lo) or 1
-            for c in cands:
-                score = (c[0] - lo) / span + self.alpha * c[3] / top
-                if best is None or score < best[0]:
-                    best = (score, c)
-        for c in cands:
-            if best is None or c is not best[1]:
-                back.append((c[0], c[1]))
+            for c in sorted(cands, key=lambda c: (c[0] - lo) / span + self.alpha * c[2] / top):
+                pages = [c[3]] if c[3] >= 0 else self._segment(c[1])
+                if pages:
+                    best = (c, pages)
+                    break
         for entry in back:
             heapq.heappush(heap, entry)
+        for entry in mback:
+            heapq.heappush(mids, entry)
         other = self._oldest_leaf_slab(stride)
         # an older leaf in a class of other namespaces only (another model, idle): its slab is
         # reclaimed (a KV class and the state class of the same namespaces never reclaim each
         # other's slabs by age: a chain's stem is always older than its leaf)
-        if best is not None and (other is None or other[0] >= cands[0][0] or self._class_ns.get(
-                other[1].stride, set()) & self._class_ns[stride]):
-            return best[1][2]
+        if best is not None and (other is None or other[0] >= lo or self._class_ns.get(
+                other[1].stride, set()) & self._class_ns.get(stride, set())):
+            return best[1]
         if other is not None:  # a slab of another class: the one of its oldest leaf (the
             # deep end of a chain: what it takes with it is mostly in that slab)
             pages = self._expand([p for p in ix._slots.get(other[1].index, ()) if p >= 0])
             if pages:
                 return pages
         if best is not None:
-            return best[1][2]
+            return best[1]
         slab = ix.alloc.oldest_unpinned(stride)  # no leaf anywhere may go: LRU's slab
         if slab is not None:
             pages = self._expand([p for p in ix._slots.get(slab.index, ()) if p >= 0])
@@ -404,11 +454,11 @@ class HybridPolicy(LruPolicy):
             if not self._live(t, k):
                 continue
             back.append((t, k))
-            seg = self._segment(k, t, ix._tick)
+            seg = self._segment(k)
             if seg is None:
                 continue
-            out.extend(seg[0])
-            child = ix.p_krec[seg[0][-1]]  # then the keys above that would be leaves next
+            out.extend(seg)
+            child = ix.p_krec[seg[-1]]  # then the keys above that would be leaves next
             q = self._up[child] - 1
             while q >= 0 and len(out) < n and self._kid[q] == child + 1 and not self._sib[child]:
                 pages = self._pages(q)
@@ -440,22 +490,45 @@ class HybridPolicy(LruPolicy):
                 best = (t, slab)
         return best
 
-    def _segment(self, k: int, t: int, tick: int) -> tuple[list[int], float] | None:
-        """(the pages a leaf ``k`` takes with it, its value), or None while it may not go (a
-        page pinned or pending, or a state-less leaf in its grace)."""
+    def _value(self, k: int, t: int, tick: int) -> float | None:
+        """The value of leaf ``k``'s segment (KV keys / bytes freed: cached per leaf, a hint),
+        or None while it may not go: a page pinned or pending, or a state-less leaf in its
+        grace (worth 0 after it)."""
         ix = self.ix
         pages = self._pages(k)
         if pages is None:
             return None
         trail = ix._ns_trail[ix.k_ns[k]]
-        seen = set(pages)
-        n = 1 + self._trim(self._up[k] - 1, k, trail, pages, seen)
         if trail and not self._has_state(k, trail):
-            if tick - t < GRACE_TICKS:
-                return None
-            return pages, 0.0
-        size = sum(ix.p_stride[p] for p in pages)
-        return pages, n / size
+            return None if tick - t < GRACE_TICKS else 0.0
+        got = self._vals.get(k)
+        if got is None:
+            self._trim(self._up[k] - 1, k, trail, pages, set(pages))
+            got = self._vals[k] = (len({ix.p_krec[p] for p in pages}),
+                                   sum(ix.p_stride[p] for p in pages))
+        return got[0] / got[1]
+
+    def _state_value(self, k: int, p: int) -> float:
+        """The value of state ``p`` of key ``k``, which has children: the keys a hit ending at
+        it saves over the state above it, per byte of the state (cached, a hint): a long
+        shared prefix's state is worth much, a conversation's earlier turn little."""
+        got = self._vals.get(~k)
+        if got is None:
+            ix, n, q = self.ix, 1, self._up[k] - 1
+            trail = ix._ns_trail[ix.k_ns[k]]
+            while q >= 0 and n < MAX_WALK and not self._has_state(q, trail):
+                n, q = n + 1, self._up[q] - 1
+            got = self._vals[~k] = (n, ix.p_stride[p])
+        return got[0] / got[1]
+
+    def _segment(self, k: int) -> list[int] | None:
+        """The pages leaf ``k`` takes with it (its own and the state-less single-child keys
+        above it), or None when one of its own is pinned or pending."""
+        pages = self._pages(k)
+        if pages is None:
+            return None
+        self._trim(self._up[k] - 1, k, self.ix._ns_trail[self.ix.k_ns[k]], pages, set(pages))
+        return pages
 
     def _expand(self, pages: list[int]) -> list[int]:
         out, seen = [], set()

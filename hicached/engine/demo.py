@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +58,8 @@ class Progress:
 class DaemonLauncher:
     """A ``hicached serve`` child process on an ipc socket in a temp dir (demo, bench)."""
 
-    def __init__(self, l2_size: str = "512MiB", slab_size: str = "8MiB"):
+    def __init__(self, l2_size: str = "512MiB", slab_size: str = "8MiB",
+                 extra: Sequence[str] = ()):
         self.dir = tempfile.mkdtemp(prefix="hicached-demo-")
         self.endpoint = f"ipc://{self.dir}/hicached.sock"
         # the child writes here for its whole life; closed in close()
@@ -66,7 +67,8 @@ class DaemonLauncher:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hicached", "serve", "--endpoint", self.endpoint,
              "--l2-size", l2_size, "--slab-size", slab_size, "--state-dir",
-             os.path.join(self.dir, "state")], stdout=self.log, stderr=subprocess.STDOUT)
+             os.path.join(self.dir, "state"), *extra], stdout=self.log,
+            stderr=subprocess.STDOUT)
         wait_for_daemon(self.endpoint, self.proc)
 
     def close(self) -> None:

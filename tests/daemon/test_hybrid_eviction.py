@@ -149,6 +149,30 @@ def test_state_less_tails_are_evicted_before_states_and_the_value_keeps_long_pre
         assert orphans(ix) == (0, 0), policy
 
 
+@pytest.mark.parametrize("policy", ["prefix", "hybrid"])
+def test_a_mid_chain_state_goes_alone_before_a_leaf_or_a_branch_point(policy):
+    """A conversation's earlier turn left a state mid-chain (its next turn extends it): a hit
+    ends there only if that very prefix is asked again. It goes first, alone (nothing depends
+    on it); a state where the chain branches, and the leaves, stay."""
+    ix = make(2, policy)  # 1 slab of 16 KV pages, 1 of 2 states
+    store(ix, chain("t", 4), states=["t03"])  # turn 1
+    store(ix, chain("u", 4), parent="t03", depth=4, states=["u03"])  # turn 2 extends it
+    ix.touch_many([ix.get(("ns", "mamba"), "u03")])
+    store(ix, chain("n", 4), states=["n03"])  # needs a state slot
+    assert held(ix, "mamba") == ["n03", "u03"]
+    assert len(held(ix)) == 12 and orphans(ix) == (0, 0)  # every KV page stays
+    if policy == "prefix":
+        return  # (leaves and mid-chain states in LRU order: the oldest, the branch, goes)
+    ix = make(3, policy)  # 1 slab of KV, 2 of 2 states
+    store(ix, chain("s", 4), states=["s03"])  # a shared prefix, then two branches on it
+    store(ix, chain("a", 2), parent="s03", depth=4, states=["a01"])
+    store(ix, chain("b", 2), parent="s03", depth=4, states=["b01"])
+    store(ix, chain("n", 2), states=["n01"])
+    store(ix, chain("m", 2), states=["m01"])  # a fifth state: a leaf goes, not the branch
+    assert "s03" in held(ix, "mamba") and len(held(ix, "mamba")) == 4
+    assert orphans(ix) == (0, 0)
+
+
 def test_a_kv_class_reclaims_a_slab_of_states_with_their_dependants():
     ix = make(2, "prefix")
     store(ix, chain("k", 8), states=["k01", "k07"])  # slab 0: 8 KV pages, slab 1: 2 states
