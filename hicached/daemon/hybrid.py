@@ -5,32 +5,34 @@ page before it on its chain is kept, and a trailing-pool state (Mamba, sliding w
 its KV prefix is restorable; in a namespace whose hits need a trailing state, KV pages past the
 last state of their branch restore nothing either. ``LruPolicy`` evicts pages one by one from the
 old end and keeps the wrong ones; this policy knows the chains (``Records.link``: by (namespace,
-key), parent and depth, whoever sent them) as a tree of key records:
-
-    up[k]  kid[k]  sib[k] / psib[k]     parent, first child, next / previous sibling (+1; 0 none)
-    flags[k]                            ANCHOR_L3 / STATE_L3: a page of that kind left L2 with an
-                                        L3 copy (still restorable); BROKEN: its parent left with none
+key), parent and depth, whoever sent them) as a tree of key records, in arrays indexed by key
+record: ``up`` / ``kid`` / ``sib`` / ``psib`` (parent, first child, next and previous sibling,
++1, 0 for none), ``kflags`` (STATE_L3).
 
 Rules, on every path that frees pages (``PageIndex.evict`` / ``drop_one`` ask ``doomed``):
 
-- a **leaf segment** goes whole: a leaf key (no child in L2) with, in a namespace with trailing
-  pools, the chain of single-child, state-less keys above it (what a hit at the leaf alone
-  needed). ``make_room`` only ever picks such segments;
+- a **leaf segment** goes whole: a leaf key (no child in L2) with all its pages and, in a
+  namespace with trailing pools, the single-child, state-less keys above it (what a hit at the
+  leaf alone needed);
 - a page whose key others depend on (an ALL_PAGES pool: KV, DSA indexer) takes its dependants
-  first: the keys below it, deepest first, and its key's other pages; then the state-less keys
-  above that it leaves as a leaf. A page with a copy in L3 takes nothing (still restorable);
-- a state takes the state-less leaf segment it ended, if it ended one.
+  first: the keys below it, deepest first, and its key's other pages, then the state-less keys
+  above it that it leaves as a leaf; if a dependant is pinned or pending, the page stays. A
+  page with a copy in L3 takes nothing (still restorable);
+- a state takes the state-less leaf segment it ended, if it ended one; a **mid-chain state**
+  (of a key with children) goes alone, nothing depends on it;
+- a state-less leaf of a trailing namespace goes once ``GRACE_TICKS`` page uses passed since its
+  newest use (the state of its call, or of the next, would have made it a real leaf): ``stale``,
+  asked after every commit, pressure or not.
 
-Victims (``make_room``): the ``CANDIDATES`` least recently used leaves (a lazily invalidated heap
-of (tick, key): an entry is live while the key is a leaf and a page of it still has that tick),
-each scored Marconi-style as ``recency + alpha x value``, both normalised over the candidates to
-[0, 1], where value = the segment's KV pages (the tokens a hit at its leaf saves over the state
-above it) / the bytes it frees. The lowest score that frees a slot of the wanted class goes. A
-state-less leaf of a trailing namespace is worth 0 once ``GRACE_TICKS`` have passed (the state
-of its call, or of the next one, makes it a real leaf); before that it is passed over. When no
-candidate frees a slot of the class, or another class's least recently used slab is older than
-the best candidate, that slab is reclaimed as ``LruPolicy`` does, with every page's dependants.
-``alpha`` 0 is the ``prefix`` policy: leaves in LRU order.
+Victims for a slot of one class (``make_room``): the ``CANDIDATES`` least recently used leaves
+with a page of that class (a lazily invalidated heap per class of (tick, key): live while the
+key is a leaf and one of its pages still has that tick) and as many mid-chain states (a heap of
+(tick, page)), scored Marconi-style as ``recency + alpha x value``, both normalised over the
+candidates to [0, 1]: value = the KV keys a hit at it saves over the state above it / the bytes
+it frees (cached per key: a hint). The lowest score goes (``alpha`` 0, the ``prefix`` policy:
+the least recently used). A class with no candidate, or whose oldest candidate is younger than
+the oldest leaf of a class holding other namespaces only (another model, idle), takes the slab
+of that leaf (the deep end of a chain) with every page's dependants.
 """
 
 from __future__ import annotations
@@ -40,18 +42,17 @@ import itertools
 
 import numpy as np
 
+from hicached.daemon.keytree import MAX_WALK, KeyTree
 from hicached.daemon.policy import COMMITTED, LruPolicy
 
-PENDING = 2  # entry.PENDING
 IN_L3 = 4  # entry.IN_L3
-ANCHOR_L3, STATE_L3, BROKEN = 1, 2, 4
+STATE_L3 = 1  # key flag: a state of the key left L2 with a copy in L3 (still restorable)
 CANDIDATES = 16  # leaves scored per eviction
 GRACE_TICKS = 1024  # page uses a state-less leaf waits for its state before it is worth 0
 FALLBACK_PAGES = 256  # pages of a class tried, oldest first, when no leaf of it may go
-MAX_WALK = 1 << 20  # keys a cycle check walks at most (a cycle is refused, never followed)
 
 
-class HybridPolicy(LruPolicy):
+class HybridPolicy(KeyTree):
     """Prefix- and state-aware eviction (module docstring); ``alpha`` 0: ``prefix``."""
 
     def __init__(self, alpha: float = 1.0):
@@ -70,94 +71,25 @@ class HybridPolicy(LruPolicy):
         # the ones still state-less after ``GRACE_TICKS`` (no hit can end on them)
         self._tails: list[tuple[int, int]] = []  # a heap
         self._held: list[int] = []  # such leaves found pinned: looked at on every call
-        for name in ("_up", "_kid", "_sib", "_psib"):
-            setattr(self, name, memoryview(np.zeros(0, np.int32)))
-        self._kflags = memoryview(np.zeros(0, np.uint8))
 
-    def grow_keys(self, n: int) -> None:
-        for name, dtype in (("_up", np.int32), ("_kid", np.int32), ("_sib", np.int32),
-                            ("_psib", np.int32), ("_kflags", np.uint8)):
-            arr = np.zeros(n, dtype)
-            old = getattr(self, name)
-            arr[:len(old)] = old
-            setattr(self, name, memoryview(arr))
+    # ------------------------------------------------------------ the tree's events
 
-    # ------------------------------------------------------------ the tree of keys
-
-    def linked(self, recs, parent: int) -> None:
-        """Key records ``recs`` (-1: not in L2) were linked in a chain, the first under
-        ``parent`` (-1: a root or not in L2)."""
-        q = parent
-        for k in recs:
-            if k >= 0:
-                self._attach(k, q)
-            q = k
-
-    def _attach(self, k: int, q: int) -> None:
-        if self._up[k] == q + 1:
-            return
-        if q >= 0 and (q == k or (self._kid[k] and self._below(q, k))):
-            q = -1  # a cycle: k would hang under its own descendant
-        self._detach(k)
-        if q < 0:
-            return
-        first = self._kid[q]
-        self._up[k], self._sib[k], self._psib[k] = q + 1, first, 0
-        if first:
-            self._psib[first - 1] = k + 1
-        self._kid[q] = k + 1
+    def _moved(self, k: int) -> None:
         self._vals.pop(k, None)
         self._vals.pop(~k, None)
-        if not first:  # q is no leaf now: its states may go alone
-            ix = self.ix
-            p = ix.k_head[q]
-            while p >= 0:
-                if ix.p_flags[p] & COMMITTED:
-                    self._push_mid(p)
-                p = ix.p_knext[p]
 
-    def _below(self, q: int, k: int) -> bool:
-        """Whether ``q`` is ``k`` or hangs under it (walks up from ``q``)."""
-        up, n = self._up, 0
-        while q >= 0 and n < MAX_WALK:
-            if q == k:
-                return True
-            q = up[q] - 1
-            n += 1
-        return n >= MAX_WALK
+    def _parent_now(self, q: int) -> None:
+        ix = self.ix
+        p = ix.k_head[q]
+        while p >= 0:  # q is no leaf now: its states may go alone
+            if ix.p_flags[p] & COMMITTED:
+                self._push_mid(p)
+            p = ix.p_knext[p]
 
-    def _detach(self, k: int) -> None:
-        q = self._up[k] - 1
-        if q < 0:
-            return
-        s, ps = self._sib[k], self._psib[k]
-        if ps:
-            self._sib[ps - 1] = s
-        else:
-            self._kid[q] = s
-        if s:
-            self._psib[s - 1] = ps
-        self._up[k] = self._sib[k] = self._psib[k] = 0
-        if not self._kid[q]:
-            self._vals.pop(q, None)
-            self._push(q)  # a leaf now
-            self._maybe_tail(q)
-
-    def key_freed(self, k: int) -> None:
-        """Key record ``k`` is freed (its last page left L2): off its parent; its children
-        become roots (BROKEN unless its KV prefix is still in L3)."""
-        self._detach(k)
-        broken = 0 if self._kflags[k] & ANCHOR_L3 else BROKEN
-        c = self._kid[k]
-        while c:
-            nxt = self._sib[c - 1]
-            self._up[c - 1] = self._sib[c - 1] = self._psib[c - 1] = 0
-            self._kflags[c - 1] |= broken
-            c = nxt
-        self._kid[k] = 0
-        self._kflags[k] = 0
-        self._vals.pop(k, None)
-        self._vals.pop(~k, None)
+    def _leaf_now(self, q: int) -> None:
+        self._vals.pop(q, None)
+        self._push(q)
+        self._maybe_tail(q)
 
     # ------------------------------------------------------------ the index's events
 
@@ -237,10 +169,9 @@ class HybridPolicy(LruPolicy):
     def removed(self, p: int) -> None:
         super().removed(p)
         ix = self.ix
-        if ix.p_flags[p] & IN_L3:
-            k = ix.p_krec[p]
-            trail = ix._ns_trail[ix.k_ns[k]]
-            self._kflags[k] |= STATE_L3 if ix._tbit[ix.p_tid[p]] & trail else ANCHOR_L3
+        k = ix.p_krec[p]
+        if ix.p_flags[p] & IN_L3 and ix._tbit[ix.p_tid[p]] & ix._ns_trail[ix.k_ns[k]]:
+            self._kflags[k] |= STATE_L3
 
     def _push(self, k: int) -> None:
         """Key ``k`` became a leaf: each of its committed pages is a candidate in its class."""
@@ -358,28 +289,6 @@ class HybridPolicy(LruPolicy):
         if up >= 0 and self._kid[up] == k + 1 and not self._sib[k]:
             self._trim(up, k, trail, out, seen)
         return out
-
-    def ranked(self, ns: str) -> list[int]:
-        """Every committed page record of namespace ``ns``, next victim first (quotas): by the
-        newest use in their key's subtree, then deepest first, so a chain goes from its leaf
-        and a stem stays while a branch below it is used."""
-        ix = self.ix
-        sel = super().ranked(ns)
-        if not sel:
-            return sel
-        top = ix._k_top
-        up = np.frombuffer(self._up, np.int32)[:top].astype(np.int64) - 1
-        newest = np.zeros(top, np.int64)
-        recs = np.asarray(sel, np.int64)
-        krec = ix.np["p_krec"][recs]
-        np.maximum.at(newest, krec, ix.np["p_used"][recs])
-        depth = _depths(up)
-        order = np.argsort(-depth, kind="stable")
-        order = order[up[order] >= 0]
-        for chunk in np.split(order, np.flatnonzero(np.diff(depth[order])) + 1):
-            np.maximum.at(newest, up[chunk], newest[chunk])  # deepest first: up the tree
-        keys = np.lexsort((-depth[krec], newest[krec]))
-        return recs[keys].tolist()
 
     # ------------------------------------------------------------ victims
 
@@ -566,72 +475,3 @@ def _depths(up: np.ndarray) -> np.ndarray:
         depth[more] += depth[a]
         anc[more] = anc[a]
     return depth
-
-
-ORPHANS_MAX_KEYS = 1 << 18  # ``orphans`` is not counted in an index with more key records
-
-
-def orphans(ix, l3: bool = False, grace_ticks: int = GRACE_TICKS) -> tuple[int, int] | None:
-    """(pages, slot bytes) of L2's orphans, whatever the policy (stats; vectorised, about a
-    microsecond a key record; None past ``ORPHANS_MAX_KEYS``). A page is an orphan when its
-    key's known chain is broken above it: a parent named by a link that L2 does not hold (with
-    ``l3``, an L3 attached, such a parent counts as restorable), or a key holding a state but
-    none of its KV pages; in a namespace with trailing pools, also when no key at or below it
-    holds a state and none of its pages was used in the last ``grace_ticks``."""
-    top = ix._k_top
-    if top > ORPHANS_MAX_KEYS:
-        return None
-    if not top:
-        return 0, 0
-    bad = orphan_keys(ix, l3, grace_ticks)
-    col = ix.np
-    committed = np.flatnonzero(col["p_flags"][:ix._p_top] & COMMITTED)
-    hit = bad[col["p_krec"][committed]]
-    return int(hit.sum()), int(col["p_stride"][committed][hit].sum())
-
-
-def orphan_keys(ix, l3: bool, grace_ticks: int) -> np.ndarray:
-    """Per key record (up to ``_k_top``): whether its pages are orphans (``orphans``)."""
-    top = ix._k_top
-    col = ix.np
-    live = col["k_len"][:top] != 0
-    mask = col["k_mask"][:top]
-    ns = col["k_ns"][:top].astype(np.int64)
-    pfp = col["k_parent"][:top]
-    prec = np.full(top, -1, np.int64)
-    broken = np.zeros(top, bool)
-    for i, keys in enumerate(ix._keys):
-        sel = np.flatnonzero(live & (ns == i) & (pfp != 0))
-        if len(sel):
-            got = keys.table.get_many(pfp[sel]).astype(np.int64)
-            got[got >= 0] = np.where(live[got[got >= 0]], got[got >= 0], -1)
-            prec[sel] = got
-            if not l3:
-                broken[sel[got < 0]] = True
-    trail = np.asarray(ix._ns_trail + [0], np.int64)[ns]
-    has_state = live & ((mask & trail) != 0)
-    if not l3:
-        broken |= has_state & ((mask & ~trail) == 0)
-    anc, depth = prec.copy(), (prec >= 0).astype(np.int64)
-    for _ in range(64):  # pointer jumping: broken above, and the depth (a cycle stops at 64)
-        up = anc >= 0
-        if not up.any():
-            break
-        a = anc[up]
-        broken[up] |= broken[a]
-        depth[up] += depth[a]
-        anc[up] = anc[a]
-    bad = broken & live
-    if any(ix._ns_trail):
-        below = has_state.copy()  # a state at or below the key
-        committed = np.flatnonzero(col["p_flags"][:ix._p_top] & COMMITTED)
-        newest = np.zeros(top, np.int64)  # the newest use at or below the key
-        np.maximum.at(newest, col["p_krec"][committed], col["p_used"][committed])
-        order = np.argsort(-depth, kind="stable")
-        order = order[live[order] & (prec[order] >= 0)]
-        levels = np.flatnonzero(np.diff(depth[order])) + 1
-        for chunk in np.split(order, levels):  # deepest first: a key tells its parent
-            np.logical_or.at(below, prec[chunk], below[chunk])
-            np.maximum.at(newest, prec[chunk], newest[chunk])
-        bad |= live & (trail != 0) & ~below & (newest <= ix._tick - grace_ticks)
-    return bad

@@ -21,8 +21,8 @@ from typing import Any
 
 from hicached import protocol as P
 from hicached.backends.base import BACKENDS, is_backend_name
-from hicached.daemon.hybrid import orphans
 from hicached.daemon.l3.tier import close_quietly
+from hicached.daemon.orphans import orphans
 from hicached.daemon.sessions import ParkedExists, ParkedGet
 from hicached.errors import (
     BackendConflict,

@@ -56,7 +56,7 @@ def test_write_back_writes_a_chain_root_side_first_with_the_dirty_heads_of_a_pic
 def test_a_selective_write_waits_for_the_states_kv_prefix(tier, arena):
     index, workers, backend, t = tier
     t.write_policy, t.threshold = "write_through_selective", 1
-    kv0, kv1, state = store(index, arena, ["k0", "k1"], states=["k1"])
+    _, kv1, state = store(index, arena, ["k0", "k1"], states=["k1"])
     state.hits = kv1.hits = 1
     t.on_hit(state)  # k1's KV page is not stored: the state would restore nothing
     assert backend.sent == [] and not state.writing
@@ -67,7 +67,7 @@ def test_a_selective_write_waits_for_the_states_kv_prefix(tier, arena):
 
 
 def test_the_audit_asks_about_the_next_leaf_segments_not_the_lru_heads(tier, arena):
-    index, workers, backend, t = tier
+    index = tier[0]
     store(index, arena, ["c0", "c1", "c2", "c3"])
     # LRU's next victims would be c0, c1 (the oldest); the policy's are the chain's deep end
     assert [index.handle(p).key for p in index.policy.upcoming(PAGE, 4)] == [

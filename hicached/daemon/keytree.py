@@ -1,0 +1,146 @@
+"""The chains an eviction policy knows: key records as a tree (``hybrid.py`` evicts by it).
+
+Arrays indexed by key record, grown with the records (``grow_keys``): ``up`` / ``kid`` / ``sib`` /
+``psib`` (parent, first child, next and previous sibling, each +1, 0 for none) and ``kflags``.
+``Records.link`` tells ``linked`` where a call's keys hang; a key record freed leaves the tree
+(``key_freed``), its children becoming roots. A link that would make a cycle (a key under its own
+descendant: a client's bug, or two clients disagreeing) makes the key a root instead: the tree
+is walked by eviction and must stay a tree. Subclasses hear of the changes through ``_moved``
+(a key changed place), ``_parent_now`` (a leaf got its first child), ``_leaf_now`` (a key lost
+its last child).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hicached.daemon.policy import LruPolicy
+
+MAX_WALK = 1 << 20  # keys a cycle check walks at most (a cycle is refused, never followed)
+
+
+class KeyTree(LruPolicy):
+    """LRU lists plus the tree of keys (module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        for name in ("_up", "_kid", "_sib", "_psib"):
+            setattr(self, name, memoryview(np.zeros(0, np.int32)))
+        self._kflags = memoryview(np.zeros(0, np.uint8))
+
+    def grow_keys(self, n: int) -> None:
+        for name, dtype in (("_up", np.int32), ("_kid", np.int32), ("_sib", np.int32),
+                            ("_psib", np.int32), ("_kflags", np.uint8)):
+            arr = np.zeros(n, dtype)
+            old = getattr(self, name)
+            arr[:len(old)] = old
+            setattr(self, name, memoryview(arr))
+
+    def linked(self, recs, parent: int) -> None:
+        """Key records ``recs`` (-1: not in L2) were linked in a chain, the first under
+        ``parent`` (-1: a root or not in L2)."""
+        q = parent
+        for k in recs:
+            if k >= 0:
+                self._attach(k, q)
+            q = k
+
+    def _attach(self, k: int, q: int) -> None:
+        if self._up[k] == q + 1:
+            return
+        if q >= 0 and (q == k or (self._kid[k] and self._below(q, k))):
+            q = -1  # a cycle: k would hang under its own descendant
+        self._detach(k)
+        if q < 0:
+            return
+        first = self._kid[q]
+        self._up[k], self._sib[k], self._psib[k] = q + 1, first, 0
+        if first:
+            self._psib[first - 1] = k + 1
+        self._kid[q] = k + 1
+        self._moved(k)
+        if not first:
+            self._parent_now(q)
+
+    def _below(self, q: int, k: int) -> bool:
+        """Whether ``q`` is ``k`` or hangs under it (walks up from ``q``)."""
+        up, n = self._up, 0
+        while q >= 0 and n < MAX_WALK:
+            if q == k:
+                return True
+            q = up[q] - 1
+            n += 1
+        return n >= MAX_WALK
+
+    def _detach(self, k: int) -> None:
+        q = self._up[k] - 1
+        if q < 0:
+            return
+        s, ps = self._sib[k], self._psib[k]
+        if ps:
+            self._sib[ps - 1] = s
+        else:
+            self._kid[q] = s
+        if s:
+            self._psib[s - 1] = ps
+        self._up[k] = self._sib[k] = self._psib[k] = 0
+        if not self._kid[q]:
+            self._leaf_now(q)
+
+    def key_freed(self, k: int) -> None:
+        """Key record ``k`` is freed (its last page left L2): off its parent; its children
+        (left only when its pages had L3 copies, or are pinned) become roots."""
+        self._detach(k)
+        c = self._kid[k]
+        while c:
+            nxt = self._sib[c - 1]
+            self._up[c - 1] = self._sib[c - 1] = self._psib[c - 1] = 0
+            c = nxt
+        self._kid[k] = 0
+        self._kflags[k] = 0
+        self._moved(k)
+
+    def _moved(self, k: int) -> None:
+        pass
+
+    def _parent_now(self, q: int) -> None:
+        pass
+
+    def _leaf_now(self, q: int) -> None:
+        pass
+
+    def ranked(self, ns: str) -> list[int]:
+        """Every committed page record of namespace ``ns``, next victim first (quotas): by the
+        newest use in their key's subtree, then deepest first, so a chain goes from its leaf
+        and a stem stays while a branch below it is used."""
+        ix = self.ix
+        sel = super().ranked(ns)
+        if not sel:
+            return sel
+        top = ix._k_top
+        up = np.frombuffer(self._up, np.int32)[:top].astype(np.int64) - 1
+        newest = np.zeros(top, np.int64)
+        recs = np.asarray(sel, np.int64)
+        krec = ix.np["p_krec"][recs]
+        np.maximum.at(newest, krec, ix.np["p_used"][recs])
+        depth = _depths(up)
+        order = np.argsort(-depth, kind="stable")
+        order = order[up[order] >= 0]
+        for chunk in np.split(order, np.flatnonzero(np.diff(depth[order])) + 1):
+            np.maximum.at(newest, up[chunk], newest[chunk])  # deepest first: up the tree
+        keys = np.lexsort((-depth[krec], newest[krec]))
+        return recs[keys].tolist()
+
+
+def _depths(up: np.ndarray) -> np.ndarray:
+    """Keys above each key (``up``: the parent, -1 none), by pointer jumping (at most 64
+    rounds: 2^64 levels, or a cycle, are not followed)."""
+    anc, depth = up.copy(), (up >= 0).astype(np.int64)
+    for _ in range(64):
+        more = anc >= 0
+        if not more.any():
+            break
+        a = anc[more]
+        depth[more] += depth[a]
+        anc[more] = anc[a]
+    return depth
