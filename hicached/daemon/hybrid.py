@@ -40,8 +40,6 @@ from __future__ import annotations
 import heapq
 import itertools
 
-import numpy as np
-
 from hicached.daemon.keytree import MAX_WALK, KeyTree
 from hicached.daemon.policy import COMMITTED, LruPolicy
 
@@ -461,17 +459,3 @@ def make_policy(name: str, alpha: float = 1.0) -> LruPolicy:
 
 
 EVICTIONS = ("lru", "prefix", "hybrid")
-
-
-def _depths(up: np.ndarray) -> np.ndarray:
-    """Keys above each key (``up``: the parent, -1 none), by pointer jumping (at most 64
-    rounds: 2^64 levels, or a cycle, are not followed)."""
-    anc, depth = up.copy(), (up >= 0).astype(np.int64)
-    for _ in range(64):
-        more = anc >= 0
-        if not more.any():
-            break
-        a = anc[more]
-        depth[more] += depth[a]
-        anc[more] = anc[a]
-    return depth
