@@ -207,9 +207,10 @@ def test_a_slot_reused_during_the_copy_is_caught_by_its_tag(daemon):
 
 def test_unleased_reads_count_as_hits_and_keep_pages_recent(make_daemon):
     """The daemon hears of unleased reads (one Release per release_delay_s): the page read stays
-    in L2 while an older one is evicted, and the metrics count the hits and the calls."""
+    in L2 while an older one is evicted, and the metrics count the hits and the calls. (LRU:
+    the pages are one call's chain, which the default policy would take from its deep end.)"""
     daemon, url = admin_daemon(make_daemon, l2_size="1MiB", slab_size="1MiB",
-                               extra=["--l3-backend", "none"])
+                               extra=["--l3-backend", "none", "--eviction", "lru"])
     keys = [f"r{i}" for i in range(8)]  # 8 pages of 128 KiB fill the arena
     with daemon.client() as c:
         store(c, keys, 0.0)
