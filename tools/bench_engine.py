@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pressure", action="store_true",
                    help="instead: the run under memory pressure, once per eviction policy "
                    "(an L2 that holds the base prompt and half the noise, no L3)")
+    p.add_argument("--pressure-slab", type=int, default=64 << 10,
+                   help="--pressure: the daemon's slab size (small: the L2 is a few MiB; a state must fit)")
     p.add_argument("--noise", type=int, default=3,
                    help="--pressure: unrelated prompts computed after the base prompt")
     p.add_argument("--policies", default="lru,prefix,hybrid",
@@ -143,30 +145,29 @@ def main(argv=None) -> int:
 
 def pressure(args: argparse.Namespace) -> int:
     """The run under memory pressure (issue 25): per policy, a daemon whose L2 (no L3) holds
-    the base prompt's pages and states plus about half of ``--noise`` unrelated prompts of the
-    same length. An engine computes the base prompt, then the noise (L2 fills and evicts), then
-    a fresh engine asks ``--repeats`` prompts sharing ``--hit`` of the base: what L2 still
-    serves of the base decides their TTFT. LRU evicts the base's oldest pages, its head, first
-    (and its hit falls to the deepest state before the first missing page: 0); the chain-aware
-    policies take it from its deep end."""
+    ``--noise`` + 0.5 prompts' pages and states. An engine computes the base prompt, then
+    ``--noise`` unrelated prompts of the same length (L2 fills and evicts half a prompt), then
+    a fresh engine asks a prompt sharing ``--hit`` of the base: what L2 still serves of the base
+    decides its TTFT (the first ask only: it stores the shared prefix again, so later asks
+    would hit in full). LRU evicts the base's oldest pages, its head, first, and its hit falls
+    to 0; the chain-aware policies take the base from its deep end."""
     n, ps = args.prompt_tokens, args.page_size
     shared = int(n * args.hit)
     g = torch.Generator().manual_seed(0)
     base = torch.randint(0, 256, (n,), generator=g).tolist()
     noise = [torch.randint(0, 256, (n,), generator=g).tolist() for _ in range(args.noise)]
-    asks = [base[:shared] + torch.randint(0, 256, (n - shared,), generator=g).tolist()
-            for _ in range(args.repeats)]
+    asks = [base[:shared] + torch.randint(0, 256, (n - shared,), generator=g).tolist()]
     lm = load_model("qwen3_next", device=args.device, hidden_size=args.hidden,
                     num_hidden_layers=args.layers)
     lm.warmup(ps)
-    slab = 1 << 20
+    slab = args.pressure_slab
     per_prompt = None
     rows = []
     for policy in ["unbounded"] + [p.strip() for p in args.policies.split(",") if p.strip()]:
         if policy == "unbounded":
             l2, extra = 2 << 30, ["--l3-backend", "none"]
         else:
-            l2 = -(-int(per_prompt * (1 + args.noise / 2)) // slab) * slab
+            l2 = -(-int(per_prompt * (args.noise + 0.5)) // slab) * slab
             extra = ["--l3-backend", "none", "--eviction", policy]
         daemon = DaemonLauncher(l2_size=str(l2), slab_size=str(slab), extra=extra)
         try:
@@ -193,14 +194,13 @@ def pressure(args: argparse.Namespace) -> int:
                     runs.append((req.ttft_s, req.cached_tokens))
                     eng.close()
                 st = admin.stats()
-            rows.append((policy, l2, statistics.median(r[0] for r in runs),
-                         statistics.median(r[1] for r in runs) / n, st["evictions"],
+            rows.append((policy, l2, runs[0][0], runs[0][1] / n, st["evictions"],
                          st.get("l2_orphan_bytes")))
         finally:
             daemon.close()
     print(f"qwen3_next hidden {args.hidden}, {args.layers} layers, {n}-token prompts, "
           f"{args.hit:.0%} shared with the base, {args.noise} noise prompts, page {ps}, track "
-          f"{args.track_interval}, {args.device}, median of {args.repeats}")
+          f"{args.track_interval}, {args.device}, one ask")
     print(f"{'policy':<10} {'L2 MiB':>7} {'hit rate':>8} {'ttft ms':>9} {'evictions':>9} "
           f"{'orphan KiB':>10}")
     for policy, l2, ttft, hit, ev, orphan in rows:

@@ -125,3 +125,17 @@ def test_bench_hybrid_cache_tiny_run_replays_the_trace_per_budget(capsys, monkey
     assert "L2 10% of the working set" in out and "L2 unbounded (ceiling)" in out
     assert "WARNING" not in out and "targets (issue 25)" in out
     assert len([line for line in out.splitlines() if line.startswith("hybrid:2 ")]) == 3
+
+
+def test_bench_engine_under_pressure_keeps_the_base_prompts_head_unless_lru():
+    """``bench_engine.py --pressure``: the reference engine asks a prompt sharing 90 % of a base
+    prompt after unrelated ones evicted half a prompt's worth of L2: LRU took the base's head."""
+    proc = subprocess.run([sys.executable, str(TOOLS / "bench_engine.py"), "--pressure",
+                           "--prompt-tokens", "512", "--noise", "2", "--policies", "lru,hybrid"],
+                          check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()
+            if line.split() and line.split()[0] in ("unbounded", "lru", "hybrid")}
+    hit = {policy: float(row[2].rstrip("%")) for policy, row in rows.items()}
+    assert hit["lru"] == 0.0 < hit["hybrid"] <= hit["unbounded"], proc.stdout
+    assert rows["hybrid"][5] == "0" and int(rows["lru"][5]) > 0  # orphan KiB
