@@ -14,6 +14,12 @@ at arrival bringing the prefix from the tier onto the device. Target: L2 hit TTF
 recompute at 4k-token prompts.
 
     python tools/bench_engine.py --prompt-tokens 4096 --hit 0.9
+
+``--pressure`` (issue 25) runs instead the same model under memory pressure, once per eviction
+policy (``pressure``): what each policy leaves of a base prompt after unrelated ones, and the
+TTFT it gives.
+
+    python tools/bench_engine.py --pressure --prompt-tokens 1024 --noise 3
 """
 
 from __future__ import annotations
