@@ -440,18 +440,13 @@ class Records:
         k = self.p_krec[entry.rec]
         if self.p_gen[entry.rec] != entry.gen or not self.k_parent[k]:
             return []
-        pk = self._keys[self.k_ns[k]].table.get(self.k_parent[k])
-        out = []
-        p = self.k_head[pk] if pk >= 0 else -1
-        while p >= 0:
-            if self.p_flags[p] & COMMITTED:
-                out.append(self.handle(p))
-            p = self.p_knext[p]
-        return out
+        return self._committed(self._keys[self.k_ns[k]].table.get(self.k_parent[k]))
 
     def key_pages(self, ns: str, key: str) -> list[Entry]:
         """The committed pages of (``ns``, ``key``), every pool."""
-        k = self._find_key(ns, key)
+        return self._committed(self._find_key(ns, key))
+
+    def _committed(self, k: int) -> list[Entry]:
         out = []
         p = self.k_head[k] if k >= 0 else -1
         while p >= 0:
