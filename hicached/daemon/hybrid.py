@@ -40,12 +40,16 @@ from __future__ import annotations
 import heapq
 import itertools
 
+import numpy as np
+
 from hicached.daemon.keytree import MAX_WALK, KeyTree
 from hicached.daemon.policy import COMMITTED, LruPolicy
 
 IN_L3 = 4  # entry.IN_L3
 STATE_L3 = 1  # key flag: a state of the key left L2 with a copy in L3 (still restorable)
 CANDIDATES = 16  # leaves scored per eviction
+_LEAF, _MID = 1, 2  # ``_queued`` bits: the page record has an entry in its leaf / mid heap
+_LOW = (1 << 32) - 1
 GRACE_TICKS = 1024  # page uses a state-less leaf waits for its state before it is worth 0
 FALLBACK_PAGES = 256  # pages of a class tried, oldest first, when no leaf of it may go
 
@@ -57,12 +61,15 @@ class HybridPolicy(KeyTree):
         super().__init__()
         self.alpha = float(alpha)
         self.name = "hybrid" if alpha else "prefix"
-        self._heaps: dict[int, list[tuple[int, int]]] = {}  # stride -> (tick, leaf key)
-        self._pushes = 0
+        # Candidates, per class (stride): heaps of ints (tick << 32 | page record), at most one
+        # entry per page record and heap (``_queued``'s bits say which); an entry whose page
+        # was used since is pushed again with its new tick when it comes up, one whose page is
+        # gone (or changed class, or is no candidate any more) is dropped then. So a heap holds
+        # no more entries than pages, and no pass ever cleans it.
+        self._heaps: dict[int, list[int]] = {}  # pages of leaf keys
+        self._mids: dict[int, list[int]] = {}  # states of keys with children: they go alone
+        self._queued = memoryview(np.zeros(0, np.uint8))
         self._class_ns: dict[int, set[int]] = {}  # stride -> namespace ids that had a leaf in it
-        # stride -> (tick, page record): states of keys with children (mid-chain states, and
-        # states at branching points): a state may go alone, nothing depends on it
-        self._mids: dict[int, list[tuple[int, int]]] = {}
         # leaf key k -> (keys, bytes) of its segment; ~k -> (keys, bytes) of its state alone
         self._vals: dict[int, tuple[int, int]] = {}
         # (tick, key): leaves of trailing namespaces committed without a state; ``stale`` takes
@@ -137,32 +144,67 @@ class HybridPolicy(KeyTree):
         return out
 
     def touched(self, p: int) -> None:
-        super().touched(p)
+        super().touched(p)  # (an entry already queued for ``p`` moves when it comes up)
         if not self._kid[self.ix.p_krec[p]]:
             self._push_page(p)
         else:
             self._push_mid(p)
 
+    def grow(self, n: int) -> None:
+        super().grow(n)
+        arr = np.zeros(n, np.uint8)
+        arr[:len(self._queued)] = self._queued
+        self._queued = memoryview(arr)
+
     def _push_mid(self, p: int) -> None:
         ix = self.ix
         if ix._tbit[ix.p_tid[p]] & ix._ns_trail[ix.k_ns[ix.p_krec[p]]]:  # a state
-            heap = self._mids.get(ix.p_stride[p])
-            if heap is None:
-                heap = self._mids[ix.p_stride[p]] = []
-            heapq.heappush(heap, (ix.p_used[p], p))
-            self._pushes += 1
+            self._queue(self._mids, _MID, p)
 
     def _push_page(self, p: int) -> None:
         ix = self.ix
-        heap = self._heaps.get(ix.p_stride[p])
-        if heap is None:
-            heap = self._heaps[ix.p_stride[p]] = []
-            self._class_ns[ix.p_stride[p]] = set()
-        self._class_ns[ix.p_stride[p]].add(ix.k_ns[ix.p_krec[p]])
-        heapq.heappush(heap, (ix.p_used[p], ix.p_krec[p]))
-        self._pushes += 1
-        if self._pushes > 4 * ix.committed_count + 4096:
-            self._compact()
+        self._class_ns.setdefault(ix.p_stride[p], set()).add(ix.k_ns[ix.p_krec[p]])
+        self._queue(self._heaps, _LEAF, p)
+
+    def _queue(self, heaps: dict[int, list[int]], bit: int, p: int) -> None:
+        if not self._queued[p] & bit:
+            self._queued[p] |= bit
+            ix = self.ix
+            heapq.heappush(heaps.setdefault(ix.p_stride[p], []), ix.p_used[p] << 32 | p)
+
+    def _pop(self, heaps: dict[int, list[int]], bit: int, stride: int) -> tuple[int, int]:
+        """The (tick, page record) of class ``stride``'s least recently used candidate, taken
+        off its heap (the caller pushes it back with ``_back``), or (0, -1)."""
+        ix, heap = self.ix, heaps.get(stride)
+        while heap:
+            e = heapq.heappop(heap)
+            t, p = e >> 32, e & _LOW
+            k = ix.p_krec[p]
+            if not ix.p_flags[p] & COMMITTED or ix.p_stride[p] != stride or (
+                    bool(self._kid[k]) != (bit == _MID)) or (bit == _MID and not (
+                    ix._tbit[ix.p_tid[p]] & ix._ns_trail[ix.k_ns[k]])):
+                self._queued[p] &= ~bit  # gone, moved, or no candidate of this kind now
+                if ix.p_flags[p] & COMMITTED:
+                    self._requeue(p)
+                continue
+            if ix.p_used[p] != t:  # used since: back in its place
+                heapq.heappush(heap, ix.p_used[p] << 32 | p)
+                continue
+            return t, p
+        return 0, -1
+
+    def _requeue(self, p: int) -> None:
+        """Queue committed page ``p`` where it belongs now (its entry was dropped)."""
+        if not self._kid[self.ix.p_krec[p]]:
+            self._push_page(p)
+        else:
+            self._push_mid(p)
+
+    def _back(self, heaps: dict[int, list[int]], stride: int, entries: list[tuple[int, int]]
+              ) -> None:
+        heap = heaps[stride]
+        for t, p in entries:
+            heapq.heappush(heap, t << 32 | p)
 
     def removed(self, p: int) -> None:
         super().removed(p)
@@ -179,34 +221,6 @@ class HybridPolicy(KeyTree):
             if ix.p_flags[p] & COMMITTED:
                 self._push_page(p)
             p = ix.p_knext[p]
-
-    def _compact(self) -> None:
-        """Drop the heaps' dead entries (each use of a leaf pushes one)."""
-        for stride, heap in list(self._heaps.items()):
-            live = [(t, k) for t, k in heap if self._live(t, k)]
-            heapq.heapify(live)
-            self._heaps[stride] = live
-        for stride, heap in list(self._mids.items()):
-            live = [(t, p) for t, p in heap if self._mid_live(t, p)]
-            heapq.heapify(live)
-            self._mids[stride] = live
-        self._pushes = sum(map(len, self._heaps.values())) + sum(map(len, self._mids.values()))
-
-    def _mid_live(self, t: int, p: int) -> bool:
-        ix = self.ix
-        return (ix.p_used[p] == t and bool(ix.p_flags[p] & COMMITTED)
-                and bool(self._kid[ix.p_krec[p]]))
-
-    def _live(self, t: int, k: int) -> bool:
-        ix = self.ix
-        if not ix.k_len[k] or self._kid[k]:
-            return False
-        p = ix.k_head[k]
-        while p >= 0:
-            if ix.p_used[p] == t and ix.p_flags[p] & COMMITTED:
-                return True
-            p = ix.p_knext[p]
-        return False
 
     # ------------------------------------------------------------ what goes with a page
 
@@ -293,25 +307,28 @@ class HybridPolicy(KeyTree):
     def make_room(self, stride: int) -> list[int]:
         ix = self.ix
         tick = ix._tick
-        cands, back, mback = [], [], []  # [tick, key, value, state page or -1]
-        heap = self._heaps.get(stride, [])
-        while heap and len(cands) < CANDIDATES:
-            t, k = heapq.heappop(heap)
-            if not self._live(t, k):
-                continue
-            back.append((t, k))
-            v = self._value(k, t, tick)
-            if v is not None:
-                cands.append((t, k, v, -1))
-        mids, n = self._mids.get(stride, []), 0
-        while mids and n < CANDIDATES:
-            t, p = heapq.heappop(mids)
-            if not self._mid_live(t, p):
-                continue
-            mback.append((t, p))
+        cands, leaves, mids = [], [], []  # [tick, key, value, state page or -1]; popped
+        seen: set[int] = set()
+        while len(leaves) < 2 * CANDIDATES:
+            t, p = self._pop(self._heaps, _LEAF, stride)
+            if p < 0:
+                break
+            leaves.append((t, p))
+            k = ix.p_krec[p]
+            if k not in seen:
+                seen.add(k)
+                v = self._value(k, t, tick)
+                if v is not None:
+                    cands.append((t, k, v, -1))
+                    if len(cands) == CANDIDATES:
+                        break
+        while len(mids) < CANDIDATES:
+            t, p = self._pop(self._mids, _MID, stride)
+            if p < 0:
+                break
+            mids.append((t, p))
             if not ix.p_pins[p]:  # a state alone (nothing depends on it)
                 cands.append((t, ix.p_krec[p], self._state_value(ix.p_krec[p], p), p))
-                n += 1
         best = None
         if cands:
             lo, hi = min(c[0] for c in cands), max(c[0] for c in cands)
@@ -322,10 +339,10 @@ class HybridPolicy(KeyTree):
                 if pages:
                     best = (c, pages)
                     break
-        for entry in back:
-            heapq.heappush(heap, entry)
-        for entry in mback:
-            heapq.heappush(mids, entry)
+        if leaves:
+            self._back(self._heaps, stride, leaves)
+        if mids:
+            self._back(self._mids, stride, mids)
         other = self._oldest_leaf_slab(stride)
         # an older leaf in a class of other namespaces only (another model, idle): its slab is
         # reclaimed (a KV class and the state class of the same namespaces never reclaim each
@@ -354,14 +371,16 @@ class HybridPolicy(KeyTree):
     def upcoming(self, stride: int, n: int) -> list[int]:
         """The pages of class ``stride``'s next leaf segments (the least recently used leaves,
         up to ``n`` pages; their order by score is ``make_room``'s business)."""
-        ix, heap = self.ix, self._heaps.get(stride, [])
-        out, back = [], []
-        while heap and len(out) < n:
-            t, k = heapq.heappop(heap)
-            if not self._live(t, k):
-                continue
-            back.append((t, k))
-            seg = self._segment(k)
+        ix = self.ix
+        out, back, seen = [], [], set()
+        while len(out) < n:
+            t, p = self._pop(self._heaps, _LEAF, stride)
+            if p < 0:
+                break
+            back.append((t, p))
+            k = ix.p_krec[p]
+            seg = self._segment(k) if k not in seen else None
+            seen.add(k)
             if seg is None:
                 continue
             out.extend(seg)
@@ -373,27 +392,23 @@ class HybridPolicy(KeyTree):
                     break
                 out.extend(pages)
                 child, q = q, self._up[q] - 1
-        for entry in back:
-            heapq.heappush(heap, entry)
+        if back:
+            self._back(self._heaps, stride, back)
         return out[:n]
 
     def _oldest_leaf_slab(self, stride: int):
         """(tick, slab) of the least recently used leaf page of another class whose slab holds
-        no pinned page, or None (each class's heap cleaned of dead entries at its top)."""
+        no pinned page, or None."""
         ix, best = self.ix, None
-        for other, heap in self._heaps.items():
+        for other in list(self._heaps):
             if other == stride:
                 continue
-            while heap and not self._live(*heap[0]):
-                heapq.heappop(heap)
-            if not heap or (best is not None and heap[0][0] >= best[0]):
+            t, p = self._pop(self._heaps, _LEAF, other)
+            if p < 0:
                 continue
-            t, k = heap[0]
-            p = ix.k_head[k]
-            while p >= 0 and not (ix.p_used[p] == t and ix.p_flags[p] & COMMITTED):
-                p = ix.p_knext[p]
+            self._back(self._heaps, other, [(t, p)])
             slab = ix.alloc.slab_of(ix.p_off[p])
-            if slab.pinned == 0:
+            if slab.pinned == 0 and (best is None or t < best[0]):
                 best = (t, slab)
         return best
 
