@@ -251,9 +251,10 @@ class DaemonOperations:
         return {"health": {"status": "draining" if self.draining else "ok"},
                 "ready": self.readiness(), "stats": stats_json(self.metrics.snapshot())}
 
-    def loop_stats(self) -> dict:
+    def loop_stats(self, orphans: bool = True) -> dict:
         """The controller's state and counters, frames read and the presence table (loop thread
-        only)."""
+        only). ``orphans=False``: ``l2_orphan_bytes`` is None, not counted (the status page's
+        sampler counts them less often: about a microsecond a key record)."""
         c, table = self.controller, self.presence
         pools: dict[str, int] = {}
         for (_, pool), n in c.index.counts().items():
@@ -265,7 +266,7 @@ class DaemonOperations:
             "arena_free_slabs": c.index.alloc.free_slab_count,
             "evictions": c.index.evictions,
             "eviction": c.index.policy.name,
-            "l2_orphan_bytes": self._orphan_bytes(),
+            "l2_orphan_bytes": self._orphan_bytes() if orphans else None,
             "reservations": len(c.leases.reservations),
             "leases": len(c.leases.leases),
             "expired_reservations": c.leases.expired_reservations,

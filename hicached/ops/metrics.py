@@ -24,6 +24,7 @@ Every metric name starts with ``hicached_``. A daemon without an admin API uses 
 
 from __future__ import annotations
 
+import heapq
 import time
 import typing
 from collections import OrderedDict
@@ -37,6 +38,7 @@ LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                      0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 MAX_PARKED = 4096  # requests waiting for L3 remembered for accounting (the oldest are forgotten)
 SCRAPE_TIMEOUT_S = 5.0
+SLOW_KEPT = 10  # the slowest calls kept between two samples of the status page
 
 
 class NullMetrics:
@@ -50,8 +52,9 @@ class NullMetrics:
     def __init__(self, daemon=None):
         self.daemon = daemon
 
-    def snapshot(self) -> dict:
-        """Every counter the views need, taken at once (call on the control loop)."""
+    def snapshot(self, orphans: bool = True) -> dict:
+        """Every counter the views need, taken at once (call on the control loop); ``orphans``:
+        see ``loop_stats``."""
         d = self.daemon
         pools: dict[str, dict[str, int]] = {}
         for (ns, pool), n in d.index.counts().items():
@@ -59,7 +62,7 @@ class NullMetrics:
             p["pages"] += n
             p["bytes"] += n * d.controller.geometry.get((ns, pool), 0)
         return {
-            "stats": d.loop_stats(),
+            "stats": d.loop_stats(orphans),
             "pools": pools,
             "arena_bytes": d.arena.size_bytes,
             "l3_bytes": {"l2_to_l3": d.workers.bytes_done["put"],
@@ -74,6 +77,18 @@ class NullMetrics:
             "exists_hits": dict(self.exists_hits),
             "counted": self.counted,
         }
+
+    def status_sample(self, orphans: bool) -> tuple[dict, list[dict], float]:
+        """One sample of the status page (``status.py``; call on the control loop): a snapshot,
+        the slowest calls since the previous sample (``take_slow``), and the seconds the
+        snapshot took on the loop."""
+        t0 = time.perf_counter()
+        snap = self.snapshot(orphans)
+        return snap, self.take_slow(), time.perf_counter() - t0
+
+    def take_slow(self) -> list[dict]:
+        """The slowest calls since the last take, slowest first (none counted here)."""
+        return []
 
     def on_request(self, msg, answer, t0: float) -> None:
         pass
@@ -107,6 +122,12 @@ class Metrics(NullMetrics):
         self.exists_hits: dict[str, int] = {}  # pool -> pages answered as restorable hits
         # id of a request waiting for L3 (a get's loads, a lookup) -> when it was read (t0)
         self._parked: OrderedDict[int, float] = OrderedDict()
+        # the SLOW_KEPT slowest calls since take_slow: a min-heap of (seconds, seq, op, outcome,
+        # unix time); a call no slower than _slow_floor (the heap's fastest, once full) is not
+        # kept, so the common case costs one comparison
+        self._slow: list[tuple[float, int, str, str, float]] = []
+        self._slow_floor = 0.0
+        self._slow_seq = 0
         self.registry.register(_Collector(self))
 
     # ------------------------------------------------------------ dispatch hook (control loop)
@@ -172,9 +193,32 @@ class Metrics(NullMetrics):
         child = self._latency_of.get(op)
         if child is None:
             child = self._latency_of[op] = self._latency.labels(op)
-        child.observe(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        child.observe(seconds)
         key = (op, outcome)
         self.requests[key] = self.requests.get(key, 0) + 1
+        if seconds > self._slow_floor:
+            self._note_slow(op, outcome, seconds)
+
+    def _note_slow(self, op: str, outcome: str, seconds: float) -> None:
+        self._slow_seq += 1
+        item = (seconds, self._slow_seq, op, outcome, time.time())
+        if len(self._slow) < SLOW_KEPT:
+            heapq.heappush(self._slow, item)
+            if len(self._slow) < SLOW_KEPT:
+                return
+        else:
+            heapq.heapreplace(self._slow, item)
+        self._slow_floor = self._slow[0][0]
+
+    def take_slow(self) -> list[dict]:
+        """The ``SLOW_KEPT`` slowest calls answered since the last take, slowest first: op,
+        outcome, milliseconds from reading the request to answering it, and when it was
+        answered (unix time). No keys, no sessions. Starts the next round empty."""
+        out = [{"op": op, "outcome": outcome, "ms": seconds * 1e3, "t": t}
+               for seconds, _, op, outcome, t in sorted(self._slow, reverse=True)]
+        self._slow, self._slow_floor = [], 0.0
+        return out
 
     def _park(self, msg: P.Lease | P.Exists, t0: float) -> None:
         self._parked[id(msg)] = t0
@@ -256,6 +300,7 @@ def stats_json(snap: dict) -> dict:
                    "capacity_bytes": snap["arena_bytes"], "free_slabs": st["arena_free_slabs"],
                    "hits": total(hits, "l2"), "misses": total(misses, "l2"),
                    "evictions": st["evictions"], "no_space": st["no_space"],
+                   "eviction": st.get("eviction"), "orphan_bytes": st.get("l2_orphan_bytes"),
                    "leases": st["leases"], "reservations": st["reservations"],
                    "expired_leases": st["expired_leases"],
                    "expired_reservations": st["expired_reservations"],

@@ -23,3 +23,19 @@ def test_a_parked_request_keeps_only_its_start_and_is_timed_when_answered(monkey
     for i, msg in enumerate(parked):
         m.on_request(msg, None, float(i))
     assert list(m._parked.items()) == [(id(parked[1]), 1.0), (id(parked[2]), 2.0)]
+
+
+def test_the_slowest_calls_are_kept_until_taken(monkeypatch):
+    monkeypatch.setattr(M, "SLOW_KEPT", 3)
+    m = M.Metrics(daemon=None)
+    now = time.perf_counter()
+    for ms in (5, 1, 9, 2, 7, 3):  # answered now, read `ms` milliseconds ago
+        m._finish("lease", "ok" if ms != 9 else "busy", now - ms / 1e3)
+    taken = m.take_slow()
+    assert [(c["op"], c["outcome"], round(c["ms"])) for c in taken] == [
+        ("lease", "busy", 9), ("lease", "ok", 7), ("lease", "ok", 5)]
+    assert all(abs(c["t"] - time.time()) < 60 for c in taken)  # when answered, unix time
+    assert m.take_slow() == [] and m._slow_floor == 0.0  # the next round starts empty
+    m._finish("reserve", "ok", time.perf_counter())
+    assert [c["op"] for c in m.take_slow()] == ["reserve"]
+    assert M.NullMetrics().take_slow() == []
