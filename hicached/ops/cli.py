@@ -80,6 +80,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--admin-api-key", dest="admin_api_key",
                    help="Bearer key of the mutating admin endpoints (visible in ps: prefer "
                    "HICACHED_ADMIN_API_KEY or the config file)")
+    p.add_argument("--status-sample-s", dest="status_sample_s", type=float,
+                   help="the admin API's status page (GET /) samples the stats this often "
+                   "and keeps the last 300 samples")
     p.add_argument("--l3-audit-s", dest="l3_audit_s", type=float,
                    help="every this many seconds ask L3 whether it still holds the pages L2 "
                    "evicts next, and write again those it evicted (0: never)")
@@ -113,7 +116,7 @@ OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l
                "log_level", "admin_host", "admin_port", "admin_api_key", "drain_timeout_s",
                "socket_group", "client_token", "allow_tcp", "namespace_quotas",
                "io_queue_depth", "socket_mode", "unchecked_idle_s", "l3_audit_s",
-               "eviction", "eviction_alpha")
+               "eviction", "eviction_alpha", "status_sample_s")
 
 
 _SIZES = ("l2_size", "slab_size", "l3_load_chunk", "set_ahead_bytes")

@@ -63,6 +63,7 @@ class DaemonConfig:
     admin_host: str = "127.0.0.1"  # admin HTTP API address
     admin_port: int = 0  # admin HTTP API port (0: no admin API)
     admin_api_key: str = field(default="", repr=False)  # Bearer key of mutating admin endpoints
+    status_sample_s: float = 2.0  # the status page (GET /) samples /stats this often, 300 kept
     drain_timeout_s: float = 10.0  # SIGTERM: longest wait for in-flight work before exiting
     unchecked_idle_s: float = 600.0  # a client the daemon cannot check (tcp, other pid
     # namespace): its session ends after this long without a request (it joins again)
@@ -135,6 +136,9 @@ class DaemonConfig:
             raise ConfigError(f"admin_port: must be 0 (off) or a TCP port, got {self.admin_port}")
         if self.admin_port and not self.admin_host:
             raise ConfigError("admin_host: must be set when admin_port is")
+        if not 0.05 <= self.status_sample_s <= 3600:
+            raise ConfigError(f"status_sample_s: must be between 0.05 and 3600 s, "
+                              f"got {self.status_sample_s}")
         if self.l3_audit_s < 0:
             raise ConfigError(f"l3_audit_s: must be >= 0 (0: never), got {self.l3_audit_s}")
         if self.unchecked_idle_s <= 0:
