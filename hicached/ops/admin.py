@@ -6,6 +6,8 @@ methods, in an executor when they may block (never on the aiohttp loop).
     GET    /ready                       arena mapped, L3 backend not failing, not draining
     GET    /metrics                     Prometheus text (``metrics.py``)
     GET    /stats                       JSON per tier and pool (``metrics.stats_json``)
+    GET    /                            the live status page (``status.py``, ``status.html``)
+    GET    /status.json                 its data: the ring of samples, as chart series
     PUT    /hicache/storage-backend     attach   (admin key)
     DELETE /hicache/storage-backend     detach   (admin key)
     GET    /hicache/storage-backend     status   (admin key, as in SGLang)
@@ -49,6 +51,7 @@ from hicached.errors import (
 )
 from hicached.ops.config import WRITE_POLICIES, parse_options
 from hicached.ops.metrics import stats_json
+from hicached.ops.status import Sampler, StatusRing, status_page
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +152,7 @@ class AdminServer:
         self._stopping: asyncio.Event | None = None
         self._started = threading.Event()
         self._error: BaseException | None = None
+        self.status = StatusRing(daemon.config.status_sample_s)  # the status page's samples
 
     @property
     def url(self) -> str:
@@ -191,9 +195,11 @@ class AdminServer:
             self._started.set()
             await runner.cleanup()
             return
-        log.info("admin API on %s", self.url)
+        log.info("admin API on %s (status page: %s/)", self.url, self.url)
+        sampler = asyncio.create_task(Sampler(self.daemon, self.status).run())
         self._started.set()
         await self._stopping.wait()
+        sampler.cancel()
         await runner.cleanup()
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -215,6 +221,8 @@ class AdminServer:
         r.add_get("/ready", self.ready)
         r.add_get("/metrics", self.metrics)
         r.add_get("/stats", self.stats)
+        r.add_get("/", self.page)
+        r.add_get("/status.json", self.status_json)
         r.add_put("/hicache/storage-backend", self._admin(self.attach))
         r.add_delete("/hicache/storage-backend", self._admin(self.detach))
         r.add_get("/hicache/storage-backend", self._admin(self.backend_status))
@@ -293,6 +301,15 @@ class AdminServer:
         d = self.daemon
         snap = await self._blocking(d.call, d.metrics.snapshot, 10.0)
         return _json(stats_json(snap))
+
+    async def page(self, request: web.Request) -> web.Response:
+        body, headers = status_page()
+        return web.Response(body=body, headers=headers)
+
+    async def status_json(self, request: web.Request) -> web.Response:
+        """The ring (never the control loop): derived once per sample, whoever asks."""
+        return web.Response(body=self.status.view(), headers={
+            "Content-Type": "application/json", "Cache-Control": "no-store"})
 
     # ------------------------------------------------------------ admin endpoints
 
