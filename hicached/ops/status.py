@@ -33,7 +33,7 @@ from collections import deque
 from importlib import resources
 from typing import NamedTuple
 
-from hicached.errors import HicachedError
+from hicached.errors import HicachedError, ShuttingDown
 from hicached.ops.metrics import stats_json
 
 log = logging.getLogger(__name__)
@@ -282,6 +282,8 @@ class Sampler:
                     d.call, functools.partial(d.metrics.status_sample, orphans),
                     SAMPLE_TIMEOUT_S))
                 self.ring.add(time.time(), stats_json(snap), slow, cost_s, orphans)
+            except ShuttingDown:  # the daemon stops: the page keeps what it has
+                return
             except Exception as e:  # a missed sample is a gap in the charts, never the end
                 if not failing:
                     log.log(logging.WARNING if isinstance(e, HicachedError) else logging.ERROR,
