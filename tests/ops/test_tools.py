@@ -139,3 +139,11 @@ def test_bench_engine_under_pressure_keeps_the_base_prompts_head_unless_lru():
     hit = {policy: float(row[2].rstrip("%")) for policy, row in rows.items()}
     assert hit["lru"] == 0.0 < hit["hybrid"] <= hit["unbounded"], proc.stdout
     assert rows["hybrid"][5] == "0" and int(rows["lru"][5]) > 0  # orphan KiB
+
+
+def test_status_demo_serves_three_engines():
+    stats = _run("status_demo.py", "--seconds", "2", "--sample-s", "0.1")
+    assert {n["namespace"] for n in stats["namespaces"]} == {
+        "llama-70b|tp0of1", "qwen3-next|tp0of1", "tenant-b"}
+    assert stats["pools"]["kv"]["l2_hits"] > 0 and stats["pools"]["mamba"]["l2_hits"] > 0
+    assert stats["bytes_moved"]["client_to_l2"] > 0 and stats["bytes_moved"]["l2_to_l3"] > 0
