@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 from hicached.backends.base import L3Backend, NullBackend
 from hicached.daemon.index import Entry, PageIndex, TableId
+from hicached.daemon.kv_events import NullKVEvents
 from hicached.daemon.l3.audit import TierAudit
 from hicached.daemon.l3.keymemory import KeyMemory
 from hicached.daemon.l3.workers import IOJob, IOWorkers
@@ -102,6 +103,7 @@ class L3Tier(TierWrites, TierAudit):
         # (table, key) the store said it lacks -> until when (monotonic) that answer stands
         self.absent_in_l3 = KeyMemory(ABSENT_IN_L3)
         self.clock = time.monotonic
+        self.kv_events = NullKVEvents()  # stored / removed in L3 (kv_events.py)
         self.counters = {"l3_loads": 0, "l3_load_failures": 0, "l3_writes": 0,
                          "l3_write_failures": 0, "l3_writes_dropped": 0, "l3_errors": 0,
                          "prefetched_pages": 0, "write_backs": 0, "l3_probes_dropped": 0,
