@@ -259,6 +259,9 @@ class NullKVEvents:
     def removed(self, table, key: str, medium: str) -> None:
         pass
 
+    def cleared(self, keys_of: Callable[[Any], Any], medium: str) -> None:
+        pass
+
     def all_cleared(self) -> None:
         pass
 
@@ -341,6 +344,13 @@ class KVEvents(NullKVEvents):
             events[-1].block_hashes.append(h)
         else:
             events.append(BlockRemoved([h], medium))
+
+    def cleared(self, keys_of: Callable[[Any], Any], medium: str) -> None:
+        """An L3 clear: the keys of each block pool that ``keys_of(table)`` names (those
+        the tier remembers as stored) left ``medium``."""
+        for table, pool in self.pools.items():
+            for key in list(keys_of(table)):
+                self._removed(pool, key, medium)
 
     def all_cleared(self) -> None:
         """Every tier was flushed: ``AllBlocksCleared`` to each namespace with block pools."""

@@ -265,6 +265,26 @@ def test_a_write_through_to_the_file_l3_is_block_stored_on_disk(tmp_path):
     assert events.index(stored(events, "CPU_PINNED")[0]) < events.index(stored(events, "DISK")[0])
 
 
+def test_the_file_l3s_evictions_and_an_l3_flush_are_removals_from_disk(tmp_path):
+    keys = [key(i) for i in range(5)]
+    # 4 KiB a page file (file.file_bytes): 3 fit; the write of 5 evicts the 2 oldest
+    with events_daemon(tmp_path, l3_options={"capacity": 3 * 4096}) as d, \
+            listening(tmp_path) as router, client(d) as c:
+        c.batch_set_v2([PoolTransfer("kv", pages(0, 5), keys=keys)])
+        events = router.events(lambda ev: [e for e in ev if type(e) is BlockRemoved])
+        disk = [e for e in events if e.medium == "DISK"]
+        assert [type(e) for e in disk] == [BlockStored, BlockRemoved]  # stored, then evicted
+        assert disk[0].block_hashes == [h(k) for k in keys]
+        evicted = disk[1].block_hashes
+        assert len(evicted) == 2 and set(evicted) < set(disk[0].block_hashes)
+        n = len(router.seen)
+        c.flush("l3")
+        router.batches(lambda seen: len(seen) > n)
+    # the pages the tier remembers as stored: here all 5 (the 2 the store evicted while their
+    # own write ran count as written), a removal a router already had is harmless
+    assert flat(router.seen[n:]) == [BlockRemoved([h(k) for k in keys], "DISK")]
+
+
 # ---------------------------------------------------------------- the publisher, the wire
 
 

@@ -167,10 +167,8 @@ class TierWrites:
                      self.backend.name)
             self.forget_l3_copies(dirty_again=True)
             return
-        medium = l3_medium(self.backend.name)
         for ns, pool, key in gone:
             table = (ns, pool)
-            self.kv_events.removed(table, key, medium)
             self.known_in_l3.pop((table, key), None)
             e = self.index.get(table, key)
             if e is not None:
