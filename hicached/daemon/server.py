@@ -113,10 +113,12 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             self.controller.quotas = make_quotas(self.index, config.namespace_quotas)
             self.controller.ahead_session_bytes = config.set_ahead_bytes
             self.controller.ahead_total_bytes = config.l2_size // 8  # idle slots: at most 1/8
+            self.controller.kv_events = make_kv_events(config, self.index, self.tier)
             self.ctx = zmq.Context()
             self.sock = self._bind(config.endpoint)
-            self.controller.kv_events = make_kv_events(config, self.index, self.tier)
         except BaseException:
+            if hasattr(self, "controller"):
+                self.controller.kv_events.close()
             if hasattr(self, "workers"):
                 self.workers.close()
             if getattr(self, "tier", None) is not None:

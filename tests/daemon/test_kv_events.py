@@ -312,6 +312,15 @@ def test_register_pool_fields_are_trailing_and_checked(tmp_path):
         c.register_mem_host_pool_v2(kv_pool(), "kv", event_hash="md5")
 
 
+def test_an_endpoint_that_cannot_be_bound_stops_the_start(tmp_path):
+    with pytest.raises(ConfigError, match="kv_events_endpoint"), \
+            inproc_daemon(tmp_path, kv_events_endpoint=f"ipc://{tmp_path}/no/such/dir/ev"):
+        pass
+    with inproc_daemon(tmp_path, kv_events_endpoint=f"ipc://{tmp_path}/ev") as d, \
+            Client(d.endpoint, NS) as c:  # the failed start freed everything
+        c.ping()
+
+
 def test_config_checks_the_endpoints():
     with pytest.raises(ConfigError, match="kv_events_endpoint"):
         load_config(None, {}, {"kv_events_endpoint": "http://x"})
