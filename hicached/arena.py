@@ -14,13 +14,17 @@ clear error at start instead of a SIGBUS later) and both sides map with ``MAP_PO
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
+import time
 from collections.abc import Callable
 
 import torch
 
 from hicached.errors import ArenaError
+
+log = logging.getLogger(__name__)
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -227,3 +231,21 @@ class Arena:
         self.buffer = None
         if self.owner:
             release_mapped(self.path)
+
+
+def arena_progress(every_s: float = 2.0):
+    """A progress callback for ``Arena.create`` that logs how far the reservation got, at most
+    every ``every_s`` (a large arena takes seconds, and a silent start looks hung)."""
+    start = last = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if done < total and now - last < every_s:
+            return
+        if done < total or now - start >= every_s:
+            log.info("arena: %.1f of %.1f GiB reserved (%.0f s)", done / (1 << 30),
+                     total / (1 << 30), now - start)
+        last = now
+
+    return progress

@@ -108,10 +108,17 @@ class Hello(_Msg, tag="hello"):
 
 
 class RegisterPool(_Msg, tag="register_pool"):
+    """A pool's geometry. ``event_hash`` / ``tokens_per_page``: its pages are the engine's
+    blocks for KV events (``daemon/kv_events.py``): how a key encodes the engine's block hash
+    ("": no events; ``kv_events.EVENT_HASHES``) and the tokens of a page. Trailing fields, as
+    ``Reserve``'s chain fields: an older daemon ignores them, an older client sends none."""
+
     req_id: int
     session: int
     pool: str
     page_bytes: int
+    event_hash: str = ""
+    tokens_per_page: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 0
 
 
 class Exists(_Msg, tag="exists"):

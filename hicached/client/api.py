@@ -109,6 +109,7 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
         self._req_ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
         self._pools: dict[str, PageIO] = {}
+        self._events: dict[str, tuple[str, int]] = {}  # pool -> (event_hash, tokens_per_page)
         self._closed = False
         self._inflight = InFlight()  # sets and gets under way (close waits for them)
         self._ended = False  # close() said Bye: no request goes out any more
@@ -174,8 +175,8 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
         # request another thread's handshake overtook copies from the arena its answer names
         self._view = (self._epoch, self.arena, self._shared)
         for name, io in self._pools.items():
-            self._registered(name, self._roundtrip(
-                P.RegisterPool(next(self._req_ids), self.session, name, io.page_bytes)))
+            self._registered(name, self._roundtrip(P.RegisterPool(
+                next(self._req_ids), self.session, name, io.page_bytes, *self._events[name])))
 
     def _registered(self, name: str, answer: P.Registered) -> None:
         if self._shared is not None:
@@ -287,12 +288,17 @@ class Client(ExistsCalls, GetCalls, ClientAdmin):
 
     # ------------------------------------------------------------ pools
 
-    def register_mem_host_pool_v2(self, host_pool: Any, pool_name: Any) -> None:
-        """Register the host pool of ``pool_name`` (any SGLang-shaped pool or a ``HostPool``)."""
+    def register_mem_host_pool_v2(self, host_pool: Any, pool_name: Any, event_hash: str = "",
+                                  tokens_per_page: int = 0) -> None:
+        """Register the host pool of ``pool_name`` (any SGLang-shaped pool or a ``HostPool``).
+        ``event_hash``: its keys are the engine's block hashes, for KV events (docs/kv-events.md:
+        "sglang_int64", "vllm_bytes", "vllm_int64"; "": no events), of ``tokens_per_page``."""
         name = pool_value(pool_name)
         io = make_page_io(host_pool)
-        self._registered(name, self._call(lambda s, r: P.RegisterPool(r, s, name, io.page_bytes)))
-        self._pools[name] = io
+        events = (event_hash, tokens_per_page)
+        self._registered(name, self._call(
+            lambda s, r: P.RegisterPool(r, s, name, io.page_bytes, *events)))
+        self._pools[name], self._events[name] = io, events
 
     def register_mem_pool_host(self, host_pool: Any) -> None:
         """v1: register the KV host pool."""

@@ -24,6 +24,7 @@ import numpy as np
 from hicached import protocol as P
 from hicached.daemon.flushing import L2Flush
 from hicached.daemon.index import Entry, PageIndex, TableId
+from hicached.daemon.kv_events import NullKVEvents, check_event_hash
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.leases import LeaseTable
 from hicached.daemon.quotas import NoQuotas
@@ -60,20 +61,24 @@ class Controller(SessionControl):
         # L3 that nobody had read yet (L3 hits to the metrics, though in L2 when asked)
         self.first_l3_reads: tuple[object, list[list[int]]] = (None, [])
         self.flusher = L2Flush(tier)  # flushes of L2, in slices of the loop (flushing.py)
+        self.kv_events = NullKVEvents()  # KV events for routers (kv_events.py)
 
     # ------------------------------------------------------------ sessions and pools
 
-    def register_pool(self, s: Session, pool: str, page_bytes: int) -> int:
-        """Check and record a session's pool; its bit in the namespace's presence masks."""
+    def register_pool(self, s: Session, pool: str, page_bytes: int, event_hash: str = "",
+                      tokens_per_page: int = 0) -> int:
+        """Check and record a session's pool (its KV events: ``kv_events.py``, the latest
+        declaration wins); its bit in the namespace's presence masks."""
         if not pool or pool in (".", "..") or any(c in pool for c in "/\\\0"):
             # L3 backends name files and objects after the pool: "../<other namespace>/kv"
             # would reach another namespace's pages on a directory store
             raise ProtocolError(f"pool name {pool!r} must be non-empty, not '.' or '..', and "
                                 "hold no '/', '\\' or NUL")
         stride = self.index.alloc.check_page_bytes(page_bytes)
+        check_event_hash(event_hash, tokens_per_page)
         table = (s.ns, pool)
         try:
-            self.index.table_id(table)
+            tid = self.index.table_id(table)
             bit = self.index.pool_bit(table)
         except ValueError as e:
             raise ProtocolError(str(e)) from None
@@ -84,6 +89,7 @@ class Controller(SessionControl):
                 f"client registered {page_bytes} bytes (same namespace must mean same geometry)"
             )
         s.pools[pool] = PoolSpec(page_bytes, stride)
+        self.kv_events.declare(tid, table, s.namespace, event_hash, tokens_per_page)
         return bit
 
     # ------------------------------------------------------------ exists

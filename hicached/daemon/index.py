@@ -20,25 +20,25 @@ hits, pins, flags, owner, the next page of its key) and every (namespace, key) L
 is a *key record* (``k_*``: the key's bytes, the mask of the pools holding it committed, its first
 page, its presence fingerprint, its chain: parent and depth). Each namespace maps its keys to key
 records through an open-addressing table of 64-bit fingerprints (``FpTable``; Python's own string
-hash, itself salted per process: this table never leaves the process), looked up for 1024 keys at once
-with numpy. About 220 bytes a page in all (``tools/bench_index.py`` measures it).
+hash, itself salted per process: this table never leaves the process), looked up for 1024 keys at
+once with numpy. About 220 bytes a page in all (``tools/bench_index.py`` measures it).
 
-``Entry`` is a handle on a page record, made when code asks for one: its fixed fields (table,
-key, slot, generation) are copied into it, its mutable state (pins, flags, hits) is read through
-to the records, so two handles of one page always agree and a handle of a page that is gone reads
-as uncommitted and unpinned. Handles compare equal when they name the same page (record and
+``Entry`` is a handle on a page record, made when code asks for one: its fixed fields (table, key,
+slot, generation) are copied into it, its mutable state (pins, flags, hits) is read through to the
+records, so two handles of one page always agree and a handle of a page that is gone reads as
+uncommitted and unpinned. Handles compare equal when they name the same page (record and
 generation). A fingerprint collision costs a miss, never wrong bytes: a page is served only after
 its key's bytes compared equal.
 
 Eviction asks one policy object which pages go next (``policy.py``): ``_make_room`` when a size
 class has no free slot, slab reclaim, quotas, the L3 audit.
 
-Presence (``presence``): a key record's mask is the OR of ``pool_bit`` of the pools holding the
-key committed, kept by ``commit`` and ``_unpublish``, so an exists query looks every key up once
-for all its pools. With ``shared`` set, every change of a mask is also published in the
-shared-memory presence table (``presence.py``), from which clients answer exists without asking,
-and so is every committed large page's slot tag (its generation, from ``commit`` until
-``_unpublish`` frees the slot), with which clients read pages without a lease.
+Presence (``presence``): a key record's mask is the OR of ``pool_bit`` of the pools holding the key
+committed, kept by ``commit`` and ``_unpublish``, so an exists query looks every key up once for
+all its pools. With ``shared`` set, every change of a mask is also published in the shared-memory
+presence table (``presence.py``), from which clients answer exists without asking, and so is every
+committed large page's slot tag (its generation, from ``commit`` until ``_unpublish`` frees the
+slot), with which clients read pages without a lease.
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ class PageIndex(Records):
     def __init__(self, allocator: SlabAllocator, on_evict: Callable[[Entry], None] | None = None,
                  policy: LruPolicy | None = None):
         self.on_evict = on_evict
+        self.event_tids: dict = {}  # KV events (kv_events.py): table id -> its EventPool
+        self.kv_events = None  # ... and the recorder of their events
         self.policy = policy or LruPolicy()
         self.policy.bind(self)
         super().__init__(allocator)
@@ -165,15 +167,10 @@ class PageIndex(Records):
 
     def _init_page(self, p: int, tid: int, k: int, offset: int, page_bytes: int, stride: int,
                    flags: int) -> None:
-        self.p_tid[p] = tid
-        self.p_krec[p] = k
-        self.p_off[p] = offset
-        self.p_stride[p] = stride
-        self.p_pbytes[p] = page_bytes
+        self.p_tid[p], self.p_krec[p] = tid, k
+        self.p_off[p], self.p_stride[p], self.p_pbytes[p] = offset, stride, page_bytes
         self.p_gen[p] = self._new_gen()
-        self.p_used[p] = 0
-        self.p_hits[p] = 0
-        self.p_pins[p] = 0
+        self.p_used[p] = self.p_hits[p] = self.p_pins[p] = 0
         self.p_flags[p] = flags
         self.p_knext[p] = -1
         self._place(p, offset, stride)
@@ -264,6 +261,8 @@ class PageIndex(Records):
                 slab.pinned -= 1
         self._tick = tick
         alloc.touched(touched)
+        if self.event_tids:
+            self.kv_events.stored(entries)
         for p in policy.stale():  # pages no hit can use any more (``hybrid.py``)
             self._evict_page(p)
 
@@ -454,6 +453,8 @@ class PageIndex(Records):
         self.committed_count -= 1
         left = self.k_mask[k] & ~self._tbit[tid]
         self.k_mask[k] = left
+        if tid in self.event_tids:  # before its key record may go
+            self.kv_events.removed_l2(self.event_tids[tid], self._key_of(k))
         if self.shared is not None:
             self.shared.clear_tag(self.p_off[p], self.p_stride[p])  # before the slot is freed
             if left:
@@ -483,10 +484,8 @@ class PageIndex(Records):
                 self.p_knext[q] = nxt
             if self.k_head[k] < 0:
                 self._free_key(k)
-        self.p_gen[p] = 0
+        self.p_gen[p] = self.p_flags[p] = self.p_pins[p] = 0
         self.owners.pop(p, None)
-        self.p_flags[p] = 0
-        self.p_pins[p] = 0
         self._p_free.append(p)
 
     def _free_key(self, k: int) -> None:

@@ -216,6 +216,8 @@ class DaemonOperations:
                 raise BackendError(f"L3 {self.tier.backend.name} clear failed: "
                                    f"{type(got).__name__}: {got}")
             n += got
+        if tier == "all":  # every tier: what routers knew of this node is gone
+            self.call(self.controller.kv_events.all_cleared)
         return n
 
     def stats(self) -> dict:
@@ -282,6 +284,8 @@ class DaemonOperations:
             "l3_backend": c.tier.backend.name,
             "l3_tier": c.tier.status(),
             "l3": c.tier.backend_stats(),
+            "kv_events": {"published": c.kv_events.publisher.published,
+                          "dropped": c.kv_events.publisher.dropped},
             **c.counters,
             **c.tier.counters,
             "requests": self.requests,

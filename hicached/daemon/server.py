@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from hicached import protocol as P
-from hicached.arena import Arena, release_if_made
+from hicached.arena import Arena, arena_progress, release_if_made
 from hicached.backends.base import L3Backend, create_backend
 from hicached.daemon.auth import make_auth
 from hicached.daemon.controller import Controller
@@ -30,6 +30,7 @@ from hicached.daemon.files import DaemonFiles
 from hicached.daemon.handshake import Handshakes
 from hicached.daemon.hybrid import make_policy
 from hicached.daemon.index import PageIndex
+from hicached.daemon.kv_events import make_kv_events
 from hicached.daemon.l3.tier import L3Tier, close_quietly
 from hicached.daemon.l3.workers import IOWorkers
 from hicached.daemon.leases import LeaseTable
@@ -62,29 +63,11 @@ _DRAIN_OK = (P.Commit, P.Release, P.Bye, P.ExistsTally)
 def freeze_survivors(phase: str, info: dict) -> None:
     """``gc`` callback: after a full collection, move what survived it to the permanent
     generation, so the next full pass walks only what was created since. Without it every full
-    pass walks every page's index entry: ~100 ms per 256k pages, a stall of the control loop
-    that grows with the arena. Frozen objects are still freed by reference counting; only
-    reference cycles among them would stay (the index holds none)."""
+    pass walks every page's index entry: ~100 ms per 256k pages, a stall of the control loop that
+    grows with the arena. Frozen objects are still freed by reference counting (the index holds
+    no reference cycles)."""
     if phase == "stop" and info.get("generation") == 2:
         gc.freeze()
-
-
-def arena_progress(every_s: float = 2.0):
-    """A progress callback for ``Arena.create`` that logs how far the reservation got, at most
-    every ``every_s`` (a large arena takes seconds, and a silent start looks hung)."""
-    start = last = time.monotonic()
-
-    def progress(done: int, total: int) -> None:
-        nonlocal last
-        now = time.monotonic()
-        if done < total and now - last < every_s:
-            return
-        if done < total or now - start >= every_s:
-            log.info("arena: %.1f of %.1f GiB reserved (%.0f s)", done / (1 << 30),
-                     total / (1 << 30), now - start)
-        last = now
-
-    return progress
 
 
 class Daemon(DaemonOperations, Handshakes, DaemonFiles):
@@ -130,9 +113,12 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             self.controller.quotas = make_quotas(self.index, config.namespace_quotas)
             self.controller.ahead_session_bytes = config.set_ahead_bytes
             self.controller.ahead_total_bytes = config.l2_size // 8  # idle slots: at most 1/8
+            self.controller.kv_events = make_kv_events(config, self.index, self.tier)
             self.ctx = zmq.Context()
             self.sock = self._bind(config.endpoint)
         except BaseException:
+            if hasattr(self, "controller"):
+                self.controller.kv_events.close()
             if hasattr(self, "workers"):
                 self.workers.close()
             if getattr(self, "tier", None) is not None:
@@ -218,7 +204,8 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
     def _tick(self, now: float) -> None:
         """Every ``SWEEP_INTERVAL_S``: expire reservations and leases, drop dead clients, relieve
         write-back pressure, audit L3 copies when due; and feed the systemd watchdog (only a
-        running loop does)."""
+        running loop does). Every turn: hand the turn's KV events to their publisher."""
+        self.controller.kv_events.send()
         if now >= self._next_watchdog:
             interval = self.notifier.watchdog_interval_s
             if interval:
@@ -395,8 +382,9 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             case P.Hello():
                 return self._hello(identity, msg, frame)
             case P.RegisterPool():
-                return P.Registered(msg.req_id, c.register_pool(self._session(msg.session),
-                                                                msg.pool, msg.page_bytes))
+                return P.Registered(msg.req_id, c.register_pool(
+                    self._session(msg.session), msg.pool, msg.page_bytes, msg.event_hash,
+                    msg.tokens_per_page))
             case P.ExistsTally():  # counted by the metrics hook, unless refused here
                 s = self._session(msg.session)
                 for pool in (*msg.keys, *msg.hits):  # pools become metric labels: only real ones
@@ -478,6 +466,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         if self._closed:
             return
         self._closed = True
+        self.controller.kv_events.close()  # the events of the last turns, then its sockets
         if self.workers.close():
             self.tier.close()
         else:  # a transfer still runs in the backend: closing it underneath could crash

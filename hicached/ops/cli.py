@@ -104,6 +104,11 @@ def _serve_parser(sub) -> None:
                    "and tokens per byte weighed), prefix (chains leaf first, LRU) or lru")
     p.add_argument("--eviction-alpha", dest="eviction_alpha", type=float,
                    help="hybrid eviction: weight of a page's value against its recency")
+    p.add_argument("--kv-events-endpoint", dest="kv_events_endpoint",
+                   help="publish KV events for routers on this ZeroMQ PUB endpoint, e.g. "
+                   "tcp://*:5557 (default: off; docs/kv-events.md)")
+    p.add_argument("--kv-events-replay-endpoint", dest="kv_events_replay_endpoint",
+                   help="serve recent KV event batches to routers that missed some (ROUTER)")
     p.add_argument("--print-config", action="store_true", help="print the effective config as "
                    "TOML (--config reads it back; secrets left out)")
     _help_with_defaults(p)
@@ -116,7 +121,8 @@ OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l
                "log_level", "admin_host", "admin_port", "admin_api_key", "drain_timeout_s",
                "socket_group", "client_token", "allow_tcp", "namespace_quotas",
                "io_queue_depth", "socket_mode", "unchecked_idle_s", "l3_audit_s",
-               "eviction", "eviction_alpha", "status_sample_s")
+               "eviction", "eviction_alpha", "status_sample_s", "kv_events_endpoint",
+               "kv_events_replay_endpoint")
 
 
 _SIZES = ("l2_size", "slab_size", "l3_load_chunk", "set_ahead_bytes")

@@ -69,6 +69,8 @@ class DaemonConfig:
     # namespace): its session ends after this long without a request (it joins again)
     socket_group: str = ""  # group of the ipc socket and the arena (mode 0660 then)
     client_token: str = field(default="", repr=False)  # clients must present it in the handshake
+    kv_events_endpoint: str = ""  # ZeroMQ PUB of KV events for routers ("": off; kv-events.md)
+    kv_events_replay_endpoint: str = ""  # ROUTER serving recent event batches ("": none)
     allow_tcp: bool = False  # tcp:// endpoints need this and a client_token
     namespace_quotas: Mapping = field(default_factory=dict)  # namespace -> max L2 bytes
     # which L2 pages go under memory pressure (docs/eviction.md): lru | prefix | hybrid
@@ -139,6 +141,13 @@ class DaemonConfig:
         if not 0.05 <= self.status_sample_s <= 3600:
             raise ConfigError(f"status_sample_s: must be between 0.05 and 3600 s, "
                               f"got {self.status_sample_s}")
+        for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            ep = getattr(self, key)
+            if ep and not ep.startswith(("ipc://", "tcp://")):
+                raise ConfigError(f"{key}: must be \"\" (off) or start with ipc:// or tcp://, "
+                                  f"got {ep!r}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("kv_events_replay_endpoint: set kv_events_endpoint too")
         if self.l3_audit_s < 0:
             raise ConfigError(f"l3_audit_s: must be >= 0 (0: never), got {self.l3_audit_s}")
         if self.unchecked_idle_s <= 0:

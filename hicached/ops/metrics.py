@@ -392,6 +392,11 @@ class _Collector:
                          ("parked_gets", "Gets waiting for L3 loads"),
                          ("parked_exists", "Exists waiting for an L3 lookup")):
             yield G(f"hicached_{key}", doc, value=st[key])
+        kv = st["kv_events"]
+        yield C("hicached_kv_events_published", "KV events sent to routers (kv_events_endpoint)",
+                value=kv["published"])
+        yield C("hicached_kv_events_dropped", "KV events dropped: the publisher's queue was "
+                "full", value=kv["dropped"])
         yield from self._l3(tier, C, G)
         yield from self._l3_store(st.get("l3") or {}, C, G)
         yield from self._l3_integrity(tier["backend"], st.get("l3") or {}, C)

@@ -164,7 +164,10 @@ class RankSessions:
 
     def _register(self, client: Client, name: str) -> None:
         try:
-            client.register_mem_host_pool_v2(self._sources[name], self.wire(name))
+            # KV pages are SGLang's blocks for the daemon's KV events (docs/kv-events.md): SGLang
+            # publishes its page hash as ``hash_str_to_int64``; other pools are not blocks
+            events = ("sglang_int64", self.page_size(name)) if name == "kv" else ("", 0)
+            client.register_mem_host_pool_v2(self._sources[name], self.wire(name), *events)
         except DaemonUnavailable:
             raise
         except Exception as e:  # noqa: BLE001 - a pool hicached cannot take: it misses

@@ -91,3 +91,44 @@ def test_a_non_writer_mla_rank_links_its_own_pool_by_namespace_and_key(sg, plugi
     assert rank1.get_stats().counters["skipped_write_pages"] == 3
     page_backup(hs, rank0, keys, 0, prefix)
     assert [daemon.chain(ns, k) for k in keys] == [(None, 1), (keys[0], 2), (keys[1], 3)]
+
+
+def test_the_kv_pool_is_declared_for_kv_events_as_sglang_publishes_them(sg, plugin, tmp_path):
+    """The daemon's KV events name SGLang's pages as SGLang's own events do
+    (``hash_str_to_int64`` of the page hash, ``page_size`` tokens a block); read back through
+    the replay socket (no subscription to race)."""
+    import hashlib
+    import time
+
+    import msgspec
+    import zmq
+
+    from hicached.daemon.kv_events import BlockStored, KVEventBatch
+
+    keys = [hashlib.sha256(bytes([i])).hexdigest() for i in range(3)]
+    replay = f"ipc://{tmp_path}/replay.sock"
+    with inproc_daemon(tmp_path, l3_backend="none", kv_events_endpoint=f"ipc://{tmp_path}/ev",
+                       kv_events_replay_endpoint=replay) as d:
+        w = plugin(d.endpoint, {"kv": kv_pool(seed=3)}, extra={"interface_v1": 1})
+        assert all(w.batch_set_v1(keys, idx(0, 3)))
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.connect(replay)
+        events, deadline = [], time.monotonic() + 10
+        while not events and time.monotonic() < deadline:
+            s.send_multipart([b"", (0).to_bytes(8, "big")])
+            while True:
+                assert s.poll(5000)
+                _, _, payload = s.recv_multipart()
+                if not payload:
+                    break
+                events += msgspec.msgpack.decode(payload, type=KVEventBatch).events
+        s.close(linger=0)
+        ctx.term()
+
+    def to_int64(k):  # SGLang's mem_cache.utils.hash_str_to_int64 (its module needs triton)
+        v = int(k[:16], 16)
+        return v - 2**64 if v >= 2**63 else v
+
+    assert events == [BlockStored([to_int64(k) for k in keys], None, [], PAGE, None, "CPU_PINNED",
+                                  None)]

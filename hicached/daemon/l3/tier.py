@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 from hicached.backends.base import L3Backend, NullBackend
 from hicached.daemon.index import Entry, PageIndex, TableId
+from hicached.daemon.kv_events import NullKVEvents, l3_medium
 from hicached.daemon.l3.audit import TierAudit
 from hicached.daemon.l3.keymemory import KeyMemory
 from hicached.daemon.l3.workers import IOJob, IOWorkers
@@ -102,6 +103,7 @@ class L3Tier(TierWrites, TierAudit):
         # (table, key) the store said it lacks -> until when (monotonic) that answer stands
         self.absent_in_l3 = KeyMemory(ABSENT_IN_L3)
         self.clock = time.monotonic
+        self.kv_events = NullKVEvents()  # stored / removed in L3 (kv_events.py)
         self.counters = {"l3_loads": 0, "l3_load_failures": 0, "l3_writes": 0,
                          "l3_write_failures": 0, "l3_writes_dropped": 0, "l3_errors": 0,
                          "prefetched_pages": 0, "write_backs": 0, "l3_probes_dropped": 0,
@@ -340,6 +342,7 @@ class L3Tier(TierWrites, TierAudit):
         """Apply finished jobs; who waited for them (``Woken``)."""
         woken: list[Woken] = []
         jobs = self.workers.collect()
+        gone: list | None = None
         if jobs and self.attached:  # what the store deleted (or may have lost) meanwhile
             try:
                 gone = self.backend.take_evicted()
@@ -383,6 +386,10 @@ class L3Tier(TierWrites, TierAudit):
                     self.counters["l3_load_failures"] += 1
             self.index.commit_many(loaded)
             woken.extend(Woken(w, id(job), True, set()) for w in job.waiters)
+        if gone:  # KV events: after the writes of these jobs (a write may evict its own pages)
+            medium = l3_medium(self.backend.name)
+            for ns, pool, key in gone:
+                self.kv_events.removed((ns, pool), key, medium)
         self._close_idle_retired()
         return woken
 
@@ -411,6 +418,8 @@ class L3Tier(TierWrites, TierAudit):
             done(HicachedError("L3 writer queue is full; try the clear again"))
 
     def _clear_done(self, job: IOJob) -> None:
+        if job.backend is self.backend:  # KV events: the pages it was known to hold left it
+            self.kv_events.cleared(self.known_in_l3.of, l3_medium(job.backend.name))
         self.forget_l3_copies()
         n = job.result[0] if job.result else 0
         if isinstance(n, Exception):

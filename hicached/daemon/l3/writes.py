@@ -16,6 +16,7 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from hicached.daemon.index import Entry, TableId
+from hicached.daemon.kv_events import l3_medium
 from hicached.daemon.l3.workers import IOJob
 
 log = logging.getLogger("hicached.daemon.l3.tier")
@@ -191,6 +192,9 @@ class TierWrites:
     def _put_done(self, job: IOJob, current: bool) -> None:
         ok_n = 0
         self.writing_bytes -= self._writing_of.pop(id(job), 0)
+        if current:  # KV events, while the pages are pinned (their chain links in L2)
+            self.kv_events.stored([e for e, ok in zip(job.entries, job.result) if ok],
+                                  l3_medium(job.backend.name))
         for e, ok in zip(job.entries, job.result):
             e.writing = False
             self.index.unpin(e)
