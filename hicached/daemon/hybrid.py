@@ -70,6 +70,10 @@ class HybridPolicy(KeyTree):
         self._mids: dict[int, list[int]] = {}  # states of keys with children: they go alone
         self._queued = memoryview(np.zeros(0, np.uint8))
         self._class_ns: dict[int, set[int]] = {}  # stride -> namespace ids that had a leaf in it
+        # (stride, tick, candidates left (best last), the key above the segment that went):
+        # what ``make_room`` scored for a slot, reused while the same reservation needs more
+        # slots of the class (the tick unchanged: no page was used since)
+        self._ranked: tuple[int, int, list, int] | None = None
         # leaf key k -> (keys, bytes) of its segment; ~k -> (keys, bytes) of its state alone
         self._vals: dict[int, tuple[int, int]] = {}
         # (tick, key): leaves of trailing namespaces committed without a state; ``stale`` takes
@@ -307,6 +311,26 @@ class HybridPolicy(KeyTree):
     def make_room(self, stride: int) -> list[int]:
         ix = self.ix
         tick = ix._tick
+        ranked = self._ranked
+        if ranked is not None and ranked[0] == stride and ranked[1] == tick:
+            # the same reservation needs more room (no page was used since: the candidates
+            # scored for its last slot keep their order): the key above the segment that went,
+            # if it is a leaf now and no younger than the next candidate, else that candidate
+            rest, up = ranked[2], ranked[3]
+            while rest and not self._still(rest[-1]):
+                rest.pop()
+            if up >= 0 and ix.k_len[up] and not self._kid[up]:
+                t = self._newest(up, stride)
+                if t and (not rest or t <= rest[-1][0]):
+                    pages = self._segment(up)
+                    if pages:
+                        self._ranked = (stride, tick, rest, self._above(pages))
+                        return pages
+            if rest:
+                pages = self._still(rest.pop())
+                self._ranked = (stride, tick, rest, self._above(pages))
+                return pages
+        self._ranked = None
         cands, leaves, mids = [], [], []  # [tick, key, value, state page or -1]; popped
         seen: set[int] = set()
         while len(leaves) < 2 * CANDIDATES:
@@ -334,10 +358,14 @@ class HybridPolicy(KeyTree):
             lo, hi = min(c[0] for c in cands), max(c[0] for c in cands)
             top = max(c[2] for c in cands) or 1.0
             span = (hi - lo) or 1
-            for c in sorted(cands, key=lambda c: (c[0] - lo) / span + self.alpha * c[2] / top):
+            order = sorted(cands, key=lambda c: (c[0] - lo) / span + self.alpha * c[2] / top,
+                           reverse=True)
+            while order:
+                c = order.pop()
                 pages = [c[3]] if c[3] >= 0 else self._segment(c[1])
                 if pages:
                     best = (c, pages)
+                    self._ranked = (stride, tick, order, self._above(pages))
                     break
         if leaves:
             self._back(self._heaps, stride, leaves)
@@ -350,6 +378,7 @@ class HybridPolicy(KeyTree):
         if best is not None and (other is None or other[0] >= lo or self._class_ns.get(
                 other[1].stride, set()) & self._class_ns.get(stride, set())):
             return best[1]
+        self._ranked = None
         if other is not None:  # a slab of another class: the one of its oldest leaf (the
             # deep end of a chain: what it takes with it is mostly in that slab)
             pages = self._expand([p for p in ix._slots.get(other[1].index, ()) if p >= 0])
@@ -395,6 +424,38 @@ class HybridPolicy(KeyTree):
         if back:
             self._back(self._heaps, stride, back)
         return out[:n]
+
+    def _above(self, pages: list[int]) -> int:
+        """The key above a segment (its last page's key's parent), -1 for none."""
+        return self._up[self.ix.p_krec[pages[-1]]] - 1
+
+    def _newest(self, k: int, stride: int) -> int:
+        """The newest use of key ``k``'s committed, unpinned pages of class ``stride`` (0: it
+        has none, or one of its pages is pinned)."""
+        ix, t = self.ix, 0
+        p = ix.k_head[k]
+        while p >= 0:
+            if ix.p_pins[p]:
+                return 0
+            if ix.p_flags[p] & COMMITTED and ix.p_stride[p] == stride:
+                t = max(t, ix.p_used[p])
+            p = ix.p_knext[p]
+        return t
+
+    def _still(self, c: tuple[int, int, float, int]) -> list[int] | None:
+        """The pages candidate ``c`` of an earlier ``make_room`` (same tick) takes, if it may
+        still go: a leaf not evicted since (its record not reused: a new key's pages are
+        pending), or a state still mid-chain and unpinned."""
+        ix = self.ix
+        t, k, _, p = c
+        if p >= 0:
+            if (ix.p_flags[p] & COMMITTED and not ix.p_pins[p] and ix.p_used[p] == t
+                    and self._kid[k]):
+                return [p]
+            return None
+        if not ix.k_len[k] or self._kid[k]:
+            return None
+        return self._segment(k)
 
     def _oldest_leaf_slab(self, stride: int):
         """(tick, slab) of the least recently used leaf page of another class whose slab holds
