@@ -42,11 +42,9 @@ import itertools
 
 import numpy as np
 
-from hicached.daemon.keytree import MAX_WALK, KeyTree
+from hicached.daemon.keytree import IN_L3, MAX_WALK, STATE_L3, KeyTree
 from hicached.daemon.policy import COMMITTED, LruPolicy
 
-IN_L3 = 4  # entry.IN_L3
-STATE_L3 = 1  # key flag: a state of the key left L2 with a copy in L3 (still restorable)
 CANDIDATES = 16  # leaves scored per eviction
 _LEAF, _MID = 1, 2  # ``_queued`` bits: the page record has an entry in its leaf / mid heap
 _LOW = (1 << 32) - 1
@@ -94,6 +92,9 @@ class HybridPolicy(KeyTree):
             if ix.p_flags[p] & COMMITTED:
                 self._push_mid(p)
             p = ix.p_knext[p]
+
+    def _state_gone_alone(self, k: int) -> None:
+        self._held.append(k)  # its KV pages are read now: they go once their grace is over
 
     def _leaf_now(self, q: int) -> None:
         self._vals.pop(q, None)
@@ -225,86 +226,6 @@ class HybridPolicy(KeyTree):
             if ix.p_flags[p] & COMMITTED:
                 self._push_page(p)
             p = ix.p_knext[p]
-
-    # ------------------------------------------------------------ what goes with a page
-
-    def _pages(self, k: int) -> list[int] | None:
-        """Key ``k``'s pages, states first; None when one is pinned or pending."""
-        ix = self.ix
-        trail = ix._ns_trail[ix.k_ns[k]]
-        states, rest = [], []
-        p = ix.k_head[k]
-        while p >= 0:
-            if ix.p_pins[p] or not ix.p_flags[p] & COMMITTED:
-                return None
-            (states if ix._tbit[ix.p_tid[p]] & trail else rest).append(p)
-            p = ix.p_knext[p]
-        return states + rest
-
-    def _has_state(self, k: int, trail: int, without: int = 0) -> bool:
-        return bool(self.ix.k_mask[k] & trail & ~without) or bool(self._kflags[k] & STATE_L3)
-
-    def _trim(self, q: int, child: int, trail: int, out: list[int], seen: set) -> int:
-        """Append the pages of the state-less single-child keys from ``q`` up (``child``: the
-        key below ``q`` that goes); returns how many keys."""
-        n = 0
-        while (q >= 0 and trail and self._kid[q] == child + 1 and not self._sib[child]
-               and not self._has_state(q, trail)):
-            pages = self._pages(q)
-            if pages is None:
-                break
-            out.extend(p for p in pages if p not in seen)
-            seen.update(pages)
-            n += 1
-            child, q = q, self._up[q] - 1
-        return n
-
-    def doomed(self, p: int) -> list[int]:
-        """The page records to evict for ``p`` to go, in order (dependants first): see the
-        module docstring. Empty when a page that depends on ``p`` is pinned or pending (a
-        client reads or writes it): ``p`` stays until it is not."""
-        ix = self.ix
-        k = ix.p_krec[p]
-        trail = ix._ns_trail[ix.k_ns[k]]
-        bit = ix._tbit[ix.p_tid[p]]
-        out, seen = [], {p}
-        if bit & trail:  # a state
-            if ix.p_flags[p] & IN_L3 or self._kid[k] or self._has_state(k, trail, bit):
-                return [p]
-            out.append(p)
-            rest = self._pages(k)
-            if rest is None:  # its KV pages are read now: they go once their grace is over
-                self._held.append(k)
-                return out
-            out.extend(q for q in rest if q != p)
-            seen.update(rest)
-            self._trim(self._up[k] - 1, k, trail, out, seen)
-            return out
-        if ix.p_flags[p] & IN_L3:
-            return [p]
-        stack, order = [self._kid[k]], []
-        while stack:  # the keys below k, parents before children; reversed: deepest first
-            c = stack.pop()
-            while c:
-                order.append(c - 1)
-                if self._kid[c - 1]:
-                    stack.append(self._kid[c - 1])
-                c = self._sib[c - 1]
-        for c in reversed(order):
-            pages = self._pages(c)
-            if pages is None:
-                return []  # a dependant is read or written now: ``p`` stays for now
-            out.extend(pages)
-        pages = self._pages(k)
-        if pages is None:
-            return []
-        out.extend(q for q in pages if q != p)
-        out.append(p)
-        seen.update(out)
-        up = self._up[k] - 1
-        if up >= 0 and self._kid[up] == k + 1 and not self._sib[k]:
-            self._trim(up, k, trail, out, seen)
-        return out
 
     # ------------------------------------------------------------ victims
 
