@@ -116,10 +116,11 @@ class Controller(SessionControl):
         """Hit semantics over L2 and L3. Keys L2 lacks that this daemon neither knows to be in
         L3 nor found missing from it lately (``L3Tier.sort_out``) are looked up by the prober
         thread (``L3Tier.probe``) while the control loop goes on: the request is then parked
-        and answered through ``reply``."""
-        s.spec(msg.anchor)
-        for q in msg.pools:
-            s.spec(q.pool)
+        and answered through ``reply``. A pool must be registered in the namespace, by this
+        session or another (a vLLM scheduler asks about the pools its workers register)."""
+        for pool in (msg.anchor, *(q.pool for q in msg.pools)):
+            if (s.ns, pool) not in self.geometry:
+                s.spec(pool)  # UnknownPool
         keys = msg.key_list()
         masks = self.index.presence(s.ns, keys)  # one lookup a key for every pool
         in_l3: dict[str, set[str]] = {}

@@ -70,7 +70,7 @@ class RankNamespace:
         return self.is_writer or (self.replicated and rank_sharded)
 
 
-def _clean(value: Any) -> str:
+def clean_field(value: Any) -> str:
     """A namespace component: no separators, no surrounding space. Escaped, not replaced: two
     different salts or model names ("tenant=1", "tenant:1") must never give one namespace."""
     return str(value).strip().replace("%", "%25").replace("|", "%7C").replace("=", "%3D")
@@ -149,17 +149,17 @@ def build_namespace(storage_config: Any, kv_pool: Any, *, model_name: str = "",
         tp_part = rank
     parts = [
         "sglang",
-        f"model={_clean(model)}",
-        f"rev={_clean(model_revision)}",
+        f"model={clean_field(model)}",
+        f"rev={clean_field(model_revision)}",
         f"kv={kv_dtype}",
-        *([f"kvfmt={_clean(kv_cache_dtype)}"] if kv_cache_dtype else []),
+        *([f"kvfmt={clean_field(kv_cache_dtype)}"] if kv_cache_dtype else []),
         f"page={int(getattr(kv_pool, 'page_size', 1))}",
-        f"layout={_clean(getattr(kv_pool, 'layout', 'unknown'))}",
+        f"layout={clean_field(getattr(kv_pool, 'layout', 'unknown'))}",
         f"bytes={_page_bytes(kv_pool)}",  # e.g. MTP layers packed in: another page size
         f"tp={tp_part}",
         f"pp={pp_rank}of{pp_size}",
         f"cp={cp_rank}of{cp_size}",
     ]
     if namespace_salt:
-        parts.append(f"salt={_clean(namespace_salt)}")
+        parts.append(f"salt={clean_field(namespace_salt)}")
     return RankNamespace("|".join(parts), f"@{rank}" if replicated else "", replicated, writer)

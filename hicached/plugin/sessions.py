@@ -59,12 +59,18 @@ class RankSessions:
     """The pools, namespace and per-thread clients of one SGLang rank's plugin."""
 
     def __init__(self, settings: PluginSettings, storage_config: Any, name: str,
-                 health: PluginHealth):
+                 health: PluginHealth, *, namespace: RankNamespace | None = None,
+                 event_hash: str = "sglang_int64"):
+        """``namespace``: fixed up front (the vLLM connector); None: built from SGLang's
+        ``storage_config`` when the KV pool registers. ``event_hash``: how the engine publishes
+        its KV pages' block hashes (``docs/kv-events.md``)."""
         self.settings = settings
         self.storage_config = storage_config
         self.name = name
         self.health = health
-        self.namespace: RankNamespace | None = None
+        self.namespace: RankNamespace | None = namespace
+        self._fixed_namespace = namespace is not None
+        self._event_hash = event_hash
         self.pools: dict[str, Any] = {}  # SGLang pool value -> host pool (as SGLang gave it)
         self._sources: dict[str, Any] = {}  # what is registered: the pool, or its MarkerPages
         self._sharded: dict[str, bool] = {}  # pool -> its pages differ per TP rank
@@ -91,7 +97,7 @@ class RankSessions:
             self._broken.pop(name, None)
             for ts in self._threads.values():
                 ts.pending.add(name)
-            if name == "kv":
+            if name == "kv" and not self._fixed_namespace:
                 ns = build_namespace(self.storage_config, pool,
                                      model_name=self.settings.model_name,
                                      model_revision=self.settings.model_revision,
@@ -164,9 +170,10 @@ class RankSessions:
 
     def _register(self, client: Client, name: str) -> None:
         try:
-            # KV pages are SGLang's blocks for the daemon's KV events (docs/kv-events.md): SGLang
-            # publishes its page hash as ``hash_str_to_int64``; other pools are not blocks
-            events = ("sglang_int64", self.page_size(name)) if name == "kv" else ("", 0)
+            # KV pages are the engine's blocks for the daemon's KV events (docs/kv-events.md):
+            # SGLang publishes its page hash as ``hash_str_to_int64``, vLLM its block hash
+            # bytes; other pools are not blocks
+            events = (self._event_hash, self.page_size(name)) if name == "kv" else ("", 0)
             client.register_mem_host_pool_v2(self._sources[name], self.wire(name), *events)
         except DaemonUnavailable:
             raise
