@@ -296,6 +296,8 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
                                        f" cannot be stored ({e}); its pages miss")
                 continue
             self._sessions.add_pool(self._pools[g.index], pool)
+        # register the pools now: the scheduler's first exists call names them
+        self._sessions.guard("register", lambda: None, lambda client: None)
 
     def _transfers(self, run: PageRun) -> tuple[list[PoolTransfer], list[int]]:
         """The run's pool transfers, and every block id it names."""

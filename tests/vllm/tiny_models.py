@@ -42,10 +42,11 @@ def build(out: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
                   full_attention_interval=2, num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=64, shared_expert_intermediate_size=64,
                   linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
-                  linear_value_head_dim=128, linear_conv_kernel_dim=4, decoder_sparse_step=1)
+                  linear_value_head_dim=128, linear_conv_kernel_dim=4, decoder_sparse_step=1,
+                  tie_word_embeddings=False)  # vLLM's Qwen3-Next leaves a tied lm_head at 0
     else:
         raise ValueError(f"unknown arch {arch!r}")
-    kw.update(common)
+    kw = {**common, **kw}
     kw.update(overrides)
     cfg = AutoConfig.for_model(arch, **kw)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
