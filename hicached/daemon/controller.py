@@ -190,8 +190,10 @@ class Controller(SessionControl):
         there: ``exists`` just found them restorable)."""
         todo = [keys[start + i] for i in np.flatnonzero(~in_l2[start:end]).tolist()]
         if todo:
-            spec = s.spec(pool)
-            self.tier.load((s.ns, pool), todo, spec.page_bytes, spec.stride, known_in_l3=True)
+            # the pool's geometry in the namespace: this session may only ask about it
+            page_bytes = self.geometry[(s.ns, pool)]
+            self.tier.load((s.ns, pool), todo, page_bytes,
+                           self.index.alloc.check_page_bytes(page_bytes), known_in_l3=True)
 
     # ------------------------------------------------------------ set: reserve, commit
 

@@ -137,6 +137,10 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        # a page that fails to load is a cache miss: vLLM must recompute it, not fail the
+        # request (its default); read by the scheduler right after it builds this instance
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", None) != "recompute":
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self._settings = PluginSettings.from_extra_config(extra, os.environ)
         cache = vllm_config.cache_config
         check_hash_algo(str(getattr(cache, "prefix_caching_hash_algo", "sha256")), os.environ)
@@ -170,7 +174,7 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
         parallel = vllm_config.parallel_config
         tp_rank = pp_rank = 0
         if self._is_worker:
-            from vllm.distributed.parallel_state import (  # noqa: PLC0415 - worker only
+            from vllm.distributed.parallel_state import (  # worker only
                 get_pp_group,
                 get_tensor_model_parallel_rank,
             )

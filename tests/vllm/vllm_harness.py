@@ -13,7 +13,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -22,9 +21,6 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 START_TIMEOUT_S = 240  # an engine starts in 20-40 s here; far more on a loaded 2-core machine
 CALL_TIMEOUT_S = 240
-
-pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (docs/vllm.md)")
-
 
 def tokens(seed: int, n: int) -> list[int]:
     """``n`` seeded token ids of the tiny models' vocabulary (no special tokens)."""
@@ -49,7 +45,8 @@ class Engine:
             [sys.executable, os.path.join(HERE, "engine_proc.py"), json.dumps(cfg)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env, text=True)
         self._answers: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         assert self._wait(START_TIMEOUT_S) == "ready"
 
     def _read(self) -> None:
@@ -95,13 +92,18 @@ class Engine:
             return f.read().decode(errors="replace")[-n:]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        """End the engine (EOF on its stdin; killed after 60 s) and close its pipes."""
+        try:
             self.proc.stdin.close()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        except OSError:  # it died: the pipe is broken
+            pass
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(30)
+        self.proc.stdout.close()
         self._log.close()
 
 
@@ -118,12 +120,3 @@ def models(tmp_path_factory):
                                             rms_norm_eps=1e-3),
            "qwen3_next": tiny_models.build(str(root / "qwen3_next"), "qwen3_next")}
     return out
-
-
-def wait_until(cond, timeout_s: float, every_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(every_s)
-    return cond()

@@ -1,0 +1,44 @@
+"""The vLLM connector with a hybrid model: Qwen3-Next (gated delta net + attention), built
+locally, in real vLLM engines on CPU. vLLM keeps its recurrent state per block in mamba "align"
+mode; the connector stores the attention group as pool ``kv`` and the state group as a
+trailing pool, so a hit is a prefix whose KV blocks and the state at its end are all there."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import DaemonProc
+from vllm_harness import HAVE_VLLM, Engine, models, tokens  # noqa: F401 - models: a fixture
+
+pytestmark = [pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (docs/vllm.md)"),
+              pytest.mark.timeout(900)]
+
+BLOCK = 256  # Qwen3-Next's block size on CPU (vLLM aligns it to the state size)
+P1 = tokens(11, 1100)  # 4 full blocks
+P2 = P1 + tokens(12, 50)
+OTHER = tokens(13, 600)
+
+
+def test_hybrid_cached_output_equals_uncached(models, tmp_path):
+    base = Engine(tmp_path, "base", models["qwen3_next"])
+    try:
+        want = base.generate([P2, OTHER])
+    finally:
+        base.close()
+    d = DaemonProc(tmp_path, l2_size="512MiB", slab_size="8MiB").start()
+    a = b = None
+    try:
+        a = Engine(tmp_path, "a", models["qwen3_next"], d.endpoint)
+        assert a.one(P1)["cached"] == 0
+        b = Engine(tmp_path, "b", models["qwen3_next"], d.endpoint)
+        got = b.one(P2)
+        assert got["cached"] >= 0.9 * (len(P1) // BLOCK * BLOCK), (got, b.tail())
+        assert got["out"] == want[0]["out"]
+        # a prompt that shares nothing: no hit, same outputs
+        none = b.one(OTHER)
+        assert none["cached"] == 0 and none["out"] == want[1]["out"]
+    finally:
+        for e in (a, b):
+            if e is not None:
+                e.close()
+        d.cleanup()
