@@ -1,13 +1,17 @@
 """A real vLLM engine (offline ``LLM``) in its own process, driven by the vLLM tests.
 
     python engine_proc.py '{"model": DIR, "dtype": "bfloat16", "endpoint": "ipc://..." | null,
-                            "extra": {...}}'
+                            "extra": {...}, "kv_transfer_config": {...} | null}'
+
+(``endpoint``: hicached's connector with ``extra`` as its extra config; ``kv_transfer_config``:
+any other connector, as given, e.g. LMCache's for ``tools/bench_vllm.py``.)
 
 Reads one JSON command per stdin line and answers one line ``@@ {json}`` on stdout (vLLM logs
 to stdout too: the tests skip every other line)::
 
     {"prompts": [[token ids], ...], "max_tokens": 8, "cache_salt": "x" | null}
-        -> [{"cached": num_cached_tokens, "out": [token ids]}, ...]   (one request at a time)
+        -> [{"cached": num_cached_tokens, "out": [token ids], "s": seconds}, ...]
+           (one request at a time; "s": wall time of its generate call)
     {"reset": true}   -> true   (empties vLLM's own prefix cache)
     {"stats": true}   -> the connector counters of this process (scheduler side)
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 
 def answer(value) -> None:
@@ -30,7 +35,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     kw = {}
-    if cfg.get("endpoint"):
+    if cfg.get("kv_transfer_config"):
+        kw["kv_transfer_config"] = cfg["kv_transfer_config"]
+    elif cfg.get("endpoint"):
         extra = {"endpoint": cfg["endpoint"], "retry_interval_s": 0.2, "timeout_s": 3.0,
                  **cfg.get("extra", {})}
         kw["kv_transfer_config"] = {
@@ -51,8 +58,10 @@ def main() -> None:
             prompt = {"prompt_token_ids": ids}
             if cmd.get("cache_salt"):
                 prompt["cache_salt"] = cmd["cache_salt"]
+            t0 = time.perf_counter()
             o = llm.generate([prompt], sp, use_tqdm=False)[0]
-            out.append({"cached": o.num_cached_tokens or 0, "out": list(o.outputs[0].token_ids)})
+            out.append({"cached": o.num_cached_tokens or 0, "out": list(o.outputs[0].token_ids),
+                        "s": time.perf_counter() - t0})
         answer(out)
 
 

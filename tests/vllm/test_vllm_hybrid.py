@@ -17,12 +17,13 @@ BLOCK = 256  # Qwen3-Next's block size on CPU (vLLM aligns it to the state size)
 P1 = tokens(11, 1100)  # 4 full blocks
 P2 = P1 + tokens(12, 50)
 OTHER = tokens(13, 600)
+MID = P1[:600] + tokens(14, 50)  # a hit that ends at block 2 of P1: needs the state there
 
 
 def test_hybrid_cached_output_equals_uncached(models, tmp_path):
     base = Engine(tmp_path, "base", models["qwen3_next"])
     try:
-        want = base.generate([P2, OTHER])
+        want = base.generate([P2, OTHER, MID])
     finally:
         base.close()
     d = DaemonProc(tmp_path, l2_size="512MiB", slab_size="8MiB").start()
@@ -37,6 +38,16 @@ def test_hybrid_cached_output_equals_uncached(models, tmp_path):
         # a prompt that shares nothing: no hit, same outputs
         none = b.one(OTHER)
         assert none["cached"] == 0 and none["out"] == want[1]["out"]
+        # a third process, a prompt leaving P1's chain at block 2: vLLM keeps a state only where
+        # a scheduled chunk ended (P1 was one chunk), so there is none at block 2 to restore and
+        # no hit, rather than one restoring the wrong state
+        c = Engine(tmp_path, "c", models["qwen3_next"], d.endpoint)
+        try:
+            mid = c.one(MID)
+        finally:
+            c.close()
+        assert mid["cached"] == 0, mid
+        assert mid["out"] == want[2]["out"]
     finally:
         for e in (a, b):
             if e is not None:

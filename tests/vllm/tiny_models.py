@@ -15,7 +15,8 @@ CORPUS = [f"the quick brown fox {i} jumps over the lazy dog number {i * 7} and c
 
 
 def build(out: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """Write model ``arch`` ("llama", "qwen3_next") to ``out``; returns ``out``."""
+    """Write model ``arch`` ("llama", "qwen3_next", "granitemoehybrid") to ``out``; returns
+    ``out``."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -44,6 +45,13 @@ def build(out: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
                   linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
                   linear_value_head_dim=128, linear_conv_kernel_dim=4, decoder_sparse_step=1,
                   tie_word_embeddings=False)  # vLLM's Qwen3-Next leaves a tied lm_head at 0
+    elif arch == "granitemoehybrid":  # Granite-4 hybrid: Mamba2 / attention / Mamba2 / attention
+        kw = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                  num_experts_per_tok=2, shared_intermediate_size=128,
+                  layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=4,
+                  mamba_n_groups=1, mamba_d_state=16, mamba_d_head=64, mamba_d_conv=4,
+                  mamba_expand=2, mamba_chunk_size=64, position_embedding_type="rope")
     else:
         raise ValueError(f"unknown arch {arch!r}")
     kw = {**common, **kw}

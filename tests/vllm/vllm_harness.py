@@ -32,12 +32,14 @@ class Engine:
     """One vLLM engine process; ``generate`` / ``reset`` talk to it over its stdin/stdout."""
 
     def __init__(self, tmp, name: str, model: str, endpoint: str | None = None,
-                 dtype: str = "bfloat16", extra: dict | None = None):
+                 dtype: str = "bfloat16", extra: dict | None = None,
+                 kv_transfer_config: dict | None = None, max_model_len: int = 4096):
         self.name = name
         self.log_path = os.path.join(str(tmp), f"vllm-{name}.log")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - open for the process's life
         cfg = {"model": model, "dtype": dtype, "endpoint": endpoint,
-               "extra": {"model_name": "tiny", **(extra or {})}}
+               "extra": {"model_name": "tiny", **(extra or {})},
+               "kv_transfer_config": kv_transfer_config, "max_model_len": max_model_len}
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH"))
                                              if p)}
