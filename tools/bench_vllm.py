@@ -18,7 +18,9 @@ TTFT is the wall time of a one-token ``generate`` (each engine warms up on anoth
 first). "store per 1k" is (writer's time - recompute time of a same-length prompt, the faster of
 two each) per 1000 prefix tokens: what saving costs the writer. Models: a Llama of 8 layers, hidden 1024, and a
 Qwen3-Next of 8 layers (4 gated delta net + 4 attention), random weights, local tokenizer
-(``tests/vllm/tiny_models.py``). ``--small`` shrinks them for a smoke run.
+(``tests/vllm/tiny_models.py``). On a 2-core machine vLLM computes on one core, and the Llama
+then takes about 100 s to recompute 4k tokens; ``--small`` (4 layers, hidden 256: several
+seconds) is what docs/benchmarks.md reports from such a machine.
 """
 
 from __future__ import annotations
@@ -100,8 +102,9 @@ def have_lmcache() -> bool:
 def run_mode(mode: str, model: str, tmp: str, prefix: list[int], full: list[int],
              alone: list[list[int]]) -> dict:
     """Times of one mode (see the module docstring)."""
+    length = len(full) + 256
     if mode == "none":
-        e = Engine(tmp, f"{mode}", model)
+        e = Engine(tmp, f"{mode}", model, max_model_len=length)
         try:
             e.one(tokens(900, 300), max_tokens=1)
             ttft = e.one(full, max_tokens=1)["s"]
@@ -118,13 +121,13 @@ def run_mode(mode: str, model: str, tmp: str, prefix: list[int], full: list[int]
         else:
             server = LMCacheServer(tmp)
             kw = {"kv_transfer_config": server.config()}
-        w = Engine(tmp, f"{mode}-writer", model, **kw)
+        w = Engine(tmp, f"{mode}-writer", model, max_model_len=length, **kw)
         try:
             w.one(tokens(901, 300), max_tokens=1)
             wrote = min(w.one(p, max_tokens=1)["s"] for p in (prefix, alone[0]))
         finally:
             w.close()
-        r = Engine(tmp, f"{mode}-reader", model, **kw)
+        r = Engine(tmp, f"{mode}-reader", model, max_model_len=length, **kw)
         try:
             r.one(tokens(902, 300), max_tokens=1)
             got = r.one(full, max_tokens=1)
