@@ -15,8 +15,8 @@ in it too (skipped, and said so, without). Per model and mode:
 - lmcache:  the same against ``lmcache server`` (``LMCacheMPConnector``).
 
 TTFT is the wall time of a one-token ``generate`` (each engine warms up on another prompt
-first). "store per 1k" is (writer's time - recompute time of a same-length prompt, the faster of
-two each) per 1000 prefix tokens: what saving costs the writer. Models: a Llama of 8 layers, hidden 1024, and a
+first). "store per 1k" is the time the writer's connector spent storing, per 1000 tokens, as its
+log says (hicached's worker at shutdown, LMCache's "Stored N tokens in S s" lines). Models: a Llama of 8 layers, hidden 1024, and a
 Qwen3-Next of 8 layers (4 gated delta net + 4 attention), random weights, local tokenizer
 (``tests/vllm/tiny_models.py``). On a 2-core machine vLLM computes on one core, and the Llama
 then takes about 100 s to recompute 4k tokens; ``--small`` (4 layers, hidden 256: several
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -37,19 +38,19 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "vllm"))
 
-import tiny_models  # noqa: E402
-from vllm_harness import Engine, tokens  # noqa: E402
+import tiny_models
+from vllm_harness import Engine, tokens
 
 MODELS = {
-    "llama": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=64),
-    "qwen3_next": dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
-                       num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                       moe_intermediate_size=512, shared_expert_intermediate_size=512,
-                       linear_num_key_heads=4, linear_num_value_heads=4),
+    "llama": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+                  "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64},
+    "qwen3_next": {"hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8,
+                       "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+                       "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                       "linear_num_key_heads": 4, "linear_num_value_heads": 4},
 }
-SMALL = {"llama": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4),
-         "qwen3_next": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4)}
+SMALL = {"llama": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4},
+         "qwen3_next": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4}}
 
 
 def free_port() -> int:
@@ -95,6 +96,19 @@ class LMCacheServer:
         self.log.close()
 
 
+STORE_LINES = (re.compile(r"hicached-vllm worker: saved (\d+) tokens in ([\d.]+) s"),
+               re.compile(r"Stored (\d+) tokens in ([\d.]+) s"))  # hicached's, LMCache's
+
+
+def store_s_per_1k(log_path: str) -> float | None:
+    """Seconds the writer's connector spent storing, per 1000 tokens, from its log."""
+    with open(log_path, errors="replace") as f:
+        text = f.read()
+    pairs = [(int(n), float(s)) for rx in STORE_LINES for n, s in rx.findall(text)]
+    tokens_stored = sum(n for n, _ in pairs)
+    return sum(s for _, s in pairs) / tokens_stored * 1000 if tokens_stored else None
+
+
 def have_lmcache() -> bool:
     return os.path.exists(os.path.join(os.path.dirname(sys.executable), "lmcache"))
 
@@ -127,13 +141,14 @@ def run_mode(mode: str, model: str, tmp: str, prefix: list[int], full: list[int]
             wrote = min(w.one(p, max_tokens=1)["s"] for p in (prefix, alone[0]))
         finally:
             w.close()
+        stored = store_s_per_1k(w.log_path)
         r = Engine(tmp, f"{mode}-reader", model, max_model_len=length, **kw)
         try:
             r.one(tokens(902, 300), max_tokens=1)
             got = r.one(full, max_tokens=1)
         finally:
             r.close()
-        return {"ttft": got["s"], "writer": wrote, "cached": got["cached"]}
+        return {"ttft": got["s"], "writer": wrote, "cached": got["cached"], "store": stored}
     finally:
         if daemon is not None:
             daemon.close()
@@ -173,9 +188,7 @@ def main() -> None:
                 print(f"{name} {mode}: {res[mode]}", flush=True)
             base = res.get("none", {})
             for mode, r in res.items():
-                store = ""
-                if "writer" in r and "prefix_compute" in base:
-                    store = f"{(r['writer'] - base['prefix_compute']) / (n_prefix / 1000):.3f}"
+                store = f"{r['store']:.4f}" if r.get("store") is not None else ""
                 ratio = f"{r['ttft'] / base['ttft']:.2f}" if base else ""
                 rows.append((name, mode, f"{r['ttft']:.3f}", ratio, str(r["cached"]), store))
     finally:

@@ -35,8 +35,8 @@ error: the SGLang plugin's ``RankSessions`` / ``PluginHealth`` do this for both 
 
 from __future__ import annotations
 
-import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.logger import init_logger
 
 from hicached.plugin.health import PluginHealth
 from hicached.plugin.sessions import RankSessions
@@ -61,7 +62,9 @@ from hicached.plugin.vllm_naming import (
 )
 from hicached.types import PoolTransfer
 
-log = logging.getLogger("hicached.plugin")
+# vLLM's logging shows its own loggers ("vllm.*") at INFO; the shared plugin code's warnings
+# ("hicached.plugin") reach stderr through Python's last-resort handler
+log = init_logger("vllm.hicached")
 NULL_BLOCK = 0  # vLLM's null block (skipped blocks of sliding-window and state groups)
 
 
@@ -161,6 +164,8 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
                                       event_hash="vllm_bytes")
         self._reqs: dict[str, _Req] = {}  # scheduler: running requests
         self._load_errors: set[int] = set()  # worker: block ids to recompute
+        self._io_s = {"load": 0.0, "save": 0.0}  # worker: seconds in daemon calls
+        self._io_blocks = {"load": 0, "save": 0}
         log.info("%s: namespace %s, pools %s", name, self._sessions.namespace.namespace,
                  sorted(self._pools.values()))
 
@@ -332,7 +337,10 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
                                    "its hits are recomputed")
             self._load_errors.update(b for v in run.blocks.values() for b in v if b is not None)
             return
+        t0 = time.perf_counter()
         got = self._sessions.guard("get", dict, lambda c: c.batch_get_v2(transfers))
+        self._io_s["load"] += time.perf_counter() - t0
+        self._io_blocks["load"] += len(run.keys)
         bad = len(run.keys)  # the first block position that did not load
         for t in transfers:
             ok = got.get(str(t.name))
@@ -364,10 +372,12 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
                 transfers, ids = self._transfers(run)
             except KeyError:
                 continue
-            depth = run.first if run.first else 0
+            t0 = time.perf_counter()
             result = self._sessions.guard(
-                "set", dict, lambda c, t=transfers, r=run, d=depth: c.batch_set_v2(
-                    t, parent=r.parent, depth=d))
+                "set", dict, lambda c, t=transfers, r=run: c.batch_set_v2(
+                    t, parent=r.parent, depth=r.first))
+            self._io_s["save"] += time.perf_counter() - t0
+            self._io_blocks["save"] += len(run.keys)
             self._health.add(write_pages=len(ids),
                              written_pages=sum(sum(v) for v in result.values()))
 
@@ -376,6 +386,11 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
         return errors
 
     def shutdown(self) -> None:
+        if self._is_worker:
+            log.info("hicached-vllm worker: saved %d tokens in %.3f s, loaded %d tokens in "
+                     "%.3f s; counters %s", self._io_blocks["save"] * self._block,
+                     self._io_s["save"], self._io_blocks["load"] * self._block,
+                     self._io_s["load"], self.counters)
         self._sessions.close()
 
     @property
