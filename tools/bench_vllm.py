@@ -15,8 +15,9 @@ in it too (skipped, and said so, without). Per model and mode:
 - lmcache:  the same against ``lmcache server`` (``LMCacheMPConnector``).
 
 TTFT is the wall time of a one-token ``generate`` (each engine warms up on another prompt
-first). "store per 1k" is the time the writer's connector spent storing, per 1000 tokens, as its
-log says (hicached's worker at shutdown, LMCache's "Stored N tokens in S s" lines). Models: a Llama of 8 layers, hidden 1024, and a
+first). "store" and "load per 1k" are the time the connector spent storing (the writer) and
+loading (the reader), per 1000 tokens, as it logs it: hicached's worker at shutdown, LMCache's
+server per transfer ("Stored / Retrieved N tokens in S seconds"). Models: a Llama of 8 layers, hidden 1024, and a
 Qwen3-Next of 8 layers (4 gated delta net + 4 attention), random weights, local tokenizer
 (``tests/vllm/tiny_models.py``). On a 2-core machine vLLM computes on one core, and the Llama
 then takes about 100 s to recompute 4k tokens; ``--small`` (4 layers, hidden 256: several
@@ -96,17 +97,20 @@ class LMCacheServer:
         self.log.close()
 
 
-STORE_LINES = (re.compile(r"hicached-vllm worker: saved (\d+) tokens in ([\d.]+) s"),
-               re.compile(r"Stored (\d+) tokens in ([\d.]+) s"))  # hicached's, LMCache's
+# what the connectors log: hicached's worker at shutdown, LMCache's server per transfer
+SAVES = (re.compile(r"hicached-vllm worker: saved (\d+) tokens in ([\d.]+) s"),
+         re.compile(r"Stored (\d+) tokens in ([\d.]+) seconds"))
+LOADS = (re.compile(r"hicached-vllm worker: .*loaded (\d+) tokens in ([\d.]+) s"),
+         re.compile(r"Retrieved (\d+) tokens in ([\d.]+) seconds"))
 
 
-def store_s_per_1k(log_path: str) -> float | None:
-    """Seconds the writer's connector spent storing, per 1000 tokens, from its log."""
+def s_per_1k(log_path: str, patterns) -> float | None:
+    """Seconds per 1000 tokens of the transfers a log reports (None: it reports none)."""
     with open(log_path, errors="replace") as f:
         text = f.read()
-    pairs = [(int(n), float(s)) for rx in STORE_LINES for n, s in rx.findall(text)]
-    tokens_stored = sum(n for n, _ in pairs)
-    return sum(s for _, s in pairs) / tokens_stored * 1000 if tokens_stored else None
+    pairs = [(int(n), float(t)) for rx in patterns for n, t in rx.findall(text)]
+    moved = sum(n for n, _ in pairs)
+    return sum(t for _, t in pairs) / moved * 1000 if moved else None
 
 
 def have_lmcache() -> bool:
@@ -141,14 +145,15 @@ def run_mode(mode: str, model: str, tmp: str, prefix: list[int], full: list[int]
             wrote = min(w.one(p, max_tokens=1)["s"] for p in (prefix, alone[0]))
         finally:
             w.close()
-        stored = store_s_per_1k(w.log_path)
         r = Engine(tmp, f"{mode}-reader", model, max_model_len=length, **kw)
         try:
             r.one(tokens(902, 300), max_tokens=1)
             got = r.one(full, max_tokens=1)
         finally:
             r.close()
-        return {"ttft": got["s"], "writer": wrote, "cached": got["cached"], "store": stored}
+        logs = (w.log_path, r.log_path) if server is None else (server.log.name,) * 2
+        return {"ttft": got["s"], "writer": wrote, "cached": got["cached"],
+                "store": s_per_1k(logs[0], SAVES), "load": s_per_1k(logs[1], LOADS)}
     finally:
         if daemon is not None:
             daemon.close()
@@ -183,18 +188,21 @@ def main() -> None:
                 try:
                     res[mode] = run_mode(mode, model, tmp, prefix, full, alone)
                 except (AssertionError, RuntimeError) as e:
-                    print(f"{name} {mode}: failed: {str(e)[-1500:]}", flush=True)
+                    why = [ln for ln in str(e).splitlines() if "Error" in ln] or [str(e)]
+                    print(f"{name} {mode}: failed: " + "\n".join(why[-6:]), flush=True)
                     continue
                 print(f"{name} {mode}: {res[mode]}", flush=True)
             base = res.get("none", {})
             for mode, r in res.items():
-                store = f"{r['store']:.4f}" if r.get("store") is not None else ""
+                store, load = (f"{r[k]:.4f}" if r.get(k) is not None else "" for k in
+                               ("store", "load"))
                 ratio = f"{r['ttft'] / base['ttft']:.2f}" if base else ""
-                rows.append((name, mode, f"{r['ttft']:.3f}", ratio, str(r["cached"]), store))
+                rows.append((name, mode, f"{r['ttft']:.3f}", ratio, str(r["cached"]), store, load))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\nprompt {args.tokens} tokens, {n_prefix} of them served before by another process")
-    head = ("model", "mode", "TTFT s", "x recompute", "cached tokens", "store s / 1k tokens")
+    head = ("model", "mode", "TTFT s", "x recompute", "cached tokens", "store s / 1k tokens",
+            "load s / 1k tokens")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for row in rows:

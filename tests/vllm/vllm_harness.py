@@ -89,9 +89,13 @@ class Engine:
         return self._ask({"reset": True})
 
     def tail(self, n: int = 4000) -> str:
+        """The end of the engine's log, after its last lines naming an error (a root cause
+        is often far above the end)."""
         self._log.flush()
         with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")[-n:]
+            text = f.read().decode(errors="replace")
+        errors = [ln for ln in text.splitlines() if "Error" in ln][-8:]
+        return "\n".join(errors) + "\n...\n" + text[-n:]
 
     def close(self) -> None:
         """End the engine (EOF on its stdin; killed after 60 s) and close its pipes."""
