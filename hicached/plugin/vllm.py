@@ -113,7 +113,7 @@ def _group_kind(spec: Any) -> str | None:
 
 def group_specs(kv_cache_config: Any) -> list[GroupSpec]:
     """The transferable groups of vLLM's ``KVCacheConfig`` as ``GroupSpec``; ValueError for a
-    group kind this connector does not know (it then stays off)."""
+    group kind this connector does not know (vLLM then refuses to start, naming it)."""
     ids = getattr(kv_cache_config, "transfer_group_ids", None)
     groups = kv_cache_config.kv_cache_groups
     out = []
