@@ -320,7 +320,11 @@ def test_sessions_own_their_reservations_leases_and_ids(daemon):
         c.ask(P.Hello(16, P.PROTOCOL_VERSION, "model-b", os.getpid(), replaces=sa))
         assert a.ask(P.Ping(17)) and a.ask(P.Exists(18, sa, ["s0"])).kv_hit_pages == 1
         sa2 = a.hello()  # a second handshake on one connection: a second session
-        assert a.ask(P.Exists(19, sa2, ["s0"])).code == "unknown_pool"  # its own pools
+        # it asks about its namespace's pools (vLLM's scheduler asks about its workers'), and
+        # only those
+        assert a.ask(P.Exists(19, sa2, ["s0"])).kv_hit_pages == 1
+        assert a.ask(P.Exists(23, sa2, ["s0"], [P.PoolQuery("swa", "all_pages")])).code == \
+            "unknown_pool"
         assert a.ask(P.Exists(20, sa, ["s0"])).kv_hit_pages == 1
         a.send(P.Bye(0, sa))
         assert a.ask(P.Exists(21, sa, ["s0"])).code == "unknown_session"  # ids are not reused

@@ -18,7 +18,9 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+# (tests/ is on sys.path, where this directory would pass for a "vllm" namespace package)
+_spec = importlib.util.find_spec("vllm")
+HAVE_VLLM = _spec is not None and _spec.origin not in (None, "namespace")
 START_TIMEOUT_S = 240  # an engine starts in 20-40 s here; far more on a loaded 2-core machine
 CALL_TIMEOUT_S = 240
 
