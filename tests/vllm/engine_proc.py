@@ -1,7 +1,8 @@
 """A real vLLM engine (offline ``LLM``) in its own process, driven by the vLLM tests.
 
     python engine_proc.py '{"model": DIR, "dtype": "bfloat16", "endpoint": "ipc://..." | null,
-                            "extra": {...}, "kv_transfer_config": {...} | null}'
+                            "extra": {...}, "kv_transfer_config": {...} | null,
+                            "llm": {more keyword arguments of LLM(...)}}'
 
 (``endpoint``: hicached's connector with ``extra`` as its extra config; ``kv_transfer_config``:
 any other connector, as given, e.g. LMCache's for ``tools/bench_vllm.py``.)
@@ -45,7 +46,7 @@ def main() -> None:
             "kv_role": "kv_both", "kv_connector_extra_config": extra}
     llm = LLM(model=cfg["model"], dtype=cfg.get("dtype", "bfloat16"),
               max_model_len=cfg.get("max_model_len", 4096), enforce_eager=True, seed=0,
-              gpu_memory_utilization=0.9, **kw)
+              gpu_memory_utilization=0.9, **cfg.get("llm", {}), **kw)
     answer("ready")
     for line in sys.stdin:
         cmd = json.loads(line)

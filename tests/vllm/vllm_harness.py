@@ -35,13 +35,15 @@ class Engine:
 
     def __init__(self, tmp, name: str, model: str, endpoint: str | None = None,
                  dtype: str = "bfloat16", extra: dict | None = None,
-                 kv_transfer_config: dict | None = None, max_model_len: int = 4096):
+                 kv_transfer_config: dict | None = None, max_model_len: int = 4096,
+                 llm_args: dict | None = None):
         self.name = name
         self.log_path = os.path.join(str(tmp), f"vllm-{name}.log")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - open for the process's life
         cfg = {"model": model, "dtype": dtype, "endpoint": endpoint,
                "extra": {"model_name": "tiny", **(extra or {})},
-               "kv_transfer_config": kv_transfer_config, "max_model_len": max_model_len}
+               "kv_transfer_config": kv_transfer_config, "max_model_len": max_model_len,
+               "llm": llm_args or {}}
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH"))
                                              if p)}
@@ -118,7 +120,8 @@ class Engine:
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """Tiny local models: "llama", "llama_other" (same shapes, another rms_norm_eps: only the
-    config tells them apart), "qwen3_next" (hybrid: gated delta net + attention)."""
+    config tells them apart), "qwen3_next" (hybrid: gated delta net + attention), "granite"
+    (Granite-4 hybrid: Mamba2 + attention)."""
     sys.path.insert(0, HERE)
     import tiny_models
 
@@ -126,5 +129,6 @@ def models(tmp_path_factory):
     out = {"llama": tiny_models.build(str(root / "llama"), "llama"),
            "llama_other": tiny_models.build(str(root / "llama_other"), "llama",
                                             rms_norm_eps=1e-3),
-           "qwen3_next": tiny_models.build(str(root / "qwen3_next"), "qwen3_next")}
+           "qwen3_next": tiny_models.build(str(root / "qwen3_next"), "qwen3_next"),
+           "granite": tiny_models.build(str(root / "granite"), "granitemoehybrid")}
     return out
