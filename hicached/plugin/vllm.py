@@ -22,10 +22,15 @@ in each worker process):
 2. ``update_state_after_alloc`` / ``build_connector_meta``: the hit's block ids per group become
    this step's loads; the blocks this step completes become its saves (a block is saved in the
    step that computes its last token, while its block id is certainly still the request's).
-3. Worker ``start_load_kv`` copies the hit's pages from arena slots into vLLM's blocks before the
-   forward pass (synchronous: a CPU forward cannot overlap it anyway); a page the daemon no longer
+3. Worker ``start_load_kv`` copies the hit's pages from arena slots into vLLM's blocks. By
+   default asynchronously (``load_async``, vLLM's ``WAITING_FOR_REMOTE_KVS``): the request waits
+   while a loader thread copies, other requests' forward passes go on, and
+   ``get_transfer_results`` reports the load done. With ``"load_async": false`` (one KV-cache
+   group only) the load runs before the forward pass that needs it. A page the daemon no longer
    has, or a daemon gone meanwhile, makes its blocks and those after them load errors
-   (``get_block_ids_with_load_errors``): vLLM recomputes them, never reads them.
+   (``get_block_ids_with_load_errors``; with several KV-cache groups, whose block ids vLLM
+   cannot map back, the whole request's ``failed_recving``): vLLM recomputes them, never reads
+   them.
 4. Worker ``wait_for_save`` (after the forward pass) copies the completed blocks into arena slots
    and commits them with their chain (parent key, depth) for the daemon's eviction.
 
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.logger import init_logger
@@ -57,6 +64,7 @@ from hicached.plugin.vllm_naming import (
     build_vllm_namespace,
     check_hash_algo,
     config_digest,
+    load_async,
     page_keys,
     pool_names,
 )
@@ -79,6 +87,7 @@ class PageRun:
     keys: list[str]
     blocks: dict[str, list[int | None]]
     parent: str | None = None
+    background: bool = False  # a load the request waits for (vLLM's WAITING_FOR_REMOTE_KVS)
 
 
 @dataclass
@@ -154,6 +163,7 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"hicached: KV-cache groups of different block sizes {sorted(sizes)}"
                              " are not supported yet")
         self._block = sizes.pop()
+        self._async = load_async(extra, len(self._groups))
         self._hash_block = int(getattr(kv_cache_config, "hash_block_size", None) or self._block)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._is_worker = role == KVConnectorRole.WORKER
@@ -164,8 +174,11 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
                                       event_hash="vllm_bytes")
         self._reqs: dict[str, _Req] = {}  # scheduler: running requests
         self._load_errors: set[int] = set()  # worker: block ids to recompute
+        self._loading: dict[str, Future] = {}  # worker: background loads, by request
+        self._loader: ThreadPoolExecutor | None = None  # worker: their thread, made on first use
+        self._async_loads: list[PageRun] = []  # scheduler: loads for the next metadata
         self._io_s = {"load": 0.0, "save": 0.0}  # worker: seconds in daemon calls
-        self._io_blocks = {"load": 0, "save": 0}
+        self._io_blocks = {"load": 0, "save": 0, "background": 0, "failed": 0}
         log.info("%s: namespace %s, pools %s", name, self._sessions.namespace.namespace,
                  sorted(self._pools.values()))
 
@@ -216,7 +229,7 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
         hit = self._sessions.guard("exists", lambda: 0, ask)
         self._health.add(calls=1, exists_pages=len(want), hit_pages=hit)
         st.hit = (first, hit)
-        return hit * self._block, False
+        return hit * self._block, self._async and hit > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
@@ -225,9 +238,18 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
         first, hit = st.hit
         n = min(hit, num_external_tokens // self._block)
         st.load = (first, n) if n > 0 else None
+        if st.load is not None and self._async:
+            # the request waits unscheduled until the load is reported done: it goes out in
+            # this step's metadata, and the blocks it fills are never saved again
+            keys = self._keys(request, first + n)[first:]
+            run = self._run(st, request.request_id, first, keys)
+            run.background = True
+            self._async_loads.append(run)
+            st.saved, st.load = first + len(run.keys), None
 
     def build_connector_meta(self, scheduler_output: Any) -> HicachedMeta:
-        meta = HicachedMeta()
+        meta = HicachedMeta(loads=self._async_loads)
+        self._async_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -269,7 +291,9 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
               started_at: int | None) -> None:
         """This step's load (first schedule) and save (blocks it completes) of a request."""
         if started_at is not None:
-            st.saved = started_at // self._block  # a local hit: those blocks are known
+            # a local hit or a finished background load: those blocks are known (after a failed
+            # load vLLM's count is lower, and the blocks it recomputes are saved)
+            st.saved = started_at // self._block
             if st.load is not None:
                 first, n = st.load
                 keys = self._keys(st.request, first + n)[first:]
@@ -327,16 +351,47 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         for run in getattr(meta, "loads", ()):
-            self._load(run)
+            if not run.background:
+                self._load_errors |= self._load(run)
+                continue
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(1, thread_name_prefix="hicached-load")
+            self._loading[run.req_id] = self._loader.submit(self._load, run)
+            self._io_blocks["background"] += len(run.keys)
 
-    def _load(self, run: PageRun) -> None:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The background loads that ended since the last call, every one of them reported
+        (vLLM frees an aborted request's blocks only then). A load with errors: its bad blocks
+        go to ``get_block_ids_with_load_errors``, which vLLM asks right after this in the same
+        step; with several KV-cache groups the whole request is a failed receive."""
+        done, failed = set(), set()
+        for req_id in [r for r, f in self._loading.items() if f.done()]:
+            future = self._loading.pop(req_id)
+            try:
+                bad = future.result()
+            except Exception as e:  # noqa: BLE001 - a bug in a load must not kill the engine
+                self._health.warn_once("load-crash", f"hicached: a load failed ({e!r}); its "
+                                       "blocks are recomputed")
+                bad = None
+            done.add(req_id)
+            if bad is None or (bad and len(self._groups) > 1):
+                failed.add(req_id)
+                self._io_blocks["failed"] += 1
+            elif bad:
+                self._load_errors |= bad
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self.get_transfer_results(finished_req_ids).finished_recving
+
+    def _load(self, run: PageRun) -> set[int]:
+        """Copy a run's pages into its blocks; the block ids that did not load."""
         try:
             transfers, ids = self._transfers(run)
         except KeyError as e:  # a group not registered: nothing of this run can be used
             self._health.warn_once(f"load:{e}", f"hicached: pool {e} is not registered; "
                                    "its hits are recomputed")
-            self._load_errors.update(b for v in run.blocks.values() for b in v if b is not None)
-            return
+            return {b for v in run.blocks.values() for b in v if b is not None}
         t0 = time.perf_counter()
         got = self._sessions.guard("get", dict, lambda c: c.batch_get_v2(transfers))
         self._io_s["load"] += time.perf_counter() - t0
@@ -354,9 +409,7 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
                     bad = min(bad, pos if str(t.name) == "kv" else 0)
         self._health.add(read_pages=len(ids), read_hit_pages=len(ids) if bad == len(run.keys)
                          else 0)
-        if bad < len(run.keys):
-            self._load_errors.update(b for v in run.blocks.values() for b in v[bad:]
-                                     if b is not None)
+        return {b for v in run.blocks.values() for b in v[bad:] if b is not None}
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -386,11 +439,15 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
         return errors
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
         if self._is_worker:
             log.info("hicached-vllm worker: saved %d tokens in %.3f s, loaded %d tokens in "
-                     "%.3f s; counters %s", self._io_blocks["save"] * self._block,
-                     self._io_s["save"], self._io_blocks["load"] * self._block,
-                     self._io_s["load"], self.counters)
+                     "%.3f s (%d in the background; %d requests' loads failed whole); "
+                     "counters %s", self._io_blocks["save"] * self._block, self._io_s["save"],
+                     self._io_blocks["load"] * self._block, self._io_s["load"],
+                     self._io_blocks["background"] * self._block, self._io_blocks["failed"],
+                     self.counters)
         self._sessions.close()
 
     @property

@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hicached.plugin.namespace import RankNamespace, clean_field, dtype_name
 from hicached.types import PoolHitPolicy
+
+log = logging.getLogger(__name__)
 
 REPRODUCIBLE_HASHES = ("sha256", "sha256_cbor")
 KINDS = ("attention", "sliding", "state")
@@ -76,6 +79,21 @@ def pool_names(groups: Sequence[GroupSpec]) -> dict[int, str]:
     prefix = {"attention": "kv", "sliding": "swa", "state": "mamba"}
     return {g.index: "kv" if g.index == anchor else f"{prefix[g.kind]}.{g.index}"
             for g in groups}
+
+
+def load_async(extra: dict, groups: int) -> bool:
+    """``kv_connector_extra_config["load_async"]`` (default true). Several KV-cache groups load
+    asynchronously whatever it says: vLLM takes a failed load of such a model only as a failed
+    asynchronous receive (block ids are per group), and raises on the other kind."""
+    value = extra.get("load_async", True)
+    if not isinstance(value, bool):
+        raise ValueError(  # noqa: TRY004 - vLLM reports a ValueError of a connector
+            f"hicached extra_config load_async must be true or false, got {value!r}")
+    if not value and groups > 1:
+        log.warning("hicached: load_async is false, but this model has %d KV-cache groups, "
+                    "whose failed loads vLLM takes only asynchronously: loads are asynchronous",
+                    groups)
+    return value or groups > 1
 
 
 def check_hash_algo(algo: str, env: Mapping[str, str]) -> None:

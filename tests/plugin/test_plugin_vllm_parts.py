@@ -18,6 +18,7 @@ from hicached.plugin.vllm_naming import (
     build_vllm_namespace,
     check_hash_algo,
     config_digest,
+    load_async,
     page_keys,
     pool_names,
 )
@@ -95,6 +96,16 @@ def test_only_reproducible_block_hashes_are_accepted():
         check_hash_algo("xxhash", {})
     with pytest.raises(ValueError, match="PYTHONHASHSEED"):
         check_hash_algo("xxhash_cbor", {})
+
+
+def test_load_async_setting(caplog):
+    assert load_async({}, 1) and load_async({"load_async": True}, 1)
+    assert not load_async({"load_async": False}, 1)
+    with caplog.at_level("WARNING"):  # several groups: vLLM takes their failures async only
+        assert load_async({"load_async": False}, 2)
+    assert "2 KV-cache groups" in caplog.text
+    with pytest.raises(ValueError, match="load_async must be true or false, got 'no'"):
+        load_async({"load_async": "no"}, 1)
 
 
 def test_pools_and_their_hit_policies():

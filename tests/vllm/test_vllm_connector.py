@@ -3,7 +3,8 @@
 Engines A and B are separate vLLM processes on one daemon, alive at the same time; the reference
 outputs come from a third engine with no connector at all. The tiny models are built in the test
 (``tiny_models.py``). Every engine start costs 20-40 s and about 3 GB here, so the engines are
-shared by the tests of a module and at most four run at once.
+shared by the tests of a module and at most four run at once. A loads synchronously
+(``"load_async": false``), B asynchronously (the default).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def ref(models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(models, daemon, ref, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engines")
-    a = Engine(tmp, "a", models["llama"], daemon.endpoint)
+    a = Engine(tmp, "a", models["llama"], daemon.endpoint, extra={"load_async": False})
     try:
         b = Engine(tmp, "b", models["llama"], daemon.endpoint)
     except BaseException:

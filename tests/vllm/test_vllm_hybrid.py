@@ -6,9 +6,12 @@ state at its end are all there."""
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 
-from conftest import DaemonProc
+from conftest import DaemonProc, wait_until
 from vllm_harness import HAVE_VLLM, Engine, models, tokens  # noqa: F401 - models: a fixture
 
 pytestmark = [pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (docs/vllm.md)"),
@@ -19,12 +22,19 @@ P1 = tokens(11, 1100)  # 4 full blocks
 P2 = P1 + tokens(12, 50)
 OTHER = tokens(13, 600)
 MID = P1[:600] + tokens(14, 50)  # a hit that ends at block 2 of P1: needs the state there
+H1 = tokens(15, 1100)  # stored, then its L3 copies corrupted
+H2 = H1 + tokens(16, 30)
+
+
+def _page_files(daemon) -> set[pathlib.Path]:
+    l3 = pathlib.Path(daemon.state_dir) / "l3"
+    return {p for p in l3.rglob("*") if p.is_file() and len(p.name) == 64}
 
 
 def test_hybrid_cached_output_equals_uncached(models, tmp_path):
     base = Engine(tmp_path, "base", models["qwen3_next"])
     try:
-        want = base.generate([P2, OTHER, MID])
+        want = base.generate([P2, OTHER, MID, H2])
     finally:
         base.close()
     d = DaemonProc(tmp_path, l2_size="512MiB", slab_size="8MiB").start()
@@ -49,11 +59,43 @@ def test_hybrid_cached_output_equals_uncached(models, tmp_path):
             c.close()
         assert mid["cached"] == 0, mid
         assert mid["out"] == want[2]["out"]
+        # a load that fails with two KV-cache groups (L3 copies corrupted on disk): vLLM maps
+        # no block id back to a request then, so the request is a failed receive and is
+        # recomputed whole, with the same output; the engine goes on
+        before = _page_files(d)
+        a.one(H1)
+        with d.client() as cl:
+            assert wait_until(lambda: cl.stats()["l3_tier"]["jobs_in_flight"] == 0, 30)
+            new = sorted(_page_files(d) - before)
+            assert new
+            for path in new[::2]:
+                raw = bytearray(path.read_bytes())
+                raw[-100] ^= 0x5A
+                path.write_bytes(bytes(raw))
+            cl.flush("l2")
+            failures = cl.stats()["l3"]["integrity_failures"]
+        got = b.one(H2)
+        assert got["out"] == want[3]["out"], (got, b.tail())
+        with d.client() as cl:
+            assert cl.stats()["l3"]["integrity_failures"] > failures, b.tail()
+        assert b.one(OTHER)["out"] == want[1]["out"]  # still serving
     finally:
         for e in (a, b):
             if e is not None:
                 e.close()
         d.cleanup()
+    # B's loads ran in the background (the default), and H2's failed whole
+    summary = worker_summary(b)
+    assert re.search(r"\(([1-9]\d*) in the background; ([1-9]\d*) requests' loads failed",
+                     summary), summary
+
+
+def worker_summary(engine: Engine) -> str:
+    """The connector worker's last words (logged at shutdown) in a closed engine's log."""
+    with open(engine.log_path, errors="replace") as f:
+        lines = [ln for ln in f if "hicached-vllm worker: saved" in ln]
+    assert lines, engine.log_path
+    return lines[-1]
 
 
 # Granite-4 hybrid: vLLM 0.32's CPU Mamba2 kernel cannot export the state at a block boundary
