@@ -101,7 +101,29 @@ class DeviceCopier:
             if buf.device != self.device or not buf.is_contiguous():
                 raise ValueError(f"buffer {i} must be contiguous and on {self.device}, got "
                                  f"{buf.device} strides {buf.stride()}")
-        self.parts = page_major_parts(kind, layout, page_size, buffers)  # uint8 views, no copies
+        # uint8 views, no copies
+        self._set_parts(page_major_parts(kind, layout, page_size, buffers))
+
+    @classmethod
+    def from_parts(cls, parts: Sequence[torch.Tensor]) -> DeviceCopier:
+        """A copier of page-major ``torch.uint8`` views given as they are (``[pages, ...]``,
+        one device, any strides: e.g. vLLM's layer tensors with their block dimension moved
+        first, ``plugin/vllm_blocks.py``)."""
+        if not parts:
+            raise ValueError("a pool needs at least one part, got 0")
+        self = cls.__new__(cls)
+        self.device = parts[0].device
+        for i, part in enumerate(parts):
+            if part.device != self.device or part.dtype != torch.uint8 \
+                    or part.shape[0] != parts[0].shape[0]:
+                raise ValueError(f"part {i} must be uint8 with {parts[0].shape[0]} pages on "
+                                 f"{self.device}, got {part.dtype} {tuple(part.shape)} on "
+                                 f"{part.device}")
+        self._set_parts(list(parts))
+        return self
+
+    def _set_parts(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
         self.num_pages = int(self.parts[0].shape[0])
         self._layout: list[tuple[torch.Tensor, int, int]] = []  # (part, offset, bytes)
         offset = 0
@@ -177,7 +199,18 @@ class DevicePageIO(PageIO):
     def __init__(self, kind: str, layout: str, page_size: int, buffers: Sequence[torch.Tensor]):
         if kind not in reference.KINDS:
             raise ValueError(f"unknown pool kind {kind!r}; valid: {reference.KINDS}")
-        self.copier = DeviceCopier(kind, layout, page_size, buffers)
+        self._use(DeviceCopier(kind, layout, page_size, buffers), page_size)
+
+    @classmethod
+    def from_parts(cls, parts: Sequence[torch.Tensor], page_size: int) -> DevicePageIO:
+        """A pool of the page-major views ``parts`` (``DeviceCopier.from_parts``) whose pages
+        hold ``page_size`` tokens each."""
+        self = cls.__new__(cls)
+        self._use(DeviceCopier.from_parts(parts), page_size)
+        return self
+
+    def _use(self, copier: DeviceCopier, page_size: int) -> None:
+        self.copier = copier
         self.page_size = int(page_size)
         self.page_bytes = self.copier.page_bytes
         self.capacity_tokens = self.copier.num_pages * self.page_size

@@ -34,6 +34,10 @@ in each worker process):
 4. Worker ``wait_for_save`` (after the forward pass) copies the completed blocks into arena slots
    and commits them with their chain (parent key, depth) for the daemon's eviction.
 
+Blocks in host memory are copied with one ``memmove`` per layer segment (``BlockPool``); blocks
+on a GPU with device gathers and one DMA per batch (``vllm_blocks.device_pool``; the
+``copy_path`` setting picks).
+
 A daemon that is down or slow answers misses (logged once per episode, counted), never an engine
 error: the SGLang plugin's ``RankSessions`` / ``PluginHealth`` do this for both engines.
 """
@@ -58,12 +62,13 @@ from vllm.logger import init_logger
 from hicached.plugin.health import PluginHealth
 from hicached.plugin.sessions import RankSessions
 from hicached.plugin.settings import PluginSettings
-from hicached.plugin.vllm_blocks import BlockPool, token_indices
+from hicached.plugin.vllm_blocks import BlockPool, device_pool, token_indices
 from hicached.plugin.vllm_naming import (
     GroupSpec,
     build_vllm_namespace,
     check_hash_algo,
     config_digest,
+    copy_path,
     load_async,
     page_keys,
     pool_names,
@@ -164,6 +169,8 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
                              " are not supported yet")
         self._block = sizes.pop()
         self._async = load_async(extra, len(self._groups))
+        self._copy_path = copy_path(extra)
+        self._on_gpu = False  # worker: some group's blocks are on a GPU
         self._hash_block = int(getattr(kv_cache_config, "hash_block_size", None) or self._block)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._is_worker = role == KVConnectorRole.WORKER
@@ -322,8 +329,13 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
         groups = self._kv_cache_config.kv_cache_groups
         for g in self._groups:
             layers = [(n, kv_caches[n]) for n in groups[g.index].layer_names if n in kv_caches]
+            gpu = any(t.device.type != "cpu" for _, t in layers)
             try:
-                pool = BlockPool(layers, self._num_blocks, self._block)
+                if self._copy_path == "device" or (self._copy_path == "auto" and gpu):
+                    pool = device_pool(layers, self._num_blocks, self._block)
+                    self._on_gpu |= gpu
+                else:
+                    pool = BlockPool(layers, self._num_blocks, self._block)
             except ValueError as e:
                 self._health.warn_once(f"group:{g.index}", f"hicached: KV-cache group {g.index}"
                                        f" cannot be stored ({e}); its pages miss")
@@ -420,6 +432,10 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
+        if self._on_gpu and getattr(meta, "saves", ()):
+            import torch
+
+            torch.cuda.synchronize()  # the forward pass's writes to the blocks, on any stream
         for run in getattr(meta, "saves", ()):
             try:
                 transfers, ids = self._transfers(run)

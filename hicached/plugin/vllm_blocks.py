@@ -15,6 +15,12 @@ A layer tensor may put its block dimension anywhere (vLLM's CPU attention uses
 ``(blocks, ...)``, some backends ``(2, blocks, ...)``): the dimensions before it become separate
 segments of the block, the ones after it must be contiguous. Hybrid models' state groups
 (Mamba, gated delta net) register one block of raw state bytes per block id the same way.
+
+KV caches on a GPU cannot be ``memmove``d: ``device_pool`` describes the same pages as views
+of the layer tensors with their block dimension first, for ``kernels/cuda.DevicePageIO`` (a
+batch's blocks gathered on the device, one DMA into the arena registered with CUDA). It lays
+out a page's bytes exactly as ``BlockPool`` does, and runs on CPU tensors too, which is how it
+is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ def _segments(name: str, t: torch.Tensor, num_blocks: int) -> tuple[list[int], i
     """(start addresses of block 0's segments, bytes per segment, bytes between blocks) of one
     layer tensor ``t`` whose block dimension has ``num_blocks`` entries."""
     if t.device.type != "cpu":
-        raise ValueError(f"layer {name}: the KV cache is on {t.device}; this connector copies "
-                         "host memory (vLLM on CPU)")
+        raise ValueError(f"layer {name}: the KV cache is on {t.device}; memmove copies host "
+                         "memory only (device_pool copies device blocks)")
     dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
     if not dims:
         raise ValueError(f"layer {name}: no dimension of {tuple(t.shape)} has the group's "
@@ -105,3 +111,34 @@ def token_indices(blocks: Sequence[int], block_size: int) -> np.ndarray:
     """The token-granular host indices of ``blocks`` (what a ``PoolTransfer`` carries)."""
     b = np.asarray(blocks, dtype=np.int64)
     return (b[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
+
+
+def block_parts(layers: Sequence[tuple[str, torch.Tensor]], num_blocks: int
+                ) -> list[torch.Tensor]:
+    """Each layer tensor as a ``torch.uint8`` view ``[blocks, ...]`` (its block dimension moved
+    first, no copy): block ``b`` of a part flattens to that layer's segments of block ``b`` in
+    ``BlockPool``'s order."""
+    parts = []
+    for name, t in layers:
+        dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
+        if not dims:
+            raise ValueError(f"layer {name}: no dimension of {tuple(t.shape)} has the group's "
+                             f"{num_blocks} blocks")
+        dim = dims[0]
+        inner = t[(0,) * (dim + 1)] if dim + 1 < t.dim() else t.reshape(-1)[:1]
+        if not inner.is_contiguous():  # the dimensions after the block one, as BlockPool
+            raise ValueError(f"layer {name}: a block of shape {tuple(inner.shape)} with "
+                             f"strides {inner.stride()} is not contiguous")
+        part = t.movedim(dim, 0)
+        parts.append((part.unsqueeze(1) if part.dim() == 1 else part).view(torch.uint8))
+    return parts
+
+
+def device_pool(layers: Sequence[tuple[str, torch.Tensor]], num_blocks: int, block_size: int):
+    """The layers of one KV-cache group as a device page path (``kernels/cuda.DevicePageIO``):
+    for KV caches on a GPU, or on CPU when ``copy_path`` asks for it."""
+    from hicached.kernels.cuda import DevicePageIO
+
+    if not layers:
+        raise ValueError("a KV-cache group needs at least one layer")
+    return DevicePageIO.from_parts(block_parts(layers, int(num_blocks)), int(block_size))

@@ -96,6 +96,21 @@ def load_async(extra: dict, groups: int) -> bool:
     return value or groups > 1
 
 
+COPY_PATHS = ("auto", "pointer", "device")
+
+
+def copy_path(extra: dict) -> str:
+    """``kv_connector_extra_config["copy_path"]``: how blocks are copied. ``auto`` (default):
+    ``memmove`` of host blocks (``BlockPool``), device gathers for KV caches on a GPU;
+    ``device``: the device gathers on a CPU KV cache too (to check that path without a GPU);
+    ``pointer``: host blocks only (a GPU group is then not stored)."""
+    value = extra.get("copy_path", "auto")
+    if value not in COPY_PATHS:
+        raise ValueError(f"hicached extra_config copy_path must be one of {COPY_PATHS}, got "
+                         f"{value!r}")
+    return value
+
+
 def check_hash_algo(algo: str, env: Mapping[str, str]) -> None:
     """ValueError when vLLM's block hashes under ``algo`` differ per process (see above)."""
     if algo in REPRODUCIBLE_HASHES:

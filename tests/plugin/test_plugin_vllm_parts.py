@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from hicached import PoolHitPolicy, PoolTransfer, UnknownPool
-from hicached.plugin.vllm_blocks import BlockPool, token_indices
+from hicached.plugin.vllm_blocks import BlockPool, device_pool, token_indices
 from hicached.plugin.vllm_naming import (
     GroupSpec,
     build_vllm_namespace,
     check_hash_algo,
     config_digest,
+    copy_path,
     load_async,
     page_keys,
     pool_names,
@@ -65,6 +66,48 @@ def test_blocks_go_through_the_daemon_unchanged(daemon):
     for (_, s), (_, d) in zip(src, dst, strict=True):
         assert torch.equal(d[[0, 1, 3]], s[[2, 7, 9]])
         assert not d[2].any()
+
+
+@pytest.mark.parametrize("shape", [(BLOCKS, 2, BLOCK, 8), (2, BLOCKS, BLOCK, 8)])
+def test_the_device_path_stores_the_pointer_paths_pages(daemon, shape):
+    """Blocks stored through the device path (what a GPU KV cache uses; ``kernels/cuda.py``
+    runs the same gathers on CPU tensors) load through the pointer path into other blocks, and
+    back: one page format, whichever path copied it."""
+    src = [("l0", layer(5, shape)), ("l1", layer(6, shape))]
+    mid = [("l0", torch.zeros(shape, dtype=torch.bfloat16)),
+           ("l1", torch.zeros(shape, dtype=torch.bfloat16))]
+    back = [("l0", torch.zeros(shape, dtype=torch.bfloat16)),
+            ("l1", torch.zeros(shape, dtype=torch.bfloat16))]
+    dev = device_pool(src, BLOCKS, BLOCK)
+    assert dev.page_bytes == BlockPool(src, BLOCKS, BLOCK).page_bytes
+    keys = ["d1", "d4", "d15"]
+    with daemon.client("vllm-d") as a, daemon.client("vllm-d") as b, \
+            daemon.client("vllm-d") as c:
+        a.register_mem_host_pool_v2(dev, "kv")
+        b.register_mem_host_pool_v2(BlockPool(mid, BLOCKS, BLOCK), "kv")
+        c.register_mem_host_pool_v2(device_pool(back, BLOCKS, BLOCK), "kv")
+        assert a.batch_set_v2([PoolTransfer("kv", token_indices([1, 4, 15], BLOCK),
+                                            keys=keys)]) == {"kv": [True] * 3}
+        assert b.batch_get_v2([PoolTransfer("kv", token_indices([0, 2, 3], BLOCK),
+                                            keys=keys)]) == {"kv": [True] * 3}
+        assert c.batch_get_v2([PoolTransfer("kv", token_indices([9, 8, 7], BLOCK),
+                                            keys=keys)]) == {"kv": [True] * 3}
+    dim = shape.index(BLOCKS)
+    for (_, s_), (_, m), (_, k) in zip(src, mid, back, strict=True):
+        sel = lambda t, ix: t.index_select(dim, torch.tensor(ix))  # noqa: E731
+        assert torch.equal(sel(m, [0, 2, 3]), sel(s_, [1, 4, 15]))
+        assert torch.equal(sel(k, [9, 8, 7]), sel(s_, [1, 4, 15]))
+        assert not sel(m, [1]).any() and not sel(k, [0]).any()
+
+
+def test_copy_path_setting():
+    assert copy_path({}) == "auto" and copy_path({"copy_path": "device"}) == "device"
+    with pytest.raises(ValueError, match="copy_path must be one of"):
+        copy_path({"copy_path": "gpu"})
+    with pytest.raises(ValueError, match="no dimension"):
+        device_pool([("l0", layer(0))], BLOCKS + 1, BLOCK)
+    with pytest.raises(ValueError, match="not contiguous"):
+        device_pool([("l0", layer(0).transpose(2, 3))], BLOCKS, BLOCK)
 
 
 def test_bad_blocks_and_tensors_are_refused_by_name():

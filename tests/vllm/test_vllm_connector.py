@@ -4,7 +4,9 @@ Engines A and B are separate vLLM processes on one daemon, alive at the same tim
 outputs come from a third engine with no connector at all. The tiny models are built in the test
 (``tiny_models.py``). Every engine start costs 20-40 s and about 3 GB here, so the engines are
 shared by the tests of a module and at most four run at once. A loads synchronously
-(``"load_async": false``), B asynchronously (the default).
+(``"load_async": false``) and copies through the device path (``"copy_path": "device"``, what a
+KV cache on a GPU uses, here on CPU tensors); B loads asynchronously and copies with
+``memmove`` (the defaults on CPU): every page one stores, the other reads.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def ref(models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(models, daemon, ref, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engines")
-    a = Engine(tmp, "a", models["llama"], daemon.endpoint, extra={"load_async": False})
+    a = Engine(tmp, "a", models["llama"], daemon.endpoint,
+               extra={"load_async": False, "copy_path": "device"})
     try:
         b = Engine(tmp, "b", models["llama"], daemon.endpoint)
     except BaseException:
