@@ -36,7 +36,7 @@ class Engine:
     def __init__(self, tmp, name: str, model: str, endpoint: str | None = None,
                  dtype: str = "bfloat16", extra: dict | None = None,
                  kv_transfer_config: dict | None = None, max_model_len: int = 4096,
-                 llm_args: dict | None = None):
+                 llm_args: dict | None = None, env: dict | None = None):
         self.name = name
         self.log_path = os.path.join(str(tmp), f"vllm-{name}.log")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - open for the process's life
@@ -44,7 +44,7 @@ class Engine:
                "extra": {"model_name": "tiny", **(extra or {})},
                "kv_transfer_config": kv_transfer_config, "max_model_len": max_model_len,
                "llm": llm_args or {}}
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {}),
                "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH"))
                                              if p)}
         self.proc = subprocess.Popen(
