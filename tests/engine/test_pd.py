@@ -23,8 +23,8 @@ from hicached.engine.models import load_model
 
 pytest.importorskip("transformers", reason="the reference engine needs the engine extra")
 
-from hicached.engine.pd.decode import DecodeEngine  # noqa: E402
-from hicached.engine.pd.prefill import PrefillEngine, PrefillServer  # noqa: E402
+from hicached.engine.pd.decode import DecodeEngine
+from hicached.engine.pd.prefill import PrefillEngine, PrefillServer
 
 TOL = 1e-5
 PS = 8
@@ -114,6 +114,12 @@ class Node:
         for d in self.decodes:
             d.close()
         self.ref.close()
+
+
+@pytest.fixture
+def daemon(make_daemon):
+    """The node's daemon, L2 only: the one-node PD path (an L3 would serve flushed pages)."""
+    return make_daemon(extra=("--l3-backend", "none"))
 
 
 @pytest.fixture(params=ARCHS)
