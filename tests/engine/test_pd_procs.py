@@ -33,7 +33,7 @@ def daemon(make_daemon):
 
 class Proc:
     def __init__(self, tmp, name, args):
-        self.log = open(tmp / f"{name}.log", "ab")
+        self.log = open(tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed by the test
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
         self.proc = subprocess.Popen([sys.executable, "-m", "hicached.engine.pd", *args],
