@@ -224,3 +224,34 @@ def test_decode_abort_while_the_prefill_works(node):
         node.server.poll_once(0)
     assert not node.prefill.requests
     node.prefill.check_idle()
+
+
+def test_prefill_answers_bad_requests_and_drops_malformed_frames(node):
+    import zmq
+
+    from hicached.engine.pd import protocol as M
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(node.boot)
+    try:
+        s.send(b"\xc1not msgpack")  # dropped, the server goes on
+        s.send(M.encode(M.PrefillRequest("bad", A, 3)))
+        s.send(M.encode(M.PrefillRequest("ok", A, 0)))
+        s.send(M.encode(M.PrefillRequest("ok", A, 0)))  # the id is in use
+        got = []
+        end = time.monotonic() + 30
+        while len(got) < 3 and time.monotonic() < end:
+            node.server.poll_once(1)
+            while s.poll(0):
+                got.append(M.decode(s.recv(), "decode"))
+        by = {(m.rid, type(m).__name__): m for m in got}
+        assert "multiple of page_size 8" in by["bad", "Failed"].message
+        assert "already in use" in by["ok", "Failed"].message
+        ready = by["ok", "Ready"]
+        assert ready.stored_pages == 5 and len(M.logits_rows(ready.logits, 256)) == 1
+        node.prefill.check_idle()
+    finally:
+        s.close()
+        ctx.term()
