@@ -255,3 +255,24 @@ def test_prefill_answers_bad_requests_and_drops_malformed_frames(node):
     finally:
         s.close()
         ctx.term()
+
+
+def test_overlapping_requests_in_flight_together(node):
+    """Three requests asked before any is ready, two of them the same prompt: the later insert
+    frees its duplicate pages and state; every request still equals the twin's."""
+    d, twin = node.decode(), node.twin()
+    prompts = [A, A, A[:24] + toks(19, 9)]
+    reqs = [d.add_request(p, 4) for p in prompts]
+    d.step()
+    assert len(d.transferring) == 3
+    d.check_busy()
+    end = time.monotonic() + 60
+    while not all(r.done for r in reqs):
+        assert time.monotonic() < end
+        node.server.poll_once(0)
+        d.step()
+        d.check_busy()
+    d.check_idle()
+    assert [moved(r)[:2] for r in reqs] == [(0, 5), (0, 5), (0, 5)]
+    for r in reqs:
+        node.assert_equal(r, twin)
