@@ -159,6 +159,7 @@ def test_pd_cases_equal_a_plain_engine(node):
     assert moved(short) == (0, 0, 0)
     one = node.run(d, toks(16, 7), max_new=1)  # aligned, one token: the prefill's only
     node.assert_equal(one, twin)
+    assert d.first_token_mismatches == 0  # every tail gave the prefill's first token
     node.prefill.check_idle()
 
 

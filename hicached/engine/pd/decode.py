@@ -33,13 +33,11 @@ from dataclasses import dataclass
 import zmq
 
 from hicached.engine.engine import Engine
-from hicached.engine.hicache import NO_LOAD
 from hicached.engine.pd import protocol as M
 from hicached.engine.pools import OutOfMemory, check_identity
 from hicached.engine.radix import Lock
 from hicached.engine.request import Request, Status
 from hicached.engine.storage import Reservation
-from hicached.keys import KeyChain
 
 log = logging.getLogger(__name__)
 
@@ -78,24 +76,15 @@ class DecodeEngine(Engine):
         self.sock.connect(bootstrap_endpoint)
         self.transferring: dict[str, Request] = {}
         self.moved_pages = 0
+        self.first_token_mismatches = 0  # the tail's first token != the prefill's (logged)
 
     # ------------------------------------------------------------ requests
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int = 8,
                     rid: str | None = None) -> Request:
         """Queue a request; the prefill is asked when it is bootstrapped (``step``)."""
-        prompt = [int(t) for t in prompt]
-        if not prompt or max_new_tokens < 1:
-            raise ValueError(f"need a non-empty prompt and max_new_tokens >= 1, got "
-                             f"{len(prompt)} tokens and {max_new_tokens}")
-        if max(prompt) >= self.lm.vocab_size or min(prompt) < 0:
-            raise ValueError(f"token ids must be in [0, {self.lm.vocab_size})")
-        rid = rid or f"d{next(self._rids)}"
-        if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, prompt, max_new_tokens, self.page_size, keys=KeyChain(self.page_size))
-        self.requests[rid] = req
-        req.loaded = NO_LOAD
+        req = self._new_request(prompt, max_new_tokens, rid)
+        prompt = req.prompt
         if self.radix:
             head = self._head(prompt)
             keys = req.keys.extend(head)
@@ -272,6 +261,7 @@ class DecodeEngine(Engine):
         super()._prefill(req)
         t = req.transfer
         if req.output_ids and t is not None and req.output_ids[0] != t.first_token:
+            self.first_token_mismatches += 1
             log.warning("request %s: the tail's token %d differs from the prefill's %d",
                         req.rid, req.output_ids[0], t.first_token)
         req.first_token_s = first_s or req.first_token_s  # TTFT: the prefill's Ready
