@@ -1,6 +1,6 @@
 """PD as a user runs it: ``python -m hicached.engine.pd`` prefill and decode processes on one real
-daemon. Outputs equal a non-disaggregated engine's; a full-prefix hit moves no KV page; a
-SIGKILLed prefill fails the decode's next request cleanly (timeout) and the decode passes its
+daemon. Outputs equal a non-disaggregated engine's; a full-prefix hit moves no KV page; a second
+decode process finds the first one's generated tokens through L2; a SIGKILLed prefill fails the decode's next request cleanly (timeout) and the decode passes its
 leak check; the decode stops on SIGTERM with status 0."""
 
 import os
@@ -65,6 +65,7 @@ def test_pd_processes(daemon, tmp_path):
     path = str(tmp_path / "ckpt")
     lm = load_model("qwen3_next", path=path)
     boot, front = f"ipc://{tmp_path}/boot.sock", f"ipc://{tmp_path}/front.sock"
+    front2 = f"ipc://{tmp_path}/front2.sock"
     common = ["--model", "qwen3_next", "--model-path", path, "--page-size", str(PS),
               "--kv-pages", "64", "--state-slots", "24", "--track-interval", "16",
               "--debug-pools", "--hicache-storage-backend", "hicached",
@@ -73,8 +74,11 @@ def test_pd_processes(daemon, tmp_path):
              Proc(tmp_path, "decode", ["--disaggregation-mode", "decode", *common,
                                        "--disaggregation-decode-enable-radix-cache",
                                        "--disaggregation-timeout-s", "3",
-                                       "--serve-endpoint", front])]
-    prefill, decode = procs
+                                       "--serve-endpoint", front]),
+             Proc(tmp_path, "decode2", ["--disaggregation-mode", "decode", *common,
+                                        "--disaggregation-decode-enable-radix-cache",
+                                        "--serve-endpoint", front2])]
+    prefill, decode, decode2 = procs
     twin = Engine(lm, EngineConfig(page_size=PS, kv_pages=64, state_slots=24,
                                    track_interval=16))
     try:
@@ -89,6 +93,13 @@ def test_pd_processes(daemon, tmp_path):
                     assert (g - r).abs().max().item() <= 1e-5
                 assert (got.decode_prefix_len, got.moved_pages, got.moved_states) == (*want, 1)
             assert user.check_idle().ok
+            with PDClient(front2) as user2:  # A's output is in decode's cache, and in L2
+                seq_a = A + got.output_ids
+                got2 = user2.generate("a2", seq_a + [3] * 10, 4)
+                ref = twin.generate(seq_a + [3] * 10, 4)
+                assert got2.error == "" and got2.output_ids == ref.output_ids
+                assert (got2.decode_prefix_len, got2.moved_pages) == (48, 1)
+                assert user2.check_idle().ok
             prefill.stop(signal.SIGKILL)
             got = user.generate("b", A[:40] + [1] * 20, 6)
             assert got.output_ids == [] and "did not answer" in got.error

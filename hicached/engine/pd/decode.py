@@ -214,6 +214,11 @@ class DecodeEngine(Engine):
         first = t.decode_prefix_len // ps
         room = t.room
         state_keys = [keys[-1]] if room.state is not None and a else []
+        if (msg.stored_pages, msg.state_stored) != (a // ps - first, bool(state_keys)):
+            self._fail(req, f"the prefill published {msg.stored_pages} pages and "
+                            f"{'a' if msg.state_stored else 'no'} state; asked for "
+                            f"{a // ps - first} and {len(state_keys)}")
+            return req
         if not self.storage.load(keys[first:], room.kv_pages, state_keys,
                                  [room.state] if state_keys else []):
             self._fail(req, f"the prefill's pages [{first}, {a // ps}) of the prompt were not "
