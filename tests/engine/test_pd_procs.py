@@ -108,6 +108,7 @@ def test_pd_processes(daemon, tmp_path):
             bad = user.generate("c", [], 6)
             assert "non-empty prompt" in bad.error
         assert decode.stop() == 0, decode.output()
+        assert decode2.stop() == 0, decode2.output()
     finally:
         twin.close()
         for p in procs:
