@@ -126,6 +126,7 @@ class Client(ExistsCalls, GetCalls, SetCalls, ClientAdmin):
         self._shared: SharedExists | None = None
         self._view: tuple[int, Arena | None, SharedExists | None] = (0, None, None)
         self._commits = [0, 0]  # commits sent unanswered, [sent, known read by the daemon]
+        self._commits_lost = 0  # commits up to this one may have died with a dropped socket
         try:
             with self._lock:
                 self._handshake()
@@ -184,6 +185,8 @@ class Client(ExistsCalls, GetCalls, SetCalls, ClientAdmin):
         ``while_waiting()`` runs once the request is sent (it must not raise)."""
         if self._sock is None:
             self._new_socket()
+            if self._commits[1] != self._commits[0]:
+                self._commits_lost = self._commits[0]
             self._commits[1] = self._commits[0]  # a fresh socket: the old one's queue is gone
         commits = self._commits[0]
         try:
@@ -274,6 +277,33 @@ class Client(ExistsCalls, GetCalls, SetCalls, ClientAdmin):
     def _send_release(self, lease_ids: list[int], touched: list[int] = (), gets: int = 0
                       ) -> None:
         self._send_only(P.Release(0, self.session, lease_ids, list(touched), gets))
+
+    def wait_committed(self, timeout_s: float | None = None) -> None:
+        """Block until the daemon has read every commit this client sent (``batch_set_v2``
+        sends its ``Commit`` without waiting): their pages are then published, visible to every
+        client of the daemon (or aborted where the copy failed, as its answer said). No round
+        trip when the presence table already acknowledges them, else one ``Ping``: the daemon
+        reads a socket in order. Raises ``DaemonUnavailable`` when the daemon does not answer
+        within ``timeout_s`` (default: the client's), or when the last commit may be lost
+        (its socket was dropped before the daemon was known to have read it)."""
+        with self._lock:
+            sent, known = self._commits
+            if sent and sent <= self._commits_lost:
+                raise DaemonUnavailable(f"commit {sent} may be lost: its socket to "
+                                        f"{self.endpoint} was dropped")
+            if sent == known:
+                return
+            shared = self._shared
+            if shared is not None and shared.view.read_up_to(sent):
+                self._commits[1] = max(self._commits[1], sent)
+                return
+            if self._sock is None:  # the socket that carried them is gone
+                self._commits_lost = sent
+                raise DaemonUnavailable(f"commit {sent} may be lost: its socket to "
+                                        f"{self.endpoint} was dropped")
+            self._call(lambda s, r: P.Ping(r), timeout_s)
+            if self._commits[1] < sent:
+                raise DaemonUnavailable(f"commit {sent} was not acknowledged by {self.endpoint}")
 
     def _send_only(self, msg) -> None:
         with self._lock:

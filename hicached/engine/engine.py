@@ -114,6 +114,18 @@ class Engine:
     def add_request(self, prompt: Sequence[int], max_new_tokens: int = 8,
                     rid: str | None = None) -> Request:
         """Queue a request; prefetches its prefix from hicached at once (arrival)."""
+        req = self._new_request(prompt, max_new_tokens, rid)
+        if not self.config.disable_radix_cache and self.storage.enabled:
+            head = self._cacheable(prompt)
+            keys = req.keys.extend(head)
+            peek = self.tree.match_prefix(head, count_hit=False)
+            req.loaded = self.hicache.load_back(head, keys, peek)
+        self.waiting.append(req)
+        return req
+
+    def _new_request(self, prompt: Sequence[int], max_new_tokens: int, rid: str | None
+                     ) -> Request:
+        """A checked, registered request (not queued); ValueError names what is wrong."""
         prompt = [int(t) for t in prompt]
         if not prompt or max_new_tokens < 1:
             raise ValueError(f"need a non-empty prompt and max_new_tokens >= 1, got "
@@ -127,12 +139,6 @@ class Engine:
                       keys=KeyChain(self.page_size))
         self.requests[rid] = req
         req.loaded = NO_LOAD
-        if not self.config.disable_radix_cache and self.storage.enabled:
-            head = self._cacheable(prompt)
-            keys = req.keys.extend(head)
-            peek = self.tree.match_prefix(head, count_hit=False)
-            req.loaded = self.hicache.load_back(head, keys, peek)
-        self.waiting.append(req)
         return req
 
     def _cacheable(self, prompt: Sequence[int]) -> list[int]:

@@ -59,6 +59,7 @@ class Request:
     computed: int = 0
     keep: list[int] = field(default_factory=list)  # prompt positions to snapshot, ascending
     loaded: Any = None  # hicache.LoadBack of the arrival
+    transfer: Any = None  # pd.decode.Transfer: what a PD decode request holds (DecodeEngine)
 
     @property
     def seq(self) -> list[int]:

@@ -88,6 +88,18 @@ class Storage(abc.ABC):
         stored). ``prefix_keys``: the keys of every page before the call's first key (its
         first KV key, else its only state key), as SGLang passes them; None: not known."""
 
+    def load(self, kv_keys: Sequence[str], kv_pages: Sequence[int], state_keys: Sequence[str],
+             state_slots: Sequence[int]) -> bool:
+        """Get exactly these keys into these device pages (and slots): no exists, no prefix
+        rule (the PD decode's delta, whose earlier pages the device already holds). True when
+        every page and state arrived; False leaves the pages' contents undefined."""
+        return False
+
+    def wait_visible(self, timeout_s: float | None = None) -> None:
+        """Block until every store so far is visible to the daemon's other clients; raises
+        ``HicachedError`` when that cannot be known (the PD prefill's "ready")."""
+        raise HicachedError(f"storage {self.name!r} shares nothing with other processes")
+
     def close(self) -> None:
         """Release connections (idempotent)."""
 
@@ -266,6 +278,28 @@ class HicachedStorage(Storage):
             self._transfers(kv_keys, kv_pages, state_keys, state_slots), extra).items()}
         kv_ok = all(res.get(PoolName.KV.value, [])) and all(res.get(PoolName.INDEXER.value, []))
         return kv_ok, all(res.get(PoolName.MAMBA.value, []))
+
+    def load(self, kv_keys, kv_pages, state_keys, state_slots) -> bool:
+        if not (kv_keys or state_keys):
+            return True
+        got = self.plugin.batch_get_v2(self._transfers(kv_keys, kv_pages, state_keys,
+                                                       state_slots))
+        if not got or not all(all(row) for row in got.values()):
+            return False
+        self.kv.to_device(list(kv_pages))
+        if self.indexer is not None:
+            self.indexer.to_device(list(kv_pages))
+        if state_keys:
+            self.states.to_device(list(state_slots))
+        return True
+
+    def wait_visible(self, timeout_s: float | None = None) -> None:
+        from hicached.errors import DaemonUnavailable
+
+        c = self.plugin.client()
+        if c is None:
+            raise DaemonUnavailable(f"no hicached daemon at {self.endpoint}")
+        c.wait_committed(timeout_s or self.timeout_s)
 
     def close(self) -> None:
         self.plugin.close()

@@ -1,0 +1,201 @@
+"""The prefill side of PD disaggregation: compute prompts, publish their pages, say ready.
+
+A request's life on the prefill (``docs/pd.md``):
+
+1. ``PrefillRequest`` arrives on the bootstrap ROUTER; it becomes an engine request with
+   ``max_new_tokens=1`` (the prefill's own radix cache and L2 load-back serve what they can)
+2. the engine computes the prompt, keeping a state snapshot at ``a = len(prompt) // P * P``
+   (one of the engine's snapshot points: the request then holds a lock on that node)
+3. ``_publish`` (before the request lets go of its nodes): store pages ``[decode_prefix_len / P,
+   a / P)`` and the state after ``a`` in hicached, whatever the write policy, and wait until the
+   daemon has read the commit (``Client.wait_committed``): the pages are visible to the decode
+4. ``Ready`` (first token and its logits) goes back; any failure is a ``Failed`` instead
+
+A request that waits or runs past its ``timeout_s`` is aborted (``Failed(timeout)``); an
+``AbortRequest`` aborts it wherever it is. Everything it held is given back (``Engine._release``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from hicached.engine.engine import Engine
+from hicached.engine.pd import protocol as M
+from hicached.engine.request import Request, Status
+from hicached.errors import HicachedError
+
+log = logging.getLogger(__name__)
+
+
+class PublishError(HicachedError):
+    """The prompt's pages could not be made visible to the decode."""
+
+
+class PrefillEngine(Engine):
+    """An ``Engine`` whose finished prompts are published for a decode engine. Needs hicached
+    storage (the transport) and the radix cache (the prompt-end snapshot lives in it)."""
+
+    def __init__(self, lm, config, storage=None):
+        super().__init__(lm, config, storage)
+        if not self.storage.enabled:
+            raise ValueError("--disaggregation-mode prefill needs --hicache-storage-backend "
+                             "hicached (pages travel through the daemon)")
+        if self.config.disable_radix_cache:
+            raise ValueError("--disaggregation-mode prefill needs the radix cache (the prompt-"
+                             "end state is a snapshot in it)")
+        self.asked: dict[str, int] = {}  # rid -> decode_prefix_len
+        self.published: dict[str, tuple[int, bool]] = {}  # rid -> (pages, state) stored
+        self.published_pages = 0
+
+    def add_prefill(self, rid: str, prompt: list[int], decode_prefix_len: int) -> Request:
+        """Queue ``prompt`` for the decode that holds ``decode_prefix_len`` tokens of it."""
+        ps = self.page_size
+        a = len(prompt) // ps * ps
+        if decode_prefix_len % ps or not 0 <= decode_prefix_len <= a:
+            raise ValueError(f"decode_prefix_len {decode_prefix_len} must be a multiple of "
+                             f"page_size {ps} in [0, {a}]")
+        req = self.add_request(prompt, 1, rid)
+        self.asked[rid] = decode_prefix_len
+        return req
+
+    def _release(self, req: Request, status: Status) -> None:
+        held = self.asked.pop(req.rid, None)
+        if status is Status.FINISHED and held is not None:
+            try:
+                self.published[req.rid] = self._publish(req, held)
+            except (PublishError, HicachedError) as e:
+                req.error = f"publishing the prompt's pages failed: {e}"
+                status = Status.ABORTED
+        super()._release(req, status)
+
+    def _publish(self, req: Request, held: int) -> tuple[int, bool]:
+        """Store pages ``[held / P, a / P)`` and the state after ``a``; wait until visible."""
+        ps, n = self.page_size, len(req.prompt)
+        a = n // ps * ps
+        if a == 0:
+            return 0, False
+        if req.protected_len != a:  # the snapshot at a was skipped (every state slot locked)
+            raise PublishError(f"no snapshot at the prompt's last page boundary {a} (the "
+                               f"request holds {req.protected_len} tokens of the cache)")
+        node = req.lock.node
+        path = node.path()
+        keys = [h for x in path for h in x.hashes]
+        pages = [p for x in path for p in x.pages]
+        assert len(keys) == len(pages) == a // ps, (len(keys), len(pages), a)
+        first = held // ps
+        hybrid = self.tree.hybrid
+        if hybrid and node.state is None:
+            raise PublishError(f"the node at {a} has no state")
+        kv_keys = keys[first:]
+        state_keys = [keys[-1]] if hybrid else []
+        prefix = keys[:first] if kv_keys else keys[:-1]  # where the call's first key hangs
+        kv_ok, state_ok = self.storage.store(kv_keys, pages[first:], state_keys,
+                                             [node.state] if hybrid else [],
+                                             prefix_keys=prefix)
+        if (kv_keys and not kv_ok) or (hybrid and not state_ok):
+            raise PublishError(f"the daemon stored {'all' if kv_ok else 'not all'} of "
+                               f"{len(kv_keys)} pages and {'the' if state_ok else 'no'} state "
+                               "(L2 full, or the daemon is down)")
+        self.storage.wait_visible()
+        for x in path:
+            x.kv_stored = True
+        if hybrid:
+            node.state_stored = True
+        self.published_pages += len(kv_keys)
+        return len(kv_keys), hybrid
+
+
+class PrefillServer:
+    """The bootstrap ROUTER in front of a ``PrefillEngine``; ``serve_forever`` or ``poll_once``
+    from one thread (the owner of the engine and the socket)."""
+
+    def __init__(self, engine: PrefillEngine, endpoint: str):
+        self.engine, self.endpoint = engine, endpoint
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.peers: dict[str, bytes] = {}  # rid -> the decode's identity
+        self.deadlines: dict[str, float] = {}
+        self._stop = False
+
+    def stop(self) -> None:
+        """Ask ``serve_forever`` to return (from any thread)."""
+        self._stop = True
+
+    def serve_forever(self, idle_poll_ms: int = 50) -> None:
+        while not self._stop:
+            busy = bool(self.engine.waiting or self.engine.running)
+            self.poll_once(0 if busy else idle_poll_ms)
+
+    def poll_once(self, timeout_ms: int = 0) -> None:
+        """Read what arrived (waiting up to ``timeout_ms``), expire, run one engine step."""
+        if self.sock.poll(timeout_ms, zmq.POLLIN):
+            while True:
+                try:
+                    ident, frame = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except ValueError:  # not [identity, payload]
+                    continue
+                self._on_frame(ident, frame)
+        self._expire()
+        for req in self.engine.step():
+            self._answer(req)
+
+    def _on_frame(self, ident: bytes, frame: bytes) -> None:
+        try:
+            msg = M.decode(frame, "prefill")
+        except M.PDProtocolError as e:
+            log.warning("dropping a bootstrap frame: %s", e)
+            return
+        match msg:
+            case M.PrefillRequest():
+                if msg.rid in self.peers:
+                    self._send(ident, M.Failed(msg.rid, "error", "request id already in use"))
+                    return
+                try:
+                    self.engine.add_prefill(msg.rid, msg.prompt, msg.decode_prefix_len)
+                except ValueError as e:
+                    self._send(ident, M.Failed(msg.rid, "error", str(e)))
+                    return
+                self.peers[msg.rid] = ident
+                self.deadlines[msg.rid] = time.monotonic() + msg.timeout_s
+            case M.AbortRequest():
+                if self.engine.abort(msg.rid):
+                    self.engine.asked.pop(msg.rid, None)
+                    self._finish(msg.rid, M.Failed(msg.rid, "abort", "aborted by the decode"))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, t in self.deadlines.items() if t <= now]:
+            if self.engine.abort(rid):
+                self.engine.asked.pop(rid, None)
+                self._finish(rid, M.Failed(rid, "timeout", "prefill timed out"))
+
+    def _answer(self, req: Request) -> None:
+        if req.status is Status.FINISHED and req.rid in self.engine.published:
+            pages, state = self.engine.published.pop(req.rid)
+            self._finish(req.rid, M.Ready(req.rid, req.output_ids[0],
+                                          M.logits_bytes(req.logits[:1]), pages, state))
+        else:
+            self._finish(req.rid, M.Failed(req.rid, "error", req.error or "prefill failed"))
+
+    def _finish(self, rid: str, msg) -> None:
+        self.deadlines.pop(rid, None)
+        ident = self.peers.pop(rid, None)
+        if ident is not None:
+            self._send(ident, msg)
+
+    def _send(self, ident: bytes, msg) -> None:
+        try:
+            self.sock.send_multipart([ident, M.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the decode is gone: it times out on its side
+            log.warning("could not answer %s: %s", getattr(msg, "rid", "?"), e)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,139 @@
+"""Every message of the reference engine's PD channels: msgspec Structs, msgpack, one frame each.
+
+Two channels, both ZeroMQ DEALER (connecting) -> ROUTER (bound), ``[payload]`` frames:
+
+Bootstrap (decode -> prefill; the prefill binds ``--disaggregation-bootstrap-endpoint``)
+
+  decode -> prefill   PrefillRequest(rid, prompt, decode_prefix_len, timeout_s)
+                      AbortRequest(rid)                 the decode gave up (timeout, abort)
+  prefill -> decode   Ready(rid, first_token, logits, stored_pages, state_stored)
+                      Failed(rid, reason, message)     reason: abort | timeout | error
+
+  ``decode_prefix_len``: prompt tokens the decode already holds (a page multiple). Ready means
+  the prompt's pages ``[decode_prefix_len, a)`` and, for a hybrid model, the state after token
+  ``a`` are visible in the node's hicached L2, where ``a = len(prompt) // page_size *
+  page_size``; the daemon acknowledged the commit before Ready was sent (``docs/pd.md``).
+
+Front (a user -> an engine in mode decode or none; the engine binds ``--serve-endpoint``)
+
+  Generate(rid, prompt, max_new_tokens)  ->  Generated(rid, output_ids, logits, error, ...)
+  CheckIdle()                            ->  Checked(ok, message)   the engine's leak identity
+
+Malformed frames raise ``PDProtocolError``; the receiver answers ``Failed`` / ``Generated``
+with an error where it can name the request, and drops the frame otherwise.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import torch
+
+from hicached.errors import HicachedError
+
+
+class PDProtocolError(HicachedError):
+    """A frame that is not a message of this channel."""
+
+
+class _Msg(msgspec.Struct, tag_field="t", omit_defaults=True):
+    pass
+
+
+class PrefillRequest(_Msg, tag="prefill"):
+    """Compute ``prompt`` and publish its pages past ``decode_prefix_len`` (a page multiple)
+    and the end-of-prompt state; answer Ready or Failed within ``timeout_s``."""
+
+    rid: str
+    prompt: list[int]
+    decode_prefix_len: int = 0
+    timeout_s: float = 30.0
+
+
+class AbortRequest(_Msg, tag="abort"):
+    rid: str
+
+
+class Ready(_Msg, tag="ready"):
+    """Pages ``[decode_prefix_len // P, stored_pages + decode_prefix_len // P)`` and the state
+    (``state_stored``) are visible in L2; ``logits``: float32 [vocab] at the prompt end."""
+
+    rid: str
+    first_token: int
+    logits: bytes = b""
+    stored_pages: int = 0
+    state_stored: bool = False
+
+
+class Failed(_Msg, tag="failed"):
+    rid: str
+    reason: str  # "abort" | "timeout" | "error"
+    message: str = ""
+
+
+class Generate(_Msg, tag="generate"):
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int = 8
+
+
+class Generated(_Msg, tag="generated"):
+    """``logits``: float32 [len(output_ids), vocab]; ``decode_prefix_len``: prompt tokens the
+    decode held itself; ``moved_pages``: KV pages it loaded from the prefill's delta."""
+
+    rid: str
+    output_ids: list[int] = []
+    logits: bytes = b""
+    error: str = ""
+    ttft_s: float = 0.0
+    cached_tokens: int = 0
+    decode_prefix_len: int = 0
+    moved_pages: int = 0
+    moved_states: int = 0
+
+
+class CheckIdle(_Msg, tag="check"):
+    pass
+
+
+class Checked(_Msg, tag="checked"):
+    ok: bool
+    message: str = ""
+
+
+ToPrefill = PrefillRequest | AbortRequest
+ToDecode = Ready | Failed
+ToEngine = Generate | CheckIdle
+ToUser = Generated | Checked
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {name: msgspec.msgpack.Decoder(t) for name, t in
+             (("prefill", ToPrefill), ("decode", ToDecode), ("engine", ToEngine),
+              ("user", ToUser))}
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes, direction: str):
+    """A message read by ``direction`` ("prefill", "decode", "engine" or "user")."""
+    try:
+        return _decoders[direction].decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
+        raise PDProtocolError(f"malformed {direction} frame of {len(frame)} bytes: {e}") from None
+
+
+def logits_bytes(rows: list[torch.Tensor]) -> bytes:
+    """float32 rows [vocab] -> bytes (empty for no rows)."""
+    if not rows:
+        return b""
+    return torch.stack([r.detach().float().cpu() for r in rows]).numpy().tobytes()
+
+
+def logits_rows(data: bytes, vocab: int) -> list[torch.Tensor]:
+    """Inverse of ``logits_bytes``."""
+    if not data:
+        return []
+    a = np.frombuffer(data, dtype=np.float32).reshape(-1, vocab)
+    return [torch.from_numpy(a[i].copy()) for i in range(a.shape[0])]
