@@ -132,10 +132,11 @@ def run_mode(mode: str, model: str, tmp: str, prefix: list[int], full: list[int]
             e.close()
     server = daemon = None
     try:
-        if mode == "hicached":
+        if mode.startswith("hicached"):  # hicached-sync: "load_async": false
             from hicached.engine.demo import DaemonLauncher
             daemon = DaemonLauncher(l2_size="2GiB", slab_size="16MiB")
-            kw = {"endpoint": daemon.endpoint}
+            kw = {"endpoint": daemon.endpoint,
+                  "extra": {"load_async": False} if mode == "hicached-sync" else None}
         else:
             server = LMCacheServer(tmp)
             kw = {"kv_transfer_config": server.config()}

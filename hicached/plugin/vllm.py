@@ -343,6 +343,10 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
             self._sessions.add_pool(self._pools[g.index], pool)
         # register the pools now: the scheduler's first exists call names them
         self._sessions.guard("register", lambda: None, lambda client: None)
+        if self._async:  # the loader thread's own session too, before the first load waits on it
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="hicached-load")
+            self._loader.submit(self._sessions.guard, "register", lambda: None,
+                                lambda client: None).result()
 
     def _transfers(self, run: PageRun) -> tuple[list[PoolTransfer], list[int]]:
         """The run's pool transfers, and every block id it names."""
