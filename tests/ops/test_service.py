@@ -136,7 +136,9 @@ def test_sighup_reloads_policy_keys(make_daemon, tmp_path):
             assert "set_ahead_bytes=0" in out
             # l2_size comes from the command line (flags beat the file): unchanged
             assert "eviction_alpha=2.5" in out  # the hybrid policy's weight: applied
-            assert "reload: io_queue_depth, eviction changed; restart hicached to apply" in out
+            # (logged right after the "reloaded:" line: waited for, not read with it)
+            assert wait_until(lambda: "reload: io_queue_depth, eviction changed; restart "
+                              "hicached to apply" in d.output())
             conf.write_text('write_policy = "sometimes"\n')
             d.proc.send_signal(signal.SIGHUP)
             assert wait_until(lambda: "reload failed; the running config stays" in d.output())
