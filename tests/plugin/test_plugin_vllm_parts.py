@@ -189,6 +189,7 @@ def test_exists_of_pools_registered_by_another_session_of_the_namespace(daemon):
             daemon.client("ns-y") as stranger:
         worker.register_mem_host_pool_v2(kv_pool(), "kv")
         worker.batch_set_v2([PoolTransfer("kv", pages(0, 2), keys=["a", "b"])])
+        worker.wait_committed()  # a set sends its commit without waiting for the daemon
         assert scheduler.batch_exists_v2(["a", "b", "c"]).kv_hit_pages == 2
         scheduler.flush("l2")  # answered from L3 now (and the pages pulled back into L2)
         assert scheduler.batch_exists_v2(["a", "b", "c"]).kv_hit_pages == 2
