@@ -61,6 +61,7 @@ def test_blocks_go_through_the_daemon_unchanged(daemon):
         b.register_mem_host_pool_v2(BlockPool(dst, BLOCKS, BLOCK), "kv")
         assert a.batch_set_v2([PoolTransfer("kv", token_indices([2, 7, 9], BLOCK),
                                             keys=keys)]) == {"kv": [True] * 3}
+        a.wait_committed()  # b's get may reach the daemon before a's commit otherwise
         assert b.batch_get_v2([PoolTransfer("kv", token_indices([0, 1, 3], BLOCK),
                                             keys=keys)]) == {"kv": [True] * 3}
     for (_, s), (_, d) in zip(src, dst, strict=True):
@@ -88,6 +89,7 @@ def test_the_device_path_stores_the_pointer_paths_pages(daemon, shape):
         c.register_mem_host_pool_v2(device_pool(back, BLOCKS, BLOCK), "kv")
         assert a.batch_set_v2([PoolTransfer("kv", token_indices([1, 4, 15], BLOCK),
                                             keys=keys)]) == {"kv": [True] * 3}
+        a.wait_committed()  # b's get may reach the daemon before a's commit otherwise
         assert b.batch_get_v2([PoolTransfer("kv", token_indices([0, 2, 3], BLOCK),
                                             keys=keys)]) == {"kv": [True] * 3}
         assert c.batch_get_v2([PoolTransfer("kv", token_indices([9, 8, 7], BLOCK),
