@@ -21,8 +21,8 @@ from typing import Any
 
 from hicached import protocol as P
 from hicached.backends.base import BACKENDS, is_backend_name
-from hicached.daemon.hybrid import orphans
 from hicached.daemon.l3.tier import close_quietly
+from hicached.daemon.orphans import orphans
 from hicached.daemon.sessions import ParkedExists, ParkedGet
 from hicached.errors import (
     BackendConflict,
@@ -288,7 +288,7 @@ class DaemonOperations:
         }
 
     def _orphan_bytes(self) -> int | None:
-        """Slot bytes of L2's orphans (``hybrid.orphans``), None in an index too large to
+        """Slot bytes of L2's orphans (``orphans.orphans``), None in an index too large to
         count them on every stats call."""
         found = orphans(self.controller.index, l3=self.controller.tier.attached)
         return None if found is None else found[1]

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from hicached.daemon.hybrid import HybridPolicy, make_policy, orphans
+from hicached.daemon.hybrid import HybridPolicy, make_policy
 from hicached.daemon.index import IN_L3, PageIndex
+from hicached.daemon.orphans import orphans
 from hicached.daemon.policy import LruPolicy
 from hicached.daemon.quotas import NamespaceQuotas
 from hicached.daemon.slabs import SlabAllocator
