@@ -150,15 +150,57 @@ class HybridPolicy(LruPolicy):
             self._push_page(p)
             self._maybe_tail(self.ix.p_krec[p])
 
-    def _maybe_tail(self, k: int) -> None:
+    def inserted_many(self, ps: np.ndarray, used_before: np.ndarray,
+                      mask_before: np.ndarray) -> None:
+        """``inserted`` of each of ``ps`` in turn: the lists at once, then the leaves (within
+        a call's chain only its last key is one) each seen as ``inserted`` saw it, the call's
+        later pages still pending: their pools not yet in its key's mask, their ``p_used`` as
+        before, and the index's committed count as it was then (``_push_page``)."""
+        super().inserted_many(ps, used_before, mask_before)
+        ix = self.ix
+        krecs = ix.np["p_krec"][ps]
+        leaves = np.flatnonzero(np.frombuffer(self._kid, np.int32)[krecs] == 0)
+        if not leaves.size:
+            return
+        base = ix.committed_count - len(ps)
+        krec_list = krecs.tolist()
+        last = {k: j for j, k in enumerate(krec_list)}  # each key's last page in the call
+        pages_of: dict[int, list[int]] = {}  # key -> its pages' positions (when needed)
+        for i in leaves.tolist():
+            p, k = int(ps[i]), krec_list[i]
+            self._push_page(p, base + i + 1)
+            if last[k] == i:  # no later page of its key: its state is as it was then
+                self._maybe_tail(k)
+                continue
+            if not pages_of:
+                for j, kj in enumerate(krec_list):
+                    pages_of.setdefault(kj, []).append(j)
+            mask = int(mask_before[i])
+            for j in pages_of[k]:
+                if j <= i:
+                    mask |= ix._tbit[ix.p_tid[ps[j]]]
+            self._maybe_tail(k, mask, {int(ps[j]): int(used_before[j])
+                                       for j in pages_of[k] if j > i})
+
+    def _maybe_tail(self, k: int, mask: int | None = None,
+                    used: dict[int, int] | None = None) -> None:
+        """Queue leaf ``k`` for ``stale`` if its namespace has trailing pools and it holds no
+        state. ``mask`` / ``used``: its key's mask and some of its pages' uses to go by
+        instead of the records' (``inserted_many``)."""
         ix = self.ix
         trail = ix._ns_trail[ix.k_ns[k]]
-        if trail and not self._has_state(k, trail):
-            p, t = ix.k_head[k], 0
-            while p >= 0:  # its grace runs from its newest use (as ``orphans`` counts it)
-                t = max(t, ix.p_used[p])
-                p = ix.p_knext[p]
-            heapq.heappush(self._tails, (t, k))
+        if not trail:
+            return
+        if mask is None:
+            if self._has_state(k, trail):
+                return
+        elif mask & trail or self._kflags[k] & STATE_L3:
+            return
+        p, t = ix.k_head[k], 0
+        while p >= 0:  # its grace runs from its newest use (as ``orphans`` counts it)
+            t = max(t, ix.p_used[p] if used is None else used.get(p, ix.p_used[p]))
+            p = ix.p_knext[p]
+        heapq.heappush(self._tails, (t, k))
 
     def stale(self) -> list[int]:
         """Page records to evict now: the state-less leaves (and the state-less keys above
@@ -190,16 +232,28 @@ class HybridPolicy(LruPolicy):
         if not self._kid[self.ix.p_krec[p]]:
             self._push_page(p)
 
-    def _push_page(self, p: int) -> None:
+    def touched_many(self, ps: list[int], ticks: list[int]) -> None:
+        """``touched`` of each in turn: the lists, then a push per use of a leaf's page, with
+        the tick of that use."""
+        super().touched_many(ps, ticks)
+        kid, krec = self._kid, self.ix.p_krec
+        for p, t in zip(ps, ticks):
+            if not kid[krec[p]]:
+                self._push_page(p, used=t)
+
+    def _push_page(self, p: int, committed: int | None = None, used: int | None = None) -> None:
+        """Page record ``p`` of a leaf is a candidate in its class, as of its last use (or
+        ``used``); the heaps are compacted when they hold many times the index's committed
+        pages (or ``committed``) in entries."""
         ix = self.ix
         heap = self._heaps.get(ix.p_stride[p])
         if heap is None:
             heap = self._heaps[ix.p_stride[p]] = []
             self._class_ns[ix.p_stride[p]] = set()
         self._class_ns[ix.p_stride[p]].add(ix.k_ns[ix.p_krec[p]])
-        heapq.heappush(heap, (ix.p_used[p], ix.p_krec[p]))
+        heapq.heappush(heap, (ix.p_used[p] if used is None else used, ix.p_krec[p]))
         self._pushes += 1
-        if self._pushes > 4 * ix.committed_count + 4096:
+        if self._pushes > 4 * (ix.committed_count if committed is None else committed) + 4096:
             self._compact()
 
     def removed(self, p: int) -> None:
