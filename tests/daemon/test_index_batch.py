@@ -1,18 +1,27 @@
 """The index's per-call paths (``hicached/daemon/batch.py``) leave exactly the state of their
 scalar twins called page by page: records, slots, generations, recency, slab ages, the presence
 table's bytes and every policy's own state, under both policies, with evictions, keys of several
-pools and kinds, chains and states. And the batch calls under them (``alloc_many``,
-``FpTable.put_many``, ``PresenceTable.set_many``) against their one-by-one twins."""
+pools and kinds, chains and states; so does the controller's set path (``set_control.py``) with
+them. And the batch calls under them (``alloc_many``, ``FpTable.put_many``,
+``PresenceTable.set_many``) against their one-by-one twins."""
 
 import random
 
 import numpy as np
 import pytest
 
+from hicached import protocol as P
+from hicached.daemon import batch
 from hicached.daemon.batch import BATCH_MIN
+from hicached.daemon.controller import Controller
 from hicached.daemon.fptable import FpTable
 from hicached.daemon.hybrid import make_policy
 from hicached.daemon.index import KEY_BYTES, PageIndex
+from hicached.daemon.l3.tier import L3Tier
+from hicached.daemon.l3.workers import IOWorkers
+from hicached.daemon.leases import LeaseTable
+from hicached.daemon.quotas import NamespaceQuotas
+from hicached.daemon.sessions import Session, namespace_digest
 from hicached.daemon.slabs import SlabAllocator
 from hicached.presence import TABLE_WORD, PresenceTable
 
@@ -214,3 +223,82 @@ def test_set_many_leaves_the_bytes_of_sets(tmp_path, slots):
     assert tables[0].overflowed == (slots == 64)
     for t in tables:
         t.close()
+
+
+# ---------------------------------------------------------------- through the controller
+
+
+def controller_run(monkeypatch, tmp_path, batched: bool, policy: str) -> tuple[list, dict]:
+    """A seeded run of Reserve / Commit calls through ``Controller`` (new keys, keys present,
+    in flight, twice in a call, set-ahead slots, a second pool of states, a quota, evictions);
+    with ``batched`` False every call goes page by page. The answers and the final state."""
+    if not batched:
+        monkeypatch.setattr(batch, "BATCH_MIN", 1 << 30)
+    ix = PageIndex(SlabAllocator(40 * 4096, 4096), policy=make_policy(policy))
+    ix._gen = 0
+    shared = PresenceTable(str(tmp_path / f"c{batched}"), 2048, 1)
+    ix.shared = shared
+    workers = IOWorkers()
+    ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0)
+    ctl.quotas = NamespaceQuotas(ix, {"b": 90 * 256})
+    ctl.ahead_session_bytes, ctl.ahead_total_bytes = 8 * 256, 1 << 20
+    sessions = [Session(i + 1, name, namespace_digest(name), 1, name)
+                for i, name in enumerate(("a", "b"))]
+    for s in sessions:
+        ctl.sessions[s.id] = s
+        ctl.register_pool(s, "kv", 256)
+        ctl.register_pool(s, "mamba", 512)
+    rng = random.Random(11)
+    stored: list[str] = []
+    answers, open_ = [], []
+    for step in range(60):
+        s = rng.choice(sessions)
+        n = rng.choice([3, 40, 70, 150])
+        keys = [f"{rng.getrandbits(256):064x}" for _ in range(n)]
+        if stored and rng.random() < 0.5:
+            at = rng.randrange(n)
+            keys[at:at] = rng.sample(stored, min(10, len(stored)))  # present or in flight
+        if rng.random() < 0.2:
+            keys.insert(rng.randrange(len(keys)), keys[0])  # a key twice
+        transfers = [P.PoolKeys("kv", keys)]
+        if rng.random() < 0.3:
+            transfers.append(P.PoolKeys("mamba", keys[-1:]))
+        held = ctl.leases.ahead.get(s.id)
+        ahead = []
+        if held is not None and rng.random() < 0.5:  # name some granted slots
+            slots = list(held.pools.get("kv", {}))
+            ahead = [[slots.pop() if slots and rng.random() < 0.2 else -1 for _ in keys]]
+        msg = P.Reserve(step, s.id, transfers, ahead=ahead, want_ahead=[rng.choice([0, 4])],
+                        trailing=["mamba"], parent="", depth=0 if rng.random() < 0.5 else -1)
+        r = ctl.reserve(s, msg)
+        answers.append((r.reservation_id != 0, r.offsets, r.tags, r.ahead, r.bound))
+        stored += keys
+        if r.reservation_id:
+            open_.append((s, r))
+        while open_ and (len(open_) > 2 or rng.random() < 0.6):  # commit, some pages failed
+            s2, r2 = open_.pop(rng.randrange(len(open_)))
+            ok = [[off >= 0 and rng.random() < 0.95 for off in row] for row in r2.offsets]
+            c = ctl.commit(s2, P.Commit(0, s2.id, r2.reservation_id, ok))
+            answers.append(c.stored)
+    state = snapshot(ix, shared)
+    state["counters"] = dict(ctl.counters)
+    workers.close()
+    shared.close()
+    assert ix.evictions
+    return answers, state
+
+
+@pytest.mark.parametrize("policy", ["lru", "hybrid"])
+def test_the_controller_answers_and_leaves_what_it_did_page_by_page(monkeypatch, tmp_path,
+                                                                   policy):
+    with monkeypatch.context() as m:
+        single = controller_run(m, tmp_path, False, policy)
+    batched = controller_run(monkeypatch, tmp_path, True, policy)
+    assert single[0] == batched[0]
+    diff = [k for k in single[1] if single[1][k] != batched[1][k]]
+    assert not diff, diff
+    reserved = [a for a in single[0] if isinstance(a, tuple)]
+    offsets = [off for a in reserved for row in a[1] for off in row]
+    for answer in (P.SLOT_PRESENT, P.SLOT_INFLIGHT, P.SLOT_NO_SPACE):  # every kind of key
+        assert answer in offsets
+    assert any(b for a in reserved for row in a[4] for b in row)  # a set-ahead slot bound
