@@ -125,3 +125,14 @@ def test_bench_hybrid_cache_tiny_run_replays_the_trace_per_budget(capsys, monkey
     assert "L2 10% of the working set" in out and "L2 unbounded (ceiling)" in out
     assert "WARNING" not in out and "targets (issue 25)" in out
     assert len([line for line in out.splitlines() if line.startswith("hybrid:2 ")]) == 3
+
+
+def test_bench_index_loop_tiny_run_times_every_phase_of_each_policy():
+    r = _run("bench_index_loop.py", "--pages", "3000", "--calls", "5", timeout=60)
+    assert [one["policy"] for one in r["results"]] == ["lru", "hybrid"]
+    for one in r["results"]:
+        assert one["pages"] == 3000 and one["fill_pages_per_s"] > 0 and one["evictions"] > 0
+        for phase in ("set", "set_evicting", "get", "small_set", "small_get"):
+            m = one[phase]
+            assert m["calls"] == 5 and m["pages"] > 0, phase
+            assert 0 < m["p50_us"] <= m["p99_us"] and m["wall_us_per_call"] > 0, phase
