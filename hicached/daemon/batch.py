@@ -402,6 +402,38 @@ class BatchOps:
         if ps:
             self.policy.touched_many(ps, ticks)
 
+    def read_many(self: PageIndex, entries: Sequence[Entry]) -> None:
+        """A get's pages, just looked up (each alive): ``touch_many``, ``count_hits`` and
+        ``pin_many`` of ``entries`` in one pass, the state they leave called in turn (the
+        lease that pins them: ``LeaseTable.new_lease(..., pinned=True)``)."""
+        gen, used, flags = self.p_gen, self.p_used, self.p_flags
+        hits, pins = self.p_hits, self.p_pins
+        slabs, slab_bytes = self.alloc.slabs, self.alloc.slab_bytes
+        touched: dict = {}  # slab -> None, in the order of their last touch
+        ps, ticks = [], []  # the committed pages, for the policy
+        tick = self._tick
+        for e in entries:
+            p = e.rec
+            assert gen[p] == e.gen, e
+            tick += 1
+            used[p] = tick
+            slab = slabs[e._offset // slab_bytes]
+            slab.last_used = tick
+            touched.pop(slab, None)
+            touched[slab] = None
+            if flags[p] & COMMITTED:
+                ps.append(p)
+                ticks.append(tick)
+            if hits[p] < HITS_MAX:
+                hits[p] += 1
+            if not pins[p]:
+                slab.pinned += 1
+            pins[p] += 1
+        self._tick = tick
+        self.alloc.touched(touched)
+        if ps:
+            self.policy.touched_many(ps, ticks)
+
     def pin_many(self: PageIndex, entries: Sequence[Entry]) -> None:
         """``pin`` of each of ``entries``."""
         gen, pins = self.p_gen, self.p_pins

@@ -258,9 +258,9 @@ class Controller(SetControl, SessionControl):
             row, tag_row, l3_row = [], [0] * len(t.keys), []
             got = found[p] if found else self.index.get_many(table, t.keys)
             for i, (key, e) in enumerate(zip(t.keys, got)):
-                if e is not None:
+                if e is not None:  # (looked up just now: in its slot)
                     entries.append(e)
-                    row.append(e.offset)
+                    row.append(e._offset)
                     tag_row[i] = e.gen
                     if e.from_l3:  # prefetched: its first read is an L3 hit
                         e.from_l3 = False
@@ -324,9 +324,8 @@ class Controller(SetControl, SessionControl):
         self.counters["misses"] += sum(off == P.SLOT_MISS for row in offsets for off in row)
         if not entries:
             return P.Leased(req_id, 0, offsets, tags)
-        self.index.touch_many(entries)
-        self.index.count_hits(entries)
-        g = self.leases.new_lease(s.id, entries, self.clock())
+        self.index.read_many(entries)  # touched, a hit each, pinned for the lease
+        g = self.leases.new_lease(s.id, entries, self.clock(), pinned=True)
         if self.tier.selective:  # after the lease pinned them: a selective write-through may start
             for e in entries:
                 self.tier.on_hit(e)

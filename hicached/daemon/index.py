@@ -396,8 +396,7 @@ class PageIndex(BatchOps, Records):
 
     def _free_key(self, k: int) -> None:
         self.policy.key_freed(k)
-        keys = self._keys[self.k_ns[k]]
-        keys.table.remove(self._fp(keys, self._key_of(k)))
+        self._keys[self.k_ns[k]].table.remove((hash(self._key_of(k)) + _TOP) or 1)
         if self.k_len[k] == 255:
             del self._long_keys[k]
         self.k_len[k] = 0

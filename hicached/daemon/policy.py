@@ -214,7 +214,10 @@ class LruPolicy:
         slot: the class's oldest page, or every page of another class's oldest slab; empty when
         nothing can be evicted."""
         ix = self.ix
-        page = next(self.unpinned(stride), -1)
+        ends, pins, nxt = self._ends.get(stride), ix.p_pins, self._next
+        page = ends[0] if ends else -1
+        while page >= 0 and pins[page]:  # the class's oldest unpinned page (``unpinned``)
+            page = nxt[page]
         slab = ix.alloc.oldest_unpinned(stride)
         if page >= 0 and (slab is None or ix.p_used[page] <= slab.last_used):
             return [page]

@@ -115,7 +115,10 @@ def replay(plan: Plan, many: bool, policy: str, tmp_path) -> list[dict]:
         done = [e for e in entries if e is not None]
         (ix.commit_many if many else ix._commit_each)(done)
         found = [e for e in ix.get_many(KV, touch) if e is not None]
-        if many:
+        if many and link:  # a get's pages in one pass
+            ix.read_many(found)
+            ix.unpin_many(found)
+        elif many:
             ix.touch_many(found)
             ix.pin_many(found)
             ix.count_hits(found)
