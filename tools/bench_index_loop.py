@@ -17,7 +17,9 @@ file, ``LeaseTable``, an ``L3Tier`` without a backend), 4 KiB pages, 64-hex keys
 Times are the measuring thread's CPU time (``time.thread_time``): what the loop spends, which
 other processes on a shared machine do not inflate (the wall time per call is printed beside).
 One policy after the other (``--policies lru,hybrid``), each on a fresh index; the same seed
-draws the same keys. Compare trees by running it with another ``PYTHONPATH``:
+draws the same keys. Compare trees by running it with another ``PYTHONPATH`` (a tree from before
+the eviction policies runs ``lru`` only; give both the same ``--presence-slots``: default sizings
+differ between trees, and a full table stops publishing):
 
     python tools/bench_index_loop.py [--pages 1000000] [--policies lru,hybrid] [--json]
     PYTHONPATH=/path/to/old/tree python tools/bench_index_loop.py ...
@@ -37,7 +39,6 @@ import time
 
 from hicached import protocol as P
 from hicached.daemon.controller import Controller
-from hicached.daemon.hybrid import make_policy
 from hicached.daemon.index import PageIndex
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.l3.workers import IOWorkers
@@ -45,6 +46,11 @@ from hicached.daemon.leases import LeaseTable
 from hicached.daemon.sessions import Session
 from hicached.daemon.slabs import SlabAllocator
 from hicached.presence import PresenceTable, default_slots
+
+try:
+    from hicached.daemon.hybrid import make_policy
+except ImportError:  # a tree from before the eviction policies (issue 25): LRU only
+    make_policy = None
 
 PAGE_BYTES = 4096
 SLAB_BYTES = 64 << 20
@@ -60,12 +66,13 @@ def key(tag: str, i: int) -> str:
 class Loop:
     """The daemon's objects for one run, and the calls ``server.py`` makes per message."""
 
-    def __init__(self, pages: int, policy: str, tmp: str):
+    def __init__(self, pages: int, policy: str, tmp: str, presence_slots: int = 0):
         slabs = -(-int(pages * PAGE_BYTES * HEADROOM) // SLAB_BYTES)
         self.alloc = SlabAllocator(slabs * SLAB_BYTES, SLAB_BYTES)
-        self.index = PageIndex(self.alloc, policy=make_policy(policy))
+        self.index = (PageIndex(self.alloc, policy=make_policy(policy)) if make_policy
+                      else PageIndex(self.alloc))
         self.presence = PresenceTable(os.path.join(tmp, f"presence-{policy}"),
-                                      default_slots(slabs * SLAB_BYTES), 1)
+                                      presence_slots or default_slots(slabs * SLAB_BYTES), 1)
         self.index.shared = self.presence
         self.leases = LeaseTable(self.index, 60.0, 60.0)
         self.workers = IOWorkers()
@@ -118,7 +125,7 @@ def timed(calls: list, fn) -> dict:
 
 def run(policy: str, args: argparse.Namespace, tmp: str) -> dict:
     rng = random.Random(args.seed)
-    loop = Loop(args.pages, policy, tmp)
+    loop = Loop(args.pages, policy, tmp, args.presence_slots)
     b = args.set_batch
     fill = [[key("s", i + j) for j in range(min(b, args.pages - i))]
             for i in range(0, args.pages, b)]
@@ -162,12 +169,15 @@ def main() -> None:
     ap.add_argument("--get-batch", type=int, default=64)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--presence-slots", type=int, default=0,
+                    help="the presence table's slots (0: the tree's default sizing)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     gc.set_threshold(20_000, 20, 20)  # the daemon's
     with tempfile.TemporaryDirectory(prefix="hicached-bench-loop-", dir="/dev/shm"
                                      if os.path.isdir("/dev/shm") else None) as tmp:
-        results = [run(p, args, tmp) for p in args.policies.split(",")]
+        results = [run(p, args, tmp) for p in args.policies.split(",")
+                   if make_policy is not None or p == "lru"]
     if args.json:
         json.dump({"results": results}, sys.stdout)
         return
