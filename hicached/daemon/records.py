@@ -27,13 +27,13 @@ from hicached.daemon.entry import (  # noqa: F401 - names the daemon imports fro
     Entry,
     TableId,
     _Keys,
+    key_fps,
 )
 from hicached.daemon.slabs import SlabAllocator
 from hicached.presence import (
     MAX_LOAD,
     PresenceTable,
     fingerprint,
-    fingerprints,
     namespace_seed,
 )
 
@@ -260,21 +260,26 @@ class Records:
 
     def get_many(self, table: TableId, keys: Sequence[str]) -> list[Entry | None]:
         """``get`` of every key (one vectorised lookup when they are many)."""
+        return self.lookup(table, keys)[0]
+
+    def lookup(self, table: TableId, keys: Sequence[str]
+               ) -> tuple[list[Entry | None], np.ndarray | None, np.ndarray | None]:
+        """``get_many``, with the keys' fingerprints (``key_fps``) and what the namespace's key
+        table holds for each (a key record, -1: none) when it looked them up at once, else None:
+        ``reserve_many`` takes them, if no record came or went since, instead of asking again."""
         n = len(keys)
         if n < 32:
-            return [self.get(table, key) for key in keys]
+            return [self.get(table, key) for key in keys], None, None
         out: list[Entry | None] = [None] * n
         t = self._tid.get(table)
         if t is None:
-            return out
+            return out, None, None
         ks = self._keys[self._ns_id[table[0]]]
-        fps = np.fromiter(map(hash, keys), np.int64, count=n).view(np.uint64)
-        fps ^= np.uint64(_TOP)
-        fps[fps == 0] = 1
+        fps = key_fps(keys)
         recs = ks.table.get_many(fps)
         idx = np.flatnonzero(recs >= 0)
         if not idx.size:
-            return out
+            return out, fps, recs
         kr = recs[idx]
         cols = self.np
         width = len(keys[0])
@@ -308,7 +313,7 @@ class Records:
             e = out[i] = new(Entry)
             e._ix, e.rec, e.table, e.key, e._offset, e.stride, e.gen = (
                 self, p, table, keys[i], off, stride, gen)
-        return out
+        return out, fps, recs
 
     def get_pending(self, table: TableId, key: str) -> Entry | None:
         p = self.pending.get(table)
@@ -352,9 +357,7 @@ class Records:
                 if k >= 0 and (not verify or same(k, key)):
                     out[j] = mask[k]
             return out
-        fps = np.fromiter(map(hash, keys), np.int64, count=n).view(np.uint64)
-        fps ^= np.uint64(_TOP)
-        fps[fps == 0] = 1
+        fps = key_fps(keys)
         recs = ks.table.get_many(fps)
         found = recs >= 0
         out = np.zeros(n, np.int64)
@@ -407,9 +410,7 @@ class Records:
         prev = self._fp(ks, parent) if parent is not None else 0
         n = len(keys)
         if n >= 32:  # vectorised (a fingerprint collision, 2^-64, mislinks a key: advice only)
-            fps = np.fromiter(map(hash, keys), np.int64, count=n).view(np.uint64)
-            fps ^= np.uint64(_TOP)
-            fps[fps == 0] = 1
+            fps = key_fps(keys)
             recs = ks.table.get_many(fps)
             parents = np.empty(n, np.uint64)
             parents[0] = prev
@@ -479,19 +480,6 @@ class Records:
         if len(ks) > min(at_most, t.slots * MAX_LOAD / 2):
             return False
         return t.rebuild((self._sfp(k), self.k_mask[k]) for k in ks)
-
-    def fingerprint_all(self, entries: Sequence[Entry]) -> None:
-        """Fingerprint the keys of ``entries`` in one vectorised call (a commit's pages), so
-        that publishing them costs ~0.7 us a key instead of ~2.5 (``presence.fingerprints``)."""
-        if self.shared is None:
-            return
-        todo = [e for e in entries if not self.k_sfp[self.p_krec[e.rec]]]
-        if len(todo) < 8 or any(e.table[0] != todo[0].table[0] for e in todo):
-            return  # few, or of several namespaces: one by one when published
-        fps = fingerprints(self.seed(todo[0].table[0]), [e.key for e in todo])
-        if fps is not None:
-            for e, fp in zip(todo, fps.tolist(), strict=True):
-                self.k_sfp[self.p_krec[e.rec]] = fp
 
     def seed(self, ns: str) -> int:
         """The fingerprint seed of namespace ``ns`` in the shared presence table."""
