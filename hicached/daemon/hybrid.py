@@ -178,11 +178,11 @@ class HybridPolicy(KeyTree):
         """``touched`` of each in turn (a page may come twice: queued once, with the tick of
         its first use in the call, as ``touched`` queues it)."""
         super().touched_many(ps, ticks)
-        kid, krec = self._kid, self.ix.p_krec
+        kid, krec, states = self._kid, self.ix.p_krec, any(self.ix._ns_trail)
         for p, t in zip(ps, ticks):
             if not kid[krec[p]]:
                 self._push_page(p, t)
-            else:
+            elif states:  # (no namespace has trailing pools: no page is a mid-chain state)
                 self._push_mid(p, t)
 
     def grow(self, n: int) -> None:
