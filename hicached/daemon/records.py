@@ -1,4 +1,5 @@
-"""The page index's records: columns of page and key records, and the lookups over them.
+"""The page index's records: columns of page and key records (the lookups over them:
+``lookups.py``).
 
 ``index.py``'s module docstring says what the records hold and why; ``PageIndex`` adds the
 life of a page (reserve, commit, pins, eviction, publishing) on top of ``Records``. ``Entry`` is
@@ -42,7 +43,8 @@ REPUBLISH_MAX = 32768  # keys a full presence table is refilled with at most (on
 
 
 class Records(Lookups):
-    """Page and key records and the lookups over them (see ``index.py``). Not thread-safe."""
+    """Page and key records, and the lookups over them (``Lookups``; see ``index.py``). Not
+    thread-safe."""
 
     def __init__(self, allocator: SlabAllocator):
         self.alloc = allocator
