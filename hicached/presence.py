@@ -71,6 +71,7 @@ MIN_SLOTS, MAX_SLOTS = 1 << 14, 1 << 26  # 256 KiB .. 1 GiB of slots (locked sha
 # still fits (a million of them in a 4 GiB arena), for 0.65-1.3% of the arena (power-of-2
 # rounding). Smaller pages: set ``presence_slots``.
 KEY_BYTES = 4096
+SET_TAIL = 32  # ``set_many``: keys still probing after a round that go one by one
 TAG_GRAIN = 64 * 1024  # arena bytes per slot tag: pages this large or larger get a tag
 # Readers rely on the daemon's stores becoming visible in program order, and causally (x86): a
 # mask before its fp, a session word after the commits it acknowledges, a tag zeroed before any
@@ -228,6 +229,46 @@ class PresenceTable:
                         "the socket for every exists until L2 holds fewer keys again; raise "
                         "presence_slots (16 B a slot) above %d", self.entries, self.slots,
                         self.slots)
+
+    def set_many(self, fps: np.ndarray, masks: np.ndarray) -> None:
+        """``set`` of each (fp, mask) in turn (uint64 / int64 arrays; a commit's keys), leaving
+        the same bytes: every key's slot is found at once (as ``_find``, in numpy rounds), then
+        all masks are written and then the new keys' fps (a reader that finds an fp finds its
+        mask). When two new keys would take one empty slot (or come twice), or the table would
+        fill, they go one by one instead: only then can the order of the puts matter."""
+        n = len(fps)
+        if self.flags & (F_OVERFLOW | F_CLOSED) or not n:
+            return
+        words = np.frombuffer(self._buf, np.uint64, 2 * self.slots, TABLE_WORD * 8)
+        fps = np.asarray(fps, np.uint64)
+        wmask = 2 * self.slots - 1
+        word = (fps << np.uint64(1)).astype(np.intp) & wmask  # each key's home slot's fp word
+        at = np.empty(n, np.intp)
+        pos, want = np.arange(n), fps
+        while True:  # each round: the keys still probing look at their next slot
+            cur = words.take(word)
+            done = cur == want
+            done |= cur == 0
+            at[pos[done]] = word[done]
+            more = ~done
+            pos = pos[more]
+            if pos.size <= SET_TAIL:  # the long probe runs' thin tail: one by one
+                break
+            want, word = want[more], word[more]
+            word += 2
+            word &= wmask
+        for i in pos.tolist():
+            at[i] = self._find(int(fps[i])) - TABLE_WORD
+        new = words.take(at) == 0
+        added = int(new.sum())
+        if (self.entries + added > self._limit or len(set(at.tolist())) != n):
+            for fp, mask in zip(fps.tolist(), np.asarray(masks).tolist(), strict=True):
+                self.set(fp, mask)
+            return
+        words[at + 1] = np.asarray(masks, np.int64).view(np.uint64)
+        words[at[new]] = fps[new]
+        self.entries += added
+        self._w[H_ENTRIES] = self.entries
 
     def _put(self, fp: int, mask: int) -> bool:
         w = self._w

@@ -3,12 +3,13 @@
 Steps of the life of a page it owns (docs/life-of-a-page.md):
   2. ``reserve``  slots for every pool of a set call (or "present" / "in flight" / "no space")
   4. ``commit``   publishes all pools' pages of the call at once, then hands them to L3 (5.)
+                  (both in ``set_control.py``, a mixin of this class, as ``session_control.py``)
   6. ``exists``   hit semantics over L2 then L3 (``hits.py``); keys L2 lacks and L3 is not known
                   to hold are looked up on the prober thread while the request is parked.
                   (Clients answer what L2 alone can from the presence table: ``presence.py``)
   7. ``lease``    pins slots for a get; pages only L3 has are loaded into the arena first by the
                   I/O workers while the request waits (parked), the control loop keeps serving
-  8. eviction happens inside ``PageIndex.reserve`` when a class is full
+  8. eviction happens inside ``PageIndex.reserve`` (``reserve_many``) when a class is full
 
 Only the control loop calls into this object (single thread); the I/O workers only run backend
 calls and hand finished jobs back through ``IOWorkers.collect``.
@@ -30,13 +31,14 @@ from hicached.daemon.leases import LeaseTable
 from hicached.daemon.quotas import NoQuotas
 from hicached.daemon.session_control import SessionControl
 from hicached.daemon.sessions import ParkedExists, ParkedGet, PoolSpec, Session
-from hicached.errors import InvalidTransfer, PageSizeMismatch, ProtocolError
+from hicached.daemon.set_control import SetControl
+from hicached.errors import PageSizeMismatch, ProtocolError
 from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
 
 log = logging.getLogger(__name__)
 
 
-class Controller(SessionControl):
+class Controller(SetControl, SessionControl):
     """L2 bookkeeping; L3 through the ``L3Tier``. See the module docstring."""
 
     def __init__(self, index: PageIndex, leases: LeaseTable, tier: L3Tier,
@@ -195,150 +197,6 @@ class Controller(SessionControl):
             self.tier.load((s.ns, pool), todo, page_bytes,
                            self.index.alloc.check_page_bytes(page_bytes), known_in_l3=True)
 
-    # ------------------------------------------------------------ set: reserve, commit
-
-    def reserve(self, s: Session, msg: P.Reserve) -> P.Reserved:
-        specs = [s.spec(t.pool) for t in msg.transfers]
-        for t in msg.transfers:
-            if t.keys and max(map(len, t.keys)) > P.MAX_KEY_LEN:
-                raise InvalidTransfer(f"pool {t.pool!r}: a key is longer than "
-                                      f"{P.MAX_KEY_LEN} characters; nothing was stored")
-        chain = self._chain(msg)
-        named = [off for row in msg.ahead for off in row if off >= 0]
-        if len(named) != len(set(named)):  # two pages copied into one slot: neither is intact
-            raise ProtocolError("Reserve.ahead names a set-ahead slot twice")
-        now = self.clock()
-        r = self.leases.new_reservation(s.id, now)
-        ahead = self.leases.ahead_of(s.id, now) if msg.want_ahead or msg.ahead else None
-        offsets, tags, bound, present = [], [], [], []
-        for name in msg.trailing:  # states (a name not of the call says nothing)
-            if any(t.pool == name for t in msg.transfers):
-                self.index.mark_trailing((s.ns, name))
-        # the call's parent stays while its pages are reserved (it is about to be extended:
-        # the policy must not make room with it, which would orphan the call at birth)
-        guard = self.index.key_pages(s.ns, msg.parent) if chain is not None and msg.parent else []
-        self.index.pin_many(guard)
-        try:
-            for p, (t, spec) in enumerate(zip(msg.transfers, specs)):
-                table = (s.ns, t.pool)
-                claims = msg.ahead[p] if ahead is not None and p < len(msg.ahead) else ()
-                row, tag_row, bound_row = [], [0] * len(t.keys), [False] * len(t.keys)
-                for i, (key, e) in enumerate(zip(t.keys, self.index.get_many(table, t.keys))):
-                    if e is not None and e.committed:  # (not evicted for an earlier key of the call)
-                        self.index.touch(e)
-                        row.append(P.SLOT_PRESENT)
-                        if not e.in_l3:
-                            present.append(e)
-                    elif self.index.get_pending(table, key) is not None:
-                        row.append(P.SLOT_INFLIGHT)
-                    else:
-                        e = None
-                        if i < len(claims) and claims[i] >= 0:  # its page is already in that slot
-                            e = self.leases.take_ahead(ahead, t.pool, claims[i])
-                            if e is not None:
-                                e = self.index.bind(e, table, key, spec.page_bytes)
-                                bound_row[i] = e is not None
-                        if e is None and self.quotas.admit(s.ns, spec.stride):
-                            e = self.index.reserve(table, key, spec.page_bytes, spec.stride)
-                        if e is None:
-                            self.counters["no_space"] += 1
-                            row.append(P.SLOT_NO_SPACE)
-                        else:
-                            e.owner = s.id
-                            r.slots.append((p, i, e))
-                            row.append(e.offset)
-                            tag_row[i] = e.gen
-                offsets.append(row)
-                tags.append(tag_row)
-                bound.append(bound_row)
-        finally:
-            self.index.unpin_many(guard)
-        if chain is not None:  # after the loop: its pending keys are held now
-            self.index.link(s.ns, chain.keys, msg.parent or None, msg.depth)
-        if present:
-            self.tier.on_present(present)
-        if self.tier.dirty:  # write_back: make dirty pages evictable before the arena fills
-            self.tier.relieve_pressure(force=any(P.SLOT_NO_SPACE in row for row in offsets))
-        granted = self._grant_ahead(s, ahead, msg, specs) if ahead is not None else []
-        if not any(map(any, bound)):
-            bound = []
-        if not r.slots:
-            self.leases.take_reservation(r.id, s.id)
-            return P.Reserved(msg.req_id, 0, offsets, tags, granted, bound)
-        return P.Reserved(msg.req_id, r.id, offsets, tags, granted, bound)
-
-    @staticmethod
-    def _chain(msg: P.Reserve) -> P.PoolKeys | None:
-        """The transfer whose keys the call links into a chain (``Reserve.anchor_pool``), None
-        when it has no keys, after checking the chain fields (nothing is reserved before)."""
-        if len(msg.parent) > P.MAX_KEY_LEN:
-            raise InvalidTransfer(f"the parent key is longer than {P.MAX_KEY_LEN} characters; "
-                                  "nothing was stored")
-        if msg.parent and msg.depth == 0:
-            raise ProtocolError("Reserve.depth is 0 (a root) but it names a parent")
-        if not msg.anchor_pool:
-            anchor = msg.transfers[0] if msg.transfers else None
-        else:
-            anchor = next((t for t in msg.transfers if t.pool == msg.anchor_pool), None)
-            if anchor is None:
-                raise InvalidTransfer(f"anchor pool {msg.anchor_pool!r} is not one of the "
-                                      f"call's pools {[t.pool for t in msg.transfers]}; "
-                                      "nothing was stored")
-        return anchor if anchor is not None and anchor.keys else None
-
-    def _grant_ahead(self, s: Session, ahead, msg: P.Reserve, specs: list[PoolSpec]
-                     ) -> list[list[int]]:
-        """Keep ``want_ahead[p]`` set-ahead slots of each pool of the request (within the
-        per-session and arena-wide bounds); per transfer, the offsets the session now holds."""
-        out = []
-        for p, (t, spec) in enumerate(zip(msg.transfers, specs)):
-            held = len(ahead.pools.get(t.pool, ()))
-            want = msg.want_ahead[p] if p < len(msg.want_ahead) else held  # not said: keep
-            want = max(0, min(want, self.ahead_session_bytes // spec.stride))
-            if held > want:
-                self.leases.free_ahead(ahead, t.pool, keep=want)
-            slots = ahead.pools.get(t.pool, {})
-            while (len(slots) < want
-                   and ahead.nbytes + spec.stride <= self.ahead_session_bytes
-                   and self.leases.ahead_bytes + spec.stride <= self.ahead_total_bytes
-                   and self.quotas.fits(s.ns, spec.stride)):  # idle slots evict no own page
-                e = self.index.reserve_unbound(s.ns, spec.stride)
-                if e is None:
-                    break
-                self.leases.add_ahead(ahead, t.pool, e)
-                slots = ahead.pools[t.pool]
-            out.append(list(slots))
-        if not ahead.nbytes:
-            self.leases.ahead.pop(s.id, None)
-        return out
-
-    def commit(self, s: Session, msg: P.Commit) -> P.Committed:
-        stored = [[False] * len(row) for row in msg.ok]
-        r = self.leases.take_reservation(msg.reservation_id, s.id)
-        if r is None:  # expired (or foreign): nothing published, but read all the same, so the
-            self._ack(s, msg)  # client need not go through the socket to read its own writes
-            return P.Committed(msg.req_id, stored)
-        done: list[Entry] = []
-        for p, i, e in r.slots:
-            if not msg.abort and p < len(msg.ok) and i < len(msg.ok[p]) and msg.ok[p][i]:
-                stored[p][i] = True
-                done.append(e)
-            else:
-                self.index.abort(e)
-        self.index.commit_many(done)  # all of the call's pages at once (step 4)
-        if self.pending_waiters:
-            for _, _, e in r.slots:
-                self._wake_pending(e)
-        self.tier.on_commit(done)
-        self._ack(s, msg)
-        return P.Committed(msg.req_id, stored)
-
-    def _ack(self, s: Session, msg: P.Commit) -> None:
-        """Tell the client (its word in the presence table) that its commits up to this one are
-        read, and published where they were on time."""
-        if msg.seq and self.index.shared is not None:
-            self.index.shared.ack(s.presence_word, msg.seq)
-
     def _wake_pending(self, e: Entry) -> None:
         """``e`` was committed or aborted: the gets that waited for it may be answered."""
         for parked in self.pending_waiters.pop(e, ()):
@@ -409,9 +267,9 @@ class Controller(SessionControl):
             row, tag_row, l3_row = [], [0] * len(t.keys), []
             got = found[p] if found else self.index.get_many(table, t.keys)
             for i, (key, e) in enumerate(zip(t.keys, got)):
-                if e is not None:
+                if e is not None:  # (looked up just now: in its slot)
                     entries.append(e)
-                    row.append(e.offset)
+                    row.append(e._offset)
                     tag_row[i] = e.gen
                     if e.from_l3:  # prefetched: its first read is an L3 hit
                         e.from_l3 = False
@@ -475,9 +333,8 @@ class Controller(SessionControl):
         self.counters["misses"] += sum(off == P.SLOT_MISS for row in offsets for off in row)
         if not entries:
             return P.Leased(req_id, 0, offsets, tags)
-        self.index.touch_many(entries)
-        self.index.count_hits(entries)
-        g = self.leases.new_lease(s.id, entries, self.clock())
+        self.index.read_many(entries)  # touched, a hit each, pinned for the lease
+        g = self.leases.new_lease(s.id, entries, self.clock(), pinned=True)
         if self.tier.selective:  # after the lease pinned them: a selective write-through may start
             for e in entries:
                 self.tier.on_hit(e)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from hicached.daemon.fptable import FpTable
 
@@ -18,6 +21,14 @@ GROW_MIN = 1 << 12  # records added at least when the arrays grow (then an eight
 # page flags
 COMMITTED, PENDING, IN_L3, WRITING, FROM_L3 = 1, 2, 4, 8, 16
 _TOP = 1 << 63  # Python's hash (int64) + 2**63: the same bits as uint64, the top one flipped
+
+
+def key_fps(keys: Sequence[str]) -> np.ndarray:
+    """The key table's fingerprint of each key (uint64): ``(hash(key) + _TOP) or 1``."""
+    fps = np.fromiter(map(hash, keys), np.int64, count=len(keys)).view(np.uint64)
+    fps ^= np.uint64(_TOP)
+    fps[fps == 0] = 1
+    return fps
 
 
 class Entry:

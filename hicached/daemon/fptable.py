@@ -175,6 +175,53 @@ class FpTable:
                 out[p] = get(fp)
         return out
 
+    def put_many(self, fps: np.ndarray, values: np.ndarray) -> None:
+        """Insert ``fps`` (uint64, none 0, none in the table, no two alike) with ``values``
+        (int64 >= 0), leaving what ``put`` of each in turn leaves but where the table grows: it
+        grows first, once, to the capacity those puts end at (a key may then sit elsewhere in
+        its probe run, which no lookup can tell). Each key's first empty slot is found at once,
+        in numpy rounds as ``get_many``; when two keys would take one slot (the later one, put
+        after, probes on) they go one by one."""
+        n = len(fps)
+        if not n:
+            return
+        capacity = self.capacity
+        while self._len + n - 1 >= int(capacity * MAX_LOAD):  # the load before the last put
+            capacity *= 2
+        if capacity != self.capacity:
+            self._rehash(capacity)
+        words, wm = self._arr.reshape(-1), self._wmask
+        word = (fps << np.uint64(1)).astype(np.intp) & wm  # each key's home slot's fp word
+        at = np.empty(n, np.intp)
+        pos = np.arange(n)
+        while True:
+            empty = words.take(word) == 0
+            at[pos[empty]] = word[empty]
+            more = ~empty
+            pos = pos[more]
+            if pos.size <= TAIL:
+                break
+            word = word[more]
+            word += 2
+            word &= wm
+        w = self._w
+        for p, fp in zip(pos.tolist(), fps[pos].tolist(), strict=True):
+            i = (fp << 1) & wm
+            while w[i]:
+                i = (i + 2) & wm
+            at[p] = i
+        if len(set(at.tolist())) == n:
+            words[at + 1] = values.view(np.uint64)
+            words[at] = fps
+        else:
+            for fp, value in zip(fps.tolist(), values.tolist(), strict=True):
+                i = (fp << 1) & wm
+                while w[i]:
+                    i = (i + 2) & wm
+                w[i + 1] = value
+                w[i] = fp
+        self._len += n
+
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """(fps uint64, values int64) of the occupied slots, in slot order (rebuilds, tests)."""
         used = self._arr[:, 0] != 0

@@ -113,6 +113,25 @@ class HybridPolicy(KeyTree):
         else:
             self._push_mid(p)
 
+    def inserted_many(self, ps: np.ndarray, used_before: np.ndarray,
+                      mask_before: np.ndarray) -> None:
+        """``inserted`` of each of ``ps`` in turn, called once the index shows them all
+        committed: the lists at once, then each page queued as ``inserted`` queues it (a page's
+        tick is final once it is committed). A leaf's tail is judged once, on the call's final
+        state: page by page, its KV page may have queued one before the call's state of the
+        key came, an entry ``stale`` skips when it comes up (the key has a state)."""
+        super().inserted_many(ps, used_before, mask_before)
+        kid, vals, leaves = self._kid, self._vals, {}
+        for p, k in zip(ps.tolist(), self.ix.np["p_krec"][ps].tolist()):
+            vals.pop(k, None)
+            if not kid[k]:
+                self._push_page(p)
+                leaves[k] = None
+            else:
+                self._push_mid(p)
+        for k in leaves:
+            self._maybe_tail(k)
+
     def _maybe_tail(self, k: int) -> None:
         ix = self.ix
         trail = ix._ns_trail[ix.k_ns[k]]
@@ -155,27 +174,41 @@ class HybridPolicy(KeyTree):
         else:
             self._push_mid(p)
 
+    def touched_many(self, ps: list[int], ticks: list[int]) -> None:
+        """``touched`` of each in turn (a page may come twice: queued once, with the tick of
+        its first use in the call, as ``touched`` queues it)."""
+        super().touched_many(ps, ticks)
+        kid, krec, states = self._kid, self.ix.p_krec, any(self.ix._ns_trail)
+        for p, t in zip(ps, ticks):
+            if not kid[krec[p]]:
+                self._push_page(p, t)
+            elif states:  # (no namespace has trailing pools: no page is a mid-chain state)
+                self._push_mid(p, t)
+
     def grow(self, n: int) -> None:
         super().grow(n)
         arr = np.zeros(n, np.uint8)
         arr[:len(self._queued)] = self._queued
         self._queued = memoryview(arr)
 
-    def _push_mid(self, p: int) -> None:
+    def _push_mid(self, p: int, t: int = -1) -> None:
         ix = self.ix
         if ix._tbit[ix.p_tid[p]] & ix._ns_trail[ix.k_ns[ix.p_krec[p]]]:  # a state
-            self._queue(self._mids, _MID, p)
+            self._queue(self._mids, _MID, p, t)
 
-    def _push_page(self, p: int) -> None:
+    def _push_page(self, p: int, t: int = -1) -> None:
         ix = self.ix
         self._class_ns.setdefault(ix.p_stride[p], set()).add(ix.k_ns[ix.p_krec[p]])
-        self._queue(self._heaps, _LEAF, p)
+        self._queue(self._heaps, _LEAF, p, t)
 
-    def _queue(self, heaps: dict[int, list[int]], bit: int, p: int) -> None:
+    def _queue(self, heaps: dict[int, list[int]], bit: int, p: int, t: int = -1) -> None:
+        """Queue page record ``p`` in its class's heap unless it has an entry there, as of
+        its last use (``t``: as of that use, -1: ``p_used``)."""
         if not self._queued[p] & bit:
             self._queued[p] |= bit
             ix = self.ix
-            heapq.heappush(heaps.setdefault(ix.p_stride[p], []), ix.p_used[p] << 32 | p)
+            heapq.heappush(heaps.setdefault(ix.p_stride[p], []),
+                           (ix.p_used[p] if t < 0 else t) << 32 | p)
 
     def _pop(self, heaps: dict[int, list[int]], bit: int, stride: int) -> tuple[int, int]:
         """The (tick, page record) of class ``stride``'s least recently used candidate, taken

@@ -33,12 +33,16 @@ its key's bytes compared equal.
 Eviction asks one policy object which pages go next (``policy.py``): ``_make_room`` when a size
 class has no free slot, slab reclaim, quotas, the L3 audit.
 
-Presence (``presence``): a key record's mask is the OR of ``pool_bit`` of the pools holding the key
-committed, kept by ``commit`` and ``_unpublish``, so an exists query looks every key up once for
-all its pools. With ``shared`` set, every change of a mask is also published in the shared-memory
-presence table (``presence.py``), from which clients answer exists without asking, and so is every
-committed large page's slot tag (its generation, from ``commit`` until ``_unpublish`` frees the
-slot), with which clients read pages without a lease.
+A call's pages go through the per-call twins of the calls here (``batch.py``: ``reserve_many``,
+``commit_many``, ``touch_many``, ...), which leave exactly the state of these called page by
+page, in a few numpy passes where the call is large enough to pay for them.
+
+Presence (``presence``): a key record's mask is the OR of ``pool_bit`` of the pools holding the
+key committed, kept by ``commit`` and ``_unpublish``, so an exists query looks every key up once
+for all its pools. With ``shared`` set, every change of a mask is also published in the
+shared-memory presence table (``presence.py``), from which clients answer exists without asking,
+and so is every committed large page's slot tag (its generation, from ``commit`` until
+``_unpublish`` frees the slot), with which clients read pages without a lease.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Sequence
 
+from hicached.daemon.batch import BatchOps
 from hicached.daemon.policy import LruPolicy
 from hicached.daemon.records import (  # noqa: F401 - names the daemon imports from here
     _TOP,
@@ -65,7 +70,7 @@ from hicached.daemon.records import (  # noqa: F401 - names the daemon imports f
 from hicached.daemon.slabs import SlabAllocator
 
 
-class PageIndex(Records):
+class PageIndex(BatchOps, Records):
     """Page and key records, pins and eviction over a ``SlabAllocator``.
 
     Not thread-safe: only the daemon's control loop calls it.
@@ -215,57 +220,6 @@ class PageIndex(Records):
         """Publish a pending entry: from now on every reader of its table sees it."""
         self.commit_many((entry,))
 
-    def commit_many(self, entries: Sequence[Entry]) -> None:
-        """Publish pending entries, in turn, in one pass (a call's pages: the slabs' recency
-        once). Every entry must be pending, each once; the state afterwards is exactly that of
-        committing them one by one."""
-        self.fingerprint_all(entries)
-        shared, alloc, policy = self.shared, self.alloc, self.policy
-        slabs, slab_bytes = alloc.slabs, alloc.slab_bytes
-        flags, pins, used, mask_of = self.p_flags, self.p_pins, self.p_used, self.k_mask
-        touched: dict = {}  # slab -> None, in the order of their last touch
-        owners = self.owners
-        tick = self._tick
-        for e in entries:
-            p = e.rec
-            if self.p_gen[p] != e.gen or not flags[p] & PENDING:
-                raise AssertionError(f"{e!r} is not pending")
-            pend = self.pending[e.table]
-            del pend[e.key]
-            if not pend:
-                del self.pending[e.table]
-            flags[p] = (flags[p] & ~PENDING) | COMMITTED
-            if owners:
-                owners.pop(p, None)
-            tid = self.p_tid[p]
-            self._tcount[tid] += 1
-            self.committed_count += 1
-            k = self.p_krec[p]
-            old = mask_of[k]
-            mask_of[k] = new = old | self._tbit[tid]
-            if shared is not None:
-                if new != old:
-                    shared.set(self._sfp(k), new)
-                shared.publish_tag(e._offset, e.stride, e.gen)
-            tick += 1
-            used[p] = tick
-            policy.inserted(p)
-            slab = slabs[e._offset // slab_bytes]
-            slab.last_used = tick
-            touched.pop(slab, None)
-            touched[slab] = None
-            if pins[p] <= 0:
-                raise AssertionError(f"{e!r} is not pinned")
-            pins[p] -= 1  # unpin
-            if pins[p] == 0:
-                slab.pinned -= 1
-        self._tick = tick
-        alloc.touched(touched)
-        if self.event_tids:
-            self.kv_events.stored(entries)
-        for p in policy.stale():  # pages no hit can use any more (``hybrid.py``)
-            self._evict_page(p)
-
     def abort(self, entry: Entry) -> None:
         """Drop a pending (or unbound) entry and free its slot."""
         p = entry.rec
@@ -306,57 +260,6 @@ class PageIndex(Records):
         self.alloc.touch(entry.offset, self._tick)
         if self.p_flags[p] & COMMITTED:
             self.policy.touched(p)
-
-    def touch_many(self, entries: Sequence[Entry]) -> None:
-        """``touch`` of each of ``entries`` in turn, in one pass (a get's pages)."""
-        gen, used, flags, policy = self.p_gen, self.p_used, self.p_flags, self.policy
-        slabs, slab_bytes = self.alloc.slabs, self.alloc.slab_bytes
-        touched: dict = {}  # slab -> None, in the order of their last touch
-        tick = self._tick
-        for e in entries:
-            p = e.rec
-            if gen[p] != e.gen:
-                continue
-            tick += 1
-            used[p] = tick
-            slab = slabs[e._offset // slab_bytes]
-            slab.last_used = tick
-            touched.pop(slab, None)
-            touched[slab] = None
-            if flags[p] & COMMITTED:
-                policy.touched(p)
-        self._tick = tick
-        self.alloc.touched(touched)
-
-    def pin_many(self, entries: Sequence[Entry]) -> None:
-        """``pin`` of each of ``entries``."""
-        gen, pins = self.p_gen, self.p_pins
-        slabs, slab_bytes = self.alloc.slabs, self.alloc.slab_bytes
-        for e in entries:
-            p = e.rec
-            assert gen[p] == e.gen, e
-            if pins[p] == 0:
-                slabs[e._offset // slab_bytes].pinned += 1
-            pins[p] += 1
-
-    def unpin_many(self, entries: Sequence[Entry]) -> None:
-        """``unpin`` of each of ``entries``."""
-        gen, pins = self.p_gen, self.p_pins
-        slabs, slab_bytes = self.alloc.slabs, self.alloc.slab_bytes
-        for e in entries:
-            p = e.rec
-            assert gen[p] == e.gen and pins[p] > 0, e
-            pins[p] -= 1
-            if pins[p] == 0:
-                slabs[e._offset // slab_bytes].pinned -= 1
-
-    def count_hits(self, entries: Sequence[Entry]) -> None:
-        """One more hit for each of ``entries`` (those still in their slot)."""
-        gen, hits = self.p_gen, self.p_hits
-        for e in entries:
-            p = e.rec
-            if gen[p] == e.gen and hits[p] < 0x7FFFFFFF:
-                hits[p] += 1
 
     # ------------------------------------------------------------ eviction
 
@@ -490,8 +393,7 @@ class PageIndex(Records):
 
     def _free_key(self, k: int) -> None:
         self.policy.key_freed(k)
-        keys = self._keys[self.k_ns[k]]
-        keys.table.remove(self._fp(keys, self._key_of(k)))
+        self._keys[self.k_ns[k]].table.remove((hash(self._key_of(k)) + _TOP) or 1)
         if self.k_len[k] == 255:
             del self._long_keys[k]
         self.k_len[k] = 0

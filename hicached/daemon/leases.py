@@ -188,10 +188,13 @@ class LeaseTable:
 
     # ------------------------------------------------------------ leases
 
-    def new_lease(self, session: int, entries: list[Entry], now: float) -> LeaseGrant:
-        """Pin ``entries`` under a new lease that expires after ``lease_ttl_s``."""
+    def new_lease(self, session: int, entries: list[Entry], now: float,
+                  pinned: bool = False) -> LeaseGrant:
+        """Pin ``entries`` under a new lease that expires after ``lease_ttl_s`` (``pinned``:
+        the caller pinned them for it, ``PageIndex.read_many``)."""
         g = LeaseGrant(next(self._ids), session, now + self.lease_ttl_s, entries)
-        self.index.pin_many(entries)
+        if not pinned:
+            self.index.pin_many(entries)
         self.leases[g.id] = g
         return g
 

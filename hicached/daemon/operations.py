@@ -293,7 +293,7 @@ class DaemonOperations:
         }
 
     def _orphan_bytes(self) -> int | None:
-        """Slot bytes of L2's orphans (``hybrid.orphans``), None in an index too large to
+        """Slot bytes of L2's orphans (``orphans.orphans``), None in an index too large to
         count them on every stats call."""
         found = orphans(self.controller.index, l3=self.controller.tier.attached)
         return None if found is None else found[1]

@@ -86,6 +86,37 @@ class LruPolicy:
             ends[0] = p
         ends[1] = p
 
+    def inserted_many(self, ps: np.ndarray, used_before: np.ndarray,
+                      mask_before: np.ndarray) -> None:
+        """``inserted`` of each of page records ``ps`` (int64, each once) in turn, called once
+        the index shows them all committed: each class's list gets its pages appended, in
+        order, in one pass. ``used_before`` / ``mask_before``: per page, its ``p_used`` and its
+        key's ``k_mask`` before the call (what a policy that looks at a page's key while its
+        call is half committed needs: ``HybridPolicy``)."""
+        strides = self.ix.np["p_stride"][ps]
+        if strides[0] == strides[-1] and not np.count_nonzero(strides != strides[0]):
+            self._append(int(strides[0]), ps)
+            return
+        for stride in dict.fromkeys(strides.tolist()):
+            self._append(stride, ps[strides == stride])
+
+    def _append(self, stride: int, ps: np.ndarray) -> None:
+        """Link page records ``ps`` at the newest end of class ``stride``'s list, in order."""
+        ends = self._ends.get(stride)
+        if ends is None:
+            ends = self._ends[stride] = [-1, -1]
+        prev, nxt = np.frombuffer(self._prev, np.int32), np.frombuffer(self._next, np.int32)
+        last = ends[1]
+        prev[ps[1:]] = ps[:-1]
+        prev[ps[0]] = last
+        nxt[ps[:-1]] = ps[1:]
+        nxt[ps[-1]] = -1
+        if last >= 0:
+            nxt[last] = ps[0]
+        else:
+            ends[0] = int(ps[0])
+        ends[1] = int(ps[-1])
+
     def removed(self, p: int) -> None:
         ends = self._ends[self.ix.p_stride[p]]
         prev, nxt = self._prev[p], self._next[p]
@@ -114,6 +145,26 @@ class LruPolicy:
         next_[p] = -1
         next_[last] = p
         ends[1] = p
+
+    def touched_many(self, ps: list[int], ticks: list[int]) -> None:
+        """``touched`` of each of committed page records ``ps`` in turn (a page may come more
+        than once), ``ticks``: the tick of each use (``p_used`` now holds each page's last)."""
+        stride_of, prev_, next_, ends_of = self.ix.p_stride, self._prev, self._next, self._ends
+        for p in ps:
+            ends = ends_of[stride_of[p]]
+            last = ends[1]
+            if last == p:
+                continue
+            prev, nxt = prev_[p], next_[p]  # unlink (``nxt`` is a page: ``p`` is not the last)
+            if prev >= 0:
+                next_[prev] = nxt
+            else:
+                ends[0] = nxt
+            prev_[nxt] = prev
+            prev_[p] = last  # and append
+            next_[p] = -1
+            next_[last] = p
+            ends[1] = p
 
     # ------------------------------------------------------------ questions
 
@@ -169,7 +220,10 @@ class LruPolicy:
         slot: the class's oldest page, or every page of another class's oldest slab; empty when
         nothing can be evicted."""
         ix = self.ix
-        page = next(self.unpinned(stride), -1)
+        ends, pins, nxt = self._ends.get(stride), ix.p_pins, self._next
+        page = ends[0] if ends else -1
+        while page >= 0 and pins[page]:  # the class's oldest unpinned page (``unpinned``)
+            page = nxt[page]
         slab = ix.alloc.oldest_unpinned(stride)
         if page >= 0 and (slab is None or ix.p_used[page] <= slab.last_used):
             return [page]

@@ -35,6 +35,12 @@ class NoQuotas:
         """``stride`` more bytes stay within ``ns``'s quota without evicting anything."""
         return True
 
+    def admit_many(self, ns: str, stride: int, n: int) -> int:
+        """How many of ``n`` new pages of ``stride`` bytes ``admit`` would admit in turn
+        without evicting or refusing anything (each admitted page reserved): a batch of
+        reservations asks once, and the pages past it one by one (``admit``)."""
+        return n
+
     def set_quotas(self, quotas: Mapping[str, int]) -> None:
         pass
 
@@ -69,6 +75,12 @@ class NamespaceQuotas(NoQuotas):
     def fits(self, ns: str, stride: int) -> bool:
         limit = self._limits.get(ns)
         return limit is None or self.index.ns_bytes.get(ns, 0) + stride <= limit[1]
+
+    def admit_many(self, ns: str, stride: int, n: int) -> int:
+        limit = self._limits.get(ns)
+        if limit is None:
+            return n
+        return max(0, min(n, (limit[1] - self.index.ns_bytes.get(ns, 0)) // stride))
 
     def admit(self, ns: str, stride: int) -> bool:
         limit = self._limits.get(ns)

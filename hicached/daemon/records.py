@@ -1,4 +1,5 @@
-"""The page index's records: columns of page and key records, and the lookups over them.
+"""The page index's records: columns of page and key records (the lookups over them:
+``lookups.py``).
 
 ``index.py``'s module docstring says what the records hold and why; ``PageIndex`` adds the
 life of a page (reserve, commit, pins, eviction, publishing) on top of ``Records``. ``Entry`` is
@@ -27,21 +28,23 @@ from hicached.daemon.entry import (  # noqa: F401 - names the daemon imports fro
     Entry,
     TableId,
     _Keys,
+    key_fps,
 )
+from hicached.daemon.lookups import Lookups
 from hicached.daemon.slabs import SlabAllocator
 from hicached.presence import (
     MAX_LOAD,
     PresenceTable,
     fingerprint,
-    fingerprints,
     namespace_seed,
 )
 
 REPUBLISH_MAX = 32768  # keys a full presence table is refilled with at most (one pause of ~0.1 s)
 
 
-class Records:
-    """Page and key records and the lookups over them (see ``index.py``). Not thread-safe."""
+class Records(Lookups):
+    """Page and key records, and the lookups over them (``Lookups``; see ``index.py``). Not
+    thread-safe."""
 
     def __init__(self, allocator: SlabAllocator):
         self.alloc = allocator
@@ -232,98 +235,6 @@ class Records:
         return Entry(self, p, self._tables[tid], self._key_of(self.p_krec[p]) if key is None
                      else key)
 
-    # ------------------------------------------------------------ lookups
-
-    def get(self, table: TableId, key: str) -> Entry | None:
-        """The committed entry of ``key`` or None."""
-        t = self._tid.get(table)
-        if t is None:
-            return None
-        keys = self._keys[self._ns_id[table[0]]]
-        k = keys.table.get((hash(key) + _TOP) or 1)
-        if k < 0:
-            return None
-        n = self.k_len[k]
-        if n == 255:
-            if self._long_keys.get(k) != key:
-                return None
-        else:
-            b = key.encode()
-            if len(b) != n or self.k_bytes[k * KEY_BYTES:k * KEY_BYTES + n] != b:
-                return None
-        p = self.k_head[k]
-        while p >= 0 and self.p_tid[p] != t:
-            p = self.p_knext[p]
-        if p < 0 or not self.p_flags[p] & COMMITTED:
-            return None
-        return Entry(self, p, table, key)
-
-    def get_many(self, table: TableId, keys: Sequence[str]) -> list[Entry | None]:
-        """``get`` of every key (one vectorised lookup when they are many)."""
-        n = len(keys)
-        if n < 32:
-            return [self.get(table, key) for key in keys]
-        out: list[Entry | None] = [None] * n
-        t = self._tid.get(table)
-        if t is None:
-            return out
-        ks = self._keys[self._ns_id[table[0]]]
-        fps = np.fromiter(map(hash, keys), np.int64, count=n).view(np.uint64)
-        fps ^= np.uint64(_TOP)
-        fps[fps == 0] = 1
-        recs = ks.table.get_many(fps)
-        idx = np.flatnonzero(recs >= 0)
-        if not idx.size:
-            return out
-        kr = recs[idx]
-        cols = self.np
-        width = len(keys[0])
-        blob = "".join(keys).encode() if 0 < width <= KEY_BYTES else b""
-        if len(blob) == n * width:  # one ASCII length: the keys' bytes compared at once
-            mine = np.frombuffer(blob, np.uint8).reshape(n, width)[idx]
-            held = cols["k_bytes"].reshape(-1, KEY_BYTES)[kr, :width]
-            same = (held == mine).all(1) & (cols["k_len"][kr] == width)
-        else:
-            same = np.fromiter((self._same_key(k, keys[i])
-                                for k, i in zip(kr.tolist(), idx.tolist())), bool, len(kr))
-        idx, kr = idx[same], kr[same]
-        pages = cols["k_head"][kr]
-        other = np.flatnonzero(cols["p_tid"][pages] != t)
-        if other.size:  # the key's first page is another pool's: walk its pages
-            tid, nxt = self.p_tid, self.p_knext
-            for j in other.tolist():
-                p = int(pages[j])
-                while p >= 0 and tid[p] != t:
-                    p = nxt[p]
-                pages[j] = p
-            found = pages >= 0
-            idx, pages = idx[found], pages[found]
-        live = (cols["p_flags"][pages] & COMMITTED) != 0
-        idx, pages = idx[live], pages[live]
-        new = Entry.__new__
-        for i, p, off, stride, gen in zip(idx.tolist(), pages.tolist(),
-                                          cols["p_off"][pages].tolist(),
-                                          cols["p_stride"][pages].tolist(),
-                                          cols["p_gen"][pages].tolist()):
-            e = out[i] = new(Entry)
-            e._ix, e.rec, e.table, e.key, e._offset, e.stride, e.gen = (
-                self, p, table, keys[i], off, stride, gen)
-        return out
-
-    def get_pending(self, table: TableId, key: str) -> Entry | None:
-        p = self.pending.get(table)
-        return p.get(key) if p else None
-
-    def contains(self, table: TableId, keys: Sequence[str]) -> np.ndarray:
-        """Per key (bool): ``table`` holds it committed."""
-        tid = self._tid.get(table)
-        if tid is None:
-            return np.zeros(len(keys), bool)
-        if len(keys) < 32:  # a few: one by one is cheaper than the vectorised calls
-            return np.fromiter((e is not None for e in self.get_many(table, keys)), bool,
-                               len(keys))
-        return (self.presence(table[0], keys, verify=True) & self._tbit[tid]) != 0
-
     def pool_bit(self, table: TableId) -> int:
         """The bit of ``table``'s pool in its namespace's presence masks (given on first use;
         ValueError past ``MAX_POOLS`` pools in one namespace)."""
@@ -335,36 +246,6 @@ class Records:
                 raise ValueError(f"a namespace holds at most {MAX_POOLS} pools")
             bit = bits[pool] = 1 << len(bits)
         return bit
-
-    def presence(self, ns: str, keys: Sequence[str], verify: bool = False) -> np.ndarray:
-        """Per key (int64): the OR of ``pool_bit`` of every pool of ``ns`` holding it committed.
-        Fingerprints only (a collision, a 2^-64 event, reads as present) unless ``verify``."""
-        i = self._ns_id.get(ns)
-        n = len(keys)
-        if i is None or not n:
-            return np.zeros(n, np.int64)
-        ks = self._keys[i]
-        if n < 32:  # a few: one by one is cheaper than the vectorised calls
-            get, same, mask = ks.table.get, self._same_key, self.k_mask
-            out = np.zeros(n, np.int64)
-            for j, key in enumerate(keys):
-                k = get((hash(key) + _TOP) or 1)
-                if k >= 0 and (not verify or same(k, key)):
-                    out[j] = mask[k]
-            return out
-        fps = np.fromiter(map(hash, keys), np.int64, count=n).view(np.uint64)
-        fps ^= np.uint64(_TOP)
-        fps[fps == 0] = 1
-        recs = ks.table.get_many(fps)
-        found = recs >= 0
-        out = np.zeros(n, np.int64)
-        if found.any():
-            out[found] = self.np["k_mask"][recs[found]]
-            if verify:
-                for j in np.flatnonzero(found).tolist():
-                    if not self._same_key(int(recs[j]), keys[j]):
-                        out[j] = 0
-        return out
 
     def __len__(self) -> int:
         return self.committed_count
@@ -407,9 +288,7 @@ class Records:
         prev = self._fp(ks, parent) if parent is not None else 0
         n = len(keys)
         if n >= 32:  # vectorised (a fingerprint collision, 2^-64, mislinks a key: advice only)
-            fps = np.fromiter(map(hash, keys), np.int64, count=n).view(np.uint64)
-            fps ^= np.uint64(_TOP)
-            fps[fps == 0] = 1
+            fps = key_fps(keys)
             recs = ks.table.get_many(fps)
             parents = np.empty(n, np.uint64)
             parents[0] = prev
@@ -479,19 +358,6 @@ class Records:
         if len(ks) > min(at_most, t.slots * MAX_LOAD / 2):
             return False
         return t.rebuild((self._sfp(k), self.k_mask[k]) for k in ks)
-
-    def fingerprint_all(self, entries: Sequence[Entry]) -> None:
-        """Fingerprint the keys of ``entries`` in one vectorised call (a commit's pages), so
-        that publishing them costs ~0.7 us a key instead of ~2.5 (``presence.fingerprints``)."""
-        if self.shared is None:
-            return
-        todo = [e for e in entries if not self.k_sfp[self.p_krec[e.rec]]]
-        if len(todo) < 8 or any(e.table[0] != todo[0].table[0] for e in todo):
-            return  # few, or of several namespaces: one by one when published
-        fps = fingerprints(self.seed(todo[0].table[0]), [e.key for e in todo])
-        if fps is not None:
-            for e, fp in zip(todo, fps.tolist(), strict=True):
-                self.k_sfp[self.p_krec[e.rec]] = fp
 
     def seed(self, ns: str) -> int:
         """The fingerprint seed of namespace ``ns`` in the shared presence table."""

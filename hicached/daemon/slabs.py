@@ -101,22 +101,55 @@ class SlabAllocator:
         """A free slot's offset for class ``stride``, or None when the class and the free slab
         list are both empty (the caller evicts and retries)."""
         partial = self._partial.setdefault(stride, [])
-        if not partial:
-            if not self._free_slabs:
-                return None
-            slab = self.slabs[heapq.heappop(self._free_slabs)]
-            slab.stride = stride
-            slab.num_slots = self.slab_bytes // stride
-            slab.free = array("i", range(slab.num_slots - 1, -1, -1))
-            slab.in_partial = True
-            partial.append(slab)
-            self._by_age.setdefault(stride, OrderedDict())[slab] = None
+        if not partial and not self._take_slab(stride, partial):
+            return None
         slab = partial[-1]
         slot = slab.free.pop()
         if not slab.free:
             partial.pop()
             slab.in_partial = False
         return slab.offset + slot * stride
+
+    def has_free(self, stride: int) -> bool:
+        """Whether ``alloc(stride)`` would give a slot now (without the caller evicting)."""
+        return bool(self._partial.get(stride)) or bool(self._free_slabs)
+
+    def alloc_many(self, stride: int, n: int) -> list[tuple[Slab, array]]:
+        """Up to ``n`` free slots of class ``stride``: exactly the slots, in the same order and
+        leaving the same state, as ``n`` calls of ``alloc`` that stop at the first None (a
+        batch of reservations takes whole runs off a slab's free stack at once). Returns
+        (slab, its slot indices in the order given) per slab drawn from; fewer than ``n``
+        slots in all when the class and the free slab list ran dry."""
+        partial = self._partial.setdefault(stride, [])
+        out = []
+        while n > 0:
+            if not partial and not self._take_slab(stride, partial):
+                break
+            slab = partial[-1]
+            free = slab.free
+            k = min(n, len(free))
+            got = free[len(free) - k:]
+            del free[len(free) - k:]
+            got.reverse()  # popped from the top of the stack, one after the other
+            out.append((slab, got))
+            n -= k
+            if not free:
+                partial.pop()
+                slab.in_partial = False
+        return out
+
+    def _take_slab(self, stride: int, partial: list[Slab]) -> bool:
+        """Give class ``stride`` the free slab of the lowest offset (False: none is left)."""
+        if not self._free_slabs:
+            return False
+        slab = self.slabs[heapq.heappop(self._free_slabs)]
+        slab.stride = stride
+        slab.num_slots = self.slab_bytes // stride
+        slab.free = array("i", range(slab.num_slots - 1, -1, -1))
+        slab.in_partial = True
+        partial.append(slab)
+        self._by_age.setdefault(stride, OrderedDict())[slab] = None
+        return True
 
     def free(self, offset: int) -> None:
         """Return a slot; a slab left empty goes back to the global free list."""

@@ -147,3 +147,14 @@ def test_status_demo_serves_three_engines():
         "llama-70b|tp0of1", "qwen3-next|tp0of1", "tenant-b"}
     assert stats["pools"]["kv"]["l2_hits"] > 0 and stats["pools"]["mamba"]["l2_hits"] > 0
     assert stats["bytes_moved"]["client_to_l2"] > 0 and stats["bytes_moved"]["l2_to_l3"] > 0
+
+
+def test_bench_index_loop_tiny_run_times_every_phase_of_each_policy():
+    r = _run("bench_index_loop.py", "--pages", "3000", "--calls", "5", timeout=60)
+    assert [one["policy"] for one in r["results"]] == ["lru", "hybrid"]
+    for one in r["results"]:
+        assert one["pages"] == 3000 and one["fill_pages_per_s"] > 0 and one["evictions"] > 0
+        for phase in ("set", "set_evicting", "get", "small_set", "small_get"):
+            m = one[phase]
+            assert m["calls"] == 5 and m["pages"] > 0, phase
+            assert 0 < m["p50_us"] <= m["p99_us"] and m["wall_us_per_call"] > 0, phase

@@ -1,0 +1,483 @@
+"""The page index's per-call paths: a call's pages reserved, committed, touched, pinned and
+counted in a few numpy passes instead of a Python loop per page.
+
+A set of 128 pages used to cost the control loop ~5 us a page in ``reserve`` and ``commit``
+(issue 24: a dozen record writes through memoryviews, the key table's scalar probes, a policy
+call, per page), against ~2 us with the dict index before it. Here each column of the records is
+written once per call by fancy assignment, slots come off a slab's free stack a run at a time
+(``SlabAllocator.alloc_many``), and the eviction policy hears of the call's pages at once
+(``inserted_many`` / ``touched_many``).
+
+What must stay true: every call here leaves exactly the state of its scalar twin in
+``index.py`` called for each page in turn (records, slots, generations, ticks, recency lists,
+slab ages, the presence table's bytes). So a call takes the vectorised path only where the
+order of its pages cannot matter; everything else (an eviction needed for a slot, a fingerprint
+collision, keys the records cannot hold inline, an entry that is not in the state the call
+expects) goes through the scalar path, page by page, as before. The key table's layout may
+differ (where an insert lands in its probe run): no lookup can tell.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hicached.daemon.entry import (
+    COMMITTED,
+    GROW_MIN,
+    KEY_BYTES,
+    PENDING,
+    Entry,
+    TableId,
+    key_fps,
+)
+from hicached.presence import fingerprints
+
+if TYPE_CHECKING:
+    from hicached.daemon.index import PageIndex
+
+BATCH_MIN = 32  # calls of fewer pages go page by page (a numpy call costs ~1-2 us, a page ~3-5)
+FINGERPRINT_MIN = 16  # keys fingerprinted at once from (``fingerprints``: ~40 us, one ~3 us)
+HITS_MAX = 0x7FFFFFFF
+
+
+def handles(entries: Sequence[Entry]) -> tuple[np.ndarray, np.ndarray]:
+    """(page records, generations) of ``entries`` as int64 arrays."""
+    n = len(entries)
+    return (np.fromiter((e.rec for e in entries), np.int64, n),
+            np.fromiter((e.gen for e in entries), np.int64, n))
+
+
+class BatchOps:
+    """``PageIndex``'s vectorised calls (see the module docstring); a mixin over ``Records``
+    whose scalar twins (``reserve``, ``touch``, ...) ``PageIndex`` defines."""
+
+    # ------------------------------------------------------------ records in bulk
+
+    def _new_pages(self: PageIndex, n: int) -> np.ndarray:
+        """``n`` page records, the ones ``n`` calls of ``_new_page`` would give, in order."""
+        out = np.empty(n, np.int64)
+        free = self._p_free
+        k = min(n, len(free))
+        if k:
+            out[:k] = np.frombuffer(free[len(free) - k:][::-1], np.int32)
+            del free[len(free) - k:]
+        top = self._p_top
+        while top + n - k > len(self.p_gen):  # grown as ``_new_page`` grows, step by step
+            size = len(self.p_gen)
+            self._grow(self._page_cols, size, size + max(GROW_MIN, size >> 3))
+            self.policy.grow(len(self.p_gen))
+        out[k:] = np.arange(top, top + n - k)
+        self._p_top = top + n - k
+        return out
+
+    def _new_keys(self: PageIndex, n: int) -> np.ndarray:
+        """``n`` key records, the ones ``n`` calls of ``_new_key`` would give, in order."""
+        out = np.empty(n, np.int64)
+        free = self._k_free
+        k = min(n, len(free))
+        if k:
+            out[:k] = np.frombuffer(free[len(free) - k:][::-1], np.int32)
+            del free[len(free) - k:]
+        top = self._k_top
+        while top + n - k > len(self.k_len):
+            size = len(self.k_len)
+            self._grow(self._key_cols, size, size + max(GROW_MIN, size >> 3))
+            self.policy.grow_keys(len(self.k_len))
+        out[k:] = np.arange(top, top + n - k)
+        self._k_top = top + n - k
+        return out
+
+    # ------------------------------------------------------------ reserve
+
+    def reserve_many(self: PageIndex, table: TableId, keys: Sequence[str], page_bytes: int,
+                     stride: int, owner: int = 0, fps: np.ndarray | None = None,
+                     recs: np.ndarray | None = None) -> list[Entry | None]:
+        """``reserve`` of each of ``keys`` in turn, each then owned by session ``owner``
+        (``Entry.owner``; 0: none set). The caller checks first that no key is committed or
+        pending, and that none comes twice; ``fps`` / ``recs``: the keys' ``lookup`` when no
+        record came or went since (else they are looked up here).
+
+        The keys that get a free slot without eviction are reserved together (a run of slots
+        off the allocator, one assignment per column); from the first that needs an eviction
+        on, one by one. Few keys, keys of several lengths, non-ASCII or longer than
+        ``KEY_BYTES``, and keys whose fingerprint another key has, go one by one throughout."""
+        n = len(keys)
+        width = len(keys[0]) if n else 0
+        if n < BATCH_MIN or not 0 < width <= KEY_BYTES or not self.alloc.has_free(stride):
+            return self._reserve_each(table, keys, page_bytes, stride, owner)
+        blob = "".join(keys).encode()
+        if len(blob) != n * width:
+            return self._reserve_each(table, keys, page_bytes, stride, owner)
+        tid = self._tid.get(table)
+        if tid is None:
+            tid = self.table_id(table)  # (ValueError before anything, as ``reserve``)
+            fps = None  # (a new namespace has no key table to have looked in)
+        nsid = self._ns_id[table[0]]
+        fptable = self._keys[nsid].table
+        if fps is None:
+            fps = key_fps(keys)
+            recs = fptable.get_many(fps)
+        if len(set(fps.tolist())) != n:  # a key twice, or two keys of one fingerprint
+            return self._reserve_each(table, keys, page_bytes, stride, owner)
+        mine = np.frombuffer(blob, np.uint8).reshape(n, width)
+        cols = self.np
+        held = np.flatnonzero(recs >= 0)  # keys another pool of the namespace holds
+        if len(held):
+            kr = recs[held]
+            same = (cols["k_bytes"].reshape(-1, KEY_BYTES)[kr, :width] == mine[held]).all(1)
+            if np.count_nonzero(same & (cols["k_len"][kr] == width)) != len(held):
+                return self._reserve_each(table, keys, page_bytes, stride, owner)  # (2^-64)
+        runs = self.alloc.alloc_many(stride, n)
+        m = sum(len(slots) for _, slots in runs)
+        recs = recs[:m].copy()
+        new = np.flatnonzero(recs < 0)
+        if len(new):  # key records for the keys L2 holds no page of
+            kn = self._new_keys(len(new))
+            recs[new] = kn
+            cols["k_bytes"].reshape(-1, KEY_BYTES)[kn, :width] = mine[new]
+            cols["k_len"][kn] = width
+            cols["k_ns"][kn] = nsid
+            for name in ("k_sfp", "k_mask", "k_parent"):
+                cols[name][kn] = 0
+            cols["k_head"][kn] = -1
+            cols["k_depth"][kn] = -1
+            fptable.put_many(fps[new], kn)
+        ps = self._new_pages(m)
+        offsets = np.concatenate([np.frombuffer(slots, np.int32).astype(np.int64) * stride
+                                  + slab.offset for slab, slots in runs])
+        gens = np.arange(self._gen + 1, self._gen + 1 + m, dtype=np.int64)
+        self._gen += m
+        cols["p_tid"][ps] = tid
+        cols["p_krec"][ps] = recs
+        cols["p_off"][ps] = offsets
+        cols["p_stride"][ps] = stride
+        cols["p_pbytes"][ps] = page_bytes
+        cols["p_gen"][ps] = gens
+        for name in ("p_used", "p_hits"):
+            cols[name][ps] = 0
+        cols["p_pins"][ps] = 1  # pinned while pending
+        cols["p_flags"][ps] = PENDING
+        cols["p_knext"][ps] = cols["k_head"][recs]
+        cols["k_head"][recs] = ps
+        at = 0
+        for slab, slots in runs:  # each slab: its new pins, its slot -> record map
+            slab.pinned += len(slots)
+            smap = self._slots.get(slab.index)
+            if smap is None or len(smap) != slab.num_slots:
+                smap = self._slots[slab.index] = array("i", [-1]) * slab.num_slots
+            np.frombuffer(smap, np.int32)[np.frombuffer(slots, np.int32)] = ps[at:at + len(slots)]
+            at += len(slots)
+        ns = table[0]
+        self.ns_bytes[ns] = self.ns_bytes.get(ns, 0) + m * stride
+        make = Entry.__new__
+        out: list[Entry | None] = [make(Entry) for _ in range(m)]
+        ps_list = ps.tolist()
+        for e, key, p, off, gen in zip(out, keys, ps_list, offsets.tolist(), gens.tolist()):
+            e._ix, e.rec, e.table, e.key, e._offset, e.stride, e.gen = (
+                self, p, table, key, off, stride, gen)
+        pend = self.pending.get(table)
+        if pend is None:
+            pend = self.pending[table] = {}
+        pend.update(zip(keys, out))
+        if owner:
+            self.owners.update(dict.fromkeys(ps_list, owner))
+        if m < n:
+            out += self._reserve_each(table, keys[m:], page_bytes, stride, owner)
+        return out
+
+    def _reserve_each(self: PageIndex, table: TableId, keys: Sequence[str], page_bytes: int,
+                      stride: int, owner: int) -> list[Entry | None]:
+        out = [self.reserve(table, key, page_bytes, stride) for key in keys]
+        if owner:
+            for e in out:
+                if e is not None:
+                    e.owner = owner
+        return out
+
+    # ------------------------------------------------------------ commit
+
+    def commit_many(self: PageIndex, entries: Sequence[Entry]) -> None:
+        """Publish pending entries, in turn, in one pass (a call's pages: the slabs' recency
+        once). Every entry must be pending and pinned, each once; the state afterwards is
+        exactly that of committing them one by one (``commit``): in particular a call's pages
+        are the most recently used in its order, and the policy hears of them in that order
+        (``inserted_many``: what it needs of the state between two of them is given)."""
+        n = len(entries)
+        if n < BATCH_MIN:
+            return self._commit_each(entries)
+        ps, gens = handles(entries)
+        cols = self.np
+        flags = cols["p_flags"][ps]
+        bad = cols["p_gen"][ps] != gens  # (count_nonzero: cheaper than any() on a few pages)
+        bad |= (flags & PENDING) == 0
+        bad |= cols["p_pins"][ps] <= 0
+        ps_list = ps.tolist()
+        if np.count_nonzero(bad) or len(set(ps_list)) != n:
+            return self._commit_each(entries)  # raises where committing one by one raises
+        pending = self.pending
+        for e in entries:
+            pend = pending[e.table]
+            del pend[e.key]
+            if not pend:
+                del pending[e.table]
+        cols["p_flags"][ps] = (flags & np.uint8(0xFF ^ PENDING)) | COMMITTED
+        if self.owners:
+            pop = self.owners.pop
+            for p in ps_list:
+                pop(p, None)
+        tids = cols["p_tid"][ps]
+        if not np.count_nonzero(tids != tids[0]):
+            self._tcount[tids[0]] += n
+        else:
+            for tid, count in zip(*np.unique(tids, return_counts=True)):
+                self._tcount[tid] += int(count)
+        self.committed_count += n
+        krecs = cols["p_krec"][ps]
+        bits = np.asarray(self._tbit, np.int64)[tids]
+        masks = cols["k_mask"]
+        mask_before = masks[krecs]
+        if len(set(krecs.tolist())) == n:
+            masks[krecs] = mask_before | bits
+            firsts = None
+        else:  # a key's pages in several pools: each key once, where it first comes
+            np.bitwise_or.at(masks, krecs, bits)
+            firsts = np.sort(np.unique(krecs, return_index=True)[1])
+        if self.shared is not None:
+            self._publish(entries, ps, krecs, mask_before, firsts)
+        tick = self._tick
+        used = cols["p_used"]
+        used_before = used[ps]
+        used[ps] = np.arange(tick + 1, tick + 1 + n, dtype=np.int64)
+        self._tick = tick + n
+        self.policy.inserted_many(ps, used_before, mask_before)
+        offsets = cols["p_off"][ps]
+        pins = cols["p_pins"]
+        pins[ps] -= 1  # unpinned: a pending page's reservation pin
+        self._touch_slabs(offsets // self.alloc.slab_bytes, tick)
+        self._count_pinned(offsets[pins[ps] == 0], -1)
+        if self.event_tids:
+            self.kv_events.stored(entries)
+        for p in self.policy.stale():  # pages no hit can use any more (``hybrid.py``)
+            self._evict_page(p)
+
+    def _publish(self: PageIndex, entries: Sequence[Entry], ps: np.ndarray, krecs: np.ndarray,
+                 mask_before: np.ndarray, firsts: np.ndarray | None) -> None:
+        """Publish a commit's changed masks (and its large pages' slot tags) in the shared
+        presence table, as ``commit`` of each page does (``PresenceTable.set_many``: the same
+        bytes), its keys fingerprinted in one call (``presence.fingerprints``) where they are
+        many, of one namespace and of one ASCII length. ``firsts``: the position of each key's
+        first page (None: every page is its key's only one)."""
+        cols, shared = self.np, self.shared
+        pos = np.arange(len(ps)) if firsts is None else firsts
+        keys = krecs[pos]
+        sfps = cols["k_sfp"][keys]
+        todo = np.flatnonzero(sfps == 0)
+        if len(todo) >= FINGERPRINT_MIN:
+            ns = cols["k_ns"][keys[todo]]
+            if not np.count_nonzero(ns != ns[0]):
+                fps = fingerprints(self.seed(self._ns_names[ns[0]]),
+                                   [entries[i].key for i in pos[todo].tolist()])
+                if fps is not None:
+                    sfps[todo] = fps
+                    cols["k_sfp"][keys[todo]] = fps
+        new = cols["k_mask"][keys]
+        changed = np.flatnonzero(new != mask_before[pos])
+        sfps, new = sfps[changed], new[changed]
+        for j in np.flatnonzero(sfps == 0).tolist():  # fingerprinted one by one
+            sfps[j] = self._sfp(int(keys[changed[j]]))
+        shared.set_many(sfps, new)
+        if shared.tag_count and np.count_nonzero(cols["p_stride"][ps] >= shared.grain):
+            for e in entries:
+                shared.publish_tag(e._offset, e.stride, e.gen)
+
+    def fingerprint_all(self: PageIndex, entries: Sequence[Entry]) -> None:
+        """Fingerprint the keys of ``entries`` in one vectorised call (a commit's pages), so
+        that publishing them costs ~0.7 us a key instead of ~2.5 (``presence.fingerprints``),
+        where they are ``FINGERPRINT_MIN`` or more (the call costs as much as 16 keys alone)."""
+        if self.shared is None:
+            return
+        todo = [e for e in entries if not self.k_sfp[self.p_krec[e.rec]]]
+        if len(todo) < FINGERPRINT_MIN or any(e.table[0] != todo[0].table[0] for e in todo):
+            return  # few, or of several namespaces: one by one when published
+        fps = fingerprints(self.seed(todo[0].table[0]), [e.key for e in todo])
+        if fps is not None:
+            for e, fp in zip(todo, fps.tolist(), strict=True):
+                self.k_sfp[self.p_krec[e.rec]] = fp
+
+    def _touch_slabs(self: PageIndex, slab_ids: np.ndarray, tick: int) -> None:
+        """The pages in slabs ``slab_ids`` were used at ticks ``tick + 1``, ``tick + 2``, ...
+        in turn: each slab's ``last_used`` is its last page's, and they become their class's
+        most recently used in the order of their last page (``SlabAllocator.touched``)."""
+        slabs = self.alloc.slabs
+        n = len(slab_ids)
+        if slab_ids[0] == slab_ids[-1] and not np.count_nonzero(slab_ids != slab_ids[0]):
+            slab = slabs[slab_ids[0]]
+            slab.last_used = tick + n
+            self.alloc.touched((slab,))
+            return
+        ids, last = np.unique(slab_ids[::-1], return_index=True)
+        last = n - 1 - last  # the position of each slab's last page
+        order = np.argsort(last)
+        touched = []
+        for i, pos in zip(ids[order].tolist(), last[order].tolist()):
+            slab = slabs[i]
+            slab.last_used = tick + 1 + pos
+            touched.append(slab)
+        self.alloc.touched(touched)
+
+    def _commit_each(self: PageIndex, entries: Sequence[Entry]) -> None:
+        """``commit_many`` one page after the other (few pages, or a page not as it should be:
+        the AssertionError is raised where committing one by one raises it)."""
+        self.fingerprint_all(entries)
+        shared, alloc, policy = self.shared, self.alloc, self.policy
+        slabs, slab_bytes = alloc.slabs, alloc.slab_bytes
+        flags, pins, used, mask_of = self.p_flags, self.p_pins, self.p_used, self.k_mask
+        touched: dict = {}  # slab -> None, in the order of their last touch
+        owners = self.owners
+        tick = self._tick
+        for e in entries:
+            p = e.rec
+            if self.p_gen[p] != e.gen or not flags[p] & PENDING:
+                raise AssertionError(f"{e!r} is not pending")
+            pend = self.pending[e.table]
+            del pend[e.key]
+            if not pend:
+                del self.pending[e.table]
+            flags[p] = (flags[p] & ~PENDING) | COMMITTED
+            if owners:
+                owners.pop(p, None)
+            tid = self.p_tid[p]
+            self._tcount[tid] += 1
+            self.committed_count += 1
+            k = self.p_krec[p]
+            old = mask_of[k]
+            mask_of[k] = new = old | self._tbit[tid]
+            if shared is not None:
+                if new != old:
+                    shared.set(self._sfp(k), new)
+                shared.publish_tag(e._offset, e.stride, e.gen)
+            tick += 1
+            used[p] = tick
+            policy.inserted(p)
+            slab = slabs[e._offset // slab_bytes]
+            slab.last_used = tick
+            touched.pop(slab, None)
+            touched[slab] = None
+            if pins[p] <= 0:
+                raise AssertionError(f"{e!r} is not pinned")
+            pins[p] -= 1  # unpin
+            if pins[p] == 0:
+                slab.pinned -= 1
+        self._tick = tick
+        alloc.touched(touched)
+        if self.event_tids:
+            self.kv_events.stored(entries)
+        for p in policy.stale():  # pages no hit can use any more (``hybrid.py``)
+            self._evict_page(p)
+
+    # ------------------------------------------------------------ recency, pins, hits
+    # (one loop a call: at a get's 16-64 random pages the numpy calls and the slab counts by
+    # ``np.unique`` cost more than a tight loop; the policy hears of the pages at once)
+
+    def touch_many(self: PageIndex, entries: Sequence[Entry]) -> None:
+        """``touch`` of each of ``entries`` in turn, in one pass (a get's pages)."""
+        gen, used, flags = self.p_gen, self.p_used, self.p_flags
+        slabs, slab_bytes = self.alloc.slabs, self.alloc.slab_bytes
+        touched: dict = {}  # slab -> None, in the order of their last touch
+        ps, ticks = [], []  # the committed pages, for the policy
+        tick = self._tick
+        for e in entries:
+            p = e.rec
+            if gen[p] != e.gen:
+                continue
+            tick += 1
+            used[p] = tick
+            slab = slabs[e._offset // slab_bytes]
+            slab.last_used = tick
+            touched.pop(slab, None)
+            touched[slab] = None
+            if flags[p] & COMMITTED:
+                ps.append(p)
+                ticks.append(tick)
+        self._tick = tick
+        self.alloc.touched(touched)
+        if ps:
+            self.policy.touched_many(ps, ticks)
+
+    def read_many(self: PageIndex, entries: Sequence[Entry]) -> None:
+        """A get's pages, just looked up (each alive): ``touch_many``, ``count_hits`` and
+        ``pin_many`` of ``entries`` in one pass, the state they leave called in turn (the
+        lease that pins them: ``LeaseTable.new_lease(..., pinned=True)``)."""
+        gen, used, flags = self.p_gen, self.p_used, self.p_flags
+        hits, pins = self.p_hits, self.p_pins
+        slabs, slab_bytes = self.alloc.slabs, self.alloc.slab_bytes
+        touched: dict = {}  # slab -> None, in the order of their last touch
+        ps, ticks = [], []  # the committed pages, for the policy
+        tick = self._tick
+        for e in entries:
+            p = e.rec
+            assert gen[p] == e.gen, e
+            tick += 1
+            used[p] = tick
+            slab = slabs[e._offset // slab_bytes]
+            slab.last_used = tick
+            touched.pop(slab, None)
+            touched[slab] = None
+            if flags[p] & COMMITTED:
+                ps.append(p)
+                ticks.append(tick)
+            if hits[p] < HITS_MAX:
+                hits[p] += 1
+            if not pins[p]:
+                slab.pinned += 1
+            pins[p] += 1
+        self._tick = tick
+        self.alloc.touched(touched)
+        if ps:
+            self.policy.touched_many(ps, ticks)
+
+    def pin_many(self: PageIndex, entries: Sequence[Entry]) -> None:
+        """``pin`` of each of ``entries``."""
+        gen, pins = self.p_gen, self.p_pins
+        slabs, slab_bytes = self.alloc.slabs, self.alloc.slab_bytes
+        for e in entries:
+            p = e.rec
+            assert gen[p] == e.gen, e
+            if pins[p] == 0:
+                slabs[e._offset // slab_bytes].pinned += 1
+            pins[p] += 1
+
+    def unpin_many(self: PageIndex, entries: Sequence[Entry]) -> None:
+        """``unpin`` of each of ``entries``."""
+        gen, pins = self.p_gen, self.p_pins
+        slabs, slab_bytes = self.alloc.slabs, self.alloc.slab_bytes
+        for e in entries:
+            p = e.rec
+            assert gen[p] == e.gen and pins[p] > 0, e
+            pins[p] -= 1
+            if pins[p] == 0:
+                slabs[e._offset // slab_bytes].pinned -= 1
+
+    def count_hits(self: PageIndex, entries: Sequence[Entry]) -> None:
+        """One more hit for each of ``entries`` (those still in their slot)."""
+        gen, hits = self.p_gen, self.p_hits
+        for e in entries:
+            p = e.rec
+            if gen[p] == e.gen and hits[p] < HITS_MAX:
+                hits[p] += 1
+
+    def _count_pinned(self: PageIndex, offsets: np.ndarray, delta: int) -> None:
+        """``delta`` more pinned pages in the slab of each of ``offsets``."""
+        if not len(offsets):
+            return
+        slabs = self.alloc.slabs
+        ids = offsets // self.alloc.slab_bytes
+        if ids[0] == ids[-1] and not np.count_nonzero(ids != ids[0]):
+            slabs[ids[0]].pinned += delta * len(ids)
+            return
+        for i in ids.tolist():
+            slabs[i].pinned += delta
