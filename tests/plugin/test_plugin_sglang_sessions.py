@@ -57,8 +57,10 @@ def test_an_exists_is_answered_while_another_thread_copies_a_large_set(sg, plugi
 
     def backup():
         result["first"] = b.batch_set_v1(first, idx(0, 8))  # its answer grants set-ahead slots
+        b.client().wait_committed()  # this thread's session: the others see the pages now
         pool.armed = threading.current_thread()
         result["second"] = b.batch_set_v1(second, idx(8, 8))
+        b.client().wait_committed()
 
     thread = threading.Thread(target=backup, name="backup")
     thread.start()
