@@ -36,6 +36,7 @@ def test_set_get_roundtrip_three_pools(daemon):
             PoolTransfer(PoolName.INDEXER, pages(0, 6), keys=keys),
         ])
         assert res == {"kv": [True] * 6, "mamba": [True], "indexer": [True] * 6}
+        w.wait_committed()  # r's get may otherwise reach the daemon before w's commit
         # read into other host slots: KV pages 10..15, mamba slot 2
         got = r.batch_get_v2([
             PoolTransfer(PoolName.KV, pages(10, 6), keys=keys),

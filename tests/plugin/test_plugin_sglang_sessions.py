@@ -91,6 +91,7 @@ def test_each_thread_has_a_session_closed_after_the_thread_ends(sg, plugin, daem
     keys = keys_of("s-", 2)
     assert b.batch_set_v1(keys, idx(0, 2)) == [True, True]
     main = b.client()
+    main.wait_committed()  # the other threads' sessions see the pages now
     seen, called, done = [], threading.Barrier(4), threading.Event()
 
     def work(hold=True):
