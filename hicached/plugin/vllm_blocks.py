@@ -32,12 +32,10 @@ import numpy as np
 import torch
 
 
-def _segments(name: str, t: torch.Tensor, num_blocks: int) -> tuple[list[int], int, int]:
-    """(start addresses of block 0's segments, bytes per segment, bytes between blocks) of one
-    layer tensor ``t`` whose block dimension has ``num_blocks`` entries."""
-    if t.device.type != "cpu":
-        raise ValueError(f"layer {name}: the KV cache is on {t.device}; memmove copies host "
-                         "memory only (device_pool copies device blocks)")
+def _block_dim(name: str, t: torch.Tensor, num_blocks: int) -> tuple[int, torch.Tensor]:
+    """The block dimension of layer tensor ``t`` (its first with ``num_blocks`` entries) and the
+    view of block 0 over the dimensions after it, which must be contiguous. Raises ``ValueError`` naming the layer when no
+    dimension fits or a block is not contiguous."""
     dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
     if not dims:
         raise ValueError(f"layer {name}: no dimension of {tuple(t.shape)} has the group's "
@@ -47,6 +45,16 @@ def _segments(name: str, t: torch.Tensor, num_blocks: int) -> tuple[list[int], i
     if not inner.is_contiguous():
         raise ValueError(f"layer {name}: a block of shape {tuple(inner.shape)} with strides "
                          f"{inner.stride()} is not contiguous")
+    return dim, inner
+
+
+def _segments(name: str, t: torch.Tensor, num_blocks: int) -> tuple[list[int], int, int]:
+    """(start addresses of block 0's segments, bytes per segment, bytes between blocks) of one
+    layer tensor ``t`` whose block dimension has ``num_blocks`` entries."""
+    if t.device.type != "cpu":
+        raise ValueError(f"layer {name}: the KV cache is on {t.device}; memmove copies host "
+                         "memory only (device_pool copies device blocks)")
+    dim, inner = _block_dim(name, t, num_blocks)
     es = t.element_size()
     seg_bytes = inner.numel() * es
     outer = np.indices(t.shape[:dim]).reshape(dim, -1).T if dim else np.zeros((1, 0), np.int64)
@@ -120,15 +128,7 @@ def block_parts(layers: Sequence[tuple[str, torch.Tensor]], num_blocks: int
     ``BlockPool``'s order."""
     parts = []
     for name, t in layers:
-        dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
-        if not dims:
-            raise ValueError(f"layer {name}: no dimension of {tuple(t.shape)} has the group's "
-                             f"{num_blocks} blocks")
-        dim = dims[0]
-        inner = t[(0,) * (dim + 1)] if dim + 1 < t.dim() else t.reshape(-1)[:1]
-        if not inner.is_contiguous():  # the dimensions after the block one, as BlockPool
-            raise ValueError(f"layer {name}: a block of shape {tuple(inner.shape)} with "
-                             f"strides {inner.stride()} is not contiguous")
+        dim, _ = _block_dim(name, t, num_blocks)  # the same checks as BlockPool's
         part = t.movedim(dim, 0)
         parts.append((part.unsqueeze(1) if part.dim() == 1 else part).view(torch.uint8))
     return parts
