@@ -5,37 +5,24 @@ when its short memory of keys the store lacked (``ABSENT_TTL_S``) says otherwise
 
 One master and two daemons for the module; each test uses keys of its own."""
 
-import json
 import time
 
 import pytest
 import torch
-from conftest import DaemonProc
+from mooncake_master import require_mooncake, two_nodes
 from pools import kv_pool, kv_tokens, mamba_pool, pages
-from test_mooncake import Master  # (and the skip when mooncake is missing)
 
 from hicached import PoolTransfer
 from hicached.daemon.l3.tier import ABSENT_TTL_S
+
+require_mooncake()
 
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     """(prefill's daemon, decode's daemon), sharing one master."""
-    tmp = tmp_path_factory.mktemp("two-nodes")
-    master = Master(tmp / "master.log").start()
-    opts = {"master_server_address": master.address, "protocol": "tcp",
-            "global_segment_size": "32MiB", "local_buffer_size": "4MiB",
-            "local_hostname": "127.0.0.1"}
-    extra = ["--l3-backend", "mooncake", "--l3-options", json.dumps(opts)]
-    made = []
-    try:
-        for name in ("prefill", "decode"):
-            made.append(DaemonProc(tmp, name=name, extra=extra).start())
-        yield tuple(made)
-    finally:
-        for d in made:
-            d.cleanup()
-        master.stop()
+    with two_nodes(tmp_path_factory.mktemp("two-nodes")) as daemons:
+        yield daemons
 
 
 def pools(c, seed=None):
