@@ -308,6 +308,7 @@ def stats_json(snap: dict) -> dict:
                    "set_ahead_bytes": st["set_ahead_bytes"],
                    "fenced_bytes": st["fenced_bytes"],
                    "parked_gets": st["parked_gets"], "parked_exists": st["parked_exists"],
+                   "parked_store_waits": st["parked_store_waits"],
                    "flush": st["l2_flush"], "presence_table": st["presence"]},
             "l3": {**tier, "hits": total(hits, "l3"), "misses": total(misses, "l3"),
                    "backend_stats": st["l3"], **snap["l3_bytes"]},
