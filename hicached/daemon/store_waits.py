@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from hicached import protocol as P
 from hicached.daemon.sessions import ParkedStore, Session
-from hicached.errors import HicachedError, NoL3, NotStored, StoreTimeout
+from hicached.errors import HicachedError, InvalidTransfer, NoL3, NotStored, StoreTimeout
 
 SHOWN_KEYS = 3  # keys an error message names (of how many)
 
@@ -43,6 +43,9 @@ class StoreWaits:
         for t in msg.transfers:
             if (s.ns, t.pool) not in self.geometry:
                 s.spec(t.pool)  # UnknownPool
+            if t.keys and max(map(len, t.keys)) > P.MAX_KEY_LEN:  # (no page has such a key)
+                raise InvalidTransfer(f"pool {t.pool!r}: a key is longer than "
+                                      f"{P.MAX_KEY_LEN} characters")
         tier = self.tier
         if not tier.attached:
             raise NoL3("no L3 backend is attached to this daemon: its pages are visible to its "

@@ -15,7 +15,7 @@ from conftest import wait_until
 from pools import kv_pool, kv_tokens, mamba_pool, pages
 
 from hicached import PoolTransfer
-from hicached.errors import NoL3, NotStored, StoreTimeout, UnknownPool
+from hicached.errors import InvalidTransfer, NoL3, NotStored, StoreTimeout, UnknownPool
 
 SLOW = "l3_doubles:SlowFileBackend"
 
@@ -51,6 +51,10 @@ def test_without_l3_it_raises_at_once(make_daemon):
         c.wait_stored([PoolTransfer("kv", keys=[])])  # nothing named: nothing asked
         with pytest.raises(UnknownPool):
             c.wait_stored([PoolTransfer("nope", keys=["a"])])
+        with pytest.raises(InvalidTransfer, match="longer than 1024"):
+            c.wait_stored([PoolTransfer("kv", keys=["k" * 1025])])
+        with pytest.raises(InvalidTransfer, match="keys must be str"):
+            c.wait_stored([PoolTransfer("kv", keys=[1])])
         assert c.stats()["store_waits"] == 0
 
 
