@@ -3,13 +3,14 @@ prefill's and decode's daemons do (``docs/pd.md``, two nodes). The prefill's dae
 pages stored in L3 (``Client.wait_stored``); the decode's daemon then loads them by name, even
 when its short memory of keys the store lacked (``ABSENT_TTL_S``) says otherwise.
 
-One master and two daemons for the module; each test uses keys of its own."""
+One master and two daemons for the session (``conftest.two_node_daemons``, shared with
+``tests/engine/test_pd_two_nodes.py``); each test uses keys of its own."""
 
 import time
 
 import pytest
 import torch
-from mooncake_master import require_mooncake, two_nodes
+from mooncake_master import require_mooncake
 from pools import kv_pool, kv_tokens, mamba_pool, pages
 
 from hicached import PoolTransfer
@@ -18,11 +19,10 @@ from hicached.daemon.l3.tier import ABSENT_TTL_S
 require_mooncake()
 
 
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
-    """(prefill's daemon, decode's daemon), sharing one master."""
-    with two_nodes(tmp_path_factory.mktemp("two-nodes")) as daemons:
-        yield daemons
+@pytest.fixture
+def nodes(two_node_daemons):
+    """(prefill's daemon, decode's daemon): ``conftest.two_node_daemons``."""
+    return two_node_daemons
 
 
 def pools(c, seed=None):

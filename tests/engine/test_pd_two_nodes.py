@@ -11,23 +11,22 @@ every step; and every page the decode moved came through L3.
 
 import pytest
 from conftest import wait_until
-from mooncake_master import require_mooncake, two_nodes
+from mooncake_master import require_mooncake
 from test_pd import ARCHS, PS, Node, checkpoints, config, run_cases  # noqa: F401 - a fixture
 
 from hicached.engine.config import EngineConfig
 from hicached.engine.engine import Engine
 from hicached.engine.models import load_model
-from hicached.engine.pd.decode import DecodeEngine
 from hicached.engine.pd.prefill import PrefillEngine, PrefillServer
 
 require_mooncake()
 
 
-@pytest.fixture(scope="module")
-def daemons(tmp_path_factory):
-    """(the prefill node's daemon, the decode node's daemon), sharing one master."""
-    with two_nodes(tmp_path_factory.mktemp("pd-two-nodes")) as pair:
-        yield pair
+@pytest.fixture
+def daemons(two_node_daemons):
+    """(the prefill node's daemon, the decode node's daemon), sharing one master: the
+    session's pair (``conftest.two_node_daemons``)."""
+    return two_node_daemons
 
 
 class TwoNodes(Node):
