@@ -120,6 +120,28 @@ class BackendConflict(BackendError):
     code = "backend_conflict"
 
 
+class NoL3(BackendError):
+    """The daemon has no L3 backend attached (or it was detached while a call waited for it):
+    a call that needs L3 (``Client.wait_stored``) cannot succeed there."""
+
+    code = "no_l3"
+
+
+class NotStored(BackendError):
+    """Named pages are not stored in L3 and will not be: their write failed (the store is
+    full or failing), the writer's queue was full, or a page is in neither L2 nor L3 (evicted
+    before its write, or never committed). The message names how many and why."""
+
+    code = "not_stored"
+
+
+class StoreTimeout(NotStored):
+    """Named pages were not stored in L3 within the call's deadline (their writes or lookups
+    are still under way: a slow or hung store)."""
+
+    code = "store_timeout"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -140,6 +162,9 @@ _BY_CODE = {
         BackendError,
         BackendUnavailable,
         BackendConflict,
+        NoL3,
+        NotStored,
+        StoreTimeout,
     )
 }
 

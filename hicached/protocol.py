@@ -13,6 +13,8 @@ Requests (client -> daemon)             answer
   Reserve      set, step 1               Reserved
   Commit       set, step 2 (or abort)    Committed (or none, with reply=False)
   Lease        get                       Leased
+  WaitStored   named pages in L3?        Ok, once they are stored there (or Error: not_stored,
+                                         store_timeout, no_l3)
   Release      end of get leases         (none: fire and forget)
                  (usually piggybacked instead: ``release`` of the next Exists/Reserve/Lease)
                  and pages read without any lease, counted (``shared_get.py``)
@@ -207,6 +209,27 @@ class Lease(_Msg, tag="lease"):
     release: list[int] = []  # piggybacked Release (released before this lease is taken)
 
 
+# The longest a WaitStored may wait (seconds): the daemon answers at its deadline, never later.
+WaitSeconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
+
+
+class WaitStored(_Msg, tag="wait_stored"):
+    """Answer ``Ok`` once every named committed page is stored in L3, whatever the write
+    policy: pages L2 holds that L3 lacks are written now (under ``write_back`` and the
+    selective policy too), writes in flight are waited for, pages L2 lacks are looked up in the
+    store. The answer is ``Error`` when no L3 is attached (``no_l3``, at once; also when it is
+    detached while the request waits), when a page cannot be stored (``not_stored``: its write
+    failed, or it is in neither L2 nor L3) or at ``timeout_s`` (``store_timeout``). The request
+    is parked while it waits: the control loop goes on. Sent on the socket that carried the
+    pages' commit, it is read after it. A daemon older than this message answers
+    ``malformed``."""
+
+    req_id: int
+    session: int
+    transfers: list[PoolKeys]
+    timeout_s: WaitSeconds = 5.0
+
+
 class ExistsTally(_Msg, tag="exists_tally"):
     """Exists calls a client answered itself from the presence table since its last tally:
     ``keys`` asked per anchor pool, ``hits`` restorable pages per pool (as ``ExistsResult``)."""
@@ -282,7 +305,7 @@ class Ping(_Msg, tag="ping"):
 
 
 Request = (Hello | RegisterPool | Exists | ExistsTally | Reserve | Commit | Lease | Release | Bye
-           | Flush | Attach | Detach | GetBackend | GetStats | Ping)
+           | Flush | Attach | Detach | GetBackend | GetStats | Ping | WaitStored)
 
 # ---------------------------------------------------------------- answers
 

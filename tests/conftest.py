@@ -133,6 +133,19 @@ def daemon(make_daemon):
     return make_daemon()
 
 
+@pytest.fixture(scope="session")
+def two_node_daemons(tmp_path_factory):
+    """Two real daemons sharing one real ``mooncake_master`` on loopback (the PD prefill's
+    node and the decode's): one pair for the whole session (each starts in seconds), so every
+    test of it uses namespaces or keys of its own and restores what it changes. Skips when
+    the Mooncake client is missing."""
+    from mooncake_master import require_mooncake, two_nodes
+
+    require_mooncake()
+    with two_nodes(tmp_path_factory.mktemp("two-nodes")) as pair:
+        yield pair
+
+
 class RacingWriter:
     """A writer process racing a test's reader for ``seconds``: ``python -c script`` (``script``
     formatted with the tests directory) with argv (endpoint, seconds, progress file); it writes

@@ -19,6 +19,7 @@ REQUESTS = [
     P.Flush(8, "all"),
     P.GetStats(9),
     P.Ping(10),
+    P.WaitStored(11, 7, [P.PoolKeys("kv", ["a", "b"]), P.PoolKeys("mamba", ["b"])], 2.5),
 ]
 ANSWERS = [
     P.Welcome(1, 7, "/dev/shm/x", 1 << 30, 99, 30.0, 30.0),
@@ -57,6 +58,22 @@ def test_wrong_field_type_raises():
     raw = msgspec.msgpack.encode(["register_pool", 1, 7, "kv", "not-an-int"])
     with pytest.raises(msgspec.ValidationError):
         P.request_decoder.decode(raw)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, 3601])
+def test_a_wait_stored_deadline_out_of_bounds_is_refused(timeout_s):
+    raw = msgspec.msgpack.encode(["wait_stored", 1, 7, [["kv", ["a"]]], timeout_s])
+    with pytest.raises(msgspec.ValidationError):
+        P.request_decoder.decode(raw)
+
+
+def test_an_older_daemon_refuses_wait_stored_by_name():
+    """A daemon older than ``WaitStored`` answers ``malformed`` with the tag in its message:
+    ``Client.wait_stored`` says the daemon is too old."""
+    from protocol_v4 import old_request_decoder
+
+    with pytest.raises(msgspec.ValidationError, match="wait_stored"):
+        old_request_decoder.decode(P.encode(P.WaitStored(1, 7, [P.PoolKeys("kv", ["a"])])))
 
 
 def test_packed_exists_keys_round_trip():

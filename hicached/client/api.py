@@ -46,6 +46,7 @@ from hicached.client.overlap import PageRecall, SetAhead
 from hicached.client.piggyback import PendingReleases
 from hicached.client.sets import SetCalls
 from hicached.client.table_exists import SharedExists
+from hicached.client.waits import WaitCalls
 from hicached.errors import (
     DaemonUnavailable,
     InvalidTransfer,
@@ -83,7 +84,7 @@ def _ident(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-class Client(ExistsCalls, GetCalls, SetCalls, ClientAdmin):
+class Client(ExistsCalls, GetCalls, SetCalls, WaitCalls, ClientAdmin):
     """A connection to one hicached daemon, in one namespace. Thread-safe; a context manager."""
 
     def __init__(self, endpoint: str, namespace: str, *, timeout_s: float = 5.0,
@@ -277,33 +278,6 @@ class Client(ExistsCalls, GetCalls, SetCalls, ClientAdmin):
     def _send_release(self, lease_ids: list[int], touched: list[int] = (), gets: int = 0
                       ) -> None:
         self._send_only(P.Release(0, self.session, lease_ids, list(touched), gets))
-
-    def wait_committed(self, timeout_s: float | None = None) -> None:
-        """Block until the daemon has read every commit this client sent (``batch_set_v2``
-        sends its ``Commit`` without waiting): their pages are then published, visible to every
-        client of the daemon (or aborted where the copy failed, as its answer said). No round
-        trip when the presence table already acknowledges them, else one ``Ping``: the daemon
-        reads a socket in order. Raises ``DaemonUnavailable`` when the daemon does not answer
-        within ``timeout_s`` (default: the client's), or when the last commit may be lost
-        (its socket was dropped before the daemon was known to have read it)."""
-        with self._lock:
-            sent, known = self._commits
-            if sent and sent <= self._commits_lost:
-                raise DaemonUnavailable(f"commit {sent} may be lost: its socket to "
-                                        f"{self.endpoint} was dropped")
-            if sent == known:
-                return
-            shared = self._shared
-            if shared is not None and shared.view.read_up_to(sent):
-                self._commits[1] = max(self._commits[1], sent)
-                return
-            if self._sock is None:  # the socket that carried them is gone
-                self._commits_lost = sent
-                raise DaemonUnavailable(f"commit {sent} may be lost: its socket to "
-                                        f"{self.endpoint} was dropped")
-            self._call(lambda s, r: P.Ping(r), timeout_s)
-            if self._commits[1] < sent:
-                raise DaemonUnavailable(f"commit {sent} was not acknowledged by {self.endpoint}")
 
     def _send_only(self, msg) -> None:
         with self._lock:

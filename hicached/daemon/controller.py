@@ -10,6 +10,8 @@ Steps of the life of a page it owns (docs/life-of-a-page.md):
   7. ``lease``    pins slots for a get; pages only L3 has are loaded into the arena first by the
                   I/O workers while the request waits (parked), the control loop keeps serving
   8. eviction happens inside ``PageIndex.reserve`` (``reserve_many``) when a class is full
+     ``wait_stored`` answers once named pages are in L3 (``store_waits.py``: the PD prefill's
+                  "ready" to another node)
 
 Only the control loop calls into this object (single thread); the I/O workers only run backend
 calls and hand finished jobs back through ``IOWorkers.collect``.
@@ -30,15 +32,16 @@ from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.leases import LeaseTable
 from hicached.daemon.quotas import NoQuotas
 from hicached.daemon.session_control import SessionControl
-from hicached.daemon.sessions import ParkedExists, ParkedGet, PoolSpec, Session
+from hicached.daemon.sessions import ParkedExists, ParkedGet, ParkedStore, PoolSpec, Session
 from hicached.daemon.set_control import SetControl
+from hicached.daemon.store_waits import StoreWaits
 from hicached.errors import PageSizeMismatch, ProtocolError
 from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
 
 log = logging.getLogger(__name__)
 
 
-class Controller(SetControl, SessionControl):
+class Controller(SetControl, SessionControl, StoreWaits):
     """L2 bookkeeping; L3 through the ``L3Tier``. See the module docstring."""
 
     def __init__(self, index: PageIndex, leases: LeaseTable, tier: L3Tier,
@@ -51,10 +54,12 @@ class Controller(SetControl, SessionControl):
         self.sessions: dict[int, Session] = {}
         self.ns_names: dict[str, str] = {}  # namespace digest -> name (session_control.py)
         self.geometry: dict[TableId, int] = {}  # (ns, pool) -> page_bytes, fixed once seen
-        self.parked: dict[int, ParkedGet | ParkedExists] = {}  # id -> request waiting for L3
+        # id -> request waiting for L3 (loads, lookups, writes: ``store_waits.py``)
+        self.parked: dict[int, ParkedGet | ParkedExists | ParkedStore] = {}
         self.pending_waiters: dict[Entry, list[ParkedGet]] = {}  # uncommitted page -> its gets
         self.counters = {"hits": 0, "misses": 0, "no_space": 0, "get_wait_timeouts": 0,
-                         "exists_wait_timeouts": 0, "partial_answers": 0, "shared_gets": 0}
+                         "exists_wait_timeouts": 0, "partial_answers": 0, "shared_gets": 0,
+                         "store_waits": 0, "store_wait_timeouts": 0}
         self.quotas = NoQuotas()  # per-namespace L2 quotas (quotas.py); the daemon installs them
         # set-ahead slots (leases.AheadSlots): bytes one session / all sessions may hold
         self.ahead_session_bytes = 0
@@ -287,7 +292,7 @@ class Controller(SetControl, SessionControl):
         self.first_l3_reads = (answer, from_l3)  # for the metrics of this answer
         return answer
 
-    def _settle(self, parked: ParkedGet | ParkedExists) -> None:
+    def _settle(self, parked: ParkedGet | ParkedExists | ParkedStore) -> None:
         """``parked`` is answered: nothing it waited for may answer it again."""
         parked.answered = True
         self.parked.pop(id(parked), None)
@@ -298,12 +303,16 @@ class Controller(SetControl, SessionControl):
                 if not waiting:
                     del self.pending_waiters[e]
 
-    def _answer_parked(self, parked: ParkedGet | ParkedExists, final: bool = False) -> None:
+    def _answer_parked(self, parked: ParkedGet | ParkedExists | ParkedStore,
+                       final: bool = False) -> None:
         """Answer a parked request; a bug in building its answer costs this request only, and
         its client hears an ``Error`` instead of waiting for its deadline (as ``_handle``)."""
         try:
             if isinstance(parked, ParkedExists):
                 self._answer_exists(parked)
+                return
+            if isinstance(parked, ParkedStore):
+                self._answer_stored(parked, final)
                 return
             self._settle(parked)
             if parked.session.id in self.sessions:
@@ -317,8 +326,9 @@ class Controller(SetControl, SessionControl):
         """Answer requests that waited ``get_wait_s`` for L3: what is loaded now is served (a
         get), keys the store has not answered for are absent (an exists)."""
         for parked in [p for p in self.parked.values() if p.deadline <= now]:
-            self.counters["get_wait_timeouts" if isinstance(parked, ParkedGet)
-                          else "exists_wait_timeouts"] += 1
+            if not isinstance(parked, ParkedStore):  # (counted when answered StoreTimeout)
+                self.counters["get_wait_timeouts" if isinstance(parked, ParkedGet)
+                              else "exists_wait_timeouts"] += 1
             self._answer_parked(parked, final=True)
 
     def next_parked_deadline(self) -> float | None:
@@ -369,7 +379,7 @@ class Controller(SetControl, SessionControl):
             if not parked.jobs or (loaded and self._stream_now(parked)):
                 self._answer_parked(parked)
 
-    def _stream_now(self, parked: ParkedGet | ParkedExists) -> bool:
+    def _stream_now(self, parked: ParkedGet | ParkedExists | ParkedStore) -> bool:
         """A streamed get answers as each load lands, once no lookup of its keys is in flight
         (the pages a lookup finds are loading; those it does not find are misses)."""
         return (isinstance(parked, ParkedGet) and parked.msg.stream

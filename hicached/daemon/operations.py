@@ -23,7 +23,7 @@ from hicached import protocol as P
 from hicached.backends.base import BACKENDS, is_backend_name
 from hicached.daemon.l3.tier import close_quietly
 from hicached.daemon.orphans import orphans
-from hicached.daemon.sessions import ParkedExists, ParkedGet
+from hicached.daemon.sessions import ParkedExists, ParkedGet, ParkedStore
 from hicached.errors import (
     BackendConflict,
     BackendError,
@@ -280,6 +280,7 @@ class DaemonOperations:
             "sessions": len(c.sessions),
             "parked_gets": sum(isinstance(p, ParkedGet) for p in c.parked.values()),
             "parked_exists": sum(isinstance(p, ParkedExists) for p in c.parked.values()),
+            "parked_store_waits": sum(isinstance(p, ParkedStore) for p in c.parked.values()),
             "l2_flush": c.flusher.status(),
             "l3_backend": c.tier.backend.name,
             "l3_tier": c.tier.status(),

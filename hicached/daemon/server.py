@@ -333,9 +333,10 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         if answer is not None:
             self._send(identity, answer)
 
-    def _send_parked(self, identity: bytes, msg: P.Lease | P.Exists, answer) -> None:
+    def _send_parked(self, identity: bytes, msg: P.Lease | P.Exists | P.WaitStored,
+                     answer) -> None:
         """The late answer of a request that waited for L3 (a get for loads, an exists for the
-        store's lookup)."""
+        store's lookup, a WaitStored for writes)."""
         self.metrics.on_parked_answer(msg, answer)
         self._send(identity, answer)
 
@@ -372,6 +373,9 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                     if msg.touched or msg.shared_gets:
                         self.metrics.on_unleased(msg, c.read_unleased(s, msg))
                 return None
+            case P.WaitStored():
+                return c.wait_stored(self._session(msg.session), msg,
+                                     lambda answer: self._send_parked(identity, msg, answer))
             case P.Reserve():
                 if self._stop.is_set():
                     raise ShuttingDown("daemon is shutting down; not accepting writes")

@@ -84,3 +84,21 @@ class ParkedExists:
     probes: list = field(default_factory=list)  # the IOJobs (their results, once finished)
     answered: bool = False
     pending: list[Entry] = field(default_factory=list)  # never any (ParkedGet's shape)
+
+
+@dataclass
+class ParkedStore:
+    """A WaitStored waiting for L3 writes of its pages (in flight, or started for it) and for
+    the store's word on pages L2 lacks (``store_waits.py``); answered through ``reply`` once
+    ``jobs`` is empty or at ``deadline`` (pages not yet stored then: ``StoreTimeout``)."""
+
+    session: Session
+    msg: P.WaitStored
+    reply: Callable[[P.Ok | P.Error], None]
+    deadline: float
+    pages: list[tuple[tuple[str, str], str]] = field(default_factory=list)  # (table, key)
+    jobs: set[int] = field(default_factory=set)
+    writes: list = field(default_factory=list)  # the put IOJobs it waits for (their results)
+    probes: list = field(default_factory=list)  # the exists IOJobs (their results)
+    answered: bool = False
+    pending: list[Entry] = field(default_factory=list)  # never any (ParkedGet's shape)

@@ -43,6 +43,11 @@ from hicached.types import PoolHitPolicy, PoolName, PoolTransfer
 
 log = logging.getLogger(__name__)
 
+# Where a PD prefill's pages must be before it says "ready" (``Storage.wait_visible``): in the
+# daemon's L2 (the decode uses the same daemon: one node), or in its L3 (the decode's daemon
+# shares the store: two nodes).
+TRANSFER_TIERS = ("l2", "l3")
+
 
 class Reservation(NamedTuple):
     """Device room for a load: KV (and indexer) pages, and a state slot (hybrid models)."""
@@ -95,9 +100,13 @@ class Storage(abc.ABC):
         every page and state arrived; False leaves the pages' contents undefined."""
         return False
 
-    def wait_visible(self, timeout_s: float | None = None) -> None:
-        """Block until every store so far is visible to the daemon's other clients; raises
-        ``HicachedError`` when that cannot be known (the PD prefill's "ready")."""
+    def wait_visible(self, kv_keys: Sequence[str] = (), state_keys: Sequence[str] = (), *,
+                     tier: str = "l2", timeout_s: float | None = None) -> None:
+        """Block until stored pages are visible to other engines (the PD prefill's "ready");
+        raise ``HicachedError`` when that cannot be known. ``tier``: ``l2``, every store so
+        far is visible to the daemon's other clients (one node); ``l3``, the pages of
+        ``kv_keys`` (and the indexer's) and the states of ``state_keys`` are stored in L3,
+        visible to every daemon sharing the store (two nodes)."""
         raise HicachedError(f"storage {self.name!r} shares nothing with other processes")
 
     def close(self) -> None:
@@ -293,13 +302,26 @@ class HicachedStorage(Storage):
             self.states.to_device(list(state_slots))
         return True
 
-    def wait_visible(self, timeout_s: float | None = None) -> None:
+    def wait_visible(self, kv_keys=(), state_keys=(), *, tier="l2", timeout_s=None) -> None:
+        """``l2``: ``Client.wait_committed``; ``l3``: ``Client.wait_stored`` of the pages
+        (read after their commit on the same socket)."""
         from hicached.errors import DaemonUnavailable
 
+        if tier not in TRANSFER_TIERS:
+            raise ValueError(f"unknown transfer tier {tier!r}; valid: {list(TRANSFER_TIERS)}")
         c = self.plugin.client()
         if c is None:
             raise DaemonUnavailable(f"no hicached daemon at {self.endpoint}")
-        c.wait_committed(timeout_s or self.timeout_s)
+        if tier == "l2":
+            c.wait_committed(timeout_s or self.timeout_s)
+            return
+        pools = [PoolName.KV.value]
+        if self.indexer is not None:  # DSA: the indexer's pages go with the KV ones
+            pools.append(PoolName.INDEXER.value)
+        wanted = [PoolTransfer(p, keys=list(kv_keys)) for p in pools if kv_keys]
+        if state_keys:
+            wanted.append(PoolTransfer(PoolName.MAMBA.value, keys=list(state_keys)))
+        c.wait_stored(wanted, timeout_s or self.timeout_s)
 
     def close(self) -> None:
         self.plugin.close()

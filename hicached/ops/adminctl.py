@@ -240,7 +240,8 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
             f"{'on' if l3['prefetch'] else 'off'}"
             + (f"; {stored} pages stored" if stored is not None else "")
             + (" [DEGRADED: failing, answered as misses]" if l3["degraded"] else ""))
-        waiting = l2.get("parked_gets", 0) + l2.get("parked_exists", 0)
+        waiting = (l2.get("parked_gets", 0) + l2.get("parked_exists", 0)
+                   + l2.get("parked_store_waits", 0))
         if l3.get("dirty_pages"):  # write_back: only in L2 until evicted, flushed or detached
             lines.append(f"          {l3['dirty_pages']} dirty pages (in L2 only, not yet "
                          "written to L3)")

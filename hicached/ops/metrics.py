@@ -136,7 +136,7 @@ class Metrics(NullMetrics):
         """A request was handled: ``answer`` sent now, or None (fire and forget, or parked)."""
         op = OPS.get(type(msg), "invalid")
         if answer is None:
-            if op in ("lease", "exists"):
+            if op in ("lease", "exists", "wait_stored"):
                 self._park(msg, t0)
                 return
             outcome = "ok"
@@ -308,6 +308,7 @@ def stats_json(snap: dict) -> dict:
                    "set_ahead_bytes": st["set_ahead_bytes"],
                    "fenced_bytes": st["fenced_bytes"],
                    "parked_gets": st["parked_gets"], "parked_exists": st["parked_exists"],
+                   "parked_store_waits": st["parked_store_waits"],
                    "flush": st["l2_flush"], "presence_table": st["presence"]},
             "l3": {**tier, "hits": total(hits, "l3"), "misses": total(misses, "l3"),
                    "backend_stats": st["l3"], **snap["l3_bytes"]},
@@ -383,14 +384,18 @@ class _Collector:
                          ("expired_reservations", "Reservations freed by their TTL"),
                          ("get_wait_timeouts", "Gets answered before their L3 loads finished"),
                          ("exists_wait_timeouts",
-                          "Exists answered before the L3 store answered its lookup")):
+                          "Exists answered before the L3 store answered its lookup"),
+                         ("store_waits", "WaitStored requests (pages awaited in L3)"),
+                         ("store_wait_timeouts",
+                          "WaitStored answered store_timeout: pages not in L3 by the deadline")):
             yield C(f"hicached_{key}", doc, value=st[key])
         for key, doc in (("sessions", "Connected clients"), ("leases", "Leases held"),
                          ("reservations", "Reservations open"),
                          ("set_ahead_bytes", "Arena bytes held as clients' set-ahead slots"),
                          ("fenced_bytes", "Arena bytes a stalled client may still write"),
                          ("parked_gets", "Gets waiting for L3 loads"),
-                         ("parked_exists", "Exists waiting for an L3 lookup")):
+                         ("parked_exists", "Exists waiting for an L3 lookup"),
+                         ("parked_store_waits", "WaitStored requests waiting for L3 writes")):
             yield G(f"hicached_{key}", doc, value=st[key])
         kv = st["kv_events"]
         yield C("hicached_kv_events_published", "KV events sent to routers (kv_events_endpoint)",

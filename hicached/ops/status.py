@@ -80,7 +80,8 @@ def flatten(stats: dict) -> tuple[dict, dict]:
     levels: dict = {("l2_used",): l2["used_bytes"], ("l2_capacity",): l2["capacity_bytes"],
                     ("sessions",): stats["sessions"], ("leases",): l2["leases"],
                     ("reservations",): l2["reservations"],
-                    ("parked",): l2["parked_gets"] + l2["parked_exists"],
+                    ("parked",): (l2["parked_gets"] + l2["parked_exists"]
+                                  + l2.get("parked_store_waits", 0)),
                     ("dirty_pages",): l3["dirty_pages"], ("jobs_in_flight",): l3["jobs_in_flight"],
                     ("loading_pages",): l3["loading_pages"],
                     ("degraded",): int(bool(l3["attached"] and l3["degraded"]))}

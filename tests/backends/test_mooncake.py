@@ -9,9 +9,6 @@ two daemons sharing pages through one master.
 import itertools
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -20,15 +17,10 @@ import uuid
 import pytest
 import torch
 from conftest import wait_until
-
-try:
-    import mooncake
-    import mooncake.store
-except ImportError as e:  # the extra is not installed (or its libibverbs / libnuma are missing)
-    pytest.skip(f"mooncake client not importable ({e}); pip install 'hicached[mooncake]'",
-                allow_module_level=True)
-
+from mooncake_master import Master, require_mooncake
 from pools import kv_pool, kv_tokens, pages
+
+require_mooncake()  # skips the module: the extra (or its libibverbs / libnuma) is missing
 
 from hicached import PoolTransfer
 from hicached.arena import Arena
@@ -38,58 +30,7 @@ from hicached.backends.mooncake.options import MooncakeOptions, redact
 from hicached.backends.mooncake.transfers import key_part, object_key
 from hicached.errors import BackendUnavailable, ConfigError
 
-MASTER_BIN = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
 PAGE = 64 * 1024
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Master:
-    """A ``mooncake_master`` on 127.0.0.1 (RPC and metrics), started and stopped by PID."""
-
-    def __init__(self, log_path):
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.proc = None
-
-    def start(self):
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [MASTER_BIN, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
-                 f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1"],
-                stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return self
-            except OSError:
-                assert self.proc.poll() is None, self.log_path.read_text()[-2000:]
-                time.sleep(0.05)
-        raise RuntimeError(f"mooncake_master did not listen on {self.port}")
-
-    def kill(self):
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def pause(self, paused=True):
-        os.kill(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
-
-    def stop(self):
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.kill(self.proc.pid, signal.SIGCONT)
-        os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 @pytest.fixture

@@ -134,7 +134,8 @@ class Adversary:
         def rows() -> list[list[bool]]:
             return [[rng.random() < 0.7 for _ in range(rng.randrange(6))]
                     for _ in range(rng.randrange(4))]
-        kind = rng.choice((0, 1, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 6, 6, 7, 8, 9, 10, 11, 12, 13, 14))
+        kind = rng.choice((0, 1, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 6, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                           15))
         match kind:
             case 0:
                 return P.Hello(rid, self.pick((P.PROTOCOL_VERSION,) * 5 + (0, 3, 5, BIG)),
@@ -185,6 +186,8 @@ class Adversary:
                 return P.GetStats(rid)
             case 12:
                 return P.Ping(rid)
+            case 15:
+                return P.WaitStored(rid, sid, self.transfers(), self.pick((0.05, 0.3, 1.0)))
             case 13:  # a valid request's bytes, mangled
                 raw = bytearray(P.encode(self.random_request(others)))
                 for _ in range(rng.randrange(1, 4)):

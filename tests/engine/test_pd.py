@@ -135,8 +135,16 @@ def moved(req):
 
 
 def test_pd_cases_equal_a_plain_engine(node):
+    run_cases(node)
+
+
+def run_cases(node):
+    """Every case on one decode, in turn (each builds on what the decode holds by then), each
+    equal to the twin with the exact delta moved; the requests run. Two nodes use it too
+    (``test_pd_two_nodes.py``)."""
     d, twin = node.decode(), node.twin()
     states = 1 if d.states is not None else 0
+    done = []
     seq_a = None
     cases = [  # (name, prompt, (decode_prefix_len, moved pages))
         ("miss", lambda: A, (0, 5)),
@@ -152,6 +160,7 @@ def test_pd_cases_equal_a_plain_engine(node):
         assert req.status.value == "finished", (name, req.error)
         node.assert_equal(req, twin)
         assert moved(req) == (*want, states), name
+        done.append(req)
         if seq_a is None:
             seq_a = req.seq
     short = node.run(d, toks(5, 6), max_new=3)  # shorter than a page: nothing moves
@@ -161,6 +170,7 @@ def test_pd_cases_equal_a_plain_engine(node):
     node.assert_equal(one, twin)
     assert d.first_token_mismatches == 0  # every tail gave the prefill's first token
     node.prefill.check_idle()
+    return [*done, short, one]
 
 
 def test_pd_without_decode_radix_moves_everything(node):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hicached.engine.pd import protocol as M
-from hicached.engine.pd.server import PDConfig, main
+from hicached.engine.pd.server import PDConfig, build_parser, main
 
 MESSAGES = [
     ("prefill", M.PrefillRequest("r1", [1, 2, 3], 16, 2.5)),
@@ -47,6 +47,8 @@ def test_logits_round_trip():
     ({"mode": "decode", "bootstrap_endpoint": "ipc:///x"}, "needs --serve-endpoint"),
     ({"serve_endpoint": "ipc:///y", "decode_radix": True}, "is for the decode mode"),
     ({"serve_endpoint": "ipc:///y", "timeout_s": 0}, "must be > 0"),
+    ({"mode": "prefill", "bootstrap_endpoint": "ipc:///x", "transfer": "rdma"},
+     "unknown --disaggregation-transfer 'rdma'; valid: \\['l2', 'l3'\\]"),
 ])
 def test_bad_configs_raise(kw, words):
     with pytest.raises(ValueError, match=words):
@@ -56,3 +58,5 @@ def test_bad_configs_raise(kw, words):
 def test_cli_refuses_a_bad_combination(capsys, tmp_path):
     assert main(["--disaggregation-mode", "decode", "--model-path", str(tmp_path)]) == 2
     assert "needs --disaggregation-bootstrap-endpoint" in capsys.readouterr().err
+    assert build_parser().parse_args(["--model-path", "m", "--disaggregation-transfer",
+                                      "l3"]).transfer == "l3"

@@ -16,11 +16,19 @@ the arena (L2) and the backend (L3).
                               load; the get waits (parked by the controller) for it. Keys not
                               known to be in L3 (``known_in_l3``) are first looked up by a
                               ``find`` job on the prober thread; its answer starts their loads.
-                              Keys the store lacked are not asked again for ``ABSENT_TTL_S``
-                              (``absent_in_l3``): a hybrid model's sparse state pools miss most
-                              keys, and asking the store for them at every exists would cost a
-                              store round trip each time. One this daemon writes is forgotten
-                              there; one another node writes meanwhile is a miss till then
+                              Keys the store lacked are not asked again by an exists for
+                              ``ABSENT_TTL_S`` (``absent_in_l3``): a hybrid model's sparse state
+                              pools miss most keys, and asking the store for them at every
+                              exists would cost a store round trip each time. One this daemon
+                              writes is forgotten there; one another node writes meanwhile is
+                              an exists miss till then. A get does not trust that memory: it
+                              names keys its client has reason to think stored (an exists just
+                              said so, or another node confirmed them: the PD decode loads the
+                              pages its prefill's ``WaitStored`` confirmed), so keys L2 lacks
+                              and not known to be in L3 are always looked up (a get of a truly
+                              absent key pays one lookup on the prober thread)
+    stored waits              ``store_now`` (``writes.py``): a ``WaitStored`` has named pages
+                              written now whatever the policy and joins their put jobs
     lookups                   ``probe``: the controller's exists asks the store the same way,
                               off the control loop, and answers when the prober has
     prefetch                  an exists that finds pages only in L3 starts the same loads with
@@ -87,6 +95,7 @@ class L3Tier(TierWrites, TierAudit):
         self.loading: dict[tuple[TableId, str], IOJob] = {}  # a get job, or a find's lookup
         self.finding: set[int] = set()  # ids of the find jobs in flight
         self.dirty: dict[Entry, None] = {}  # write_back: committed pages L3 lacks (pinned)
+        self.put_job_of: dict[Entry, IOJob] = {}  # pages being written -> their put job
         self.drop_when_written: set[Entry] = set()  # flushed from L2 once in L3
         # bytes the pages queued for or being written to L3 pin (dirty ones, pinned anyway, not
         # counted), in all and per put job (id)
@@ -107,7 +116,7 @@ class L3Tier(TierWrites, TierAudit):
         self.counters = {"l3_loads": 0, "l3_load_failures": 0, "l3_writes": 0,
                          "l3_write_failures": 0, "l3_writes_dropped": 0, "l3_errors": 0,
                          "prefetched_pages": 0, "write_backs": 0, "l3_probes_dropped": 0,
-                         "l3_dirty_dropped": 0, "l3_copies_lost": 0}
+                         "l3_dirty_dropped": 0, "l3_copies_lost": 0, "l3_forced_writes": 0}
 
     # ------------------------------------------------------------ backend and policies
 
@@ -206,10 +215,13 @@ class L3Tier(TierWrites, TierAudit):
         """Did this daemon store ``key`` in L3 or load it from there (recently)?"""
         return (table, key) in self.known_in_l3
 
-    def sort_out(self, table: TableId, keys: Iterable[str]) -> tuple[set[str], list[str]]:
+    def sort_out(self, table: TableId, keys: Iterable[str], trust_absent: bool = True
+                 ) -> tuple[set[str], list[str]]:
         """(those of ``keys`` known to be in L3, those the store must be asked about: neither
-        known to be in L3 nor found missing from it within ``ABSENT_TTL_S``)."""
-        known, absent, now = self.known_in_l3.of(table), self.absent_in_l3.of(table), self.clock()
+        known to be in L3 nor, if ``trust_absent``, found missing from it within
+        ``ABSENT_TTL_S``)."""
+        known, now = self.known_in_l3.of(table), self.clock()
+        absent = self.absent_in_l3.of(table) if trust_absent else {}
         have: set[str] = set()
         ask = []
         for key in keys:
@@ -270,10 +282,10 @@ class L3Tier(TierWrites, TierAudit):
         ``load_chunk_bytes`` so a streaming get can copy the first pages while the rest load; join
         loads already in flight (only that with ``start=False``). Keys not known to be in L3
         (unless ``known_in_l3``) are first looked up by a ``find`` job on the prober thread,
-        whose completion starts their loads; those found missing within ``ABSENT_TTL_S`` are
-        misses, not asked again. Returns the ids of the jobs ``waiter`` (if any) now
-        waits for. A key named twice is loaded once (into one slot: ``collect`` applies each
-        key of a job once)."""
+        whose completion starts their loads, even those an exists found missing within
+        ``ABSENT_TTL_S`` (see the module docstring). Returns the ids of the jobs ``waiter``
+        (if any) now waits for. A key named twice is loaded once (into one slot: ``collect``
+        applies each key of a job once)."""
         if not self.attached or not keys:
             return set()
         keys = list(dict.fromkeys(keys))
@@ -288,8 +300,8 @@ class L3Tier(TierWrites, TierAudit):
             return waits
         todo = [k for k in keys if self._loadable(table, k)]
         waiters = [waiter] if waiter is not None else []
-        if not known_in_l3:
-            known, ask = self.sort_out(table, todo)
+        if not known_in_l3:  # a get names its keys: the absent memory is not trusted
+            known, ask = self.sort_out(table, todo, trust_absent=False)
             todo = [k for k in todo if k in known]  # the others found missing lately: misses
             if ask:
                 find = IOJob("find", ns, pool, ask, [], page_bytes, [], waiters=list(waiters),
@@ -358,6 +370,7 @@ class L3Tier(TierWrites, TierAudit):
                 continue
             if job.kind == "put":
                 self._put_done(job, current)
+                woken.extend(Woken(w, id(job), False, set()) for w in job.waiters)
                 continue
             if job.kind == "audit":
                 self._audit_done(job, current)

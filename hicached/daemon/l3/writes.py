@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from hicached.daemon.index import Entry, TableId
 from hicached.daemon.kv_events import l3_medium
@@ -117,9 +118,10 @@ class TierWrites:
         self.counters["write_backs"] += n
         return n
 
-    def write(self, entries: Iterable[Entry]) -> int:
+    def write(self, entries: Iterable[Entry], force: bool = False) -> int:
         """Send committed pages not known to be in L3 to the writer thread (pinned until
-        written); it asks the store which it has first and sends only the others."""
+        written); it asks the store which it has first and sends only the others. ``force``:
+        past the ``WRITING_MAX`` bound too (someone waits for these pages: ``store_now``)."""
         by_table: dict[TableId, list[Entry]] = {}
         for e in entries:
             if not e.in_l3 and not e.writing and e.committed:
@@ -131,17 +133,43 @@ class TierWrites:
             nbytes = sum(e.stride for e in todo if e not in self.dirty)
             job = IOJob("put", ns, pool, [e.key for e in todo], [e.offset for e in todo],
                         todo[0].page_bytes, todo, backend=self.backend)
-            if (nbytes and self.writing_bytes and self.writing_bytes + nbytes > room) \
-                    or not self._submit(job):
+            if (not force and nbytes and self.writing_bytes
+                    and self.writing_bytes + nbytes > room) or not self._submit(job):
                 self.counters["l3_writes_dropped"] += len(todo)
                 continue
             for e in todo:
                 self.index.pin(e)
                 e.writing = True
+                self.put_job_of[e] = job
             self.writing_bytes += nbytes
             self._writing_of[id(job)] = nbytes
             queued += len(todo)
         return queued
+
+    def store_now(self, entries: Sequence[Entry], waiter: Any) -> list[IOJob]:
+        """Have committed ``entries`` stored in L3 now, whatever the write policy (a
+        ``WaitStored``: the PD prefill publishes its pages to another node): those being
+        written are waited for, the others written at once (write_back's dirty pages and pages
+        below the selective threshold too; past ``WRITING_MAX``, as the caller's pages are few
+        and waited for). ``waiter`` joins each put job; returns them. A page that is neither
+        in L3 nor being written afterwards could not be queued (the writer's queue is full)."""
+        jobs: dict[int, IOJob] = {}
+        todo = []
+        for e in entries:
+            job = self.put_job_of.get(e)
+            if job is not None:
+                jobs[id(job)] = job
+            elif not e.in_l3:
+                todo.append(e)
+        if todo:
+            self.counters["l3_forced_writes"] += self.write(todo, force=True)
+            for e in todo:
+                job = self.put_job_of.get(e)
+                if job is not None:
+                    jobs[id(job)] = job
+        for job in jobs.values():
+            job.waiters.append(waiter)
+        return list(jobs.values())
 
     def _known(self, e: Entry) -> None:
         self._remember(e.table, e.key)
@@ -196,6 +224,7 @@ class TierWrites:
             self.kv_events.stored([e for e, ok in zip(job.entries, job.result) if ok],
                                   l3_medium(job.backend.name))
         for e, ok in zip(job.entries, job.result):
+            self.put_job_of.pop(e, None)
             e.writing = False
             self.index.unpin(e)
             ok_n += bool(ok)

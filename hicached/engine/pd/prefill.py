@@ -7,8 +7,11 @@ A request's life on the prefill (``docs/pd.md``):
 2. the engine computes the prompt, keeping a state snapshot at ``a = len(prompt) // P * P``
    (one of the engine's snapshot points: the request then holds a lock on that node)
 3. ``_publish`` (before the request lets go of its nodes): store pages ``[decode_prefix_len / P,
-   a / P)`` and the state after ``a`` in hicached, whatever the write policy, and wait until the
-   daemon has read the commit (``Client.wait_committed``): the pages are visible to the decode
+   a / P)`` and the state after ``a`` in hicached, whatever the write policy, and wait until
+   they are visible to the decode (``Storage.wait_visible``): with ``transfer="l2"`` (one node,
+   one daemon) until the daemon has read the commit (``Client.wait_committed``); with
+   ``transfer="l3"`` (two nodes, two daemons sharing a store) until those pages are stored in
+   L3 (``Client.wait_stored``: written now whatever the daemon's write policy)
 4. ``Ready`` (first token and its logits) goes back; any failure is a ``Failed`` instead
 
 A request that waits or runs past its ``timeout_s`` is aborted (``Failed(timeout)``); an
@@ -25,6 +28,7 @@ import zmq
 from hicached.engine.engine import Engine
 from hicached.engine.pd import protocol as M
 from hicached.engine.request import Request, Status
+from hicached.engine.storage import TRANSFER_TIERS
 from hicached.errors import HicachedError
 
 log = logging.getLogger(__name__)
@@ -36,10 +40,16 @@ class PublishError(HicachedError):
 
 class PrefillEngine(Engine):
     """An ``Engine`` whose finished prompts are published for a decode engine. Needs hicached
-    storage (the transport) and the radix cache (the prompt-end snapshot lives in it)."""
+    storage (the transport) and the radix cache (the prompt-end snapshot lives in it).
+    ``transfer``: where the pages must be before ``Ready`` (``l2``: the decode uses this
+    engine's daemon; ``l3``: the decode's daemon shares this one's L3 store)."""
 
-    def __init__(self, lm, config, storage=None):
+    def __init__(self, lm, config, storage=None, transfer: str = "l2"):
+        if transfer not in TRANSFER_TIERS:
+            raise ValueError(f"unknown disaggregation transfer {transfer!r}; valid: "
+                             f"{list(TRANSFER_TIERS)}")
         super().__init__(lm, config, storage)
+        self.transfer = transfer
         if not self.storage.enabled:
             raise ValueError("--disaggregation-mode prefill needs --hicache-storage-backend "
                              "hicached (pages travel through the daemon)")
@@ -72,7 +82,8 @@ class PrefillEngine(Engine):
         super()._release(req, status)
 
     def _publish(self, req: Request, held: int) -> tuple[int, bool]:
-        """Store pages ``[held / P, a / P)`` and the state after ``a``; wait until visible."""
+        """Store pages ``[held / P, a / P)`` and the state after ``a``; wait until visible
+        (``transfer``: in L2, or those pages in L3)."""
         ps, n = self.page_size, len(req.prompt)
         a = n // ps * ps
         if a == 0:
@@ -99,7 +110,7 @@ class PrefillEngine(Engine):
             raise PublishError(f"the daemon stored {'all' if kv_ok else 'not all'} of "
                                f"{len(kv_keys)} pages and {'the' if state_ok else 'no'} state "
                                "(L2 full, or the daemon is down)")
-        self.storage.wait_visible()
+        self.storage.wait_visible(kv_keys, state_keys, tier=self.transfer)
         for x in path:
             x.kv_stored = True
         if hybrid:

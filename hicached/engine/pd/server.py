@@ -1,7 +1,9 @@
 """The reference engine as a process: ``python -m hicached.engine.pd --disaggregation-mode ...``.
 
     prefill  binds --disaggregation-bootstrap-endpoint; computes prompts for decode engines and
-             publishes their pages through hicached (``prefill.py``)
+             publishes their pages through hicached (``prefill.py``): visible in its daemon's
+             L2 (--disaggregation-transfer l2, one node) or stored in L3 (l3: the decode's
+             daemon shares the store, two nodes)
     decode   connects to the prefill's bootstrap endpoint; binds --serve-endpoint for users
              (``Generate`` -> ``Generated``); with --disaggregation-decode-enable-radix-cache it
              asks the prefill only for the pages past what its radix cache holds (``decode.py``)
@@ -24,6 +26,7 @@ import zmq
 
 from hicached.engine.config import EngineConfig, add_engine_args, config_from_args
 from hicached.engine.pd import protocol as M
+from hicached.engine.storage import TRANSFER_TIERS
 
 MODES = ("prefill", "decode", "none")
 log = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ class PDConfig:
     serve_endpoint: str = ""
     decode_radix: bool = False
     timeout_s: float = 30.0
+    transfer: str = "l2"  # prefill: pages visible in its daemon's L2, or stored in L3
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -51,13 +55,16 @@ class PDConfig:
             raise ValueError("--disaggregation-decode-enable-radix-cache is for the decode mode")
         if self.timeout_s <= 0:
             raise ValueError(f"--disaggregation-timeout-s must be > 0, got {self.timeout_s}")
+        if self.transfer not in TRANSFER_TIERS:
+            raise ValueError(f"unknown --disaggregation-transfer {self.transfer!r}; valid: "
+                             f"{list(TRANSFER_TIERS)}")
 
 
 def make_engine(lm, config: EngineConfig, pd: PDConfig):
     """The engine for ``pd.mode`` (prefill: a ``PrefillEngine``, decode: a ``DecodeEngine``)."""
     if pd.mode == "prefill":
         from hicached.engine.pd.prefill import PrefillEngine
-        return PrefillEngine(lm, config)
+        return PrefillEngine(lm, config, transfer=pd.transfer)
     if pd.mode == "decode":
         from hicached.engine.pd.decode import DecodeEngine
         return DecodeEngine(lm, config, pd.bootstrap_endpoint, radix=pd.decode_radix,
@@ -192,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disaggregation-decode-enable-radix-cache", dest="decode_radix",
                    action="store_true", help="decode: ask the prefill only for the delta")
     p.add_argument("--disaggregation-timeout-s", dest="timeout_s", type=float, default=30.0)
+    p.add_argument("--disaggregation-transfer", dest="transfer", choices=TRANSFER_TIERS,
+                   default="l2", help="prefill: l2, the decode uses the same daemon (one "
+                   "node); l3, the decode's daemon shares this daemon's L3 store (two nodes): "
+                   "Ready waits until the pages are stored there")
     p.add_argument("--serve-endpoint", default="", help="decode / none: the users' socket")
     p.add_argument("--model", choices=("qwen3_next", "deepseek_v32"), default="qwen3_next")
     p.add_argument("--model-path", required=True, help="checkpoint dir (made if empty)")
@@ -205,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         pd = PDConfig(args.mode, args.bootstrap_endpoint, args.serve_endpoint,
-                      args.decode_radix, args.timeout_s)
+                      args.decode_radix, args.timeout_s, args.transfer)
         config = config_from_args(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
