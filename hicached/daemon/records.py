@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from hicached.daemon.columns import grown
 from hicached.daemon.entry import (  # noqa: F401 - names the daemon imports from here
     _TOP,
     COMMITTED,
@@ -107,9 +108,7 @@ class Records(Lookups):
         """Columns ``cols`` of ``old`` records now hold ``new``."""
         for name, dtype in cols.items():
             dtype, width = dtype if isinstance(dtype, tuple) else (dtype, 1)
-            arr = np.zeros(new * width, dtype)
-            if old:
-                arr[:old * width] = self.np[name]
+            arr = grown(self.np[name][:old * width] if old else (), new * width, dtype)
             self.np[name] = arr
             setattr(self, name, memoryview(arr))
 
