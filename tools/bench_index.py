@@ -208,14 +208,16 @@ def get_batches(c, stored: int, batches: int, rng: random.Random) -> dict:
             "p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3}
 
 
-def mixed_load(endpoint: str, stored: int, clients: int, seconds: float) -> dict:
-    """``clients`` worker processes (this script, ``--mix-worker``) started together."""
+def mixed_load(endpoint: str, stored: int, clients: int, seconds: float,
+               spin_s: float | None = None) -> dict:
+    """``clients`` worker processes (this script, ``--mix-worker``) started together (``spin_s``:
+    their ``Client(spin_s=...)``, None: the client's default)."""
     procs = []
     try:
         for n in range(clients):
             procs.append(subprocess.Popen(
                 [sys.executable, str(HERE), "--mix-worker", endpoint, str(n), str(stored),
-                 str(seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+                 str(seconds), "" if spin_s is None else str(spin_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for p in procs:  # each says "ready" once connected and registered
             if p.stdout.readline().strip() != "ready":
                 raise SystemExit(f"mix worker exited with {p.wait()} before it was ready")
@@ -243,7 +245,8 @@ def mixed_load(endpoint: str, stored: int, clients: int, seconds: float) -> dict
                for kind, v in lat.items()}}
 
 
-def mix_worker(endpoint: str, n: int, stored: int, seconds: float) -> None:
+def mix_worker(endpoint: str, n: int, stored: int, seconds: float,
+               spin_s: float | None = None) -> None:
     """One mixed-load client: connects, says "ready", waits for "go", runs ``seconds``, prints
     its latencies per kind as JSON. Stored keys from the newer half of the index."""
     import torch
@@ -253,7 +256,7 @@ def mix_worker(endpoint: str, n: int, stored: int, seconds: float) -> None:
     torch.set_num_threads(1)  # 16 KiB copies: no use for more, and idle threads spin
     rng = random.Random(1000 + n)
     lo = stored // 2
-    c = make_client(endpoint, MIX_PAGES)
+    c = make_client(endpoint, MIX_PAGES, **({} if spin_s is None else {"spin_s": spin_s}))
     idx = torch.arange(MIX_PAGES)
     lat: dict[str, list[float]] = {kind: [] for kind, _ in MIX}
     kinds, weights = zip(*MIX, strict=True)
@@ -319,14 +322,34 @@ def measure(args) -> dict:
             out["exists_full"] = exists_pair(c, cs, pages, args.exists_samples, rng, fresh)
             out["presence_full"] = c.stats().get("presence")
             out["get"] = get_batches(c, pages, args.get_batches, rng)
-            progress(f"mixed load: {args.clients} clients, {args.seconds} s")
-            out["mixed"] = mixed_load(endpoint, pages, args.clients, args.seconds)
+            runs = []
+            for i in range(args.mix_runs):
+                progress(f"mixed load {i + 1}/{args.mix_runs}: {args.clients} clients, "
+                         f"{args.seconds} s")
+                runs.append(mixed_load(endpoint, pages, args.clients, args.seconds, args.spin_s))
+            out["mixed"] = median_mix(runs)
             st = c.stats()
             out["evictions"], out["l2_pages_end"] = st.get("evictions"), st.get("l2_pages")
             c.close()
             cs.close()
         finally:
             stop(proc)
+    return out
+
+
+def median_mix(runs: list[dict]) -> dict:
+    """Several mixed loads on one daemon as one: the median of each figure (ops/s, each
+    kind's p50 and p99), with every run's ops/s in ``runs_ops_per_s``."""
+    def med(values: list[float]) -> float:
+        s = sorted(values)
+        return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
+
+    out = dict(runs[0])
+    out["ops_per_s"] = med([r["ops_per_s"] for r in runs])
+    out["get_hit_share"] = med([r["get_hit_share"] for r in runs])
+    for kind, _ in MIX:
+        out[kind] = {q: med([r[kind][q] for r in runs]) for q in runs[0][kind]}
+    out["runs_ops_per_s"] = [r["ops_per_s"] for r in runs]
     return out
 
 
@@ -384,6 +407,8 @@ def rows(r: dict) -> list[tuple[str, float | str]]:
         (f"get 64 pages @{b} p99 (ms)", r["get"]["p99_ms"]),
         (f"mixed, {m['clients']} clients: ops/s", m["ops_per_s"]),
     ]
+    if len(m.get("runs_ops_per_s", ())) > 1:  # the median above, of these
+        out.append(("  ops/s of each run", " ".join(f"{v:,.0f}" for v in m["runs_ops_per_s"])))
     for kind, _ in MIX:
         out += [(f"  {kind} p50 (ms)", m[kind]["p50_ms"]), (f"  {kind} p99 (ms)", m[kind]["p99_ms"])]
     out += [("  get hits / pages asked", m["get_hit_share"]),
@@ -433,6 +458,10 @@ def main() -> None:
     ap.add_argument("--get-batches", type=int, default=500, help="gets of 64 pages at 1M")
     ap.add_argument("--clients", type=int, default=16, help="mixed-load client processes")
     ap.add_argument("--seconds", type=float, default=15.0, help="mixed-load duration")
+    ap.add_argument("--mix-runs", type=int, default=1,
+                    help="mixed loads in a row on each daemon (the table shows medians)")
+    ap.add_argument("--spin-s", type=float, default=None,
+                    help="the mixed-load clients' Client(spin_s=...) (default: the client's)")
     ap.add_argument("--small", action="store_true",
                     help="a tiny run: 2k pages (1k first), 20 samples, 2 clients for 2 s")
     ap.add_argument("--daemon-args", default="", help="more `hicached serve` options")
@@ -440,15 +469,16 @@ def main() -> None:
                     help="another source tree to measure in the same run (repeatable)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--mix-worker", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--mix-worker", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.small:  # its own defaults; flags given still win
         ap.set_defaults(pages=2000, first=1000, exists_samples=20, get_batches=20, clients=2,
                         seconds=2.0)
         args = ap.parse_args()
     if args.mix_worker:
-        endpoint, n, stored, seconds = args.mix_worker
-        mix_worker(endpoint, int(n), int(stored), float(seconds))
+        endpoint, n, stored, seconds, spin_s = args.mix_worker
+        mix_worker(endpoint, int(n), int(stored), float(seconds),
+                   float(spin_s) if spin_s else None)
         return
     if args.measure:
         # SIGTERM like Ctrl-C: the finally blocks stop the daemon and the mix's clients
@@ -458,7 +488,10 @@ def main() -> None:
     argv = ["--pages", str(args.pages), "--first", str(args.first), "--set-batch",
             str(args.set_batch), "--exists-samples", str(args.exists_samples), "--get-batches",
             str(args.get_batches), "--clients", str(args.clients), "--seconds",
-            str(args.seconds), f"--daemon-args={args.daemon_args}"]
+            str(args.seconds), "--mix-runs", str(args.mix_runs),
+            f"--daemon-args={args.daemon_args}"]
+    if args.spin_s is not None:
+        argv += ["--spin-s", str(args.spin_s)]
     trees = [HERE.parent.parent] + [pathlib.Path(p).resolve() for p in args.baseline]
     results = [run_tree(t, argv) for t in trees]  # one after another: one big arena at a time
     if args.json:
