@@ -79,6 +79,13 @@ def rss_anon(pid: int) -> int:
     raise SystemExit(f"no RssAnon in /proc/{pid}/status")
 
 
+def cpu_s(pid: int) -> float:
+    """The process's CPU seconds so far (user + system, /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``values``, nearest rank below (as bench_l2's p99)."""
     s = sorted(values)
@@ -326,7 +333,9 @@ def measure(args) -> dict:
             for i in range(args.mix_runs):
                 progress(f"mixed load {i + 1}/{args.mix_runs}: {args.clients} clients, "
                          f"{args.seconds} s")
+                cpu = cpu_s(proc.pid)
                 runs.append(mixed_load(endpoint, pages, args.clients, args.seconds, args.spin_s))
+                runs[-1]["daemon_cores"] = (cpu_s(proc.pid) - cpu) / runs[-1]["seconds"]
             out["mixed"] = median_mix(runs)
             st = c.stats()
             out["evictions"], out["l2_pages_end"] = st.get("evictions"), st.get("l2_pages")
@@ -347,6 +356,7 @@ def median_mix(runs: list[dict]) -> dict:
     out = dict(runs[0])
     out["ops_per_s"] = med([r["ops_per_s"] for r in runs])
     out["get_hit_share"] = med([r["get_hit_share"] for r in runs])
+    out["daemon_cores"] = med([r.get("daemon_cores", 0.0) for r in runs])
     for kind, _ in MIX:
         out[kind] = {q: med([r[kind][q] for r in runs]) for q in runs[0][kind]}
     out["runs_ops_per_s"] = [r["ops_per_s"] for r in runs]
@@ -411,7 +421,8 @@ def rows(r: dict) -> list[tuple[str, float | str]]:
         out.append(("  ops/s of each run", " ".join(f"{v:,.0f}" for v in m["runs_ops_per_s"])))
     for kind, _ in MIX:
         out += [(f"  {kind} p50 (ms)", m[kind]["p50_ms"]), (f"  {kind} p99 (ms)", m[kind]["p99_ms"])]
-    out += [("  get hits / pages asked", m["get_hit_share"]),
+    out += [("  daemon CPU during the mix (cores)", m.get("daemon_cores", 0.0)),
+            ("  get hits / pages asked", m["get_hit_share"]),
             ("evictions (after the mix)", r["evictions"])]
     return out
 

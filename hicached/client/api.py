@@ -99,6 +99,7 @@ class Client(ExistsCalls, GetCalls, SetCalls, ClientAdmin):
         self.namespace = namespace
         self.timeout_s = timeout_s
         self.spin_s = spin_s  # busy-wait this long for an answer before sleeping in poll
+        self._spin_next = spin_s  # the next wait's spin (adaptive: ``_roundtrip``)
         self.client_name = client_name
         self._token = token  # the daemon's client_token, if it has one (never logged)
         self._ctx = zmq.Context()
@@ -204,7 +205,10 @@ class Client(ExistsCalls, GetCalls, SetCalls, ClientAdmin):
         start = time.monotonic()
         timeout_s = timeout_s or self.timeout_s
         deadline = start + timeout_s
-        spin_until = start + self.spin_s  # answers usually come within it: skip the wake-up cost
+        # answers usually come within the spin: skip the wake-up cost. One that came later
+        # halves the next spin (a busy daemon: on a small machine, spinning clients only take
+        # the CPU it needs), one that came within ``spin_s`` brings it back whole
+        spin_until = start + self._spin_next
         while True:
             now = time.monotonic()
             left = deadline - now
@@ -231,6 +235,10 @@ class Client(ExistsCalls, GetCalls, SetCalls, ClientAdmin):
                     f"({type(msg).__name__})" if why is None else
                     f"hicached at {self.endpoint} is gone ({why}; {type(msg).__name__})")
             raw = self._sock.recv()
+            waited = time.monotonic() - start
+            spin = self._spin_next
+            self._spin_next = (self.spin_s if waited <= self.spin_s
+                               else spin / 2 if spin > self.spin_s / 64 else 0.0)
             try:
                 answer = P.answer_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError,
