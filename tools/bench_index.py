@@ -6,12 +6,10 @@ try another), on an ipc socket in a temp dir, 4 KiB pages (MLA: 1 token x 1 laye
 64-hex keys (blake2b digests, as SGLang's chained page hashes):
 
   fill to --first pages (10k)    sets of --set-batch pages (128, SGLang's largest) from one client
-  exists @ 10k                   batch_exists_v2 of 1024 keys, --exists-samples calls on each path,
+  exists @ 10k                   batch_exists_v2 of 1024 fresh keys (512 stored at random, then
+                                 512 never stored), --exists-samples calls on each path,
                                  interleaved: through the presence table (the default client) and
-                                 through the socket (a client with shared_exists=False). Each call
-                                 asks fresh keys: 512 stored ones drawn at random from the whole
-                                 index, then 512 never stored (kv_hit_pages must be 512); a miss
-                                 costs its whole probe run, a hit its compare
+                                 through the socket (a client with shared_exists=False)
   fill to --pages (1M)           timed: the set throughput (pages/s, GB/s) while the index grows
   exists @ 1M                    as at 10k; "from table" says whether the table still answered
                                  (a full table, F_OVERFLOW, sends every exists to the socket)
@@ -25,7 +23,9 @@ try another), on an ipc socket in a temp dir, 4 KiB pages (MLA: 1 token x 1 laye
                                  of 16 stored pages at random, 25 % set of 16 new pages; total
                                  ops/s and p50 / p99 per kind. Stored keys for the mix are drawn
                                  from the newer half of the index: the arena has ~5 % headroom,
-                                 and the mix's sets evict the oldest pages past it
+                                 and the mix's sets evict the oldest pages past it. --mix-runs N
+                                 mixes in a row: the medians, each run's ops/s, and the daemon's
+                                 CPU (cores) meanwhile; --spin-s: the clients' spin_s
 
 ``--baseline PATH`` (repeatable; ``--tree`` is the same) runs it all again against another source
 tree, one tree after the other (two 4 GiB arenas at once would crowd the machine): the daemon,
@@ -63,6 +63,8 @@ MIX = (("exists", 0.50), ("get", 0.25), ("set", 0.25))
 MIX_EXISTS_KEYS, MIX_PAGES = 64, 16
 EXISTS_KEYS = 1024
 HERE = pathlib.Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))  # its table: bench_index_table.py, beside it
+from bench_index_table import print_table
 
 
 def key(tag: str, i: int) -> str:
@@ -224,7 +226,8 @@ def mixed_load(endpoint: str, stored: int, clients: int, seconds: float,
         for n in range(clients):
             procs.append(subprocess.Popen(
                 [sys.executable, str(HERE), "--mix-worker", endpoint, str(n), str(stored),
-                 str(seconds), "" if spin_s is None else str(spin_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+                 str(seconds), "" if spin_s is None else str(spin_s)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for p in procs:  # each says "ready" once connected and registered
             if p.stdout.readline().strip() != "ready":
                 raise SystemExit(f"mix worker exited with {p.wait()} before it was ready")
@@ -348,22 +351,16 @@ def measure(args) -> dict:
 
 def median_mix(runs: list[dict]) -> dict:
     """Several mixed loads on one daemon as one: the median of each figure (ops/s, each
-    kind's p50 and p99), with every run's ops/s in ``runs_ops_per_s``."""
-    def med(values: list[float]) -> float:
-        s = sorted(values)
-        return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
-
-    out = dict(runs[0])
-    out["ops_per_s"] = med([r["ops_per_s"] for r in runs])
-    out["get_hit_share"] = med([r["get_hit_share"] for r in runs])
-    out["daemon_cores"] = med([r.get("daemon_cores", 0.0) for r in runs])
+    kind's p50 and p99, the daemon's cores), with every run's ops/s in ``runs_ops_per_s``."""
+    out = dict(runs[0], runs_ops_per_s=[r["ops_per_s"] for r in runs])
+    for name in ("ops_per_s", "get_hit_share", "daemon_cores"):
+        out[name] = pct([r[name] for r in runs], 0.5)
     for kind, _ in MIX:
-        out[kind] = {q: med([r[kind][q] for r in runs]) for q in runs[0][kind]}
-    out["runs_ops_per_s"] = [r["ops_per_s"] for r in runs]
+        out[kind] = {q: pct([r[kind][q] for r in runs], 0.5) for q in runs[0][kind]}
     return out
 
 
-# ----------------------------------------------------------------- the side-by-side table
+# ----------------------------------------------------------------- one run per tree
 
 
 def run_tree(tree: pathlib.Path, argv: list[str]) -> dict:
@@ -382,82 +379,6 @@ def run_tree(tree: pathlib.Path, argv: list[str]) -> dict:
     if proc.returncode:
         raise SystemExit(f"the run against {tree} failed ({proc.returncode})")
     return json.loads(out)
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}k" if n >= 1000 else str(n)
-
-
-def rows(r: dict) -> list[tuple[str, float | str]]:
-    """(metric, value) of one tree's results, in table order."""
-    a, b = _count(r["first"]), _count(r["pages"])
-    e1, e2, m = r["exists_first"], r["exists_full"], r["mixed"]
-    table = r["presence_full"] or {}
-    out = []
-    for path in ("table", "socket"):
-        out += [(f"exists p50 via {path} @{a} (ms)", e1[path]["p50_ms"]),
-                (f"exists p99 via {path} @{a} (ms)", e1[path]["p99_ms"]),
-                (f"exists p50 via {path} @{b} (ms)", e2[path]["p50_ms"]),
-                (f"exists p99 via {path} @{b} (ms)", e2[path]["p99_ms"]),
-                (f"  p50 @{b} / @{a} (target <= 1.3)",
-                 e2[path]["p50_ms"] / e1[path]["p50_ms"])]
-    out += [
-        (f"table answered exists @{a}; @{b}",
-         f"{'yes' if e1['from_table'] else 'no'}; {'yes' if e2['from_table'] else 'no'}"),
-        (f"presence table @{b}: keys / slots, full",
-         f"{table.get('keys', 0)}/{table.get('slots', 0)}, {'FULL' if table.get('full') else 'ok'}"),
-        ("daemon RssAnon before fill (MiB)", r["rss_before"] / 2**20),
-        (f"daemon RssAnon @{a} (MiB)", r["rss_first"] / 2**20),
-        (f"daemon RssAnon @{b} (MiB)", r["rss_full"] / 2**20),
-        ("heap bytes / indexed page (target <= 250)", r["heap_bytes_per_page"]),
-        (f"set {a}->{b} (k pages/s)", r["set"]["pages_per_s"] / 1e3),
-        (f"set {a}->{b} (GB/s)", r["set"]["gbps"]),
-        (f"get 64 pages @{b} (k pages/s)", r["get"]["pages_per_s"] / 1e3),
-        (f"get 64 pages @{b} p50 (ms)", r["get"]["p50_ms"]),
-        (f"get 64 pages @{b} p99 (ms)", r["get"]["p99_ms"]),
-        (f"mixed, {m['clients']} clients: ops/s", m["ops_per_s"]),
-    ]
-    if len(m.get("runs_ops_per_s", ())) > 1:  # the median above, of these
-        out.append(("  ops/s of each run", " ".join(f"{v:,.0f}" for v in m["runs_ops_per_s"])))
-    for kind, _ in MIX:
-        out += [(f"  {kind} p50 (ms)", m[kind]["p50_ms"]), (f"  {kind} p99 (ms)", m[kind]["p99_ms"])]
-    out += [("  daemon CPU during the mix (cores)", m.get("daemon_cores", 0.0)),
-            ("  get hits / pages asked", m["get_hit_share"]),
-            ("evictions (after the mix)", r["evictions"])]
-    return out
-
-
-def _show(v: float | str | None) -> str:
-    if isinstance(v, str) or v is None:
-        return str(v)
-    return f"{v:,.0f}" if abs(v) >= 1000 or v == int(v) and abs(v) >= 10 else f"{v:.3g}"
-
-
-def print_table(results: list[dict], daemon_args: str = "") -> None:
-    """One row a metric: its value for each tree, then current / baseline for each baseline."""
-    r0 = results[0]
-    sizing = f"daemon args {daemon_args!r}" if daemon_args else "default presence sizing"
-    print(f"bench_index: {PAGE_BYTES // 1024} KiB pages, 64-hex keys, arena {r0['l2_size']}, "
-          f"{sizing}, L3 off; {r0['mixed']['clients']} mixed-load clients for "
-          f"{r0['mixed']['seconds']:.1f} s")
-    for i, r in enumerate(results):
-        print(f"  [{'current' if i == 0 else f'baseline{i}'}] {r['tree']}")
-    heads = ["current"] + [f"baseline{i}" for i in range(1, len(results))]
-    heads += [f"ratio{i}" if len(results) > 2 else "ratio" for i in range(1, len(results))]
-    table = [rows(r) for r in results]
-    lines = []
-    for i, (name, v0) in enumerate(table[0]):
-        cells = [_show(t[i][1]) for t in table]
-        for t in table[1:]:
-            vb = t[i][1]
-            ok = isinstance(v0, (int, float)) and isinstance(vb, (int, float)) and vb
-            cells.append(f"{v0 / vb:.2f}" if ok else "-")
-        lines.append((name, cells))
-    name_w = max(len(name) for name, _ in lines) + 2
-    cell_w = max(12, *(len(c) + 2 for _, cells in lines for c in cells))
-    print(f"{'metric':{name_w}s}" + "".join(f"{h:>{cell_w}s}" for h in heads))
-    for name, cells in lines:
-        print(f"{name:{name_w}s}" + "".join(f"{c:>{cell_w}s}" for c in cells))
 
 
 def main() -> None:
