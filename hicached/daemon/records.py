@@ -49,9 +49,10 @@ class Records(Lookups):
 
     def __init__(self, allocator: SlabAllocator):
         self.alloc = allocator
-        # page and key records: numpy columns (zeroed lazily by the kernel, so capacity not yet
-        # used costs no memory, and ``np`` gives vectorised reads), read and written one item at
-        # a time through memoryviews (``p_*``, ``k_*``: Python ints, about as fast as a list)
+        # page and key records: numpy columns, each in a mapping of its own (``columns.py``:
+        # zeroed lazily by the kernel, so capacity not yet used costs no memory; ``np`` gives
+        # vectorised reads), read and written one item at a time through memoryviews (``p_*``,
+        # ``k_*``: Python ints, about as fast as a list)
         self.np: dict[str, np.ndarray] = {}
         size = np.int32 if allocator.slab_bytes < 1 << 31 else np.int64  # a page fits a slab
         self._page_cols = {
