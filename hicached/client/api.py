@@ -83,6 +83,15 @@ def _ident(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def next_spin(spin_s: float, spin: float, waited_s: float) -> float:
+    """The spin of a client's next wait for an answer, after one that came ``waited_s`` after
+    its request, with ``spin`` the spin of that wait: ``spin_s`` again when it came within
+    ``spin_s``, else half of ``spin`` (0 once under 1/64 of ``spin_s``)."""
+    if waited_s <= spin_s:
+        return spin_s
+    return spin / 2 if spin > spin_s / 64 else 0.0
+
+
 class Client(ExistsCalls, GetCalls, SetCalls, ClientAdmin):
     """A connection to one hicached daemon, in one namespace. Thread-safe; a context manager."""
 
@@ -235,10 +244,7 @@ class Client(ExistsCalls, GetCalls, SetCalls, ClientAdmin):
                     f"({type(msg).__name__})" if why is None else
                     f"hicached at {self.endpoint} is gone ({why}; {type(msg).__name__})")
             raw = self._sock.recv()
-            waited = time.monotonic() - start
-            spin = self._spin_next
-            self._spin_next = (self.spin_s if waited <= self.spin_s
-                               else spin / 2 if spin > self.spin_s / 64 else 0.0)
+            self._spin_next = next_spin(self.spin_s, self._spin_next, time.monotonic() - start)
             try:
                 answer = P.answer_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError,
