@@ -6,12 +6,10 @@ try another), on an ipc socket in a temp dir, 4 KiB pages (MLA: 1 token x 1 laye
 64-hex keys (blake2b digests, as SGLang's chained page hashes):
 
   fill to --first pages (10k)    sets of --set-batch pages (128, SGLang's largest) from one client
-  exists @ 10k                   batch_exists_v2 of 1024 keys, --exists-samples calls on each path,
+  exists @ 10k                   batch_exists_v2 of 1024 fresh keys (512 stored at random, then
+                                 512 never stored), --exists-samples calls on each path,
                                  interleaved: through the presence table (the default client) and
-                                 through the socket (a client with shared_exists=False). Each call
-                                 asks fresh keys: 512 stored ones drawn at random from the whole
-                                 index, then 512 never stored (kv_hit_pages must be 512); a miss
-                                 costs its whole probe run, a hit its compare
+                                 through the socket (a client with shared_exists=False)
   fill to --pages (1M)           timed: the set throughput (pages/s, GB/s) while the index grows
   exists @ 1M                    as at 10k; "from table" says whether the table still answered
                                  (a full table, F_OVERFLOW, sends every exists to the socket)
@@ -25,7 +23,9 @@ try another), on an ipc socket in a temp dir, 4 KiB pages (MLA: 1 token x 1 laye
                                  of 16 stored pages at random, 25 % set of 16 new pages; total
                                  ops/s and p50 / p99 per kind. Stored keys for the mix are drawn
                                  from the newer half of the index: the arena has ~5 % headroom,
-                                 and the mix's sets evict the oldest pages past it
+                                 and the mix's sets evict the oldest pages past it. --mix-runs N
+                                 mixes in a row: the medians, each run's ops/s, and the daemon's
+                                 CPU (cores) meanwhile; --spin-s: the clients' spin_s
 
 ``--baseline PATH`` (repeatable; ``--tree`` is the same) runs it all again against another source
 tree, one tree after the other (two 4 GiB arenas at once would crowd the machine): the daemon,
@@ -63,6 +63,8 @@ MIX = (("exists", 0.50), ("get", 0.25), ("set", 0.25))
 MIX_EXISTS_KEYS, MIX_PAGES = 64, 16
 EXISTS_KEYS = 1024
 HERE = pathlib.Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))  # its table: bench_index_table.py, beside it
+from bench_index_table import print_table
 
 
 def key(tag: str, i: int) -> str:
@@ -77,6 +79,13 @@ def rss_anon(pid: int) -> int:
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
     raise SystemExit(f"no RssAnon in /proc/{pid}/status")
+
+
+def cpu_s(pid: int) -> float:
+    """The process's CPU seconds so far (user + system, /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -208,14 +217,17 @@ def get_batches(c, stored: int, batches: int, rng: random.Random) -> dict:
             "p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3}
 
 
-def mixed_load(endpoint: str, stored: int, clients: int, seconds: float) -> dict:
-    """``clients`` worker processes (this script, ``--mix-worker``) started together."""
+def mixed_load(endpoint: str, stored: int, clients: int, seconds: float,
+               spin_s: float | None = None) -> dict:
+    """``clients`` worker processes (this script, ``--mix-worker``) started together (``spin_s``:
+    their ``Client(spin_s=...)``, None: the client's default)."""
     procs = []
     try:
         for n in range(clients):
             procs.append(subprocess.Popen(
                 [sys.executable, str(HERE), "--mix-worker", endpoint, str(n), str(stored),
-                 str(seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+                 str(seconds), "" if spin_s is None else str(spin_s)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for p in procs:  # each says "ready" once connected and registered
             if p.stdout.readline().strip() != "ready":
                 raise SystemExit(f"mix worker exited with {p.wait()} before it was ready")
@@ -243,7 +255,8 @@ def mixed_load(endpoint: str, stored: int, clients: int, seconds: float) -> dict
                for kind, v in lat.items()}}
 
 
-def mix_worker(endpoint: str, n: int, stored: int, seconds: float) -> None:
+def mix_worker(endpoint: str, n: int, stored: int, seconds: float,
+               spin_s: float | None = None) -> None:
     """One mixed-load client: connects, says "ready", waits for "go", runs ``seconds``, prints
     its latencies per kind as JSON. Stored keys from the newer half of the index."""
     import torch
@@ -253,7 +266,7 @@ def mix_worker(endpoint: str, n: int, stored: int, seconds: float) -> None:
     torch.set_num_threads(1)  # 16 KiB copies: no use for more, and idle threads spin
     rng = random.Random(1000 + n)
     lo = stored // 2
-    c = make_client(endpoint, MIX_PAGES)
+    c = make_client(endpoint, MIX_PAGES, **({} if spin_s is None else {"spin_s": spin_s}))
     idx = torch.arange(MIX_PAGES)
     lat: dict[str, list[float]] = {kind: [] for kind, _ in MIX}
     kinds, weights = zip(*MIX, strict=True)
@@ -319,8 +332,14 @@ def measure(args) -> dict:
             out["exists_full"] = exists_pair(c, cs, pages, args.exists_samples, rng, fresh)
             out["presence_full"] = c.stats().get("presence")
             out["get"] = get_batches(c, pages, args.get_batches, rng)
-            progress(f"mixed load: {args.clients} clients, {args.seconds} s")
-            out["mixed"] = mixed_load(endpoint, pages, args.clients, args.seconds)
+            runs = []
+            for i in range(args.mix_runs):
+                progress(f"mixed load {i + 1}/{args.mix_runs}: {args.clients} clients, "
+                         f"{args.seconds} s")
+                cpu = cpu_s(proc.pid)
+                runs.append(mixed_load(endpoint, pages, args.clients, args.seconds, args.spin_s))
+                runs[-1]["daemon_cores"] = (cpu_s(proc.pid) - cpu) / runs[-1]["seconds"]
+            out["mixed"] = median_mix(runs)
             st = c.stats()
             out["evictions"], out["l2_pages_end"] = st.get("evictions"), st.get("l2_pages")
             c.close()
@@ -330,7 +349,18 @@ def measure(args) -> dict:
     return out
 
 
-# ----------------------------------------------------------------- the side-by-side table
+def median_mix(runs: list[dict]) -> dict:
+    """Several mixed loads on one daemon as one: the median of each figure (ops/s, each
+    kind's p50 and p99, the daemon's cores), with every run's ops/s in ``runs_ops_per_s``."""
+    out = dict(runs[0], runs_ops_per_s=[r["ops_per_s"] for r in runs])
+    for name in ("ops_per_s", "get_hit_share", "daemon_cores"):
+        out[name] = pct([r[name] for r in runs], 0.5)
+    for kind, _ in MIX:
+        out[kind] = {q: pct([r[kind][q] for r in runs], 0.5) for q in runs[0][kind]}
+    return out
+
+
+# ----------------------------------------------------------------- one run per tree
 
 
 def run_tree(tree: pathlib.Path, argv: list[str]) -> dict:
@@ -351,79 +381,6 @@ def run_tree(tree: pathlib.Path, argv: list[str]) -> dict:
     return json.loads(out)
 
 
-def _count(n: int) -> str:
-    return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}k" if n >= 1000 else str(n)
-
-
-def rows(r: dict) -> list[tuple[str, float | str]]:
-    """(metric, value) of one tree's results, in table order."""
-    a, b = _count(r["first"]), _count(r["pages"])
-    e1, e2, m = r["exists_first"], r["exists_full"], r["mixed"]
-    table = r["presence_full"] or {}
-    out = []
-    for path in ("table", "socket"):
-        out += [(f"exists p50 via {path} @{a} (ms)", e1[path]["p50_ms"]),
-                (f"exists p99 via {path} @{a} (ms)", e1[path]["p99_ms"]),
-                (f"exists p50 via {path} @{b} (ms)", e2[path]["p50_ms"]),
-                (f"exists p99 via {path} @{b} (ms)", e2[path]["p99_ms"]),
-                (f"  p50 @{b} / @{a} (target <= 1.3)",
-                 e2[path]["p50_ms"] / e1[path]["p50_ms"])]
-    out += [
-        (f"table answered exists @{a}; @{b}",
-         f"{'yes' if e1['from_table'] else 'no'}; {'yes' if e2['from_table'] else 'no'}"),
-        (f"presence table @{b}: keys / slots, full",
-         f"{table.get('keys', 0)}/{table.get('slots', 0)}, {'FULL' if table.get('full') else 'ok'}"),
-        ("daemon RssAnon before fill (MiB)", r["rss_before"] / 2**20),
-        (f"daemon RssAnon @{a} (MiB)", r["rss_first"] / 2**20),
-        (f"daemon RssAnon @{b} (MiB)", r["rss_full"] / 2**20),
-        ("heap bytes / indexed page (target <= 250)", r["heap_bytes_per_page"]),
-        (f"set {a}->{b} (k pages/s)", r["set"]["pages_per_s"] / 1e3),
-        (f"set {a}->{b} (GB/s)", r["set"]["gbps"]),
-        (f"get 64 pages @{b} (k pages/s)", r["get"]["pages_per_s"] / 1e3),
-        (f"get 64 pages @{b} p50 (ms)", r["get"]["p50_ms"]),
-        (f"get 64 pages @{b} p99 (ms)", r["get"]["p99_ms"]),
-        (f"mixed, {m['clients']} clients: ops/s", m["ops_per_s"]),
-    ]
-    for kind, _ in MIX:
-        out += [(f"  {kind} p50 (ms)", m[kind]["p50_ms"]), (f"  {kind} p99 (ms)", m[kind]["p99_ms"])]
-    out += [("  get hits / pages asked", m["get_hit_share"]),
-            ("evictions (after the mix)", r["evictions"])]
-    return out
-
-
-def _show(v: float | str | None) -> str:
-    if isinstance(v, str) or v is None:
-        return str(v)
-    return f"{v:,.0f}" if abs(v) >= 1000 or v == int(v) and abs(v) >= 10 else f"{v:.3g}"
-
-
-def print_table(results: list[dict], daemon_args: str = "") -> None:
-    """One row a metric: its value for each tree, then current / baseline for each baseline."""
-    r0 = results[0]
-    sizing = f"daemon args {daemon_args!r}" if daemon_args else "default presence sizing"
-    print(f"bench_index: {PAGE_BYTES // 1024} KiB pages, 64-hex keys, arena {r0['l2_size']}, "
-          f"{sizing}, L3 off; {r0['mixed']['clients']} mixed-load clients for "
-          f"{r0['mixed']['seconds']:.1f} s")
-    for i, r in enumerate(results):
-        print(f"  [{'current' if i == 0 else f'baseline{i}'}] {r['tree']}")
-    heads = ["current"] + [f"baseline{i}" for i in range(1, len(results))]
-    heads += [f"ratio{i}" if len(results) > 2 else "ratio" for i in range(1, len(results))]
-    table = [rows(r) for r in results]
-    lines = []
-    for i, (name, v0) in enumerate(table[0]):
-        cells = [_show(t[i][1]) for t in table]
-        for t in table[1:]:
-            vb = t[i][1]
-            ok = isinstance(v0, (int, float)) and isinstance(vb, (int, float)) and vb
-            cells.append(f"{v0 / vb:.2f}" if ok else "-")
-        lines.append((name, cells))
-    name_w = max(len(name) for name, _ in lines) + 2
-    cell_w = max(12, *(len(c) + 2 for _, cells in lines for c in cells))
-    print(f"{'metric':{name_w}s}" + "".join(f"{h:>{cell_w}s}" for h in heads))
-    for name, cells in lines:
-        print(f"{name:{name_w}s}" + "".join(f"{c:>{cell_w}s}" for c in cells))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=1_000_000, help="pages indexed at the end")
@@ -433,6 +390,10 @@ def main() -> None:
     ap.add_argument("--get-batches", type=int, default=500, help="gets of 64 pages at 1M")
     ap.add_argument("--clients", type=int, default=16, help="mixed-load client processes")
     ap.add_argument("--seconds", type=float, default=15.0, help="mixed-load duration")
+    ap.add_argument("--mix-runs", type=int, default=1,
+                    help="mixed loads in a row on each daemon (the table shows medians)")
+    ap.add_argument("--spin-s", type=float, default=None,
+                    help="the mixed-load clients' Client(spin_s=...) (default: the client's)")
     ap.add_argument("--small", action="store_true",
                     help="a tiny run: 2k pages (1k first), 20 samples, 2 clients for 2 s")
     ap.add_argument("--daemon-args", default="", help="more `hicached serve` options")
@@ -440,15 +401,16 @@ def main() -> None:
                     help="another source tree to measure in the same run (repeatable)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--mix-worker", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--mix-worker", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.small:  # its own defaults; flags given still win
         ap.set_defaults(pages=2000, first=1000, exists_samples=20, get_batches=20, clients=2,
                         seconds=2.0)
         args = ap.parse_args()
     if args.mix_worker:
-        endpoint, n, stored, seconds = args.mix_worker
-        mix_worker(endpoint, int(n), int(stored), float(seconds))
+        endpoint, n, stored, seconds, spin_s = args.mix_worker
+        mix_worker(endpoint, int(n), int(stored), float(seconds),
+                   float(spin_s) if spin_s else None)
         return
     if args.measure:
         # SIGTERM like Ctrl-C: the finally blocks stop the daemon and the mix's clients
@@ -458,7 +420,10 @@ def main() -> None:
     argv = ["--pages", str(args.pages), "--first", str(args.first), "--set-batch",
             str(args.set_batch), "--exists-samples", str(args.exists_samples), "--get-batches",
             str(args.get_batches), "--clients", str(args.clients), "--seconds",
-            str(args.seconds), f"--daemon-args={args.daemon_args}"]
+            str(args.seconds), "--mix-runs", str(args.mix_runs),
+            f"--daemon-args={args.daemon_args}"]
+    if args.spin_s is not None:
+        argv += ["--spin-s", str(args.spin_s)]
     trees = [HERE.parent.parent] + [pathlib.Path(p).resolve() for p in args.baseline]
     results = [run_tree(t, argv) for t in trees]  # one after another: one big arena at a time
     if args.json:

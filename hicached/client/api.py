@@ -84,6 +84,15 @@ def _ident(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def next_spin(spin_s: float, spin: float, waited_s: float) -> float:
+    """The spin of a client's next wait for an answer, after one that came ``waited_s`` after
+    its request, with ``spin`` the spin of that wait: ``spin_s`` again when it came within
+    ``spin_s``, else half of ``spin`` (0 once under 1/64 of ``spin_s``)."""
+    if waited_s <= spin_s:
+        return spin_s
+    return spin / 2 if spin > spin_s / 64 else 0.0
+
+
 class Client(ExistsCalls, GetCalls, SetCalls, WaitCalls, ClientAdmin):
     """A connection to one hicached daemon, in one namespace. Thread-safe; a context manager."""
 
@@ -100,6 +109,7 @@ class Client(ExistsCalls, GetCalls, SetCalls, WaitCalls, ClientAdmin):
         self.namespace = namespace
         self.timeout_s = timeout_s
         self.spin_s = spin_s  # busy-wait this long for an answer before sleeping in poll
+        self._spin_next = spin_s  # the next wait's spin (adaptive: ``_roundtrip``)
         self.client_name = client_name
         self._token = token  # the daemon's client_token, if it has one (never logged)
         self._ctx = zmq.Context()
@@ -205,7 +215,10 @@ class Client(ExistsCalls, GetCalls, SetCalls, WaitCalls, ClientAdmin):
         start = time.monotonic()
         timeout_s = timeout_s or self.timeout_s
         deadline = start + timeout_s
-        spin_until = start + self.spin_s  # answers usually come within it: skip the wake-up cost
+        # answers usually come within the spin: skip the wake-up cost. One that came later
+        # halves the next spin (a busy daemon: on a small machine, spinning clients only take
+        # the CPU it needs), one that came within ``spin_s`` brings it back whole
+        spin_until = start + self._spin_next
         while True:
             now = time.monotonic()
             left = deadline - now
@@ -232,6 +245,7 @@ class Client(ExistsCalls, GetCalls, SetCalls, WaitCalls, ClientAdmin):
                     f"({type(msg).__name__})" if why is None else
                     f"hicached at {self.endpoint} is gone ({why}; {type(msg).__name__})")
             raw = self._sock.recv()
+            self._spin_next = next_spin(self.spin_s, self._spin_next, time.monotonic() - start)
             try:
                 answer = P.answer_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError,

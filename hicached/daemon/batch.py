@@ -408,10 +408,11 @@ class BatchOps:
         if ps:
             self.policy.touched_many(ps, ticks)
 
-    def read_many(self: PageIndex, entries: Sequence[Entry]) -> None:
+    def read_many(self: PageIndex, entries: Sequence[Entry], pin: bool = True) -> None:
         """A get's pages, just looked up (each alive): ``touch_many``, ``count_hits`` and
         ``pin_many`` of ``entries`` in one pass, the state they leave called in turn (the
-        lease that pins them: ``LeaseTable.new_lease(..., pinned=True)``)."""
+        lease that pins them: ``LeaseTable.new_lease(..., pinned=True)``). ``pin`` False: the
+        caller pinned them already (``pin_many``; the pins do not touch what this writes)."""
         gen, used, flags = self.p_gen, self.p_used, self.p_flags
         hits, pins = self.p_hits, self.p_pins
         slabs, slab_bytes = self.alloc.slabs, self.alloc.slab_bytes
@@ -432,9 +433,10 @@ class BatchOps:
                 ticks.append(tick)
             if hits[p] < HITS_MAX:
                 hits[p] += 1
-            if not pins[p]:
-                slab.pinned += 1
-            pins[p] += 1
+            if pin:
+                if not pins[p]:
+                    slab.pinned += 1
+                pins[p] += 1
         self._tick = tick
         self.alloc.touched(touched)
         if ps:

@@ -15,6 +15,13 @@ Steps of the life of a page it owns (docs/life-of-a-page.md):
 
 Only the control loop calls into this object (single thread); the I/O workers only run backend
 calls and hand finished jobs back through ``IOWorkers.collect``.
+
+Answer first, keep the books after: what an answer does not depend on (a lease's touches, hits
+and policy queueing; a reserve's links) may be queued with ``later`` and run by ``keep_books``
+once the answer is sent (``server.py``), so a client does not wait for it. The loop reads no
+other message in between, so the index ends in exactly the state of running it at once; what
+protects the pages a client copies (a lease's pins, a reservation's slots) is never deferred.
+With ``books`` None (tests, tools that drive this object directly) ``later`` runs at once.
 """
 
 from __future__ import annotations
@@ -69,6 +76,34 @@ class Controller(SetControl, SessionControl, StoreWaits):
         self.first_l3_reads: tuple[object, list[list[int]]] = (None, [])
         self.flusher = L2Flush(tier)  # flushes of L2, in slices of the loop (flushing.py)
         self.kv_events = NullKVEvents()  # KV events for routers (kv_events.py)
+        # bookkeeping queued for after the answer (``later``); None: run at once. The daemon
+        # makes it a list and calls ``keep_books`` after every answer and loop step
+        self.books: list[tuple[Callable[..., None], tuple]] | None = None
+
+    # ------------------------------------------------------------ answer first, books after
+
+    def later(self, fn: Callable[..., None], *args) -> None:
+        """``fn(*args)`` once the answer being built is sent (``keep_books``), in the order
+        queued; at once while ``books`` is None. ``fn`` must not change the answer."""
+        if self.books is None:
+            fn(*args)
+        else:
+            self.books.append((fn, args))
+
+    def keep_books(self) -> None:
+        """Run the bookkeeping ``later`` queued (the loop calls it before reading another
+        message); a bug in one step is logged and costs that step only."""
+        books = self.books
+        i = 0
+        while i < len(books):  # (a step may queue more)
+            fn, args = books[i]
+            i += 1
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("internal error keeping the books (%s)",
+                              getattr(fn, "__name__", fn))
+        books.clear()
 
     # ------------------------------------------------------------ sessions and pools
 
@@ -343,12 +378,19 @@ class Controller(SetControl, SessionControl, StoreWaits):
         self.counters["misses"] += sum(off == P.SLOT_MISS for row in offsets for off in row)
         if not entries:
             return P.Leased(req_id, 0, offsets, tags)
-        self.index.read_many(entries)  # touched, a hit each, pinned for the lease
+        if self.books is None:
+            self.index.read_many(entries)  # touched, a hit each, pinned for the lease
+        else:  # pinned now; touched and a hit each once the answer is sent
+            self.index.pin_many(entries)
+            self.books.append((self.index.read_many, (entries, False)))
         g = self.leases.new_lease(s.id, entries, self.clock(), pinned=True)
-        if self.tier.selective:  # after the lease pinned them: a selective write-through may start
-            for e in entries:
-                self.tier.on_hit(e)
+        if self.tier.selective:  # after the lease pinned them: a selective write-through may
+            self.later(self._on_hits, entries)  # start (after their hits are counted)
         return P.Leased(req_id, g.id, offsets, tags)
+
+    def _on_hits(self, entries: list[Entry]) -> None:
+        for e in entries:
+            self.tier.on_hit(e)
 
     def release(self, s: Session, lease_ids: list[int]) -> None:
         for lid in lease_ids:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hicached.daemon.columns import zeros
+
 MAX_LOAD = 0.5  # past this share of slots in use the table doubles
 MIN_CAPACITY = 8
 TAIL = 16  # get_many: keys still probing after a round that go one by one (tuned: 8-32)
@@ -46,7 +48,7 @@ class FpTable:
 
     def _alloc(self, capacity: int) -> None:
         """A fresh empty array of ``capacity`` slots and the views on it."""
-        self._arr = np.zeros((capacity, 2), np.uint64)
+        self._arr = zeros((capacity, 2), np.uint64)
         self._w = memoryview(self._arr).cast("B").cast("Q")  # word 2s: slot s's fp, 2s+1: value
         self._mask = capacity - 1
         self._wmask = 2 * capacity - 1  # word index of a slot's fp, advanced by 2, wraps with it

@@ -42,6 +42,7 @@ import itertools
 
 import numpy as np
 
+from hicached.daemon.columns import grown
 from hicached.daemon.keytree import IN_L3, MAX_WALK, STATE_L3, KeyTree
 from hicached.daemon.policy import COMMITTED, LruPolicy
 
@@ -187,9 +188,7 @@ class HybridPolicy(KeyTree):
 
     def grow(self, n: int) -> None:
         super().grow(n)
-        arr = np.zeros(n, np.uint8)
-        arr[:len(self._queued)] = self._queued
-        self._queued = memoryview(arr)
+        self._queued = memoryview(grown(self._queued, n, np.uint8))
 
     def _push_mid(self, p: int, t: int = -1) -> None:
         ix = self.ix

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hicached.daemon.columns import grown
 from hicached.daemon.policy import COMMITTED, LruPolicy
 
 IN_L3 = 4  # entry.IN_L3
@@ -34,10 +35,7 @@ class KeyTree(LruPolicy):
     def grow_keys(self, n: int) -> None:
         for name, dtype in (("_up", np.int32), ("_kid", np.int32), ("_sib", np.int32),
                             ("_psib", np.int32), ("_kflags", np.uint8)):
-            arr = np.zeros(n, dtype)
-            old = getattr(self, name)
-            arr[:len(old)] = old
-            setattr(self, name, memoryview(arr))
+            setattr(self, name, memoryview(grown(getattr(self, name), n, dtype)))
 
     def linked(self, recs, parent: int) -> None:
         """Key records ``recs`` (-1: not in L2) were linked in a chain, the first under

@@ -97,6 +97,8 @@ class DaemonOperations:
                 fut.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
+            if self.controller.books:  # (as after every step of the loop: server.py)
+                self.controller.keep_books()
 
     # ------------------------------------------------------------ operations
 

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hicached.daemon.columns import grown
+
 if TYPE_CHECKING:
     from hicached.daemon.index import PageIndex
 
@@ -48,10 +50,7 @@ class LruPolicy:
     def grow(self, n: int) -> None:
         """Page records now number ``n``."""
         for name in ("_prev", "_next"):
-            arr = np.zeros(n, np.int32)
-            old = getattr(self, name)
-            arr[:len(old)] = old
-            setattr(self, name, memoryview(arr))
+            setattr(self, name, memoryview(grown(getattr(self, name), n, np.int32)))
 
     def grow_keys(self, n: int) -> None:
         """Key records now number ``n``."""

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from hicached.daemon.columns import grown
 from hicached.daemon.entry import (  # noqa: F401 - names the daemon imports from here
     _TOP,
     COMMITTED,
@@ -48,9 +49,10 @@ class Records(Lookups):
 
     def __init__(self, allocator: SlabAllocator):
         self.alloc = allocator
-        # page and key records: numpy columns (zeroed lazily by the kernel, so capacity not yet
-        # used costs no memory, and ``np`` gives vectorised reads), read and written one item at
-        # a time through memoryviews (``p_*``, ``k_*``: Python ints, about as fast as a list)
+        # page and key records: numpy columns, each in a mapping of its own (``columns.py``:
+        # zeroed lazily by the kernel, so capacity not yet used costs no memory; ``np`` gives
+        # vectorised reads), read and written one item at a time through memoryviews (``p_*``,
+        # ``k_*``: Python ints, about as fast as a list)
         self.np: dict[str, np.ndarray] = {}
         size = np.int32 if allocator.slab_bytes < 1 << 31 else np.int64  # a page fits a slab
         self._page_cols = {
@@ -107,9 +109,7 @@ class Records(Lookups):
         """Columns ``cols`` of ``old`` records now hold ``new``."""
         for name, dtype in cols.items():
             dtype, width = dtype if isinstance(dtype, tuple) else (dtype, 1)
-            arr = np.zeros(new * width, dtype)
-            if old:
-                arr[:old * width] = self.np[name]
+            arr = grown(self.np[name][:old * width] if old else (), new * width, dtype)
             self.np[name] = arr
             setattr(self, name, memoryview(arr))
 

@@ -110,6 +110,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                 self.presence.beat(time.monotonic(), self.tier.attached)
             self.controller = Controller(self.index, self.leases, self.tier, time.monotonic,
                                          config.get_wait_s)
+            self.controller.books = []  # answer first, keep the books after (controller.py)
             self.controller.quotas = make_quotas(self.index, config.namespace_quotas)
             self.controller.ahead_session_bytes = config.set_ahead_bytes
             self.controller.ahead_total_bytes = config.l2_size // 8  # idle slots: at most 1/8
@@ -272,14 +273,15 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         finally:
             self.close()
 
-    @staticmethod
-    def _guarded(fn: Callable[..., Any], *args: Any) -> None:
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> None:
         """One step of the loop; a bug in it is logged, never the end of the daemon."""
         try:
             fn(*args)
         except Exception:
             log.exception("internal error in the control loop (%s); carrying on",
                           getattr(fn, "__name__", fn))
+        if self.controller.books:  # (a step that answered nothing, or failed half way)
+            self.controller.keep_books()
 
     def _drain_socket(self) -> None:
         for _ in range(MAX_BATCH):
@@ -310,6 +312,8 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             self.sock.send_multipart([identity, payload], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # peer gone or its queue full: its problem, not ours
             log.debug("answer to a client dropped: %s", e)
+        if self.controller.books:  # what the answer did not wait for (controller.py)
+            self.controller.keep_books()
 
     def _handle(self, identity: bytes, frame: zmq.Frame) -> None:
         t0, req_id, msg = time.perf_counter(), 0, None
@@ -329,16 +333,18 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         except Exception as e:  # a bug must cost one request, never the daemon
             log.exception("internal error handling a request")
             answer = P.Error(req_id, "internal", f"{type(e).__name__}: {e}")
-        self.metrics.on_request(msg, answer, t0)
         if answer is not None:
             self._send(identity, answer)
+        self.metrics.on_request(msg, answer, t0)  # (after the send: no client waits for it)
+        if self.controller.books:  # fire and forget, or parked: books kept all the same
+            self.controller.keep_books()
 
     def _send_parked(self, identity: bytes, msg: P.Lease | P.Exists | P.WaitStored,
                      answer) -> None:
         """The late answer of a request that waited for L3 (a get for loads, an exists for the
         store's lookup, a WaitStored for writes)."""
-        self.metrics.on_parked_answer(msg, answer)
         self._send(identity, answer)
+        self.metrics.on_parked_answer(msg, answer)
 
     def _session(self, sid: int) -> Session:
         s = self.controller.sessions.get(sid)

@@ -18,6 +18,11 @@ from hicached.daemon.sessions import PoolSpec, Session
 from hicached.errors import InvalidTransfer, ProtocolError
 
 
+def _now(fn, *args) -> None:
+    """``fn(*args)`` now (``Controller.later``'s twin for what may not wait)."""
+    fn(*args)
+
+
 class SetControl:
     """``reserve``, ``commit``."""
 
@@ -52,12 +57,15 @@ class SetControl:
                 bound.append(bound_row)
         finally:
             self.index.unpin_many(guard)
+        # the links, L3's share and write-back's relief are kept after the answer when nothing
+        # else of the call comes after them (set-ahead slots, granted below, may evict)
+        after = self.later if ahead is None else _now
         if chain is not None:  # after the loop: its pending keys are held now
-            self.index.link(s.ns, chain.keys, msg.parent or None, msg.depth)
+            after(self.index.link, s.ns, chain.keys, msg.parent or None, msg.depth)
         if present:
-            self.tier.on_present(present)
+            after(self.tier.on_present, present)
         if self.tier.dirty:  # write_back: make dirty pages evictable before the arena fills
-            self.tier.relieve_pressure(force=any(P.SLOT_NO_SPACE in row for row in offsets))
+            after(self._relieve, any(P.SLOT_NO_SPACE in row for row in offsets))
         granted = self._grant_ahead(s, ahead, msg, specs) if ahead is not None else []
         if not any(map(any, bound)):
             bound = []
@@ -65,6 +73,9 @@ class SetControl:
             self.leases.take_reservation(r.id, s.id)
             return P.Reserved(msg.req_id, 0, offsets, tags, granted, bound)
         return P.Reserved(msg.req_id, r.id, offsets, tags, granted, bound)
+
+    def _relieve(self, force: bool) -> None:
+        self.tier.relieve_pressure(force=force)
 
     def _reserve_transfer(self, s: Session, r: Reservation, p: int, t: P.PoolKeys,
                           spec: PoolSpec, claims, ahead, present: list[Entry]
