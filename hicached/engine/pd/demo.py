@@ -48,7 +48,8 @@ def run_pd(args: argparse.Namespace) -> int:
             path = f"{tmp}/{arch}"
             lm = load_model(arch, seed=args.seed, path=path)
             spec = EngineSpec(path, arch, args.page_size, args.kv_pages, args.state_slots,
-                              args.track_interval, args.prefill_chunk_pages, args.threads)
+                              args.track_interval, args.prefill_chunk_pages, args.threads,
+                              args.debug_pools)
             off, on = run_both(w, spec, ends, tmp, lm.vocab_size, progress.advance)
             print(report(arch, off, on), flush=True)
     return 0
@@ -62,12 +63,13 @@ def report(arch: str, off: ModeRun, on: ModeRun) -> str:
     """Per-request table of both modes, then a summary per mode."""
     c = compare(off, on)
     u = on.usage[-1]
-    lines = [f"\n{arch}: PD on one node (page {u.page_size} tokens = {_kib(u.page_bytes)} KiB, "
-             f"state {_kib(u.state_bytes)} KiB): per request, prompt tokens the decode held "
-             "(matched), KiB moved into the decode and TTFT (ms), without / with the "
-             "decode-side radix cache",
-             f"{'conv':>4} {'turn':>4} {'prompt':>6} {'matched':>7} {'KiB off':>8} "
-             f"{'KiB on':>7} {'ttft off':>8} {'ttft on':>8} {'speedup':>7}"]
+    title = (f"\n{arch}: PD on one node (page {u.page_size} tokens = {_kib(u.page_bytes)} "
+             f"KiB, state {_kib(u.state_bytes)} KiB): per request, prompt tokens the decode "
+             "held (matched), KiB moved into the decode and TTFT (ms), without / with the "
+             "decode-side radix cache")
+    header = (f"{'conv':>4} {'turn':>4} {'prompt':>6} {'matched':>7} {'KiB off':>8} "
+              f"{'KiB on':>7} {'ttft off':>8} {'ttft on':>8} {'speedup':>7}")
+    lines = [title, header]
     for a, b in zip(off.records, on.records, strict=True):
         lines.append(f"{b.conv:>4} {b.turn:>4} {b.prompt:>6} {b.matched:>7} "
                      f"{_kib(a.nbytes):>8} {_kib(b.nbytes):>7} {a.ttft_s * 1e3:>8.1f} "

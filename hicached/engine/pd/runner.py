@@ -190,6 +190,7 @@ class EngineSpec:
     track_interval: int = 64
     prefill_chunk_pages: int = 1
     torch_threads: int = 1
+    debug_pools: bool = False
     timeout_s: float = 120.0  # --disaggregation-timeout-s (a cold prefix on a busy machine)
 
     def args(self, mode: str, endpoint: str, tenant: str, boot: str) -> list[str]:
@@ -200,7 +201,8 @@ class EngineSpec:
                 "--track-interval", str(self.track_interval),
                 "--prefill-chunk-pages", str(self.prefill_chunk_pages),
                 "--torch-threads", str(self.torch_threads), "--tenant", tenant,
-                "--hicache-storage-backend", "hicached", "--hicached-endpoint", endpoint]
+                "--hicache-storage-backend", "hicached", "--hicached-endpoint", endpoint,
+                *(["--debug-pools"] if self.debug_pools else [])]
 
 
 def pool_sizes(w: Workload, page_size: int, track_interval: int) -> tuple[int, int]:
