@@ -35,6 +35,7 @@ from hicached.engine.pd.runner import (
     EngineSpec,
     NotAvailable,
     Workload,
+    check_nodes,
     compare,
     daemons,
     pool_sizes,
@@ -90,9 +91,10 @@ def device_bytes(lm, page_size: int) -> tuple[int, int]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        check_nodes(args.nodes)
         w = Workload(args.prefixes, args.prefix_tokens, args.suffix_tokens, args.conversations,
                      args.turns, args.new_tokens, args.seed)
-    except ValueError as e:
+    except (NotAvailable, ValueError) as e:
         print(f"bench_pd: {e}", file=sys.stderr)
         return 2
     from hicached.engine.models import load_model
@@ -108,12 +110,8 @@ def main(argv=None) -> int:
         l2 = max(256 << 20, 3 * (kv_pages * page_bytes + slots * state_bytes))
         spec = EngineSpec(f"{tmp}/ckpt", "qwen3_next", args.page_size, kv_pages, slots,
                           args.track_interval, args.prefill_chunk_pages)
-        try:
-            with daemons(args.nodes, l2_size=f"{l2 >> 20}MiB") as ends:
-                off, on = run_both(w, spec, ends, tmp, lm.vocab_size, progress(w))
-        except NotAvailable as e:
-            print(f"bench_pd: {e}", file=sys.stderr)
-            return 2
+        with daemons(args.nodes, l2_size=f"{l2 >> 20}MiB") as ends:
+            off, on = run_both(w, spec, ends, tmp, lm.vocab_size, progress(w))
     c = compare(off, on)
     c.update(nodes=args.nodes, page_size=args.page_size, page_bytes=page_bytes,
              state_bytes=state_bytes, workload=w.__dict__, nominal_reuse=w.nominal_reuse,

@@ -109,6 +109,16 @@ class Endpoints(NamedTuple):
     decode: str
 
 
+def check_nodes(nodes: int) -> None:
+    """Raise unless ``daemons(nodes)`` can start (``NotAvailable``: not in this tree yet)."""
+    if nodes not in NODES:
+        raise ValueError(f"nodes must be one of {list(NODES)}, got {nodes}")
+    if nodes == 2:
+        raise NotAvailable("--nodes 2 is not available yet: the two-node path (two daemons "
+                           "sharing a mooncake_master, the prefill waiting until its pages are "
+                           "in L3) is not in this tree (docs/pd.md, What is left)")
+
+
 @contextlib.contextmanager
 def daemons(nodes: int, l2_size: str = "1GiB", slab_size: str = "8MiB",
             endpoint: str = "") -> Iterator[Endpoints]:
@@ -117,12 +127,7 @@ def daemons(nodes: int, l2_size: str = "1GiB", slab_size: str = "8MiB",
     daemons sharing a ``mooncake_master``, the prefill's pages visible once in L3) is the
     second phase of issue 28: this raises ``NotAvailable`` until it lands; adding it is starting
     the master and two daemons here and yielding their endpoints."""
-    if nodes not in NODES:
-        raise ValueError(f"nodes must be one of {list(NODES)}, got {nodes}")
-    if nodes == 2:
-        raise NotAvailable("--nodes 2 is not available yet: the two-node path (two daemons "
-                           "sharing a mooncake_master, the prefill waiting until its pages are "
-                           "in L3) is not in this tree (docs/pd.md, What is left)")
+    check_nodes(nodes)
     if endpoint:
         yield Endpoints(endpoint, endpoint)
         return
