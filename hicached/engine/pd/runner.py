@@ -120,7 +120,7 @@ def check_nodes(nodes: int) -> None:
 
 
 @contextlib.contextmanager
-def daemons(nodes: int, l2_size: str = "1GiB", slab_size: str = "8MiB",
+def daemons(nodes: int, l2_size: str = "512MiB", slab_size: str = "8MiB",
             endpoint: str = "") -> Iterator[Endpoints]:
     """Start the run's daemons (stopped on exit) and say which one each role uses. One node:
     one daemon for both (``endpoint``: a running one instead, left running). Two nodes (two
