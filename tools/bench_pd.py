@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 
@@ -66,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=32)
     p.add_argument("--track-interval", type=int, default=64)
     p.add_argument("--prefill-chunk-pages", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="the engines' (cpu, cuda, ...)")
     p.add_argument("--kv-pages", type=int, default=0, help="each engine's (0: the workload's)")
     p.add_argument("--state-slots", type=int, default=0, help="each engine's (0: the workload's)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -106,16 +108,18 @@ def main(argv=None) -> int:
                         num_hidden_layers=args.layers, num_attention_heads=args.kv_heads,
                         num_key_value_heads=args.kv_heads, head_dim=args.head_dim)
         page_bytes, state_bytes = device_bytes(lm, args.page_size)
-        # both modes' pages (each its own tenant), with room for the slabs' rounding
-        l2 = max(256 << 20, 3 * (kv_pages * page_bytes + slots * state_bytes))
+        # both modes' pages (each its own tenant) and a quarter more: the arena is allocated
+        # and mapped pre-faulted, by the daemon and by every engine
+        pages = math.ceil(w.unique_tokens() / args.page_size)
+        l2 = max(256 << 20, int(2.5 * (pages * page_bytes + slots * state_bytes)))
         spec = EngineSpec(f"{tmp}/ckpt", "qwen3_next", args.page_size, kv_pages, slots,
-                          args.track_interval, args.prefill_chunk_pages)
+                          args.track_interval, args.prefill_chunk_pages, device=args.device)
         with daemons(args.nodes, l2_size=f"{l2 >> 20}MiB") as ends:
             off, on = run_both(w, spec, ends, tmp, lm.vocab_size, progress(w))
     c = compare(off, on)
     c.update(nodes=args.nodes, page_size=args.page_size, page_bytes=page_bytes,
              state_bytes=state_bytes, workload=w.__dict__, nominal_reuse=w.nominal_reuse,
-             model={"layers": args.layers, "kv_heads": args.kv_heads,
+             device=args.device, model={"layers": args.layers, "kv_heads": args.kv_heads,
                     "head_dim": args.head_dim, "identity": lm.identity},
              target_bytes=TARGET_BYTES)
     if args.json:
@@ -138,7 +142,7 @@ def report(c: dict, w: Workload) -> None:
     off, on, ratio = c["off"], c["on"], c["on_over_off"]
     m = c["model"]
     print(f"qwen3_next {m['layers']} layers ({m['layers'] // 2} attention, {m['kv_heads']} KV "
-          f"heads x {m['head_dim']}), fp32 CPU; page {c['page_size']} tokens = "
+          f"heads x {m['head_dim']}), fp32 on {c['device']}; page {c['page_size']} tokens = "
           f"{c['page_bytes'] / 1024:.0f} KiB of KV, state {c['state_bytes'] / 1024:.0f} KiB")
     print(f"{w.prefixes} prefixes x {w.prefix_tokens} tokens, {w.conversations} conversations x "
           f"{w.turns} turns = {w.requests} requests ({w.suffix_tokens}-token messages, "

@@ -49,7 +49,7 @@ def run_pd(args: argparse.Namespace) -> int:
             lm = load_model(arch, seed=args.seed, path=path)
             spec = EngineSpec(path, arch, args.page_size, args.kv_pages, args.state_slots,
                               args.track_interval, args.prefill_chunk_pages, args.threads,
-                              args.debug_pools)
+                              args.debug_pools, args.device)
             off, on = run_both(w, spec, ends, tmp, lm.vocab_size, progress.advance)
             print(report(arch, off, on), flush=True)
     return 0

@@ -196,6 +196,7 @@ class EngineSpec:
     prefill_chunk_pages: int = 1
     torch_threads: int = 1
     debug_pools: bool = False
+    device: str = "cpu"
     timeout_s: float = 120.0  # --disaggregation-timeout-s (a cold prefix on a busy machine)
 
     def args(self, mode: str, endpoint: str, tenant: str, boot: str) -> list[str]:
@@ -206,6 +207,7 @@ class EngineSpec:
                 "--track-interval", str(self.track_interval),
                 "--prefill-chunk-pages", str(self.prefill_chunk_pages),
                 "--torch-threads", str(self.torch_threads), "--tenant", tenant,
+                "--device", self.device,
                 "--hicache-storage-backend", "hicached", "--hicached-endpoint", endpoint,
                 *(["--debug-pools"] if self.debug_pools else [])]
 
