@@ -169,17 +169,25 @@ class EngineProc:
                 raise RunError(f"{self.name} not ready in {timeout_s}s:\n{self.output()[-3000:]}")
             time.sleep(0.05)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
-        """Signal the process and wait (SIGKILL after ``timeout_s``); its exit status."""
+    def send(self, sig: int) -> None:
+        """Send ``sig`` unless the process has exited (no wait: stop several at once)."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        """Wait for the exit (SIGKILL after ``timeout_s``); its status. Closes the log."""
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
         code = self.proc.wait()
         self.log.close()
         return code
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        """Signal the process and wait for it; its exit status."""
+        self.send(sig)
+        return self.wait(timeout_s)
 
 
 @dataclass(frozen=True)
@@ -276,8 +284,10 @@ def run_mode(w: Workload, spec: EngineSpec, ends: Endpoints, radix: bool, workdi
             checked = user.check_idle()
             if not checked.ok:
                 raise RunError(f"the {tag} decode is not idle after the run: {checked.message}")
+        for p in procs:  # (their interpreters take a second to exit: together)
+            p.send(signal.SIGTERM)
         for p in procs:
-            if p.stop() != 0:
+            if p.wait() != 0:
                 raise RunError(f"{p.name} exited with {p.proc.returncode}:\n"
                                f"{p.output()[-3000:]}")
         return run
