@@ -113,7 +113,7 @@ def test_a_killed_decode_leaves_nothing_pinned_after_the_lease_ttl(make_daemon, 
 
     def load():  # new prompts, one after the other, until the decode is gone
         g = random.Random(2)
-        with PDClient(front, timeout_s=3.0) as user:
+        with PDClient(front, timeout_s=10.0) as user:
             while not stop.is_set():
                 try:
                     user.generate(f"l{g.random()}", [g.randrange(256) for _ in range(60)], 2)
