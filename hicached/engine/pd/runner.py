@@ -154,12 +154,15 @@ class EngineProc:
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def output(self) -> str:
+        """What the process printed so far."""
         if not self.log.closed:
             self.log.flush()
         with open(self.log.name, "rb") as f:
             return f.read().decode(errors="replace")
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
+        """Return once it printed ``READY``; ``RunError`` (with its output) if it exited or
+        took longer than ``timeout_s`` (importing transformers alone takes seconds)."""
         end = time.monotonic() + timeout_s
         while "READY" not in self.output():
             if self.proc.poll() is not None:
@@ -208,6 +211,8 @@ class EngineSpec:
     timeout_s: float = 120.0  # --disaggregation-timeout-s (a cold prefix on a busy machine)
 
     def args(self, mode: str, endpoint: str, tenant: str, boot: str) -> list[str]:
+        """The command line of one role (mode ``prefill`` or ``decode``) on daemon
+        ``endpoint``; the decode's own flags are added by ``run_mode``."""
         return ["--disaggregation-mode", mode, "--disaggregation-bootstrap-endpoint", boot,
                 "--model", self.arch, "--model-path", self.model_path,
                 "--page-size", str(self.page_size), "--kv-pages", str(self.kv_pages),
@@ -299,6 +304,8 @@ def run_mode(w: Workload, spec: EngineSpec, ends: Endpoints, radix: bool, workdi
 
 def _send(w: Workload, user: PDClient, radix: bool, vocab: int,
           on_request: Callable[[str], None] | None, procs: list[EngineProc]) -> ModeRun:
+    """The workload through ``user``, one request at a time, each conversation's next prompt
+    built from the answers it got; a failed request raises with the processes' output."""
     run = ModeRun(radix, [], [])
     history: dict[int, list[int]] = {}
     for conv, turn, new in w.messages(vocab):
