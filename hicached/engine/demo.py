@@ -11,6 +11,10 @@ turn = the history + a new user message) runs four times:
 and prints, per turn, TTFT against the no-cache run and how many prompt tokens came from L1, L2,
 L3 or were computed. The demo starts its own daemon (stopped at exit) unless ``--hicached-endpoint``
 names a running one.
+
+``--pd`` runs the same workload through a prefill and a decode process instead (PD
+disaggregation, ``hicached/engine/pd/demo.py``), without and with the decode-side radix cache:
+per turn, tokens the decode held, bytes moved into it, TTFT.
 """
 
 from __future__ import annotations
@@ -167,8 +171,12 @@ def report(arch: str, results: dict[str, list[Turn]]) -> str:
 
 
 def add_demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", default="qwen3_next,deepseek_v32",
-                   help="comma-separated: qwen3_next, deepseek_v32")
+    p.add_argument("--models", default=None,
+                   help="comma-separated: qwen3_next, deepseek_v32 (default: both; with --pd "
+                        "qwen3_next)")
+    p.add_argument("--pd", action="store_true",
+                   help="PD disaggregation: a prefill and a decode process, without and with "
+                        "the decode-side radix cache")
     p.add_argument("--conversations", type=int, default=3)
     p.add_argument("--systems", type=int, default=2, help="distinct system prompts")
     p.add_argument("--turns", type=int, default=3)
@@ -200,7 +208,11 @@ def run(args: argparse.Namespace) -> int:
     from hicached.client.api import Client
     from hicached.engine.models import load_model
 
-    archs = [a.strip() for a in args.models.split(",") if a.strip()]
+    if args.pd:
+        from hicached.engine.pd.demo import run_pd
+        return run_pd(args)
+    models = args.models or "qwen3_next,deepseek_v32"
+    archs = [a.strip() for a in models.split(",") if a.strip()]
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     daemon = None

@@ -33,11 +33,15 @@ log = logging.getLogger(__name__)
 
 
 class LoadBack(NamedTuple):
-    """Tokens ``[from_tokens, to_tokens)`` became usable on the device thanks to hicached."""
+    """Tokens ``[from_tokens, to_tokens)`` became usable on the device thanks to hicached.
+    ``read_pages`` / ``read_states``: what was read for it (the device may have held the KV of
+    the first of those pages already, and lacked only a state past them)."""
 
     from_tokens: int
     to_tokens: int
     l3_fraction: float
+    read_pages: int = 0
+    read_states: int = 0
 
 
 NO_LOAD = LoadBack(0, 0, 0.0)
@@ -163,7 +167,8 @@ class HiCache:
                 n.kv_stored = True
             if room.state is not None and res.node.state == room.state:
                 res.node.state_stored = True
-            return LoadBack(usable * ps, end * ps, fetched.l3_fraction)
+            return LoadBack(usable * ps, end * ps, fetched.l3_fraction, len(room.kv_pages),
+                            int(room.state is not None))
         finally:
             self.tree.dec_lock(lock)
 

@@ -44,3 +44,28 @@ def test_demo_on_another_daemon_says_it_skips_the_l3_phase(daemon, capsys):
     assert f"the L3 phase is skipped: it flushes the L2 of the daemon at {daemon.endpoint}" in out
     assert "--flush-daemon-l2 runs it" in out
     assert not rows(out, "qwen3_next", "L3") and rows(out, "qwen3_next", "new engine")
+
+
+def pd_rows(out):
+    """(conv, turn, prompt, matched, KiB off, KiB on) of each per-request row of ``--pd``."""
+    table = out.split("qwen3_next: PD on one node")[1].split("\nmode")[0]
+    return [tuple(int(x) for x in line.split()[:6]) for line in table.splitlines()
+            if line.split() and line.split()[0].isdigit()]
+
+
+def test_demo_pd_shows_what_the_decode_radix_saves(capsys):
+    """``hicached demo --pd``: 2 conversations on one 48-token system prompt, 2 turns, 8-token
+    pages (4 KiB, a state 12 KiB). Without the decode radix each request moves its prompt's
+    whole pages and a state (56 tokens: 40 KiB, then 72: 48 KiB); with it the decode holds the
+    system prompt (conversation 1), then each conversation's history, and moves less."""
+    assert main(["demo", "--pd", "--conversations", "2", "--systems", "1", "--turns", "2",
+                 "--system-tokens", "48", "--user-tokens", "12", "--new-tokens", "2",
+                 "--page-size", "8", "--track-interval", "16", "--kv-pages", "128",
+                 "--debug-pools"]) == 0
+    out = capsys.readouterr().out
+    rows = pd_rows(out)
+    assert [r[:4] for r in rows] == [(0, 0, 60, 0), (1, 0, 60, 48), (0, 1, 74, 56),
+                                     (1, 1, 74, 56)]
+    assert [r[4] for r in rows] == [40, 40, 48, 48]
+    assert rows[0][5] == 40 and all(r[5] < r[4] for r in rows[1:])
+    assert "outputs equal across modes: yes" in out

@@ -16,7 +16,10 @@ MESSAGES = [
     ("engine", M.Generate("r2", [4, 5], 3)),
     ("engine", M.CheckIdle()),
     ("user", M.Generated("r2", [1, 2], b"", "", 0.5, 16, 16, 2, 1)),
+    ("user", M.Generated("r3", [1], b"", "", 0.5, 32, 16, 2, 1, 2, 1)),
     ("user", M.Checked(False, "LeakDetected: ...")),
+    ("engine", M.GetUsage()),
+    ("user", M.Usage(8, 64, 10, 40, 4096, 24, 3, 12288)),
 ]
 
 
@@ -26,6 +29,10 @@ def test_every_message_round_trips(direction, msg):
     other = "user" if direction != "user" else "prefill"
     with pytest.raises(M.PDProtocolError, match=f"malformed {other} frame"):
         M.decode(M.encode(msg), other)
+
+
+def test_usage_counts_the_tokens_in_use():
+    assert M.Usage(8, 64, 10, 40, 4096).used_tokens == (64 - 10) * 8
 
 
 @pytest.mark.parametrize("frame", [b"", b"\xc1", b"\x81\xa1t\xa5ready", b"\x93\x01\x02\x03"])

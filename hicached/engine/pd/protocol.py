@@ -18,6 +18,7 @@ Front (a user -> an engine in mode decode or none; the engine binds ``--serve-en
 
   Generate(rid, prompt, max_new_tokens)  ->  Generated(rid, output_ids, logits, error, ...)
   CheckIdle()                            ->  Checked(ok, message)   the engine's leak identity
+  GetUsage()                             ->  Usage(...)             the engine's pools now
 
 Malformed frames raise ``PDProtocolError``; the receiver answers ``Failed`` / ``Generated``
 with an error where it can name the request, and drops the frame otherwise.
@@ -79,7 +80,10 @@ class Generate(_Msg, tag="generate"):
 
 class Generated(_Msg, tag="generated"):
     """``logits``: float32 [len(output_ids), vocab]; ``decode_prefix_len``: prompt tokens the
-    decode held itself; ``moved_pages``: KV pages it loaded from the prefill's delta."""
+    decode held itself; ``moved_pages`` / ``moved_states``: KV pages and states it loaded from
+    the prefill's delta; ``loaded_pages`` / ``loaded_states``: those its arrival load-back read
+    from the daemon (pages other engines of the node stored). Pages moved into the decode, all
+    told: ``moved_pages + loaded_pages``."""
 
     rid: str
     output_ids: list[int] = []
@@ -90,6 +94,8 @@ class Generated(_Msg, tag="generated"):
     decode_prefix_len: int = 0
     moved_pages: int = 0
     moved_states: int = 0
+    loaded_pages: int = 0
+    loaded_states: int = 0
 
 
 class CheckIdle(_Msg, tag="check"):
@@ -101,10 +107,34 @@ class Checked(_Msg, tag="checked"):
     message: str = ""
 
 
+class GetUsage(_Msg, tag="get_usage"):
+    pass
+
+
+class Usage(_Msg, tag="usage"):
+    """The engine's device pools: ``kv_pages`` of ``page_size`` tokens, ``kv_free`` of them
+    free, ``kv_cached`` held by its radix cache (evictable or locked); ``page_bytes``: one KV
+    page (and its indexer page), ``state_bytes``: one state slot (0: no states)."""
+
+    page_size: int
+    kv_pages: int
+    kv_free: int
+    kv_cached: int
+    page_bytes: int
+    state_slots: int = 0
+    state_free: int = 0
+    state_bytes: int = 0
+
+    @property
+    def used_tokens(self) -> int:
+        """Tokens of the KV pool in use (cached prefixes and running requests' pages)."""
+        return (self.kv_pages - self.kv_free) * self.page_size
+
+
 ToPrefill = PrefillRequest | AbortRequest
 ToDecode = Ready | Failed
-ToEngine = Generate | CheckIdle
-ToUser = Generated | Checked
+ToEngine = Generate | CheckIdle | GetUsage
+ToUser = Generated | Checked | Usage
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {name: msgspec.msgpack.Decoder(t) for name, t in

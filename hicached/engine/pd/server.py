@@ -130,17 +130,20 @@ class FrontServer:
                     self._send(ident, M.Checked(True))
                 except Exception as e:  # noqa: BLE001 - the answer carries it
                     self._send(ident, M.Checked(False, f"{type(e).__name__}: {e}"))
+            case M.GetUsage():
+                self._send(ident, usage(self.engine))
 
     def _answer(self, req) -> None:
         ident = self.peers.pop(req.rid, None)
         if ident is None:
             return
-        t = req.transfer
+        t, lb = req.transfer, req.loaded
         self._send(ident, M.Generated(
             req.rid, list(req.output_ids), M.logits_bytes(req.logits), req.error,
             req.ttft_s or 0.0, req.cached_tokens,
             t.decode_prefix_len if t is not None else 0,
-            t.moved_pages if t is not None else 0, t.moved_states if t is not None else 0))
+            t.moved_pages if t is not None else 0, t.moved_states if t is not None else 0,
+            lb.read_pages if lb is not None else 0, lb.read_states if lb is not None else 0))
 
     def _send(self, ident: bytes, msg) -> None:
         try:
@@ -151,6 +154,18 @@ class FrontServer:
     def close(self) -> None:
         self.sock.close(linger=0)
         self._ctx.term()
+
+
+def usage(engine) -> M.Usage:
+    """An engine's device pools as the front channel reports them (``GetUsage``)."""
+    kv, states, tree = engine.kv, engine.states, engine.tree
+    page_bytes = kv.host.page_bytes + (engine.indexer.host.page_bytes
+                                       if engine.indexer is not None else 0)
+    return M.Usage(engine.page_size, kv.allocator.total, kv.allocator.available,
+                   tree.kv_evictable + tree.kv_protected, page_bytes,
+                   states.allocator.total if states is not None else 0,
+                   states.allocator.available if states is not None else 0,
+                   states.host.page_bytes if states is not None else 0)
 
 
 class PDClient:
@@ -178,6 +193,10 @@ class PDClient:
 
     def check_idle(self) -> M.Checked:
         return self._roundtrip(M.CheckIdle(), M.Checked)
+
+    def usage(self) -> M.Usage:
+        """The engine's device pools now (between requests: what its radix cache holds)."""
+        return self._roundtrip(M.GetUsage(), M.Usage)
 
     def close(self) -> None:
         self.sock.close(linger=0)

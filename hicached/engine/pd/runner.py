@@ -1,0 +1,392 @@
+"""A multi-turn chat workload through PD processes, with and without the decode-side radix cache:
+the runner of ``tools/bench_pd.py`` and ``hicached demo --pd``.
+
+One run (``run_both``):
+
+    daemons(nodes)         the daemons, and the endpoint each role talks to (``Endpoints``)
+    run_mode(radix=False)  a prefill and a decode process (``python -m hicached.engine.pd``), the
+                           workload sent to the decode's front socket one request at a time,
+                           the decode's pools read after each; then both processes stop
+    run_mode(radix=True)   the same with --disaggregation-decode-enable-radix-cache
+    compare(off, on)       outputs equal request by request, and the on / off ratios
+
+The two modes share the daemons but no page: each runs under its own ``--tenant`` (another page
+namespace, fresh per run), so neither finds the other's pages, nor an earlier run's, in L2.
+Bytes moved into the decode are counted from what it says it read (``Generated``): the
+prefill's delta and what its arrival load-back found in the daemon, pages and states, times
+their sizes (``Usage``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import hicached
+from hicached.engine.pd import protocol as M
+from hicached.engine.pd.server import PDClient
+
+NODES = (1, 2)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(hicached.__file__)))
+
+
+class RunError(RuntimeError):
+    """A process of the run failed: a request's error, a leak, a process that did not start."""
+
+
+class NotAvailable(RunError):
+    """What this tree cannot run yet (``--nodes 2``)."""
+
+
+# ------------------------------------------------------------------ the workload
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``conversations`` chats; conversation c opens with shared prefix ``c % prefixes`` (a long
+    system prompt, ``prefix_tokens``), and each of its ``turns`` turns appends a fresh
+    ``suffix_tokens`` user message to the history (prefix, earlier messages and answers) and
+    asks for ``new_tokens``. Requests go turn by turn (every conversation's turn 0, then turn 1,
+    ...), as users come back. The tokens are seeded: every run and mode sends the same prompts,
+    given the same answers."""
+
+    prefixes: int = 20
+    prefix_tokens: int = 1024
+    suffix_tokens: int = 96
+    conversations: int = 80
+    turns: int = 5
+    new_tokens: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prefixes", "prefix_tokens", "suffix_tokens", "conversations", "turns",
+                     "new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def requests(self) -> int:
+        return self.conversations * self.turns
+
+    @property
+    def nominal_reuse(self) -> float:
+        """A first turn's share of tokens in a prefix another request sent (SGLang's figure)."""
+        return self.prefix_tokens / (self.prefix_tokens + self.suffix_tokens)
+
+    def unique_tokens(self) -> int:
+        """Tokens of every prefix and every conversation's own history (a cache of them all)."""
+        per_turn = self.suffix_tokens + self.new_tokens
+        return self.prefixes * self.prefix_tokens + self.requests * per_turn
+
+    def messages(self, vocab: int) -> Iterator[tuple[int, int, list[int]]]:
+        """(conversation, turn, new tokens): turn 0's are its prefix and first message."""
+        g = random.Random(self.seed)
+        prefixes = [[g.randrange(vocab) for _ in range(self.prefix_tokens)]
+                    for _ in range(self.prefixes)]
+        for turn in range(self.turns):
+            for conv in range(self.conversations):
+                user = [g.randrange(vocab) for _ in range(self.suffix_tokens)]
+                yield conv, turn, (prefixes[conv % self.prefixes] if turn == 0 else []) + user
+
+
+# ------------------------------------------------------------------ the processes
+
+
+class Endpoints(NamedTuple):
+    """The daemon each role stores into / loads from (one node: the same one)."""
+
+    prefill: str
+    decode: str
+
+
+def check_nodes(nodes: int) -> None:
+    """Raise unless ``daemons(nodes)`` can start (``NotAvailable``: not in this tree yet)."""
+    if nodes not in NODES:
+        raise ValueError(f"nodes must be one of {list(NODES)}, got {nodes}")
+    if nodes == 2:
+        raise NotAvailable("--nodes 2 is not available yet: the two-node path (two daemons "
+                           "sharing a mooncake_master, the prefill waiting until its pages are "
+                           "in L3) is not in this tree (docs/pd.md, What is left)")
+
+
+@contextlib.contextmanager
+def daemons(nodes: int, l2_size: str = "512MiB", slab_size: str = "8MiB",
+            endpoint: str = "") -> Iterator[Endpoints]:
+    """Start the run's daemons (stopped on exit) and say which one each role uses. One node:
+    one daemon for both (``endpoint``: a running one instead, left running). Two nodes (two
+    daemons sharing a ``mooncake_master``, the prefill's pages visible once in L3) is the
+    second phase of issue 28: this raises ``NotAvailable`` until it lands; adding it is starting
+    the master and two daemons here and yielding their endpoints."""
+    check_nodes(nodes)
+    if endpoint:
+        yield Endpoints(endpoint, endpoint)
+        return
+    from hicached.engine.demo import DaemonLauncher
+
+    d = DaemonLauncher(l2_size, slab_size, extra=("--l3-backend", "none"))
+    try:
+        yield Endpoints(d.endpoint, d.endpoint)
+    finally:
+        d.close()
+
+
+class EngineProc:
+    """A ``python -m hicached.engine.pd`` child: its output in ``<workdir>/<name>.log``, ready
+    once it printed ``READY``; ``stop`` sends SIGTERM (the process's own clean exit)."""
+
+    def __init__(self, workdir: str, name: str, args: list[str]):
+        self.name = name
+        # the child writes here for its whole life; closed in stop()
+        self.log = open(os.path.join(workdir, f"{name}.log"), "ab")  # noqa: SIM115
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "hicached.engine.pd", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def output(self) -> str:
+        """What the process printed so far."""
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log.name, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        """Return once it printed ``READY``; ``RunError`` (with its output) if it exited or
+        took longer than ``timeout_s`` (importing transformers alone takes seconds)."""
+        end = time.monotonic() + timeout_s
+        while "READY" not in self.output():
+            if self.proc.poll() is not None:
+                raise RunError(f"{self.name} exited with {self.proc.returncode}:\n"
+                               f"{self.output()[-3000:]}")
+            if time.monotonic() > end:
+                raise RunError(f"{self.name} not ready in {timeout_s}s:\n{self.output()[-3000:]}")
+            time.sleep(0.05)
+
+    def send(self, sig: int) -> None:
+        """Send ``sig`` unless the process has exited (no wait: stop several at once)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        """Wait for the exit (SIGKILL after ``timeout_s``); its status. Closes the log."""
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        code = self.proc.wait()
+        self.log.close()
+        return code
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        """Signal the process and wait for it; its exit status."""
+        self.send(sig)
+        return self.wait(timeout_s)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """The engine flags both roles share (the page keys depend on the checkpoint, the page size
+    and the tenant: prefill and decode must agree on them)."""
+
+    model_path: str
+    arch: str = "qwen3_next"
+    page_size: int = 32
+    kv_pages: int = 512
+    state_slots: int = 64
+    track_interval: int = 64
+    prefill_chunk_pages: int = 1
+    torch_threads: int = 1
+    debug_pools: bool = False
+    device: str = "cpu"
+    timeout_s: float = 120.0  # --disaggregation-timeout-s (a cold prefix on a busy machine)
+
+    def args(self, mode: str, endpoint: str, tenant: str, boot: str) -> list[str]:
+        """The command line of one role (mode ``prefill`` or ``decode``) on daemon
+        ``endpoint``; the decode's own flags are added by ``run_mode``."""
+        return ["--disaggregation-mode", mode, "--disaggregation-bootstrap-endpoint", boot,
+                "--model", self.arch, "--model-path", self.model_path,
+                "--page-size", str(self.page_size), "--kv-pages", str(self.kv_pages),
+                "--state-slots", str(self.state_slots),
+                "--track-interval", str(self.track_interval),
+                "--prefill-chunk-pages", str(self.prefill_chunk_pages),
+                "--torch-threads", str(self.torch_threads), "--tenant", tenant,
+                "--device", self.device,
+                "--hicache-storage-backend", "hicached", "--hicached-endpoint", endpoint,
+                *(["--debug-pools"] if self.debug_pools else [])]
+
+
+def pool_sizes(w: Workload, page_size: int, track_interval: int) -> tuple[int, int]:
+    """KV pages and state slots for a device that caches the whole workload (with room for
+    each request's partial pages and snapshots): the decode's radix cache then never evicts."""
+    pages = math.ceil(w.unique_tokens() / page_size) + 2 * w.requests + 16
+    slots = 3 * w.requests + w.unique_tokens() // track_interval + 16
+    return pages + pages // 4, slots
+
+
+# ------------------------------------------------------------------ one mode
+
+
+@dataclass
+class Record:
+    """One request as the decode answered it."""
+
+    conv: int
+    turn: int
+    prompt: int  # tokens
+    reusable: int  # prompt tokens an earlier request sent or got (its prefix, or its history)
+    matched: int  # prompt tokens the decode held itself (decode_prefix_len)
+    pages: int  # KV pages moved into the decode: the prefill's delta and the arrival load-back
+    states: int
+    nbytes: int
+    ttft_s: float
+    output_ids: list[int]
+    logits: bytes = field(repr=False)
+
+
+@dataclass
+class ModeRun:
+    """A mode's records and the decode's pools after each request."""
+
+    radix: bool
+    records: list[Record]
+    usage: list[M.Usage]
+
+    @property
+    def label(self) -> str:
+        return "radix on" if self.radix else "radix off"
+
+
+def run_mode(w: Workload, spec: EngineSpec, ends: Endpoints, radix: bool, workdir: str,
+             vocab: int, on_request: Callable[[str], None] | None = None) -> ModeRun:
+    """Start a prefill and a decode for ``radix``, send the workload, stop them. Their logs
+    are left in a new directory under ``workdir``."""
+    tag = f"radix-{'on' if radix else 'off'}"
+    tenant = f"pd-{os.getpid()}-{tag}"
+    workdir = tempfile.mkdtemp(prefix=f"{tag}-", dir=workdir)  # this mode's sockets and logs
+    boot, front = f"ipc://{workdir}/boot.sock", f"ipc://{workdir}/front.sock"
+    decode_args = spec.args("decode", ends.decode, tenant, boot) + [
+        "--serve-endpoint", front, "--disaggregation-timeout-s", str(spec.timeout_s)]
+    if radix:
+        decode_args.append("--disaggregation-decode-enable-radix-cache")
+    procs = [EngineProc(workdir, f"prefill-{tag}",
+                        spec.args("prefill", ends.prefill, tenant, boot)),
+             EngineProc(workdir, f"decode-{tag}", decode_args)]
+    try:
+        for p in procs:
+            p.wait_ready()
+        with PDClient(front, timeout_s=spec.timeout_s + 60) as user:
+            run = _send(w, user, radix, vocab, on_request, procs)
+            checked = user.check_idle()
+            if not checked.ok:
+                raise RunError(f"the {tag} decode is not idle after the run: {checked.message}")
+        for p in procs:  # (their interpreters take a second to exit: together)
+            p.send(signal.SIGTERM)
+        for p in procs:
+            if p.wait() != 0:
+                raise RunError(f"{p.name} exited with {p.proc.returncode}:\n"
+                               f"{p.output()[-3000:]}")
+        return run
+    finally:
+        for p in procs:
+            if p.proc.poll() is None:
+                p.stop(signal.SIGKILL)
+
+
+def _send(w: Workload, user: PDClient, radix: bool, vocab: int,
+          on_request: Callable[[str], None] | None, procs: list[EngineProc]) -> ModeRun:
+    """The workload through ``user``, one request at a time, each conversation's next prompt
+    built from the answers it got; a failed request raises with the processes' output."""
+    run = ModeRun(radix, [], [])
+    history: dict[int, list[int]] = {}
+    for conv, turn, new in w.messages(vocab):
+        prompt = history.get(conv, []) + new
+        reusable = len(history[conv]) if turn else (
+            w.prefix_tokens if conv >= w.prefixes else 0)
+        got = user.generate(f"c{conv}t{turn}", prompt, w.new_tokens)
+        if got.error:
+            logs = "\n".join(f"--- {p.name}\n{p.output()[-2000:]}" for p in procs)
+            raise RunError(f"{run.label}, conversation {conv} turn {turn}: {got.error}\n{logs}")
+        history[conv] = prompt + got.output_ids
+        u = user.usage()
+        pages = got.moved_pages + got.loaded_pages
+        states = got.moved_states + got.loaded_states
+        run.records.append(Record(conv, turn, len(prompt), reusable, got.decode_prefix_len,
+                                  pages, states, pages * u.page_bytes + states * u.state_bytes,
+                                  got.ttft_s, list(got.output_ids), got.logits))
+        run.usage.append(u)
+        if on_request is not None:
+            on_request(run.label)
+    return run
+
+
+# ------------------------------------------------------------------ both modes, compared
+
+
+def run_both(w: Workload, spec: EngineSpec, ends: Endpoints, workdir: str, vocab: int,
+             on_request: Callable[[str], None] | None = None) -> tuple[ModeRun, ModeRun]:
+    """The workload without, then with the decode-side radix cache: (off, on)."""
+    off = run_mode(w, spec, ends, False, workdir, vocab, on_request)
+    on = run_mode(w, spec, ends, True, workdir, vocab, on_request)
+    return off, on
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``xs``, nearest rank."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summary(run: ModeRun) -> dict:
+    """A mode's figures: bytes moved per request, TTFT, the decode's match and pool use."""
+    r, u = run.records, run.usage
+    ttft = [x.ttft_s for x in r]
+    prompt = sum(x.prompt for x in r)
+    return {
+        "requests": len(r),
+        "prompt_tokens_mean": prompt / len(r),
+        "matched_tokens_mean": sum(x.matched for x in r) / len(r),
+        "matched_share": sum(x.matched for x in r) / prompt,
+        "reusable_share": sum(x.reusable for x in r) / prompt,
+        "pages_per_request": sum(x.pages for x in r) / len(r),
+        "bytes_per_request": sum(x.nbytes for x in r) / len(r),
+        "ttft_p50_ms": percentile(ttft, 0.5) * 1e3,
+        "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
+        "ttft_mean_ms": sum(ttft) / len(ttft) * 1e3,
+        "pool_tokens": u[-1].kv_pages * u[-1].page_size,
+        "pool_used_tokens_max": max(x.used_tokens for x in u),
+        "pool_used_tokens_end": u[-1].used_tokens,
+        "page_bytes": u[-1].page_bytes,
+        "state_bytes": u[-1].state_bytes,
+    }
+
+
+def compare(off: ModeRun, on: ModeRun) -> dict:
+    """Outputs equal request by request (token ids; the largest logit difference), and the
+    on / off ratio of each figure ``summary`` gives."""
+    import numpy as np
+
+    same, diff = True, 0.0
+    for a, b in zip(off.records, on.records, strict=True):
+        same &= a.output_ids == b.output_ids
+        if a.logits and b.logits and len(a.logits) == len(b.logits):
+            la = np.frombuffer(a.logits, dtype=np.float32)
+            lb = np.frombuffer(b.logits, dtype=np.float32)
+            diff = max(diff, float(np.abs(la - lb).max()))
+        else:
+            same = False
+    s_off, s_on = summary(off), summary(on)
+    ratios = {k: (s_on[k] / s_off[k] if s_off[k] else None)
+              for k in ("bytes_per_request", "ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms",
+                        "pool_used_tokens_max")}
+    return {"outputs_equal": same, "max_logit_diff": diff, "off": s_off, "on": s_on,
+            "on_over_off": ratios}
