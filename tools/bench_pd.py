@@ -5,7 +5,9 @@ suffixes, ~91 % prefix reuse, a fixed number of requests), scaled to a CPU: 20 p
 ``--prefix-tokens``, ``--conversations`` multi-turn chats on them (a fresh ``--suffix-tokens``
 user message and ``--new-tokens`` answer per turn), sent turn by turn, one request at a time.
 The reference engine's prefill and decode run as processes (``python -m hicached.engine.pd``)
-on one node, pages through the node's daemon (L2 only), once with
+on one node, pages through the node's daemon (L2 only), or with ``--nodes 2`` against two
+daemons sharing a ``mooncake_master`` on loopback (the prefill's pages reach the decode through
+the store: Ready once they are in L3), once with
 ``--disaggregation-decode-enable-radix-cache`` and once without (``hicached.engine.pd.runner``).
 
 Per mode: bytes moved into the decode per request (the prefill's delta and what the decode's
@@ -20,7 +22,7 @@ of KV. The pools hold the whole workload (nothing is evicted).
 
     python tools/bench_pd.py                      # ~400 requests, a few minutes on 2 cores
     python tools/bench_pd.py --conversations 40 --turns 3 --prefix-tokens 512
-    python tools/bench_pd.py --nodes 2            # not available yet (issue 28, phase 2)
+    python tools/bench_pd.py --nodes 2            # two daemons sharing a mooncake_master
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import tempfile
 from hicached.engine.pd.runner import (
     NODES,
     EngineSpec,
-    NotAvailable,
     Workload,
     check_nodes,
     compare,
@@ -51,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, choices=NODES, default=1,
                    help="1: prefill and decode share one daemon; 2: two daemons sharing a "
-                        "mooncake_master (not available yet)")
+                        "mooncake_master on loopback (pages through L3)")
     w = Workload()
     p.add_argument("--prefixes", type=int, default=w.prefixes, help="unique long prefixes")
     p.add_argument("--prefix-tokens", type=int, default=w.prefix_tokens)
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
         check_nodes(args.nodes)
         w = Workload(args.prefixes, args.prefix_tokens, args.suffix_tokens, args.conversations,
                      args.turns, args.new_tokens, args.seed)
-    except (NotAvailable, ValueError) as e:
+    except ValueError as e:
         print(f"bench_pd: {e}", file=sys.stderr)
         return 2
     from hicached.engine.models import load_model
@@ -148,8 +149,10 @@ def report(c: dict, w: Workload) -> None:
           f"{w.turns} turns = {w.requests} requests ({w.suffix_tokens}-token messages, "
           f"{w.new_tokens} new tokens); prefix reuse {c['nominal_reuse']:.1%} a first turn, "
           f"{off['reusable_share']:.1%} of all prompt tokens")
-    print(f"{c['nodes']} node: prefill and decode processes on one daemon (L2), one request "
-          f"at a time; decode KV pool {off['pool_tokens']} tokens")
+    where = ("one daemon (L2)" if c["nodes"] == 1 else
+             "two daemons sharing a mooncake_master (TCP on loopback; pages through L3)")
+    print(f"{c['nodes']} node{'s' if c['nodes'] > 1 else ''}: prefill and decode processes on "
+          f"{where}, one request at a time; decode KV pool {off['pool_tokens']} tokens")
     rows = [
         ("decode-side match (tokens / request)", "matched_tokens_mean", 0, None),
         ("KV pages moved into the decode / request", "pages_per_request", 1, None),

@@ -20,10 +20,12 @@ their sizes (``Usage``).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,10 +44,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(hicached.__file__)))
 
 class RunError(RuntimeError):
     """A process of the run failed: a request's error, a leak, a process that did not start."""
-
-
-class NotAvailable(RunError):
-    """What this tree cannot run yet (``--nodes 2``)."""
 
 
 # ------------------------------------------------------------------ the workload
@@ -103,41 +101,104 @@ class Workload:
 
 
 class Endpoints(NamedTuple):
-    """The daemon each role stores into / loads from (one node: the same one)."""
+    """The daemon each role stores into / loads from (one node: the same one), and how the
+    prefill makes its pages visible to the decode (``--disaggregation-transfer``)."""
 
     prefill: str
     decode: str
+    transfer: str = "l2"
 
 
 def check_nodes(nodes: int) -> None:
-    """Raise unless ``daemons(nodes)`` can start (``NotAvailable``: not in this tree yet)."""
+    """Raise ``ValueError`` unless ``daemons(nodes)`` knows ``nodes``."""
     if nodes not in NODES:
         raise ValueError(f"nodes must be one of {list(NODES)}, got {nodes}")
-    if nodes == 2:
-        raise NotAvailable("--nodes 2 is not available yet: the two-node path (two daemons "
-                           "sharing a mooncake_master, the prefill waiting until its pages are "
-                           "in L3) is not in this tree (docs/pd.md, What is left)")
+
+
+def mooncake_l3_flags(master_address: str, segment: str = "1GiB") -> list[str]:
+    """``hicached serve`` flags for a Mooncake L3 on ``master_address`` over TCP on loopback
+    (each daemon mounts ``segment`` of its memory into the store)."""
+    opts = {"master_server_address": master_address, "protocol": "tcp",
+            "global_segment_size": segment, "local_buffer_size": "64MiB",
+            "local_hostname": "127.0.0.1"}
+    return ["--l3-backend", "mooncake", "--l3-options", json.dumps(opts)]
+
+
+@contextlib.contextmanager
+def mooncake_master(workdir: str) -> Iterator[str]:
+    """A ``mooncake_master`` on 127.0.0.1 (its log in ``workdir``), stopped on exit: yields its
+    address. ``RunError`` when the Mooncake client is not installed or the master does not
+    listen."""
+    try:
+        import mooncake
+    except ImportError as e:
+        raise RunError(f"two nodes need Mooncake ({e}): pip install 'hicached[mooncake]'") \
+            from None
+    binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    port, metrics = _free_port(), _free_port()
+    with open(os.path.join(workdir, "mooncake_master.log"), "ab") as log:
+        proc = subprocess.Popen([binary, f"--rpc_port={port}", "--rpc_address=127.0.0.1",
+                                 f"--metrics_port={metrics}", "--metrics_host=127.0.0.1"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > end:
+                    raise RunError(f"mooncake_master did not listen on {port} (log: "
+                                   f"{workdir}/mooncake_master.log)") from None
+                time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
 def daemons(nodes: int, l2_size: str = "512MiB", slab_size: str = "8MiB",
-            endpoint: str = "") -> Iterator[Endpoints]:
+            endpoint: str = "", workdir: str | None = None) -> Iterator[Endpoints]:
     """Start the run's daemons (stopped on exit) and say which one each role uses. One node:
-    one daemon for both (``endpoint``: a running one instead, left running). Two nodes (two
-    daemons sharing a ``mooncake_master``, the prefill's pages visible once in L3) is the
-    second phase of issue 28: this raises ``NotAvailable`` until it lands; adding it is starting
-    the master and two daemons here and yielding their endpoints."""
+    one daemon for both, pages through its L2 (``endpoint``: a running one instead, left
+    running). Two nodes: a ``mooncake_master`` and two daemons sharing it, the prefill's on
+    one, the decode's on the other; the prefill's pages reach the decode through the store
+    (``--disaggregation-transfer l3``: Ready once they are in L3)."""
     check_nodes(nodes)
     if endpoint:
+        if nodes != 1:
+            raise ValueError("a running daemon (endpoint) serves one node only")
         yield Endpoints(endpoint, endpoint)
         return
     from hicached.engine.demo import DaemonLauncher
 
-    d = DaemonLauncher(l2_size, slab_size, extra=("--l3-backend", "none"))
-    try:
-        yield Endpoints(d.endpoint, d.endpoint)
-    finally:
-        d.close()
+    if nodes == 1:
+        d = DaemonLauncher(l2_size, slab_size, extra=("--l3-backend", "none"))
+        try:
+            yield Endpoints(d.endpoint, d.endpoint)
+        finally:
+            d.close()
+        return
+    with tempfile.TemporaryDirectory(prefix="hicached-pd-nodes-", dir=workdir) as tmp, \
+            mooncake_master(tmp) as master, contextlib.ExitStack() as stack:
+        made = []
+        for _ in range(2):
+            d = DaemonLauncher(l2_size, slab_size, extra=mooncake_l3_flags(master))
+            stack.callback(d.close)
+            made.append(d)
+        yield Endpoints(made[0].endpoint, made[1].endpoint, "l3")
 
 
 class EngineProc:
@@ -278,8 +339,9 @@ def run_mode(w: Workload, spec: EngineSpec, ends: Endpoints, radix: bool, workdi
         "--serve-endpoint", front, "--disaggregation-timeout-s", str(spec.timeout_s)]
     if radix:
         decode_args.append("--disaggregation-decode-enable-radix-cache")
-    procs = [EngineProc(workdir, f"prefill-{tag}",
-                        spec.args("prefill", ends.prefill, tenant, boot)),
+    prefill_args = spec.args("prefill", ends.prefill, tenant, boot) + [
+        "--disaggregation-transfer", ends.transfer]
+    procs = [EngineProc(workdir, f"prefill-{tag}", prefill_args),
              EngineProc(workdir, f"decode-{tag}", decode_args)]
     try:
         for p in procs:
