@@ -59,37 +59,32 @@ class BatchOps:
 
     def _new_pages(self: PageIndex, n: int) -> np.ndarray:
         """``n`` page records, the ones ``n`` calls of ``_new_page`` would give, in order."""
-        out = np.empty(n, np.int64)
-        free = self._p_free
-        k = min(n, len(free))
-        if k:
-            out[:k] = np.frombuffer(free[len(free) - k:][::-1], np.int32)
-            del free[len(free) - k:]
-        top = self._p_top
-        while top + n - k > len(self.p_gen):  # grown as ``_new_page`` grows, step by step
-            size = len(self.p_gen)
-            self._grow(self._page_cols, size, size + max(GROW_MIN, size >> 3))
-            self.policy.grow(len(self.p_gen))
-        out[k:] = np.arange(top, top + n - k)
-        self._p_top = top + n - k
+        out, self._p_top = self._new_records(n, self._p_free, self._p_top, "p_gen",
+                                             self._page_cols, self.policy.grow)
         return out
 
     def _new_keys(self: PageIndex, n: int) -> np.ndarray:
         """``n`` key records, the ones ``n`` calls of ``_new_key`` would give, in order."""
+        out, self._k_top = self._new_records(n, self._k_free, self._k_top, "k_len",
+                                             self._key_cols, self.policy.grow_keys)
+        return out
+
+    def _new_records(self: PageIndex, n: int, free, top: int, sized_by: str, cols,
+                     grow_policy) -> tuple[np.ndarray, int]:
+        """(``n`` records: the last freed first, then new ones from ``top``; the new top). The
+        columns ``cols`` (their length: column ``sized_by``'s) grow as one record at a time
+        would grow them, step by step, and the policy's with them (``grow_policy``)."""
         out = np.empty(n, np.int64)
-        free = self._k_free
         k = min(n, len(free))
         if k:
             out[:k] = np.frombuffer(free[len(free) - k:][::-1], np.int32)
             del free[len(free) - k:]
-        top = self._k_top
-        while top + n - k > len(self.k_len):
-            size = len(self.k_len)
-            self._grow(self._key_cols, size, size + max(GROW_MIN, size >> 3))
-            self.policy.grow_keys(len(self.k_len))
+        while top + n - k > len(getattr(self, sized_by)):
+            size = len(getattr(self, sized_by))
+            self._grow(cols, size, size + max(GROW_MIN, size >> 3))
+            grow_policy(len(getattr(self, sized_by)))
         out[k:] = np.arange(top, top + n - k)
-        self._k_top = top + n - k
-        return out
+        return out, top + n - k
 
     # ------------------------------------------------------------ reserve
 
