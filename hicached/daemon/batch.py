@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from hicached.daemon.index import PageIndex
 
 BATCH_MIN = 32  # calls of fewer pages go page by page (a numpy call costs ~1-2 us, a page ~3-5)
-FINGERPRINT_MIN = 16  # keys fingerprinted at once from (``fingerprints``: ~40 us, one ~3 us)
 HITS_MAX = 0x7FFFFFFF
 
 
@@ -264,14 +263,14 @@ class BatchOps:
         """Publish a commit's changed masks (and its large pages' slot tags) in the shared
         presence table, as ``commit`` of each page does (``PresenceTable.set_many``: the same
         bytes), its keys fingerprinted in one call (``presence.fingerprints``) where they are
-        many, of one namespace and of one ASCII length. ``firsts``: the position of each key's
-        first page (None: every page is its key's only one)."""
+        of one namespace. ``firsts``: the position of each key's first page (None: every page
+        is its key's only one)."""
         cols, shared = self.np, self.shared
         pos = np.arange(len(ps)) if firsts is None else firsts
         keys = krecs[pos]
         sfps = cols["k_sfp"][keys]
         todo = np.flatnonzero(sfps == 0)
-        if len(todo) >= FINGERPRINT_MIN:
+        if len(todo):
             ns = cols["k_ns"][keys[todo]]
             if not np.count_nonzero(ns != ns[0]):
                 fps = fingerprints(self.seed(self._ns_names[ns[0]]),
@@ -288,20 +287,6 @@ class BatchOps:
         if shared.tag_count and np.count_nonzero(cols["p_stride"][ps] >= shared.grain):
             for e in entries:
                 shared.publish_tag(e._offset, e.stride, e.gen)
-
-    def fingerprint_all(self: PageIndex, entries: Sequence[Entry]) -> None:
-        """Fingerprint the keys of ``entries`` in one vectorised call (a commit's pages), so
-        that publishing them costs ~0.7 us a key instead of ~2.5 (``presence.fingerprints``),
-        where they are ``FINGERPRINT_MIN`` or more (the call costs as much as 16 keys alone)."""
-        if self.shared is None:
-            return
-        todo = [e for e in entries if not self.k_sfp[self.p_krec[e.rec]]]
-        if len(todo) < FINGERPRINT_MIN or any(e.table[0] != todo[0].table[0] for e in todo):
-            return  # few, or of several namespaces: one by one when published
-        fps = fingerprints(self.seed(todo[0].table[0]), [e.key for e in todo])
-        if fps is not None:
-            for e, fp in zip(todo, fps.tolist(), strict=True):
-                self.k_sfp[self.p_krec[e.rec]] = fp
 
     def _touch_slabs(self: PageIndex, slab_ids: np.ndarray, tick: int) -> None:
         """The pages in slabs ``slab_ids`` were used at ticks ``tick + 1``, ``tick + 2``, ...
@@ -327,7 +312,6 @@ class BatchOps:
     def _commit_each(self: PageIndex, entries: Sequence[Entry]) -> None:
         """``commit_many`` one page after the other (few pages, or a page not as it should be:
         the AssertionError is raised where committing one by one raises it)."""
-        self.fingerprint_all(entries)
         shared, alloc, policy = self.shared, self.alloc, self.policy
         slabs, slab_bytes = alloc.slabs, alloc.slab_bytes
         flags, pins, used, mask_of = self.p_flags, self.p_pins, self.p_used, self.k_mask

@@ -144,8 +144,9 @@ def leases(observer):
 
 @pytest.fixture
 def pair(daemon):
-    """A client that keeps its releases (30 s delay), an observer, and 4 stored pages."""
-    with daemon.client(release_delay_s=30.0) as c, daemon.client() as obs:
+    """A client that keeps its releases (30 s delay; its exists go through the socket, a carrier),
+    an observer, and 4 stored pages."""
+    with daemon.client(release_delay_s=30.0, shared_exists=False) as c, daemon.client() as obs:
         src = kv_pool(seed=5)
         c.register_mem_host_pool_v2(src, "kv")
         keys = [f"p{i}" for i in range(4)]

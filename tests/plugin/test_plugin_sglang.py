@@ -31,6 +31,8 @@ from sglang_env import (
     swa_pool,
 )
 
+from hicached.presence import STALE_S
+
 # ---------------------------------------------------------------- tests
 
 
@@ -262,6 +264,7 @@ def test_daemon_down_or_slow_is_a_counted_miss(sg, plugin, make_daemon, tmp_path
     assert b.batch_exists(keys) == 4
     d.proc.send_signal(signal.SIGSTOP)  # alive but not answering: slow = miss
     try:
+        time.sleep(STALE_S + 0.1)  # the shared table's heartbeat is stale: exists ask the socket
         t = time.monotonic()
         assert b.batch_exists(keys) == 0
         assert time.monotonic() - t < 3.0
@@ -273,6 +276,7 @@ def test_daemon_down_or_slow_is_a_counted_miss(sg, plugin, make_daemon, tmp_path
     time.sleep(0.25)
     assert b.batch_exists(keys) == 4
     d.stop(signal.SIGKILL)  # died: its socket file stays behind; calls miss at once
+    time.sleep(STALE_S + 0.1)  # (once its table's heartbeat is stale: exists ask the socket)
     t = time.monotonic()
     for _ in range(3):
         assert b.batch_exists(keys) == 0
