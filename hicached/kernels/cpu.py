@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import pairwise
 
 import numpy as np
 import torch
 
 # Wider element types for index ops: index_copy_ moves one element per step, so copying uint8 rows
 # as 16-byte elements is ~10x faster. Only used for plain moves, never arithmetic (bits stay exact).
+NUMPY_PAGE_MAX = 64 * 1024  # pages up to this size copied one by one through numpy views
+SMALL_COPY = 64  # pages a copy call checks and splits into runs with plain ints (``_copy_small``)
 _WIDE_DTYPES = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16))
 
 
@@ -160,6 +163,15 @@ class PageCopier:
             self._parts.append((part, offset, shape, inner))
             offset += math.prod(shape)
         self.page_bytes = offset
+        # numpy views of the parts, for pages copied one by one: ~3 us a small page against
+        # torch's ~15 (its per-op overhead); torch keeps large pages (its copy is parallel)
+        self._np_parts = None
+        if offset <= NUMPY_PAGE_MAX:
+            try:
+                self._np_parts = [(part.numpy(), part_offset, shape, math.prod(shape))
+                                  for part, part_offset, shape, _ in self._parts]
+            except (RuntimeError, TypeError):  # (a view numpy cannot take: torch copies)
+                pass
 
     def to_arena(self, pages, arena: torch.Tensor, offsets) -> None:
         """Copy host page ``pages[i]`` to ``arena[offsets[i] : offsets[i] + page_bytes]``."""
@@ -200,6 +212,9 @@ class PageCopier:
         if pages.size != offsets.size:
             raise ValueError(f"{pages.size} pages but {offsets.size} arena offsets")
         check_arena(arena)
+        if 0 < pages.size <= SMALL_COPY and self._copy_small(pages.tolist(), offsets.tolist(),
+                                                         arena, to_arena):
+            return
         check_slots(offsets, self.page_bytes, arena.numel())
         bad = np.flatnonzero((pages < 0) | (pages >= self.num_pages))
         if bad.size:
@@ -224,6 +239,48 @@ class PageCopier:
         bounds = np.flatnonzero(np.diff(residues[order])) + 1
         for group in np.split(order, bounds):
             self._copy_grid(pages[group], offsets[group], arena, stride, to_arena)
+
+    def _copy_small(self, pages: list[int], offsets: list[int], arena: torch.Tensor,
+                    to_arena: bool) -> bool:
+        """``_copy`` of a few pages with plain ints (each numpy call costs microseconds, 16
+        scattered pages ~40 of them): runs of consecutive host pages into evenly spaced slots
+        as one copy, the others page by page. False, having copied nothing, when a check fails:
+        ``_copy``'s array checks then raise their errors."""
+        pb, n = self.page_bytes, len(pages)
+        top = arena.numel() - pb
+        if (min(offsets) < 0 or max(offsets) > top or min(pages) < 0
+                or max(pages) >= self.num_pages):
+            return False
+        if to_arena and n > 1:
+            ordered = sorted(offsets)
+            if any(b - a < pb for a, b in pairwise(ordered)):
+                return False
+        if pb == 0:
+            return True
+        flat, i = None, 0
+        while i < n:
+            j = i + 1
+            if j < n and pages[j] == pages[i] + 1 and (stride := offsets[j] - offsets[i]) >= pb:
+                j += 1
+                while (j < n and pages[j] == pages[j - 1] + 1
+                       and offsets[j] - offsets[j - 1] == stride):
+                    j += 1
+                self._copy_run(pages[i], j - i, arena, offsets[i], stride, to_arena)
+            elif self._np_parts is None:
+                self._copy_one(pages[i], arena, offsets[i], to_arena)
+            else:
+                if flat is None:
+                    flat = arena.numpy()
+                page, offset = pages[i], offsets[i]
+                for part, part_offset, shape, size in self._np_parts:
+                    start = offset + part_offset
+                    slot = flat[start:start + size].reshape(shape)
+                    if to_arena:
+                        slot[...] = part[page]
+                    else:
+                        part[page] = slot
+            i = j
+        return True
 
     def _copy_grid(
         self, pages: np.ndarray, offsets: np.ndarray, arena: torch.Tensor, stride: int,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hicached.client.hostpool import HostPool
-from hicached.kernels import reference
+from hicached.kernels import cpu, reference
 from hicached.kernels.cpu import PageCopier, page_major_parts
 from hicached.kernels.pointers import SegmentPlan, memmove_runs, mha_layer_first_order
 
@@ -92,8 +92,51 @@ def _bytes_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in pairs)
 
 
+# every path of PageCopier._copy: a few pages with plain ints, copied one by one through numpy
+# views or through torch (large pages), and the array path of larger batches
+COPY_PATHS = {"small-numpy": {}, "small-torch": {"NUMPY_PAGE_MAX": 0},
+              "arrays": {"SMALL_COPY": 0}}
+
+
+@pytest.fixture(params=list(COPY_PATHS))
+def copy_path(request, monkeypatch):
+    for name, value in COPY_PATHS[request.param].items():
+        monkeypatch.setattr(cpu, name, value)
+    return request.param
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids)
-def test_cpu_to_arena_matches_reference(config):
+def test_cpu_copies_of_many_scattered_pages_match_reference(config, copy_path):
+    """Batches of 1 to 150 (page, slot) pairs drawn at random, runs among them, both ways."""
+    pool = make_pool(*config)
+    copier = PageCopier(page_major_parts(*_spec(pool)))
+    pb = copier.page_bytes
+    rng = np.random.default_rng(7)
+    for n in (1, 5, 40, 64, 65, 150):
+        pages = rng.integers(0, NUM_PAGES, n).tolist()
+        slots = rng.permutation(200)[:n]
+        slots[: n // 2] = np.arange(n // 2) + 300  # a run of slots...
+        pages[: n // 2] = [(3 + i) % NUM_PAGES for i in range(n // 2)]  # ...of host pages
+        offsets = (slots * (pb + 64)).tolist()
+        got = _arena_for(offsets, pb, seed=n)
+        want = got.clone()
+        # to the arena: a host page may go to several slots
+        copier.to_arena(pages, got, offsets)
+        reference.to_arena(*_spec(pool), [p * pool.page_size for p in pages], want, offsets)
+        assert torch.equal(got, want), (n, copy_path)
+        # and back, one slot per host page (two slots for a page leave either's bytes)
+        first = {p: i for i, p in reversed(list(enumerate(pages)))}
+        back, ref = make_pool(*config, seed=9), make_pool(*config, seed=9)
+        idx = sorted(first.values())
+        PageCopier(page_major_parts(*_spec(back))).from_arena(
+            [pages[i] for i in idx], got, [offsets[i] for i in idx])
+        reference.from_arena(*_spec(ref), [pages[i] * ref.page_size for i in idx], got,
+                             [offsets[i] for i in idx])
+        assert _bytes_equal(back.buffers, ref.buffers), (n, copy_path)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
+def test_cpu_to_arena_matches_reference(config, copy_path):
     pool = make_pool(*config)
     copier = PageCopier(page_major_parts(*_spec(pool)))
     assert copier.page_bytes == reference.read_page(*_spec(pool), 0).numel()
@@ -107,7 +150,7 @@ def test_cpu_to_arena_matches_reference(config):
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids)
-def test_cpu_from_arena_matches_reference(config):
+def test_cpu_from_arena_matches_reference(config, copy_path):
     for name, (pages, offsets) in patterns(make_pool(*config).page_bytes).items():
         got, want = make_pool(*config, seed=2), make_pool(*config, seed=2)
         copier = PageCopier(page_major_parts(*_spec(got)))
@@ -120,7 +163,7 @@ def test_cpu_from_arena_matches_reference(config):
             assert not _bytes_equal(got.buffers, make_pool(*config, seed=2).buffers), name
 
 
-def test_cpu_duplicate_pages_to_arena():
+def test_cpu_duplicate_pages_to_arena(copy_path):
     pool = make_pool("mha", "layer_first", 4, torch.bfloat16)
     copier = PageCopier(page_major_parts(*_spec(pool)))
     pb = copier.page_bytes
@@ -152,7 +195,7 @@ def test_page_major_parts_are_views():
     assert k.stride() == (4 * 2 * 8 * 4, NUM_PAGES * 4 * 2 * 8 * 4, 1)
 
 
-def test_copier_rejects_bad_input():
+def test_copier_rejects_bad_input(copy_path):
     pool = make_pool("mla", "page_first", 4, torch.bfloat16)
     copier = PageCopier(page_major_parts(*_spec(pool)))
     pb = copier.page_bytes
@@ -167,6 +210,12 @@ def test_copier_rejects_bad_input():
         copier.to_arena([0], arena, [-64])
     with pytest.raises(ValueError, match="1-D torch.uint8"):
         copier.to_arena([0], arena.view(torch.int32), [0])
+    with pytest.raises(ValueError, match=f"offsets 64 and {pb} overlap"):
+        copier.to_arena([0, 1, 2], arena, [2 * pb, pb, 64])
+    before = arena.clone()  # nothing is copied before a check fails
+    with pytest.raises(ValueError, match="outside"):
+        copier.to_arena([0, 1], arena, [0, 4 * pb])
+    assert torch.equal(arena, before)
 
 
 # ------------------------------------------------------------------ pointer path
