@@ -30,7 +30,7 @@ import torch
 
 # Wider element types for index ops: index_copy_ moves one element per step, so copying uint8 rows
 # as 16-byte elements is ~10x faster. Only used for plain moves, never arithmetic (bits stay exact).
-NUMPY_PAGE_MAX = 64 * 1024  # pages up to this size copied one by one through numpy views
+NUMPY_COPY_MAX = 256 * 1024  # copies (a page, a run of pages) up to this size go through numpy
 SMALL_COPY = 64  # pages a copy call checks and splits into runs with plain ints (``_copy_small``)
 _WIDE_DTYPES = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16))
 
@@ -163,15 +163,15 @@ class PageCopier:
             self._parts.append((part, offset, shape, inner))
             offset += math.prod(shape)
         self.page_bytes = offset
-        # numpy views of the parts, for pages copied one by one: ~3 us a small page against
-        # torch's ~15 (its per-op overhead); torch keeps large pages (its copy is parallel)
+        # numpy views of the parts for small copies (``_np_copy``): ~3 us a 4 KiB page against
+        # torch's ~15 (its per-op overhead), and never split across torch's threads, which on
+        # a busy node wait for a core (hundreds of us); large copies keep torch's parallel copy
         self._np_parts = None
-        if offset <= NUMPY_PAGE_MAX:
-            try:
-                self._np_parts = [(part.numpy(), part_offset, shape, math.prod(shape))
-                                  for part, part_offset, shape, _ in self._parts]
-            except (RuntimeError, TypeError):  # (a view numpy cannot take: torch copies)
-                pass
+        try:
+            self._np_parts = [(part.numpy(), part_offset, shape, inner)
+                              for part, part_offset, shape, inner in self._parts]
+        except (RuntimeError, TypeError):  # (a view numpy cannot take: torch copies)
+            pass
 
     def to_arena(self, pages, arena: torch.Tensor, offsets) -> None:
         """Copy host page ``pages[i]`` to ``arena[offsets[i] : offsets[i] + page_bytes]``."""
@@ -257,7 +257,7 @@ class PageCopier:
                 return False
         if pb == 0:
             return True
-        flat, i = None, 0
+        i = 0
         while i < n:
             j = i + 1
             if j < n and pages[j] == pages[i] + 1 and (stride := offsets[j] - offsets[i]) >= pb:
@@ -266,19 +266,8 @@ class PageCopier:
                        and offsets[j] - offsets[j - 1] == stride):
                     j += 1
                 self._copy_run(pages[i], j - i, arena, offsets[i], stride, to_arena)
-            elif self._np_parts is None:
-                self._copy_one(pages[i], arena, offsets[i], to_arena)
             else:
-                if flat is None:
-                    flat = arena.numpy()
-                page, offset = pages[i], offsets[i]
-                for part, part_offset, shape, size in self._np_parts:
-                    start = offset + part_offset
-                    slot = flat[start:start + size].reshape(shape)
-                    if to_arena:
-                        slot[...] = part[page]
-                    else:
-                        part[page] = slot
+                self._copy_one(pages[i], arena, offsets[i], to_arena)
             i = j
         return True
 
@@ -312,7 +301,22 @@ class PageCopier:
         _, part_offset, shape, inner = self._parts[part_index]
         return arena[base + part_offset :].as_strided((rows, *shape), (stride, *inner))
 
+    def _np_copy(self, page: int, count: int, arena: torch.Tensor, offset: int, stride: int,
+                 to_arena: bool) -> None:
+        """``_copy_run`` through numpy views (the slots ``offset + k * stride``)."""
+        flat = arena.numpy()
+        for part, part_offset, shape, inner in self._np_parts:
+            slots = np.ndarray((count, *shape), np.uint8, flat, offset + part_offset,
+                               (stride, *inner))
+            if to_arena:
+                slots[...] = part[page:page + count]
+            else:
+                part[page:page + count] = slots
+
     def _copy_one(self, page: int, arena: torch.Tensor, offset: int, to_arena: bool) -> None:
+        if self._np_parts is not None and self.page_bytes <= NUMPY_COPY_MAX:
+            self._np_copy(page, 1, arena, offset, self.page_bytes, to_arena)
+            return
         for part, part_offset, shape, _ in self._parts:
             start = offset + part_offset
             view = arena[start : start + math.prod(shape)].view(shape)
@@ -324,6 +328,9 @@ class PageCopier:
     def _copy_run(
         self, page: int, count: int, arena: torch.Tensor, offset: int, stride: int, to_arena: bool
     ) -> None:
+        if self._np_parts is not None and count * self.page_bytes <= NUMPY_COPY_MAX:
+            self._np_copy(page, count, arena, offset, stride, to_arena)
+            return
         for i, (part, part_offset, shape, _) in enumerate(self._parts):
             if stride == self.page_bytes == shape[0] and part.is_contiguous():
                 # one part, packed slots, contiguous host pages: a flat copy (what memcpy does;

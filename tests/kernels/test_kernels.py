@@ -92,10 +92,11 @@ def _bytes_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in pairs)
 
 
-# every path of PageCopier._copy: a few pages with plain ints, copied one by one through numpy
-# views or through torch (large pages), and the array path of larger batches
-COPY_PATHS = {"small-numpy": {}, "small-torch": {"NUMPY_PAGE_MAX": 0},
-              "arrays": {"SMALL_COPY": 0}}
+# every path of PageCopier._copy: a few pages with plain ints or the array path of larger
+# batches, each copying pages and runs through numpy views (small copies) or through torch
+COPY_PATHS = {"small-numpy": {}, "small-torch": {"NUMPY_COPY_MAX": 0},
+              "arrays-numpy": {"SMALL_COPY": 0},
+              "arrays-torch": {"SMALL_COPY": 0, "NUMPY_COPY_MAX": 0}}
 
 
 @pytest.fixture(params=list(COPY_PATHS))
