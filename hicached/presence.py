@@ -379,7 +379,6 @@ class PresenceView:
         self._words = words[TABLE_WORD:base // 8]  # slot s: fp at 2s, mask at 2s + 1
         self.slots, self.epoch, self.seed = slots, epoch, seed
         self._session = words[HEADER_WORDS + session:][:1] if 0 <= session < SESSION_WORDS else None
-        self._mask = np.uint64(slots - 1)
 
     def usable(self) -> int | None:
         """The table's flags when it can answer now, else None (ask the daemon)."""
