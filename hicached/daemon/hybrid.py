@@ -79,6 +79,7 @@ class HybridPolicy(KeyTree):
         # the ones still state-less after ``GRACE_TICKS`` (no hit can end on them)
         self._tails: list[tuple[int, int]] = []  # a heap
         self._held: list[int] = []  # such leaves found pinned: looked at on every call
+        self._new_leaves: list[int] = []  # keys that became leaves: ``_flush_leaves``
 
     # ------------------------------------------------------------ the tree's events
 
@@ -99,8 +100,19 @@ class HybridPolicy(KeyTree):
 
     def _leaf_now(self, q: int) -> None:
         self._vals.pop(q, None)
-        self._push(q)
-        self._maybe_tail(q)
+        self._new_leaves.append(q)  # queued by ``_flush_leaves``, before any heap is read
+
+    def _flush_leaves(self) -> None:
+        """Queue the keys that became leaves since the last call, if they still are (an
+        eviction frees a segment from its leaf up: each key above becomes a leaf and goes a
+        moment later; queueing each as it came cost a push now and a dead entry to pop later)."""
+        if self._new_leaves:
+            ix, kid, new = self.ix, self._kid, self._new_leaves
+            self._new_leaves = []
+            for q in dict.fromkeys(new):
+                if ix.k_len[q] and not kid[q]:
+                    self._push(q)
+                    self._maybe_tail(q)
 
     # ------------------------------------------------------------ the index's events
 
@@ -146,6 +158,7 @@ class HybridPolicy(KeyTree):
     def stale(self) -> list[int]:
         """Page records to evict now: the state-less leaves (and the state-less keys above
         them) of trailing namespaces whose grace is over."""
+        self._flush_leaves()
         ix, tails, out = self.ix, self._tails, []
         limit = ix._tick - GRACE_TICKS
         due, self._held = self._held, []
@@ -262,6 +275,7 @@ class HybridPolicy(KeyTree):
     # ------------------------------------------------------------ victims
 
     def make_room(self, stride: int) -> list[int]:
+        self._flush_leaves()
         ix = self.ix
         tick = ix._tick
         ranked = self._ranked
@@ -353,6 +367,7 @@ class HybridPolicy(KeyTree):
     def upcoming(self, stride: int, n: int) -> list[int]:
         """The pages of class ``stride``'s next leaf segments (the least recently used leaves,
         up to ``n`` pages; their order by score is ``make_room``'s business)."""
+        self._flush_leaves()
         ix = self.ix
         out, back, seen = [], [], set()
         while len(out) < n:
