@@ -275,7 +275,6 @@ class HybridPolicy(KeyTree):
     # ------------------------------------------------------------ victims
 
     def make_room(self, stride: int) -> list[int]:
-        self._flush_leaves()
         ix = self.ix
         tick = ix._tick
         ranked = self._ranked
@@ -298,6 +297,7 @@ class HybridPolicy(KeyTree):
                 self._ranked = (stride, tick, rest, self._above(pages))
                 return pages
         self._ranked = None
+        self._flush_leaves()  # (the path above reads no heap: the key it takes is no entry)
         cands, leaves, mids = [], [], []  # [tick, key, value, state page or -1]; popped
         seen: set[int] = set()
         while len(leaves) < 2 * CANDIDATES:
