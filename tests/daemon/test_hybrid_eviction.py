@@ -267,3 +267,20 @@ def test_orphans_counts_what_lru_leaves_behind():
     assert orphans(ix2) == (6, 6 * KV)
     assert orphans(ix2, l3=True) == (0, 0)  # with L3, a03 may come back from there
     assert IN_L3  # (the flag a page copied to L3 carries)
+
+
+def test_a_chain_taken_from_its_leaf_leaves_no_dead_entries_to_pop():
+    """Each key above an evicted leaf becomes a leaf and goes a moment later: it is queued as a
+    candidate only if it is still a leaf when a heap is next read. Queued as it came, each left
+    a dead entry (36 here) that later reservations popped and dropped."""
+    from hicached.daemon.hybrid import _LOW
+
+    ix = make(4, "prefix")  # 64 KV slots
+    store(ix, chain("a", 60))
+    store(ix, chain("b", 40))  # 36 of A's pages go, from its leaf
+    assert held(ix) == sorted(chain("a", 60)[:24] + chain("b", 40))
+    assert ix.evictions == 36
+    heap = ix.policy._heaps[KV]
+    assert {ix._key_of(ix.p_krec[e & _LOW]) for e in heap} >= {"a23", "b39"}  # the leaves
+    assert len(heap) <= 3  # (one entry may name a page of B's that took a freed record)
+    assert orphans(ix) == (0, 0)
