@@ -393,10 +393,6 @@ class HybridPolicy(KeyTree):
             self._back(self._heaps, stride, back)
         return out[:n]
 
-    def _above(self, pages: list[int]) -> int:
-        """The key above a segment (its last page's key's parent), -1 for none."""
-        return self._up[self.ix.p_krec[pages[-1]]] - 1
-
     def _newest(self, k: int, stride: int) -> int:
         """The newest use of key ``k``'s committed, unpinned pages of class ``stride`` (0: it
         has none, or one of its pages is pinned)."""
@@ -480,15 +476,6 @@ class HybridPolicy(KeyTree):
             return None
         self._trim(self._up[k] - 1, k, self.ix._ns_trail[self.ix.k_ns[k]], pages, set(pages))
         return pages
-
-    def _expand(self, pages: list[int]) -> list[int]:
-        out, seen = [], set()
-        for p in pages:
-            for q in self.doomed(p):
-                if q not in seen:
-                    seen.add(q)
-                    out.append(q)
-        return out
 
 
 def make_policy(name: str, alpha: float = 1.0) -> LruPolicy:

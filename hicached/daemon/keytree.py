@@ -181,6 +181,20 @@ class KeyTree(LruPolicy):
             self._trim(up, k, trail, out, seen)
         return out
 
+    def _above(self, pages: list[int]) -> int:
+        """The key above a segment (its last page's key's parent), -1 for none."""
+        return self._up[self.ix.p_krec[pages[-1]]] - 1
+
+    def _expand(self, pages: list[int]) -> list[int]:
+        """``doomed`` of each of ``pages`` in turn, each page once (a slab reclaimed)."""
+        out, seen = [], set()
+        for p in pages:
+            for q in self.doomed(p):
+                if q not in seen:
+                    seen.add(q)
+                    out.append(q)
+        return out
+
     def _moved(self, k: int) -> None:
         pass
 
