@@ -394,7 +394,11 @@ class Orphans:
         shared = client._shared
         if shared is None or shared.view.usable() is None:
             return None
-        masks = shared.view.lookup(self.keys[:upto])
+        for _ in range(50):  # None: a slot changed under the read (the daemon evicting
+            masks = shared.view.lookup(self.keys[:upto])  # ahead in its idle turns): again
+            if masks is not None:
+                break
+            time.sleep(0.002)
         kv_bit, st_bit = shared.bits.get("kv", 0), shared.bits.get("mamba", 0)
         if masks is None or not kv_bit or not st_bit:
             return None

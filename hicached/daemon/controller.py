@@ -38,6 +38,7 @@ from hicached.daemon.kv_events import NullKVEvents, check_event_hash
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.leases import LeaseTable
 from hicached.daemon.quotas import NoQuotas
+from hicached.daemon.reclaim import Reclaimer
 from hicached.daemon.session_control import SessionControl
 from hicached.daemon.sessions import ParkedExists, ParkedGet, ParkedStore, PoolSpec, Session
 from hicached.daemon.set_control import SetControl
@@ -75,6 +76,7 @@ class Controller(SetControl, SessionControl, StoreWaits):
         # L3 that nobody had read yet (L3 hits to the metrics, though in L2 when asked)
         self.first_l3_reads: tuple[object, list[list[int]]] = (None, [])
         self.flusher = L2Flush(tier)  # flushes of L2, in slices of the loop (flushing.py)
+        self.reclaim = Reclaimer(index, 0.0)  # evicting ahead in idle turns (the daemon's share)
         self.kv_events = NullKVEvents()  # KV events for routers (kv_events.py)
         # bookkeeping queued for after the answer (``later``); None: run at once. The daemon
         # makes it a list and calls ``keep_books`` after every answer and loop step

@@ -84,6 +84,7 @@ class PageIndex(BatchOps, Records):
         self.kv_events = None  # ... and the recorder of their events
         self.policy = policy or LruPolicy()
         self.policy.bind(self)
+        self.pressed: set[int] = set()  # size classes a reservation had to evict for (reclaim.py)
         super().__init__(allocator)
 
     # ------------------------------------------------------------ reserve / commit / abort
@@ -268,6 +269,7 @@ class PageIndex(BatchOps, Records):
         return [self.handle(p) for p in self.policy.order(stride)]
 
     def _make_room(self, stride: int) -> int | None:
+        self.pressed.add(stride)
         while True:
             victims = self.policy.make_room(stride)  # dependants included, in order
             if not victims:

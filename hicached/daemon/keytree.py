@@ -181,6 +181,15 @@ class KeyTree(LruPolicy):
             self._trim(up, k, trail, out, seen)
         return out
 
+    def may_go_ahead(self, p: int) -> bool:
+        """A state, a page with an L3 copy, or a page of a key with no child now: nothing
+        resident depends on it (a chain continued from a segment's middle since ``make_room``
+        named it does)."""
+        ix = self.ix
+        k = ix.p_krec[p]
+        return (not self._kid[k] or bool(ix.p_flags[p] & IN_L3)
+                or bool(ix._tbit[ix.p_tid[p]] & ix._ns_trail[ix.k_ns[k]]))
+
     def _above(self, pages: list[int]) -> int:
         """The key above a segment (its last page's key's parent), -1 for none."""
         return self._up[self.ix.p_krec[pages[-1]]] - 1

@@ -269,6 +269,7 @@ class DaemonOperations:
             "l2_used_bytes": c.index.alloc.used_bytes(),
             "arena_free_slabs": c.index.alloc.free_slab_count,
             "evictions": c.index.evictions,
+            "evictions_ahead": c.reclaim.evicted,
             "eviction": c.index.policy.name,
             "l2_orphan_bytes": self._orphan_bytes() if orphans else None,
             "reservations": len(c.leases.reservations),

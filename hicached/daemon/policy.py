@@ -69,6 +69,12 @@ class LruPolicy:
         """The page records to evict, in order, for page record ``p`` to go: ``p`` alone."""
         return [p]
 
+    def may_go_ahead(self, p: int) -> bool:
+        """Whether page ``p``, named by an earlier ``make_room`` and checked unchanged since,
+        may still go on its own now (``reclaim.py`` evicts a victim set page by page): under
+        LRU a page depends on none."""
+        return True
+
     # ------------------------------------------------------------ the index's events
 
     def inserted(self, p: int) -> None:

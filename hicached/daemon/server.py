@@ -114,6 +114,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             self.controller.quotas = make_quotas(self.index, config.namespace_quotas)
             self.controller.ahead_session_bytes = config.set_ahead_bytes
             self.controller.ahead_total_bytes = config.l2_size // 8  # idle slots: at most 1/8
+            self.controller.reclaim.ahead = config.evict_ahead
             self.controller.kv_events = make_kv_events(config, self.index, self.tier)
             self.ctx = zmq.Context()
             self.sock = self._bind(config.endpoint)
@@ -245,7 +246,8 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                     self._stop.set()
                     break
                 now = time.monotonic()
-                if now < busy_until or self.controller.flusher.active:
+                reclaim = self.controller.reclaim.wanted()
+                if now < busy_until or self.controller.flusher.active or reclaim:
                     timeout_ms = 0
                 else:
                     wake = min(self._next_sweep, self._next_watchdog)
@@ -263,6 +265,8 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                     self._run_calls()
                 if self.controller.flusher.active:
                     self._guarded(self.controller.flusher.step)
+                elif reclaim and self.sock not in events:  # an idle turn: evict ahead
+                    self._guarded(self.controller.reclaim.step, self._request_waits)
                 now = time.monotonic()
                 if self.presence is not None:
                     self.presence.beat(now, self.tier.attached)
@@ -282,6 +286,9 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                           getattr(fn, "__name__", fn))
         if self.controller.books:  # (a step that answered nothing, or failed half way)
             self.controller.keep_books()
+
+    def _request_waits(self) -> bool:
+        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def _drain_socket(self) -> None:
         for _ in range(MAX_BATCH):

@@ -74,6 +74,7 @@ class SlabAllocator:
         # stride -> its slabs, least recently touched first (``touch``): the oldest slab of a
         # class is found without walking every slab of the arena (thousands in a large one)
         self._by_age: dict[int, OrderedDict[Slab, None]] = {}
+        self._free_slots: dict[int, int] = {}  # stride -> free slots in its slabs
 
     def check_page_bytes(self, page_bytes: int) -> int:
         """Validate a page size; return its stride."""
@@ -105,6 +106,7 @@ class SlabAllocator:
             return None
         slab = partial[-1]
         slot = slab.free.pop()
+        self._free_slots[stride] -= 1
         if not slab.free:
             partial.pop()
             slab.in_partial = False
@@ -113,6 +115,11 @@ class SlabAllocator:
     def has_free(self, stride: int) -> bool:
         """Whether ``alloc(stride)`` would give a slot now (without the caller evicting)."""
         return bool(self._partial.get(stride)) or bool(self._free_slabs)
+
+    def free_bytes(self, stride: int) -> int:
+        """Bytes ``alloc(stride)`` can give without the caller evicting: the free slots of the
+        class and the free slabs (which any class may take)."""
+        return self._free_slots.get(stride, 0) * stride + len(self._free_slabs) * self.slab_bytes
 
     def alloc_many(self, stride: int, n: int) -> list[tuple[Slab, array]]:
         """Up to ``n`` free slots of class ``stride``: exactly the slots, in the same order and
@@ -132,6 +139,7 @@ class SlabAllocator:
             del free[len(free) - k:]
             got.reverse()  # popped from the top of the stack, one after the other
             out.append((slab, got))
+            self._free_slots[stride] -= k
             n -= k
             if not free:
                 partial.pop()
@@ -146,6 +154,7 @@ class SlabAllocator:
         slab.stride = stride
         slab.num_slots = self.slab_bytes // stride
         slab.free = array("i", range(slab.num_slots - 1, -1, -1))
+        self._free_slots[stride] = self._free_slots.get(stride, 0) + slab.num_slots
         slab.in_partial = True
         partial.append(slab)
         self._by_age.setdefault(stride, OrderedDict())[slab] = None
@@ -160,6 +169,7 @@ class SlabAllocator:
         partial = self._partial[slab.stride]
         slab.free.append(rel // slab.stride)
         if len(slab.free) == slab.num_slots:
+            self._free_slots[slab.stride] -= slab.num_slots - 1
             if slab.in_partial:
                 partial.remove(slab)
                 slab.in_partial = False
@@ -168,9 +178,11 @@ class SlabAllocator:
             slab.free = array("i")
             slab.last_used = 0.0
             heapq.heappush(self._free_slabs, slab.index)
-        elif not slab.in_partial:
-            slab.in_partial = True
-            partial.append(slab)
+        else:
+            self._free_slots[slab.stride] += 1
+            if not slab.in_partial:
+                slab.in_partial = True
+                partial.append(slab)
 
     def touch(self, offset: int, tick: int) -> None:
         """The entry at ``offset`` was used at ``tick`` (ticks only grow)."""

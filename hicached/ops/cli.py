@@ -104,6 +104,9 @@ def _serve_parser(sub) -> None:
                    "and tokens per byte weighed), prefix (chains leaf first, LRU) or lru")
     p.add_argument("--eviction-alpha", dest="eviction_alpha", type=float,
                    help="hybrid eviction: weight of a page's value against its recency")
+    p.add_argument("--evict-ahead", dest="evict_ahead", type=float,
+                   help="share of the arena each size class that had to evict keeps free, "
+                   "evicting ahead while the daemon is idle (0: off)")
     p.add_argument("--kv-events-endpoint", dest="kv_events_endpoint",
                    help="publish KV events for routers on this ZeroMQ PUB endpoint, e.g. "
                    "tcp://*:5557 (default: off; docs/kv-events.md)")
@@ -121,7 +124,7 @@ OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l
                "log_level", "admin_host", "admin_port", "admin_api_key", "drain_timeout_s",
                "socket_group", "client_token", "allow_tcp", "namespace_quotas",
                "io_queue_depth", "socket_mode", "unchecked_idle_s", "l3_audit_s",
-               "eviction", "eviction_alpha", "status_sample_s", "kv_events_endpoint",
+               "eviction", "eviction_alpha", "evict_ahead", "status_sample_s", "kv_events_endpoint",
                "kv_events_replay_endpoint")
 
 

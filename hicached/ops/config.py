@@ -76,6 +76,9 @@ class DaemonConfig:
     # which L2 pages go under memory pressure (docs/eviction.md): lru | prefix | hybrid
     eviction: str = "hybrid"
     eviction_alpha: float = 1.0  # hybrid: weight of a page's value (tokens / bytes) vs recency
+    # share of the arena each size class that had to evict keeps free, evicting ahead in the
+    # control loop's idle turns, so that sets find room without evicting (0: off)
+    evict_ahead: float = 0.02
 
     def resolved(self) -> DaemonConfig:
         """Fill the derived defaults (paths) and check values."""
@@ -118,6 +121,9 @@ class DaemonConfig:
             raise ConfigError(f"eviction: unknown {self.eviction!r}; valid: {list(EVICTIONS)}")
         if not 0 <= self.eviction_alpha < 1e6:
             raise ConfigError(f"eviction_alpha: must be >= 0, got {self.eviction_alpha}")
+        if not 0 <= self.evict_ahead <= 0.5:
+            raise ConfigError(f"evict_ahead: must be a share of the arena between 0 (off) and "
+                              f"0.5, got {self.evict_ahead}")
         p = self.presence_slots
         if p < 0 or (p and (p < 2 or p & (p - 1))):
             raise ConfigError(f"presence_slots: must be 0 (auto) or a power of 2, got {p}")

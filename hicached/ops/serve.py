@@ -36,7 +36,7 @@ from hicached.ops.sdnotify import NullNotifier
 log = logging.getLogger(__name__)
 
 RELOADABLE = ("write_policy", "write_through_threshold", "prefetch", "get_wait_s", "log_level",
-              "namespace_quotas", "set_ahead_bytes", "eviction_alpha")  # applied by SIGHUP; others need a restart
+              "namespace_quotas", "set_ahead_bytes", "eviction_alpha", "evict_ahead")  # applied by SIGHUP; others need a restart
 
 
 def reload_policies(daemon: Daemon, new: DaemonConfig) -> dict[str, object]:
@@ -56,6 +56,7 @@ def reload_policies(daemon: Daemon, new: DaemonConfig) -> dict[str, object]:
         else:
             daemon.controller.quotas.set_quotas(new.namespace_quotas)
         logging.getLogger().setLevel(new.log_level.upper())
+        daemon.controller.reclaim.ahead = new.evict_ahead
         if daemon.index.policy.name == "hybrid":
             daemon.index.policy.alpha = new.eviction_alpha
         daemon.config = dataclasses.replace(old, **{k: getattr(new, k) for k in RELOADABLE})

@@ -275,7 +275,8 @@ def test_full_arena_answers_no_space_and_corrupts_nothing(make_daemon):
 
 
 def test_namespaces_with_different_page_sizes_share_the_arena(make_daemon):
-    d = make_daemon(l2_size="256KiB", slab_size="64KiB", extra=["--l3-backend", "none"])
+    d = make_daemon(l2_size="256KiB", slab_size="64KiB",  # only the sets evict: exact counts
+                    extra=["--l3-backend", "none", "--evict-ahead", "0"])
     with d.client("small") as a, d.client("big") as b:
         small = kv_pool(num_pages=600, seed=1)  # 1 KiB pages
         big = HostPool.allocate_mha(64, 16, layers=2, heads=2, head_dim=8, layout="page_first",

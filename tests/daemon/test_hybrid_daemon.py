@@ -53,7 +53,7 @@ def test_an_old_client_naming_no_trailing_pool_still_stores(tmp_path):
 def test_under_pressure_a_chain_keeps_its_head_unless_lru(tmp_path, policy, kept):
     """One slab of 16 pages of 1 KiB: chain A (10 pages), then chain B (10): A's prefix hit."""
     with inproc_daemon(tmp_path, eviction=policy, l2_size=16 << 10, slab_size=16 << 10,
-                       l3_backend="none",
+                       l3_backend="none", evict_ahead=0,  # what the sets themselves evict
                        shared_exists=False) as d, Client(d.endpoint, NS) as c:
         c.register_mem_host_pool_v2(kv_pool(num_pages=32, seed=1), "kv")
         a, b = [f"a{i}" for i in range(10)], [f"b{i}" for i in range(10)]

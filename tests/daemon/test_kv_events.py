@@ -196,8 +196,9 @@ def test_eviction_and_flushes_are_removals(tmp_path):
     big = HostPool.allocate_mha(32, PAGE, layers=2, heads=8, head_dim=128, layout="page_first",
                                 dtype=torch.float32)  # 64 KiB pages: 16 fill the arena
     first, second = [key(i) for i in range(12)], [key(100 + i) for i in range(8)]
-    with events_daemon(tmp_path, l3_backend="none", l2_size=1 << 20, slab_size=256 << 10) as d, \
-            listening(tmp_path) as router, client(d, big) as c:
+    with events_daemon(tmp_path, l3_backend="none", l2_size=1 << 20, slab_size=256 << 10,
+                       evict_ahead=0) as d, \
+            listening(tmp_path) as router, client(d, big) as c:  # (only the sets evict)
         assert all(c.batch_set_v2([PoolTransfer("kv", pages(0, 12), keys=first)])["kv"])
         assert all(c.batch_set_v2([PoolTransfer("kv", pages(12, 8), keys=second)])["kv"])
         held = [k for k in first + second

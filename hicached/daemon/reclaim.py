@@ -1,0 +1,106 @@
+"""Evicting ahead: the control loop's idle turns free room before the sets need it.
+
+A reservation that finds its size class full evicts on the request path (``PageIndex._make_room``),
+and under the hybrid controller a victim is a whole leaf segment: a state takes the KV pages only
+it made useful, 40-150 pages at tens of microseconds each, on the one set that asked for a slot.
+Once a class has had to evict (it is *pressed*), ``Reclaimer`` keeps ``ahead`` of the arena free
+in it (its free slots and the free slabs; at least one slot) by evicting, in the loop's idle turns,
+the victims the policy names for it, a few pages at a time: the loop asks ``step`` only while no
+request waits, and ``step`` returns as soon as one arrives.
+
+A victim set is evicted in the policy's order (dependants first: a segment from its leaf up) and
+may be stopped between any two pages. Before each page goes it is checked again: the same page
+(its generation), committed, unpinned, not used since the policy named it, and, by the policy's
+``may_go_ahead``, nothing resident depending on it now (a chain continued from the segment's
+middle since). The first page that fails ends the set (what is left of a segment is a state-less
+tail: ``HybridPolicy.stale`` takes it after its grace). So an interrupted set never leaves a page
+without its ancestors, and a page read since the policy chose it stays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hicached.daemon.policy import COMMITTED
+
+STEP_PAGES = 64  # pages one ``step`` evicts at most
+CHECK_EVERY = 2  # pages between two looks at whether a request waits
+
+
+class Reclaimer:
+    """Keeps ``ahead`` (a share of the arena, 0: off) free in each pressed size class of
+    ``index`` (``PageIndex``); ``wanted`` / ``step`` from the control loop."""
+
+    def __init__(self, index, ahead: float):
+        self.ix = index
+        self.ahead = ahead
+        self.evicted = 0  # pages evicted ahead (stats)
+        self._queue: list[tuple[int, int, int]] = []  # (page, gen, used), the next one last
+        self._queue_evicted = 0  # pages of the current victim set evicted so far
+        self._blocked: tuple[int, int, int] | None = None  # the index's state when nothing could go
+
+    def _target(self, stride: int) -> int:
+        return max(stride, int(self.ahead * self.ix.alloc.capacity_bytes))
+
+    def _short(self) -> int:
+        """A pressed class below its target (0: none)."""
+        alloc = self.ix.alloc
+        for stride in self.ix.pressed:
+            if alloc.free_bytes(stride) < self._target(stride):
+                return stride
+        return 0
+
+    def _state(self) -> tuple[int, int, int]:
+        ix = self.ix
+        return ix._tick, ix.committed_count, ix.evictions
+
+    def wanted(self) -> bool:
+        """Whether ``step`` has work: a victim set begun, or a pressed class short of room (and
+        the index changed since the policy last had nothing that could go)."""
+        if self._queue:
+            return True
+        if not self.ahead or not self.ix.pressed:
+            return False
+        if self._blocked is not None:
+            if self._blocked == self._state():
+                return False
+            self._blocked = None
+        return bool(self._short())
+
+    def step(self, busy: Callable[[], bool] = lambda: False, pages: int = STEP_PAGES) -> int:
+        """Evict up to ``pages`` pages ahead, stopping early once ``busy()`` (a request waits);
+        returns the pages evicted."""
+        ix, done, queue = self.ix, 0, self._queue
+        while done < pages:
+            if not queue:
+                stride = self._short() if self._blocked is None else 0
+                if not stride:
+                    break
+                victims = ix.policy.make_room(stride)
+                if not victims:
+                    self._blocked = self._state()
+                    break
+                queue.extend((p, ix.p_gen[p], ix.p_used[p]) for p in reversed(victims))
+                self._queue_evicted = 0
+            p, gen, used = queue.pop()
+            if not self._may_go(p, gen, used):
+                queue.clear()
+            elif ix._evict_page(p):
+                done += 1
+                self._queue_evicted += 1
+                if done % CHECK_EVERY == 0 and busy():
+                    break
+            if not queue and not self._queue_evicted:
+                self._blocked = self._state()  # a set of which nothing could go
+                break
+        self.evicted += done
+        return done
+
+    def _may_go(self, p: int, gen: int, used: int) -> bool:
+        ix = self.ix
+        return (ix.p_gen[p] == gen and ix.p_flags[p] & COMMITTED and not ix.p_pins[p]
+                and ix.p_used[p] == used and ix.policy.may_go_ahead(p))
+
+    def forget(self) -> None:
+        """Drop the victim set begun (a flush, a policy change)."""
+        self._queue.clear()
