@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 TALLY_EVERY_S = 1.0
 MAX_SKIP = 64  # with L3 attached, calls left to the daemon at most after L2 alone could not answer
+LOOKUP_TRIES = 3  # reads of the table before a slot changing under them sends the call to the
+# daemon (it changes while the daemon commits, or evicts ahead in its idle turns: a moment)
 
 
 class SharedExists:
@@ -80,8 +82,11 @@ class SharedExists:
         pool_bits = [bits.get(q.pool, 0) for q in queries]
         if not anchor_bit or not all(pool_bits):
             return None
-        masks = self.view.lookup(keys)
-        if masks is None:
+        for _ in range(LOOKUP_TRIES):
+            masks = self.view.lookup(keys)
+            if masks is not None:
+                break
+        else:
             return None
         kv_pages = leading_run_array((masks & anchor_bit) != 0)
         head = masks[:kv_pages]

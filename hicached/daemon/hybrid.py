@@ -176,10 +176,23 @@ class HybridPolicy(KeyTree):
             if newest > limit:  # used since (or a new key in the record): a new grace
                 heapq.heappush(tails, (newest, k))
                 continue
-            seen = set(pages)
-            self._trim(self._up[k] - 1, k, trail, pages, seen)
+            self._trim(self._up[k] - 1, k, trail, pages)
             out.extend(pages)
         return out
+
+    def abandoned(self, pages: list[int]) -> None:
+        """The leaves among ``pages``' keys wait for their grace again (``stale`` took them off
+        its heap; a leaf from ``make_room`` is no entry there: ``_maybe_tail`` skips those with
+        a state)."""
+        ix = self.ix
+        for k in dict.fromkeys(ix.p_krec[p] for p in pages):
+            if ix.k_len[k] and not self._kid[k]:
+                self._maybe_tail(k)
+
+    def stale_due(self) -> bool:
+        tails = self._tails
+        return bool(self._held or self._new_leaves) or bool(
+            tails and tails[0][0] <= self.ix._tick - GRACE_TICKS)
 
     def touched(self, p: int) -> None:
         super().touched(p)  # (an entry already queued for ``p`` moves when it comes up)
@@ -450,7 +463,7 @@ class HybridPolicy(KeyTree):
             return None if tick - t < GRACE_TICKS else 0.0
         got = self._vals.get(k)
         if got is None:
-            self._trim(self._up[k] - 1, k, trail, pages, set(pages))
+            self._trim(self._up[k] - 1, k, trail, pages)
             got = self._vals[k] = (len({ix.p_krec[p] for p in pages}),
                                    sum(ix.p_stride[p] for p in pages))
         return got[0] / got[1]
@@ -474,7 +487,7 @@ class HybridPolicy(KeyTree):
         pages = self._pages(k)
         if pages is None:
             return None
-        self._trim(self._up[k] - 1, k, self.ix._ns_trail[self.ix.k_ns[k]], pages, set(pages))
+        self._trim(self._up[k] - 1, k, self.ix._ns_trail[self.ix.k_ns[k]], pages)
         return pages
 
 

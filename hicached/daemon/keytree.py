@@ -119,19 +119,30 @@ class KeyTree(LruPolicy):
     def _has_state(self, k: int, trail: int, without: int = 0) -> bool:
         return bool(self.ix.k_mask[k] & trail & ~without) or bool(self._kflags[k] & STATE_L3)
 
-    def _trim(self, q: int, child: int, trail: int, out: list[int], seen: set) -> int:
+    def _trim(self, q: int, child: int, trail: int, out: list[int]) -> int:
         """Append the pages of the state-less single-child keys from ``q`` up (``child``: the
-        key below ``q`` that goes); returns how many keys."""
+        key below ``q`` that goes; each key once: the walk goes up from it), up to the first
+        with a page pinned or pending; returns how many keys. (``_pages`` inlined: a segment
+        is tens to hundreds of keys, walked for every candidate ``make_room`` scores.)"""
+        if not trail:
+            return 0
+        ix = self.ix
+        kid, sib, up, kflags = self._kid, self._sib, self._up, self._kflags
+        k_mask, k_head, p_knext, p_pins, p_flags = (ix.k_mask, ix.k_head, ix.p_knext, ix.p_pins,
+                                                    ix.p_flags)
         n = 0
-        while (q >= 0 and trail and self._kid[q] == child + 1 and not self._sib[child]
-               and not self._has_state(q, trail)):
-            pages = self._pages(q)
-            if pages is None:
-                break
-            out.extend(p for p in pages if p not in seen)
-            seen.update(pages)
+        while (q >= 0 and kid[q] == child + 1 and not sib[child] and not k_mask[q] & trail
+               and not kflags[q] & STATE_L3):
+            start = len(out)
+            p = k_head[q]
+            while p >= 0:  # no state among them: in list order (``_pages`` puts states first)
+                if p_pins[p] or not p_flags[p] & COMMITTED:
+                    del out[start:]
+                    return n
+                out.append(p)
+                p = p_knext[p]
             n += 1
-            child, q = q, self._up[q] - 1
+            child, q = q, up[q] - 1
         return n
 
     def doomed(self, p: int) -> list[int]:
@@ -142,7 +153,7 @@ class KeyTree(LruPolicy):
         k = ix.p_krec[p]
         trail = ix._ns_trail[ix.k_ns[k]]
         bit = ix._tbit[ix.p_tid[p]]
-        out, seen = [], {p}
+        out = []
         if bit & trail:  # a state
             if ix.p_flags[p] & IN_L3 or self._kid[k] or self._has_state(k, trail, bit):
                 return [p]
@@ -152,8 +163,7 @@ class KeyTree(LruPolicy):
                 self._state_gone_alone(k)
                 return out
             out.extend(q for q in rest if q != p)
-            seen.update(rest)
-            self._trim(self._up[k] - 1, k, trail, out, seen)
+            self._trim(self._up[k] - 1, k, trail, out)
             return out
         if ix.p_flags[p] & IN_L3:
             return [p]
@@ -175,10 +185,9 @@ class KeyTree(LruPolicy):
             return []
         out.extend(q for q in pages if q != p)
         out.append(p)
-        seen.update(out)
         up = self._up[k] - 1
         if up >= 0 and self._kid[up] == k + 1 and not self._sib[k]:
-            self._trim(up, k, trail, out, seen)
+            self._trim(up, k, trail, out)
         return out
 
     def may_go_ahead(self, p: int) -> bool:

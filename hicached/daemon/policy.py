@@ -65,6 +65,14 @@ class LruPolicy:
         """Page records to evict now, pressure or not (none under LRU)."""
         return []
 
+    def abandoned(self, pages: list[int]) -> None:
+        """A victim set named by ``make_room`` or ``stale`` was stopped before ``pages`` (still
+        committed) went (``reclaim.py``)."""
+
+    def stale_due(self) -> bool:
+        """Whether ``stale`` may name a page now (cheap: asked every turn of an idle loop)."""
+        return False
+
     def doomed(self, p: int) -> list[int]:
         """The page records to evict, in order, for page record ``p`` to go: ``p`` alone."""
         return [p]

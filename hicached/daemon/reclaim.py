@@ -55,17 +55,33 @@ class Reclaimer:
         return ix._tick, ix.committed_count, ix.evictions
 
     def wanted(self) -> bool:
-        """Whether ``step`` has work: a victim set begun, or a pressed class short of room (and
-        the index changed since the policy last had nothing that could go)."""
+        """Whether ``step`` has work: a victim set begun, tails due (``policy.stale``, when the
+        index leaves them to the loop: ``stale_later``), or a pressed class short of room; not
+        while nothing changed since the policy last named nothing that could go."""
         if self._queue:
             return True
-        if not self.ahead or not self.ix.pressed:
-            return False
+        ix = self.ix
         if self._blocked is not None:
             if self._blocked == self._state():
                 return False
             self._blocked = None
-        return bool(self._short())
+        return ((ix.stale_later and ix.policy.stale_due())
+                or bool(self.ahead and ix.pressed and self._short()))
+
+    def _victims(self) -> list[int] | None:
+        """The next victim set: tails due first, then room for a short class (None: no work;
+        [] nothing that may go)."""
+        ix = self.ix
+        asked = False
+        if ix.stale_later and ix.policy.stale_due():
+            asked = True
+            pages = ix.policy.stale()
+            if pages:
+                return pages
+        stride = self._short() if self.ahead and ix.pressed else 0
+        if stride:
+            return ix.policy.make_room(stride)
+        return [] if asked else None
 
     def step(self, busy: Callable[[], bool] = lambda: False, pages: int = STEP_PAGES) -> int:
         """Evict up to ``pages`` pages ahead, stopping early once ``busy()`` (a request waits);
@@ -73,17 +89,20 @@ class Reclaimer:
         ix, done, queue = self.ix, 0, self._queue
         while done < pages:
             if not queue:
-                stride = self._short() if self._blocked is None else 0
-                if not stride:
+                victims = self._victims() if self._blocked is None else None
+                if victims is None:
                     break
-                victims = ix.policy.make_room(stride)
                 if not victims:
                     self._blocked = self._state()
                     break
                 queue.extend((p, ix.p_gen[p], ix.p_used[p]) for p in reversed(victims))
                 self._queue_evicted = 0
             p, gen, used = queue.pop()
-            if not self._may_go(p, gen, used):
+            if ix.p_gen[p] != gen or not ix.p_flags[p] & COMMITTED:
+                pass  # gone another way (which took its dependants first): the rest may go
+            elif ix.p_pins[p] or ix.p_used[p] != used or not ix.policy.may_go_ahead(p):
+                queue.append((p, gen, used))  # read, or depended on, since: the set ends
+                ix.policy.abandoned([q for q, g, _ in queue if ix.p_gen[q] == g])
                 queue.clear()
             elif ix._evict_page(p):
                 done += 1
@@ -95,11 +114,6 @@ class Reclaimer:
                 break
         self.evicted += done
         return done
-
-    def _may_go(self, p: int, gen: int, used: int) -> bool:
-        ix = self.ix
-        return (ix.p_gen[p] == gen and ix.p_flags[p] & COMMITTED and not ix.p_pins[p]
-                and ix.p_used[p] == used and ix.policy.may_go_ahead(p))
 
     def forget(self) -> None:
         """Drop the victim set begun (a flush, a policy change)."""

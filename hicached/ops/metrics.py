@@ -300,6 +300,7 @@ def stats_json(snap: dict) -> dict:
                    "capacity_bytes": snap["arena_bytes"], "free_slabs": st["arena_free_slabs"],
                    "hits": total(hits, "l2"), "misses": total(misses, "l2"),
                    "evictions": st["evictions"], "no_space": st["no_space"],
+                   "evictions_ahead": st.get("evictions_ahead", 0),
                    "eviction": st.get("eviction"), "orphan_bytes": st.get("l2_orphan_bytes"),
                    "leases": st["leases"], "reservations": st["reservations"],
                    "expired_leases": st["expired_leases"],
@@ -379,6 +380,7 @@ class _Collector:
         yield labeled(G, "hicached_l2_bytes", "Page bytes in L2, per pool", ["pool"],
                       [(p, v["bytes"]) for p, v in snap["pools"].items()])
         for key, doc in (("evictions", "L2 pages evicted"),
+                         ("evictions_ahead", "L2 pages evicted while the daemon was idle"),
                          ("no_space", "Keys a set could not store (arena or quota full)"),
                          ("expired_leases", "Leases released by their TTL"),
                          ("expired_reservations", "Reservations freed by their TTL"),

@@ -68,3 +68,5 @@ def test_the_eviction_config_is_checked():
         load_config(None, {}, {"eviction": "mru"}).resolved()
     with pytest.raises(ConfigError, match="eviction_alpha: must be >= 0"):
         load_config(None, {}, {"eviction_alpha": -1.0}).resolved()
+    with pytest.raises(ConfigError, match="evict_ahead: must be a share of the arena"):
+        load_config(None, {}, {"evict_ahead": 0.9}).resolved()

@@ -1,0 +1,130 @@
+"""Evicting ahead in the control loop's idle turns (``hicached/daemon/reclaim.py``): the same
+victims the sets would have evicted, page by page, stopping safely between any two."""
+
+import random
+import time
+
+import pytest
+import torch
+from inproc_daemon import inproc_daemon
+from pools import kv_pool, kv_tokens, pages
+from test_hybrid_eviction import KV, chain, held, make, store
+
+from hicached import Client, PoolTransfer
+from hicached.daemon.orphans import orphans
+from hicached.daemon.reclaim import Reclaimer
+
+
+def free_kv(ix):
+    return ix.alloc.free_bytes(KV) // KV
+
+
+def test_nothing_is_evicted_ahead_before_a_set_had_to_evict_or_when_off():
+    ix = make(2, "lru")
+    store(ix, chain("a", 20))
+    r = Reclaimer(ix, 0.25)
+    assert not r.wanted() and r.step() == 0  # 12 slots free, no class pressed
+    store(ix, chain("b", 14))  # 2 over: the set evicts a00, a01 itself
+    assert ix.pressed == {KV} and held(ix) == sorted(chain("a", 20)[2:] + chain("b", 14))
+    assert not Reclaimer(ix, 0.0).wanted()
+    assert r.wanted()
+    assert r.step() == 8  # a quarter of 2 slabs of 16: 8 slots free, the oldest 8 pages gone
+    assert held(ix) == sorted(chain("a", 20)[10:] + chain("b", 14)) and free_kv(ix) == 8
+    assert not r.wanted() and r.step() == 0 and r.evicted == 8
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefix", "hybrid"])
+def test_evicting_ahead_page_by_page_never_leaves_an_orphan(policy):
+    """A seeded workload (chains continued across calls, branches, states) with a reclaimer
+    freeing 2 slots ahead after each call, one page per step as a busy loop would: no orphan
+    at any moment under the chain-aware policies, and the room is there for the next call."""
+    rng = random.Random(5)
+    calls = []
+    for i in range(80):
+        parent = rng.choice([None, None] + [c[-1] for c in calls[-6:]])
+        calls.append((chain(f"c{i}-", rng.randint(1, 6)), parent, rng.random() < 0.5))
+    ix = make(4, policy)
+    r = Reclaimer(ix, 2 * KV / ix.alloc.capacity_bytes)
+    for keys, parent, with_state in calls:
+        p = parent if parent is not None and ix.get(("ns", "kv"), parent) else None
+        store(ix, keys, parent=p, depth=-1, states=[keys[-1]] if with_state else ())
+        while r.wanted():
+            assert r.step(pages=1) <= 1
+            assert policy == "lru" or orphans(ix) == (0, 0)
+        assert r._blocked or all(ix.alloc.free_bytes(c) >= max(c, 2 * KV) for c in ix.pressed)
+    assert r.evicted > 50
+
+
+def test_a_set_stopped_between_pages_leaves_no_orphan_and_a_page_read_since_stays():
+    ix = make(2, "prefix")  # 1 slab of 16 KV pages, 1 of 2 states
+    store(ix, chain("a", 8), states=["a07"])
+    store(ix, chain("b", 8), states=["b07"])
+    store(ix, chain("n", 1))  # the set evicts a's segment (9 pages) for one slot
+    assert held(ix) == sorted(chain("b", 8) + ["n00"])
+    store(ix, chain("a", 6), states=["a05"])
+    r = Reclaimer(ix, 8 * KV / ix.alloc.capacity_bytes)  # 8 slots free wanted: 1 now
+    assert r.step(busy=lambda: True) == 2  # b07's state and b07, then a request arrives
+    assert "b07" not in held(ix) and "b06" in held(ix) and r.wanted()  # a segment begun
+    ix.touch_many([ix.get(("ns", "kv"), "b05")])  # the request reads b05 (b06 is next)
+    assert r.step(pages=1) == 1 and held(ix) == sorted(chain("b", 6) + ["n00"] + chain("a", 6))
+    r.step(pages=1)  # b05 was read since the set was chosen: the set ends there
+    assert "b05" in held(ix)
+    assert orphans(ix, grace_ticks=1 << 40) == (0, 0)  # b00..b05 wait for their grace
+
+
+def test_a_chain_continued_from_the_middle_of_a_set_keeps_its_ancestors():
+    ix = make(4, "prefix")  # 16 KV pages or 2 states a slab
+    store(ix, chain("a", 10), states=["a09"])
+    store(ix, chain("b", 6), states=["b05"])
+    store(ix, chain("c", 16))
+    store(ix, chain("d", 16))  # every slab used
+    store(ix, chain("e", 1))  # the set evicts a's segment, the oldest leaf with a state
+    assert ix.pressed == {KV} and not any(k in held(ix) for k in chain("a", 10))
+    r = Reclaimer(ix, 16 * KV / ix.alloc.capacity_bytes)
+    assert r.step(busy=lambda: True) == 2  # b05's state and b05 of the segment b05..b00
+    store(ix, chain("z", 3), parent="b02", depth=3)  # b continued from the set's middle
+    r.step(pages=3)  # b04, b03; b02 now has a child: the set ends there
+    assert [k for k in chain("b", 6) if k in held(ix)] == chain("b", 3)
+    assert all(k in held(ix) for k in chain("z", 3))
+    assert orphans(ix, grace_ticks=1 << 40) == (0, 0)
+
+
+def test_nothing_that_may_go_blocks_until_the_index_changes():
+    ix = make(1, "lru")
+    store(ix, chain("a", 16))
+    pins = [ix.get(("ns", "kv"), k) for k in chain("a", 16)]
+    for e in pins:
+        ix.pin(e)
+    assert store(ix, ["b"]) == []  # no room, nothing may go
+    r = Reclaimer(ix, 0.25)
+    assert r.wanted() and r.step() == 0
+    assert not r.wanted()  # nothing changed: the loop does not spin on it
+    for e in pins:
+        ix.unpin(e)
+    ix.touch_many(pins[8:])
+    assert r.wanted() and r.step() == 4 and held(ix) == chain("a", 16)[4:]
+
+
+def test_the_daemon_evicts_ahead_while_idle_and_reads_stay_exact(tmp_path):
+    """A real daemon: once sets had to evict, its idle turns free ``evict_ahead`` of the arena
+    ahead; pages still held read back exactly."""
+    with inproc_daemon(tmp_path, l2_size=1 << 20, slab_size=64 << 10, l3_backend="none",
+                       evict_ahead=0.25) as d, Client(d.endpoint, "ns") as c:
+        src = kv_pool(num_pages=1200, seed=3)  # 1 KiB pages: 1024 fill the arena
+        c.register_mem_host_pool_v2(src, "kv")
+        for i in range(0, 1200, 100):
+            keys = [f"k{j}" for j in range(i, i + 100)]
+            assert all(c.batch_set_v2([PoolTransfer("kv", pages(i, 100), keys=keys)])["kv"])
+        deadline = time.monotonic() + 10
+        while (st := c.stats())["l2_pages"] > 1024 - 256:  # a quarter of the arena freed
+            assert time.monotonic() < deadline, st
+            time.sleep(0.05)
+        assert st["evictions_ahead"] > 0 and st["evictions"] >= 1200 - 768
+        held_keys = [f"k{j}" for j in range(1200) if c.batch_exists([f"k{j}"])]
+        assert len(held_keys) == st["l2_pages"]
+        dst = kv_pool(num_pages=1200)
+        c.register_mem_host_pool_v2(dst, "kv")
+        idx = [int(k[1:]) for k in held_keys]
+        assert all(c.batch_get_v1(held_keys, torch.cat([pages(j, 1) for j in idx])))
+        for j in idx:
+            assert torch.equal(kv_tokens(dst, j, 1), kv_tokens(src, j, 1))
