@@ -9,7 +9,8 @@ import gc
 import os
 import threading
 
-from hicached.daemon.server import Daemon, freeze_survivors
+from hicached.daemon.collector import freeze_survivors
+from hicached.daemon.server import Daemon
 from hicached.daemon.sessions import namespace_digest
 from hicached.ops.config import load_config
 

@@ -22,7 +22,8 @@ Rules, on every path that frees pages (``PageIndex.evict`` / ``drop_one`` ask ``
   (of a key with children) goes alone, nothing depends on it;
 - a state-less leaf of a trailing namespace goes once ``GRACE_TICKS`` page uses passed since its
   newest use (the state of its call, or of the next, would have made it a real leaf): ``stale``,
-  asked after every commit, pressure or not.
+  asked after every commit, pressure or not (a daemon asks in its loop's next idle turn:
+  ``reclaim.py``).
 
 Victims for a slot of one class (``make_room``): the ``CANDIDATES`` least recently used leaves
 with a page of that class (a lazily invalidated heap per class of (tick, key): live while the
@@ -406,19 +407,6 @@ class HybridPolicy(KeyTree):
             self._back(self._heaps, stride, back)
         return out[:n]
 
-    def _newest(self, k: int, stride: int) -> int:
-        """The newest use of key ``k``'s committed, unpinned pages of class ``stride`` (0: it
-        has none, or one of its pages is pinned)."""
-        ix, t = self.ix, 0
-        p = ix.k_head[k]
-        while p >= 0:
-            if ix.p_pins[p]:
-                return 0
-            if ix.p_flags[p] & COMMITTED and ix.p_stride[p] == stride:
-                t = max(t, ix.p_used[p])
-            p = ix.p_knext[p]
-        return t
-
     def _still(self, c: tuple[int, int, float, int]) -> list[int] | None:
         """The pages candidate ``c`` of an earlier ``make_room`` (same tick) takes, if it may
         still go: a leaf not evicted since (its record not reused: a new key's pages are
@@ -480,15 +468,6 @@ class HybridPolicy(KeyTree):
                 n, q = n + 1, self._up[q] - 1
             got = self._vals[~k] = (n, ix.p_stride[p])
         return got[0] / got[1]
-
-    def _segment(self, k: int) -> list[int] | None:
-        """The pages leaf ``k`` takes with it (its own and the state-less single-child keys
-        above it), or None when one of its own is pinned or pending."""
-        pages = self._pages(k)
-        if pages is None:
-            return None
-        self._trim(self._up[k] - 1, k, self.ix._ns_trail[self.ix.k_ns[k]], pages)
-        return pages
 
 
 def make_policy(name: str, alpha: float = 1.0) -> LruPolicy:

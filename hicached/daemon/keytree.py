@@ -199,6 +199,28 @@ class KeyTree(LruPolicy):
         return (not self._kid[k] or bool(ix.p_flags[p] & IN_L3)
                 or bool(ix._tbit[ix.p_tid[p]] & ix._ns_trail[ix.k_ns[k]]))
 
+    def _segment(self, k: int) -> list[int] | None:
+        """The pages leaf ``k`` takes with it (its own and the state-less single-child keys
+        above it), or None when one of its own is pinned or pending."""
+        pages = self._pages(k)
+        if pages is None:
+            return None
+        self._trim(self._up[k] - 1, k, self.ix._ns_trail[self.ix.k_ns[k]], pages)
+        return pages
+
+    def _newest(self, k: int, stride: int) -> int:
+        """The newest use of key ``k``'s committed, unpinned pages of class ``stride`` (0: it
+        has none, or one of its pages is pinned)."""
+        ix, t = self.ix, 0
+        p = ix.k_head[k]
+        while p >= 0:
+            if ix.p_pins[p]:
+                return 0
+            if ix.p_flags[p] & COMMITTED and ix.p_stride[p] == stride:
+                t = max(t, ix.p_used[p])
+            p = ix.p_knext[p]
+        return t
+
     def _above(self, pages: list[int]) -> int:
         """The key above a segment (its last page's key's parent), -1 for none."""
         return self._up[self.ix.p_krec[pages[-1]]] - 1

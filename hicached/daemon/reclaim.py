@@ -38,6 +38,13 @@ class Reclaimer:
         self._queue: list[tuple[int, int, int]] = []  # (page, gen, used), the next one last
         self._queue_evicted = 0  # pages of the current victim set evicted so far
         self._blocked: tuple[int, int, int] | None = None  # the index's state when nothing could go
+        self.busy: Callable[[], bool] = lambda: False
+
+    def attach(self, ahead: float, busy: Callable[[], bool]) -> None:
+        """A daemon's: its loop steps while idle (``busy()``: a request waits) and takes the
+        tails due too, not the commits that find them (``PageIndex.stale_later``)."""
+        self.ahead, self.busy = ahead, busy
+        self.ix.stale_later = True
 
     def _target(self, stride: int) -> int:
         return max(stride, int(self.ahead * self.ix.alloc.capacity_bytes))
@@ -83,10 +90,11 @@ class Reclaimer:
             return ix.policy.make_room(stride)
         return [] if asked else None
 
-    def step(self, busy: Callable[[], bool] = lambda: False, pages: int = STEP_PAGES) -> int:
-        """Evict up to ``pages`` pages ahead, stopping early once ``busy()`` (a request waits);
-        returns the pages evicted."""
+    def step(self, busy: Callable[[], bool] | None = None, pages: int = STEP_PAGES) -> int:
+        """Evict up to ``pages`` pages ahead, stopping early once ``busy()`` (default
+        ``self.busy``: a request waits); returns the pages evicted."""
         ix, done, queue = self.ix, 0, self._queue
+        busy = busy or self.busy
         while done < pages:
             if not queue:
                 victims = self._victims() if self._blocked is None else None

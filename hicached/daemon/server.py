@@ -8,7 +8,6 @@ nothing a client sends can stop the loop.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import queue
@@ -25,6 +24,7 @@ from hicached import protocol as P
 from hicached.arena import Arena, arena_progress, release_if_made
 from hicached.backends.base import L3Backend, create_backend
 from hicached.daemon.auth import make_auth
+from hicached.daemon.collector import tune_for_the_loop
 from hicached.daemon.controller import Controller
 from hicached.daemon.files import DaemonFiles
 from hicached.daemon.handshake import Handshakes
@@ -58,16 +58,6 @@ SWEEP_INTERVAL_S = 0.5
 MAX_BATCH = 256  # requests handled before the loop looks at I/O completions and timers
 # answered while draining (they finish work in flight); everything else gets ShuttingDown
 _DRAIN_OK = (P.Commit, P.Release, P.Bye, P.ExistsTally)
-
-
-def freeze_survivors(phase: str, info: dict) -> None:
-    """``gc`` callback: after a full collection, move what survived it to the permanent
-    generation, so the next full pass walks only what was created since. Without it every full
-    pass walks every page's index entry: ~100 ms per 256k pages, a stall of the control loop that
-    grows with the arena. Frozen objects are still freed by reference counting (the index holds
-    no reference cycles)."""
-    if phase == "stop" and info.get("generation") == 2:
-        gc.freeze()
 
 
 class Daemon(DaemonOperations, Handshakes, DaemonFiles):
@@ -114,8 +104,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             self.controller.quotas = make_quotas(self.index, config.namespace_quotas)
             self.controller.ahead_session_bytes = config.set_ahead_bytes
             self.controller.ahead_total_bytes = config.l2_size // 8  # idle slots: at most 1/8
-            self.controller.reclaim.ahead = config.evict_ahead
-            self.index.stale_later = True  # tails go in idle turns too, not on a commit's path
+            self.controller.reclaim.attach(config.evict_ahead, self._request_waits)
             self.controller.kv_events = make_kv_events(config, self.index, self.tier)
             self.ctx = zmq.Context()
             self.sock = self._bind(config.endpoint)
@@ -234,13 +223,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         busy_until = 0.0  # spin (non-blocking polls) until then: see busy_poll_ms in the config
         busy_s = self.config.busy_poll_ms / 1000
         self._loop_thread = threading.get_ident()
-        # The index holds one long-lived object per page: keep the collector from walking what
-        # startup built (modules, the arena), and from running every 700 allocations (a request
-        # of a few hundred keys allocates that much): each full pass is a pause of the loop.
-        gc.freeze()
-        gc.set_threshold(20_000, 20, 20)
-        if freeze_survivors not in gc.callbacks:
-            gc.callbacks.append(freeze_survivors)
+        tune_for_the_loop()  # (collector.py)
         try:
             while not self._stop.is_set():
                 if self._stop_asked:  # a signal: set the event here, outside any handler
@@ -267,7 +250,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                 if self.controller.flusher.active:
                     self._guarded(self.controller.flusher.step)
                 elif reclaim and self.sock not in events:  # an idle turn: evict ahead
-                    self._guarded(self.controller.reclaim.step, self._request_waits)
+                    self._guarded(self.controller.reclaim.step)
                 now = time.monotonic()
                 if self.presence is not None:
                     self.presence.beat(now, self.tier.attached)
