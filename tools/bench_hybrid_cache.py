@@ -394,10 +394,15 @@ class Orphans:
         shared = client._shared
         if shared is None or shared.view.usable() is None:
             return None
-        for _ in range(50):  # None: a slot changed under the read (the daemon evicting
-            masks = shared.view.lookup(self.keys[:upto])  # ahead in its idle turns): again
-            if masks is not None:
+        # the daemon may be evicting in its idle turns while this reads: a slot changing under
+        # the read gives None, and pages read before and after a page went can look like a
+        # chain without its head; read until two reads a moment apart agree
+        masks = None
+        for _ in range(100):
+            again = shared.view.lookup(self.keys[:upto])
+            if again is not None and masks is not None and np.array_equal(again, masks):
                 break
+            masks = again
             time.sleep(0.002)
         kv_bit, st_bit = shared.bits.get("kv", 0), shared.bits.get("mamba", 0)
         if masks is None or not kv_bit or not st_bit:

@@ -156,12 +156,12 @@ class HybridPolicy(KeyTree):
                 p = ix.p_knext[p]
             heapq.heappush(self._tails, (t, k))
 
-    def stale(self) -> list[int]:
+    def stale(self, early: int = 0) -> list[int]:
         """Page records to evict now: the state-less leaves (and the state-less keys above
-        them) of trailing namespaces whose grace is over."""
+        them) of trailing namespaces whose grace is over (or ends within ``early`` ticks)."""
         self._flush_leaves()
         ix, tails, out = self.ix, self._tails, []
-        limit = ix._tick - GRACE_TICKS
+        limit = ix._tick - GRACE_TICKS + early
         due, self._held = self._held, []
         while tails and tails[0][0] <= limit:
             due.append(heapq.heappop(tails)[1])
@@ -190,10 +190,10 @@ class HybridPolicy(KeyTree):
             if ix.k_len[k] and not self._kid[k]:
                 self._maybe_tail(k)
 
-    def stale_due(self) -> bool:
+    def stale_due(self, early: int = 0) -> bool:
         tails = self._tails
         return bool(self._held or self._new_leaves) or bool(
-            tails and tails[0][0] <= self.ix._tick - GRACE_TICKS)
+            tails and tails[0][0] <= self.ix._tick - GRACE_TICKS + early)
 
     def touched(self, p: int) -> None:
         super().touched(p)  # (an entry already queued for ``p`` moves when it comes up)

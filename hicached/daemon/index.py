@@ -85,9 +85,6 @@ class PageIndex(BatchOps, Records):
         self.policy = policy or LruPolicy()
         self.policy.bind(self)
         self.pressed: set[int] = set()  # size classes a reservation had to evict for (reclaim.py)
-        # whether the pages ``policy.stale`` names go in the loop's idle turns (a daemon's
-        # ``Reclaimer``), not at the commit that found them due
-        self.stale_later = False
         super().__init__(allocator)
 
     # ------------------------------------------------------------ reserve / commit / abort

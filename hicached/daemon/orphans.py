@@ -15,13 +15,16 @@ from hicached.daemon.policy import COMMITTED
 ORPHANS_MAX_KEYS = 1 << 18  # ``orphans`` is not counted in an index with more key records
 
 
-def orphans(ix, l3: bool = False, grace_ticks: int = GRACE_TICKS) -> tuple[int, int] | None:
+def orphans(ix, l3: bool = False, grace_ticks: int = GRACE_TICKS, leaving=()
+            ) -> tuple[int, int] | None:
     """(pages, slot bytes) of L2's orphans, whatever the policy (stats; vectorised, about a
     microsecond a key record; None past ``ORPHANS_MAX_KEYS``). A page is an orphan when its
     key's known chain is broken above it: a parent named by a link that L2 does not hold (with
     ``l3``, an L3 attached, such a parent counts as restorable), or a key holding a state but
     none of its KV pages; in a namespace with trailing pools, also when no key at or below it
-    holds a state and none of its pages was used in the last ``grace_ticks``."""
+    holds a state and none of its pages was used in the last ``grace_ticks``. ``leaving``:
+    page records being evicted now (a victim set evicted page by page: ``reclaim.py``), not
+    counted."""
     top = ix._k_top
     if top > ORPHANS_MAX_KEYS:
         return None
@@ -31,6 +34,8 @@ def orphans(ix, l3: bool = False, grace_ticks: int = GRACE_TICKS) -> tuple[int, 
     col = ix.np
     committed = np.flatnonzero(col["p_flags"][:ix._p_top] & COMMITTED)
     hit = bad[col["p_krec"][committed]]
+    if len(leaving):
+        hit &= ~np.isin(committed, np.asarray(leaving, np.int64))
     return int(hit.sum()), int(col["p_stride"][committed][hit].sum())
 
 

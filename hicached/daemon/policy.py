@@ -61,15 +61,16 @@ class LruPolicy:
     def key_freed(self, k: int) -> None:
         """Key record ``k`` is about to be freed."""
 
-    def stale(self) -> list[int]:
-        """Page records to evict now, pressure or not (none under LRU)."""
+    def stale(self, early: int = 0) -> list[int]:
+        """Page records to evict now, pressure or not (none under LRU); ``early``: also those
+        due within that many ticks."""
         return []
 
     def abandoned(self, pages: list[int]) -> None:
         """A victim set named by ``make_room`` or ``stale`` was stopped before ``pages`` (still
         committed) went (``reclaim.py``)."""
 
-    def stale_due(self) -> bool:
+    def stale_due(self, early: int = 0) -> bool:
         """Whether ``stale`` may name a page now (cheap: asked every turn of an idle loop)."""
         return False
 

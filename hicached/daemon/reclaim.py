@@ -6,15 +6,18 @@ it made useful, 40-150 pages at tens of microseconds each, on the one set that a
 Once a class has had to evict (it is *pressed*), ``Reclaimer`` keeps ``ahead`` of the arena free
 in it (its free slots and the free slabs; at least one slot) by evicting, in the loop's idle turns,
 the victims the policy names for it, a few pages at a time: the loop asks ``step`` only while no
-request waits, and ``step`` returns as soon as one arrives.
+request waits, and ``step`` returns as soon as one arrives. The tails of ``HybridPolicy.stale``
+(state-less leaves whose grace ends) go the same way, ``EARLY`` ticks before they are due: a
+commit that finds them due takes them on a set's path, as it does without a reclaimer.
 
 A victim set is evicted in the policy's order (dependants first: a segment from its leaf up) and
 may be stopped between any two pages. Before each page goes it is checked again: the same page
 (its generation), committed, unpinned, not used since the policy named it, and, by the policy's
 ``may_go_ahead``, nothing resident depending on it now (a chain continued from the segment's
 middle since). The first page that fails ends the set (what is left of a segment is a state-less
-tail: ``HybridPolicy.stale`` takes it after its grace). So an interrupted set never leaves a page
-without its ancestors, and a page read since the policy chose it stays.
+tail, back in ``HybridPolicy.stale``'s queue); a page gone another way meanwhile is skipped. So
+an interrupted set never leaves a page without its ancestors, a page read since the policy chose
+it stays, and the pages of a set begun are going (``leaving``: the orphan count leaves them out).
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from collections.abc import Callable
 from hicached.daemon.policy import COMMITTED
 
 STEP_PAGES = 64  # pages one ``step`` evicts at most
+# ticks before its grace ends that a tail goes (``policy.stale``): in an idle turn that comes
+# before the tail would count as an orphan, not after
+EARLY = 256
 CHECK_EVERY = 2  # pages between two looks at whether a request waits
 
 
@@ -39,12 +45,12 @@ class Reclaimer:
         self._queue_evicted = 0  # pages of the current victim set evicted so far
         self._blocked: tuple[int, int, int] | None = None  # the index's state when nothing could go
         self.busy: Callable[[], bool] = lambda: False
+        self.tails = False  # take the tails of ``policy.stale`` early (``attach``)
 
     def attach(self, ahead: float, busy: Callable[[], bool]) -> None:
         """A daemon's: its loop steps while idle (``busy()``: a request waits) and takes the
-        tails due too, not the commits that find them (``PageIndex.stale_later``)."""
-        self.ahead, self.busy = ahead, busy
-        self.ix.stale_later = True
+        tails ``EARLY`` before they are due (a commit would take them then, on a set's path)."""
+        self.ahead, self.busy, self.tails = ahead, busy, True
 
     def _target(self, stride: int) -> int:
         return max(stride, int(self.ahead * self.ix.alloc.capacity_bytes))
@@ -62,9 +68,9 @@ class Reclaimer:
         return ix._tick, ix.committed_count, ix.evictions
 
     def wanted(self) -> bool:
-        """Whether ``step`` has work: a victim set begun, tails due (``policy.stale``, when the
-        index leaves them to the loop: ``stale_later``), or a pressed class short of room; not
-        while nothing changed since the policy last named nothing that could go."""
+        """Whether ``step`` has work: a victim set begun, tails due within ``EARLY`` ticks
+        (``policy.stale``; once ``attach``-ed), or a pressed class short of room; not while
+        nothing changed since the policy last named nothing that could go."""
         if self._queue:
             return True
         ix = self.ix
@@ -72,7 +78,7 @@ class Reclaimer:
             if self._blocked == self._state():
                 return False
             self._blocked = None
-        return ((ix.stale_later and ix.policy.stale_due())
+        return ((self.tails and ix.policy.stale_due(EARLY))
                 or bool(self.ahead and ix.pressed and self._short()))
 
     def _victims(self) -> list[int] | None:
@@ -80,9 +86,9 @@ class Reclaimer:
         [] nothing that may go)."""
         ix = self.ix
         asked = False
-        if ix.stale_later and ix.policy.stale_due():
+        if self.tails and ix.policy.stale_due(EARLY):
             asked = True
-            pages = ix.policy.stale()
+            pages = ix.policy.stale(EARLY)
             if pages:
                 return pages
         stride = self._short() if self.ahead and ix.pressed else 0
@@ -123,6 +129,8 @@ class Reclaimer:
         self.evicted += done
         return done
 
-    def forget(self) -> None:
-        """Drop the victim set begun (a flush, a policy change)."""
-        self._queue.clear()
+    def leaving(self) -> list[int]:
+        """The page records of the victim set begun that are still there: going (the orphan
+        count leaves them out)."""
+        ix = self.ix
+        return [p for p, gen, _ in self._queue if ix.p_gen[p] == gen]

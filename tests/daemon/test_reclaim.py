@@ -65,6 +65,11 @@ def test_a_set_stopped_between_pages_leaves_no_orphan_and_a_page_read_since_stay
     r = Reclaimer(ix, 8 * KV / ix.alloc.capacity_bytes)  # 8 slots free wanted: 1 now
     assert r.step(busy=lambda: True) == 2  # b07's state and b07, then a request arrives
     assert "b07" not in held(ix) and "b06" in held(ix) and r.wanted()  # a segment begun
+    # no grace: b00..b06 (going) and n00 (waiting for its state) would be orphans; the stats
+    # leave out the pages going
+    assert orphans(ix, grace_ticks=0) == (8, 8 * KV)
+    assert sorted(r.leaving()) == sorted(ix.get(("ns", "kv"), k).rec for k in chain("b", 7))
+    assert orphans(ix, grace_ticks=0, leaving=r.leaving()) == (1, KV)
     ix.touch_many([ix.get(("ns", "kv"), "b05")])  # the request reads b05 (b06 is next)
     assert r.step(pages=1) == 1 and held(ix) == sorted(chain("b", 6) + ["n00"] + chain("a", 6))
     r.step(pages=1)  # b05 was read since the set was chosen: the set ends there

@@ -124,7 +124,7 @@ def test_sighup_reloads_policy_keys(make_daemon, tmp_path):
                             'write_through_threshold = 3\nprefetch = false\nget_wait_s = 1.5\n'
                             'log_level = "debug"\nl2_size = "32MiB"\nio_queue_depth = 8\n'
                             'namespace_quotas = { "model-a" = "1MiB" }\nset_ahead_bytes = 0\n'
-                            'eviction_alpha = 2.5\neviction = "lru"\n')
+                            'eviction_alpha = 2.5\neviction = "lru"\nevict_ahead = 0.05\n')
             d.proc.send_signal(signal.SIGHUP)
             assert wait_until(lambda: _backend_status(c)["write_policy"]
                               == "write_through_selective")
@@ -136,6 +136,7 @@ def test_sighup_reloads_policy_keys(make_daemon, tmp_path):
             assert "set_ahead_bytes=0" in out
             # l2_size comes from the command line (flags beat the file): unchanged
             assert "eviction_alpha=2.5" in out  # the hybrid policy's weight: applied
+            assert "evict_ahead=0.05" in out
             # (logged right after the "reloaded:" line: waited for, not read with it)
             assert wait_until(lambda: "reload: io_queue_depth, eviction changed; restart "
                               "hicached to apply" in d.output())
