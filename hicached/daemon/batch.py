@@ -255,8 +255,9 @@ class BatchOps:
         self._count_pinned(offsets[pins[ps] == 0], -1)
         if self.event_tids:
             self.kv_events.stored(entries)
-        for p in self.policy.stale():  # pages no hit can use any more (``hybrid.py``; a
-            self._evict_page(p)  # daemon's idle turns take them before: ``reclaim.py``)
+        if self.commit_tails():  # (a daemon's idle turns take them: ``reclaim.py``)
+            for p in self.policy.stale():  # pages no hit can use any more (``hybrid.py``)
+                self._evict_page(p)
 
     def _publish(self: PageIndex, entries: Sequence[Entry], ps: np.ndarray, krecs: np.ndarray,
                  mask_before: np.ndarray, firsts: np.ndarray | None) -> None:
@@ -355,8 +356,9 @@ class BatchOps:
         alloc.touched(touched)
         if self.event_tids:
             self.kv_events.stored(entries)
-        for p in policy.stale():  # pages no hit can use any more (``hybrid.py``)
-            self._evict_page(p)
+        if self.commit_tails():
+            for p in policy.stale():  # pages no hit can use any more (``hybrid.py``)
+                self._evict_page(p)
 
     # ------------------------------------------------------------ recency, pins, hits
     # (one loop a call: at a get's 16-64 random pages the numpy calls and the slab counts by

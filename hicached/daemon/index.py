@@ -85,6 +85,7 @@ class PageIndex(BatchOps, Records):
         self.policy = policy or LruPolicy()
         self.policy.bind(self)
         self.pressed: set[int] = set()  # size classes a reservation had to evict for (reclaim.py)
+        self.commit_tails: Callable[[], bool] = lambda: True  # a commit evicts the tails due
         super().__init__(allocator)
 
     # ------------------------------------------------------------ reserve / commit / abort

@@ -299,6 +299,7 @@ class DaemonOperations:
     def _orphan_bytes(self) -> int | None:
         """Slot bytes of L2's orphans (``orphans.orphans``), None in an index too large to
         count them on every stats call."""
+        self.controller.reclaim.settle()
         found = orphans(self.controller.index, l3=self.controller.tier.attached,
                         leaving=self.controller.reclaim.leaving())
         return None if found is None else found[1]

@@ -7,8 +7,10 @@ Once a class has had to evict (it is *pressed*), ``Reclaimer`` keeps ``ahead`` o
 in it (its free slots and the free slabs; at least one slot) by evicting, in the loop's idle turns,
 the victims the policy names for it, a few pages at a time: the loop asks ``step`` only while no
 request waits, and ``step`` returns as soon as one arrives. The tails of ``HybridPolicy.stale``
-(state-less leaves whose grace ends) go the same way, ``EARLY`` ticks before they are due: a
-commit that finds them due takes them on a set's path, as it does without a reclaimer.
+(state-less leaves whose grace ends, or the keys above a segment that went) go the same way,
+``EARLY`` ticks before they are due; a commit takes those due itself (on a set's path, as
+without a reclaimer) only when the loop has had no idle turn for ``TAILS_WAIT_S``, and a stats
+call first takes them (``settle``) so that the orphans it counts are the ones the policy keeps.
 
 A victim set is evicted in the policy's order (dependants first: a segment from its leaf up) and
 may be stopped between any two pages. Before each page goes it is checked again: the same page
@@ -22,6 +24,7 @@ it stays, and the pages of a set begun are going (``leaving``: the orphan count 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from hicached.daemon.policy import COMMITTED
@@ -29,8 +32,9 @@ from hicached.daemon.policy import COMMITTED
 STEP_PAGES = 64  # pages one ``step`` evicts at most
 # ticks before its grace ends that a tail goes (``policy.stale``): in an idle turn that comes
 # before the tail would count as an orphan, not after
-EARLY = 256
+EARLY = 512
 CHECK_EVERY = 2  # pages between two looks at whether a request waits
+TAILS_WAIT_S = 0.01  # a commit takes the tails due itself once the loop had no idle turn as long
 
 
 class Reclaimer:
@@ -46,11 +50,22 @@ class Reclaimer:
         self._blocked: tuple[int, int, int] | None = None  # the index's state when nothing could go
         self.busy: Callable[[], bool] = lambda: False
         self.tails = False  # take the tails of ``policy.stale`` early (``attach``)
+        self.last_turn = 0.0  # when ``step`` last ran, or ``wanted`` found nothing to do
 
     def attach(self, ahead: float, busy: Callable[[], bool]) -> None:
         """A daemon's: its loop steps while idle (``busy()``: a request waits) and takes the
         tails ``EARLY`` before they are due (a commit would take them then, on a set's path)."""
         self.ahead, self.busy, self.tails = ahead, busy, True
+        self.ix.commit_tails = self._commit_tails
+
+    def _commit_tails(self) -> bool:
+        return time.monotonic() - self.last_turn > TAILS_WAIT_S
+
+    def settle(self) -> None:
+        """Evict the tails due now (before the orphans are counted: a stats call may come
+        between a commit and the loop's next idle turn)."""
+        for p in self.ix.policy.stale():
+            self.ix._evict_page(p)
 
     def _target(self, stride: int) -> int:
         return max(stride, int(self.ahead * self.ix.alloc.capacity_bytes))
@@ -74,12 +89,13 @@ class Reclaimer:
         if self._queue:
             return True
         ix = self.ix
-        if self._blocked is not None:
-            if self._blocked == self._state():
-                return False
+        if self._blocked is not None and self._blocked != self._state():
             self._blocked = None
-        return ((self.tails and ix.policy.stale_due(EARLY))
-                or bool(self.ahead and ix.pressed and self._short()))
+        if self._blocked is None and ((self.tails and ix.policy.stale_due(EARLY))
+                                      or (self.ahead and ix.pressed and self._short())):
+            return True
+        self.last_turn = time.monotonic()  # nothing to do: as good as a step
+        return False
 
     def _victims(self) -> list[int] | None:
         """The next victim set: tails due first, then room for a short class (None: no work;
@@ -101,6 +117,7 @@ class Reclaimer:
         ``self.busy``: a request waits); returns the pages evicted."""
         ix, done, queue = self.ix, 0, self._queue
         busy = busy or self.busy
+        self.last_turn = time.monotonic()
         while done < pages:
             if not queue:
                 victims = self._victims() if self._blocked is None else None
