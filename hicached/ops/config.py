@@ -77,8 +77,8 @@ class DaemonConfig:
     eviction: str = "hybrid"
     eviction_alpha: float = 1.0  # hybrid: weight of a page's value (tokens / bytes) vs recency
     # share of the arena each size class that had to evict keeps free, evicting ahead in the
-    # control loop's idle turns, so that sets find room without evicting (0: off)
-    evict_ahead: float = 0.02
+    # control loop's idle turns, so that sets find room without evicting (0: off; eviction.md)
+    evict_ahead: float = 0.0
 
     def resolved(self) -> DaemonConfig:
         """Fill the derived defaults (paths) and check values."""

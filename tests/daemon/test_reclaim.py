@@ -133,3 +133,35 @@ def test_the_daemon_evicts_ahead_while_idle_and_reads_stay_exact(tmp_path):
         assert all(c.batch_get_v1(held_keys, torch.cat([pages(j, 1) for j in idx])))
         for j in idx:
             assert torch.equal(kv_tokens(dst, j, 1), kv_tokens(src, j, 1))
+
+
+def test_a_daemons_commits_leave_the_tails_due_to_its_idle_turns_unless_it_has_none():
+    ix = make(4, "prefix")
+    r = Reclaimer(ix, 0.0)
+    r.attach(0.0, lambda: False)
+    store(ix, chain("s", 2), states=["s01"])  # the namespace's hits need a state
+    stem = [ix.get(("ns", "kv"), k) for k in chain("s", 2)]
+
+    def age(ticks):  # other pages used: ``ticks`` page uses go by
+        for _ in range(ticks // 2):
+            ix.touch_many(stem)
+
+    store(ix, chain("t", 3))  # a state-less leaf: its state may come with the next call
+    assert not r.wanted()  # nothing due: as good as an idle turn
+    age(1100)  # its grace is over
+    store(ix, chain("u", 1), states=["u00"])  # a commit right after the loop's last turn
+    assert held(ix) == sorted(chain("s", 2) + chain("t", 3) + ["u00"])  # left to the loop
+    assert r.wanted() and r.step() == 3 and "t00" not in held(ix)
+    assert orphans(ix) == (0, 0)
+    store(ix, chain("v", 3))
+    assert not r.wanted()
+    age(1100)
+    time.sleep(0.02)  # no idle turn for longer than TAILS_WAIT_S (a loop saturated)
+    store(ix, chain("w", 1), states=["w00"])
+    assert "v00" not in held(ix) and r.evicted == 3  # the commit took them itself
+    age(1100)
+    store(ix, chain("x", 2))  # due at once, the loop still busy: a stats call settles them
+    age(1100)
+    assert orphans(ix)[0] == 2
+    r.settle()
+    assert orphans(ix) == (0, 0)
