@@ -50,7 +50,7 @@ class Reclaimer:
         self._blocked: tuple[int, int, int] | None = None  # the index's state when nothing could go
         self.busy: Callable[[], bool] = lambda: False
         self.tails = False  # take the tails of ``policy.stale`` early (``attach``)
-        self.last_turn = 0.0  # when ``step`` last ran, or ``wanted`` found nothing to do
+        self.waiting_since = 0.0  # since when ``wanted`` has said yes and no ``step`` ran
 
     def attach(self, ahead: float, busy: Callable[[], bool]) -> None:
         """A daemon's: its loop steps while idle (``busy()``: a request waits) and takes the
@@ -59,7 +59,9 @@ class Reclaimer:
         self.ix.commit_tails = self._commit_tails
 
     def _commit_tails(self) -> bool:
-        return time.monotonic() - self.last_turn > TAILS_WAIT_S
+        """Whether a commit takes the tails due itself: the loop has had work for the idle
+        turns and no idle turn for ``TAILS_WAIT_S``."""
+        return bool(self.waiting_since) and time.monotonic() - self.waiting_since > TAILS_WAIT_S
 
     def settle(self) -> None:
         """Evict the tails due now (before the orphans are counted: a stats call may come
@@ -86,15 +88,16 @@ class Reclaimer:
         """Whether ``step`` has work: a victim set begun, tails due within ``EARLY`` ticks
         (``policy.stale``; once ``attach``-ed), or a pressed class short of room; not while
         nothing changed since the policy last named nothing that could go."""
-        if self._queue:
-            return True
         ix = self.ix
         if self._blocked is not None and self._blocked != self._state():
             self._blocked = None
-        if self._blocked is None and ((self.tails and ix.policy.stale_due(EARLY))
-                                      or (self.ahead and ix.pressed and self._short())):
+        if self._queue or self._blocked is None and (
+                (self.tails and ix.policy.stale_due(EARLY))
+                or (self.ahead and ix.pressed and self._short())):
+            if not self.waiting_since:
+                self.waiting_since = time.monotonic()
             return True
-        self.last_turn = time.monotonic()  # nothing to do: as good as a step
+        self.waiting_since = 0.0
         return False
 
     def _victims(self) -> list[int] | None:
@@ -117,7 +120,7 @@ class Reclaimer:
         ``self.busy``: a request waits); returns the pages evicted."""
         ix, done, queue = self.ix, 0, self._queue
         busy = busy or self.busy
-        self.last_turn = time.monotonic()
+        self.waiting_since = 0.0
         while done < pages:
             if not queue:
                 victims = self._victims() if self._blocked is None else None
