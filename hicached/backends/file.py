@@ -36,92 +36,45 @@ still reads the whole page (the inode lives until it is closed); later ones miss
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import re
 import struct
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hicached.backends.base import L3Backend
-from hicached.backends.integrity import Integrity, identity_seed, page_digest
-from hicached.errors import ConfigError
-from hicached.protocol import MAX_KEY_LEN
-from hicached.settings import parse_size
+from hicached.backends.file_format import (
+    BLOCK,
+    HEADER_MAX,
+    OldFormat,
+    decode_header,
+    encode_header,
+    file_bytes,
+    file_name,
+    fs_share,
+    header_bytes,
+    pool_dir,
+    safe_pool,
+)
+from hicached.backends.integrity import (
+    HASH_AHEAD_MIN,
+    HashAhead,
+    HashedBatch,
+    Integrity,
+    checksums_on,
+    identity_seed,
+    read_hashed,
+    write_hashed,
+    write_plain,
+)
+from hicached.errors import ArenaError, ConfigError
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"HCP2"
-OLD_MAGICS = (b"HCP1",)  # formats without a checksum: misses, removed when first read
-_HEAD = struct.Struct("<4sHHQQ")
-_PLAIN = re.compile(r"^[A-Za-z0-9_.-]{1,160}$")
-HEADER_MAX = _HEAD.size + 4 * MAX_KEY_LEN  # a header holds the key's UTF-8 bytes
-BLOCK = 4096  # a page file is counted as its size rounded up to this
 SCAN_REPORT_S = 10.0  # a long start-up scan logs how far it got this often
 EVICTED_MAX = 1 << 16  # evicted keys kept for ``take_evicted``; past it, it answers None
-
-
-def file_bytes(key: str, page_bytes: int) -> int:
-    """Bytes a page file of ``key`` takes on disk, as counted against the capacity."""
-    return -(-(_HEAD.size + len(key.encode()) + page_bytes) // BLOCK) * BLOCK
-
-
-def fs_share(value: object, total: int, key: str, allow_zero: bool = False) -> int:
-    """Bytes from a size (``100GiB``) or a share of the filesystem's ``total`` (``"25%"``)."""
-    if isinstance(value, str) and value.strip().endswith("%"):
-        try:
-            pct = float(value.strip()[:-1])
-        except ValueError:
-            raise ConfigError(f"{key}: cannot read {value!r} as a percentage") from None
-        if not (0 < pct <= 100 or (allow_zero and pct == 0)):
-            raise ConfigError(f"{key}: {value!r} is not a share of the filesystem")
-        return int(total * pct / 100)
-    return parse_size(value, key, allow_zero)
-
-
-def file_name(key: str) -> str:
-    """File name of a key: the key itself when safe, else a digest."""
-    if _PLAIN.match(key) and not key.startswith((".", "h-")):
-        return key
-    return "h-" + hashlib.sha256(key.encode()).hexdigest()
-
-
-def safe_pool(pool: str) -> bool:
-    """Whether ``pool`` is one path component under its namespace's directory: a name such
-    as "../<other namespace>/kv" would read and overwrite another namespace's pages."""
-    return bool(pool) and pool not in (".", "..") and not any(c in pool for c in "/\\\0")
-
-
-def pool_dir(pool: str) -> str:
-    """Directory name of a pool (see the module docstring): never a path of its own."""
-    if safe_pool(pool) and not pool.startswith("h-") and len(pool.encode()) <= 128:
-        return pool
-    return "h-" + hashlib.sha256(pool.encode()).hexdigest()
-
-
-class OldFormat(ValueError):
-    """A page file written before checksums: it cannot be verified."""
-
-
-def encode_header(key: str, page_bytes: int, digest: int) -> bytes:
-    kb = key.encode()
-    return _HEAD.pack(MAGIC, _HEAD.size + len(kb), len(kb), page_bytes, digest) + kb
-
-
-def decode_header(raw: bytes) -> tuple[int, str, int, int]:
-    """(header_len, key, page_bytes, digest) of a page file's first bytes; ValueError if not
-    ours (``OldFormat`` for a file of the format before checksums)."""
-    if raw[:4] in OLD_MAGICS:
-        raise OldFormat("written before checksums")
-    if len(raw) < _HEAD.size:
-        raise ValueError("short header")
-    magic, header_len, key_len, page_bytes, digest = _HEAD.unpack_from(raw)
-    if magic != MAGIC or header_len != _HEAD.size + key_len or len(raw) < header_len:
-        raise ValueError("bad header")
-    return header_len, raw[_HEAD.size : header_len].decode(), page_bytes, digest
 
 
 class FileBackend(L3Backend):
@@ -160,6 +113,7 @@ class FileBackend(L3Backend):
         self._evicted: deque[tuple[str, str, str]] = deque()
         self._evicted_lost = False
         self.integrity = Integrity("file")
+        self._put_hash, self._get_hash = HashAhead(), HashAhead()  # digests ahead of I/O
         self._scan()
         with self._lock:
             self._make_room(0)  # a restart with a smaller capacity
@@ -310,22 +264,44 @@ class FileBackend(L3Backend):
             return [False] * len(keys)
         with self._lock:
             have = self._keys.setdefault((ns, pool), {})
-        out = []
-        for key, offset in zip(keys, offsets):
-            if key in have:
-                out.append(True)
-                continue
-            nbytes = file_bytes(key, page_bytes)
-            with self._lock:
-                room = self._make_room(nbytes)
-            ok = room and self._put_one(ns, pool, key, offset, page_bytes)
-            if ok:
+        todo = [i for i, key in enumerate(keys) if key not in have]
+        ahead = self._hash_ahead(ns, pool, keys, offsets, page_bytes, todo)
+        out = [True] * len(keys)
+        try:
+            for j, i in enumerate(todo):
+                key = keys[i]
+                if key in have:  # named twice in the batch: stored by the first
+                    continue
+                nbytes = file_bytes(key, page_bytes)
                 with self._lock:
-                    self._add(ns, pool, key, nbytes)
-            out.append(ok)
+                    room = self._make_room(nbytes)
+                digest = None if ahead is None else (lambda j=j: ahead.get(j))
+                ok = room and self._put_one(ns, pool, key, offsets[i], page_bytes, digest)
+                if ok:
+                    with self._lock:
+                        self._add(ns, pool, key, nbytes)
+                out[i] = ok
+        finally:
+            if ahead is not None:
+                ahead.cancel()
         return out
 
-    def _put_one(self, ns: str, pool: str, key: str, offset: int, page_bytes: int) -> bool:
+    def _hash_ahead(self, ns, pool, keys, offsets, page_bytes, todo) -> HashedBatch | None:
+        """The pages' digests, computed on the helper thread while this one writes them; None
+        where hashing each page as it is written is cheaper (one page, small pages)."""
+        if len(todo) < 2 or page_bytes < HASH_AHEAD_MIN or not checksums_on():
+            return None
+        try:
+            items = [(identity_seed(ns, pool, keys[i], page_bytes),
+                      self.arena.view(offsets[i], page_bytes)) for i in todo]
+        except (ValueError, ArenaError):  # a bad slot: each page fails on its own below
+            return None
+        return self._put_hash.start(items)
+
+    def _put_one(self, ns: str, pool: str, key: str, offset: int, page_bytes: int,
+                 digest_of: Callable[[], int | None] | None = None) -> bool:
+        """Write one page file; ``digest_of`` gives the page's digest once its bytes are
+        written (hashed ahead on the helper thread), else the page is hashed as written."""
         path = self._path(ns, pool, key)
         d = os.path.dirname(path)
         if d not in self._dirs:
@@ -335,13 +311,21 @@ class FileBackend(L3Backend):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                data = self.arena.view(offset, page_bytes)
-                digest = page_digest(identity_seed(ns, pool, key, page_bytes), data)
+                # the page first, hashed piece by piece as it goes; then the header with its
+                # digest (the file is renamed into place only once both are written)
+                header_len = header_bytes(key)
+                view = self.arena.view(offset, page_bytes)
+                if digest_of is None:
+                    digest = write_hashed(fd, view, header_len,
+                                          identity_seed(ns, pool, key, page_bytes))
+                else:
+                    write_plain(fd, view, header_len)
+                    digest = digest_of()
+                    if digest is None:
+                        raise OSError("the page's hash did not finish")
                 header = encode_header(key, page_bytes, digest)
-                written = os.writev(fd, [header, data])
-                while written < len(header) + page_bytes:  # short writes: finish the page
-                    done = written - len(header)
-                    written += os.write(fd, data[done:])
+                if os.pwrite(fd, header, 0) != header_len:
+                    raise OSError(f"short header write ({header_len} bytes)")
             finally:
                 os.close(fd)
             os.rename(tmp, path)
@@ -356,10 +340,28 @@ class FileBackend(L3Backend):
 
     def batch_get(self, ns, pool, keys, offsets, page_bytes):
         have = self._keys.get((ns, pool), {}) if safe_pool(pool) else {}
-        return [
-            key in have and self._get_one(ns, pool, key, offset, page_bytes)
-            for key, offset in zip(keys, offsets)
-        ]
+        ahead = None
+        if len(keys) > 1 and page_bytes >= HASH_AHEAD_MIN and checksums_on():
+            ahead = self._get_hash.start()
+        if ahead is None:  # each page hashed piece by piece as it is read
+            return [key in have and self._get_one(ns, pool, key, offset, page_bytes)
+                    for key, offset in zip(keys, offsets)]
+        out: list = []
+        pending = []  # pages read whole, hashed on the helper: (item, key, fd, path, digest, j)
+        try:
+            for i, (key, offset) in enumerate(zip(keys, offsets)):
+                got = key in have and self._get_one(ns, pool, key, offset, page_bytes, ahead)
+                if isinstance(got, tuple):
+                    pending.append((i, key, *got))
+                    got = False
+                out.append(got)
+            for i, key, fd, path, digest, j in pending:  # a page is a hit once verified
+                out[i] = self._settle(ns, pool, key, path, fd, True, ahead.get(j) == digest)
+        finally:
+            ahead.cancel()
+            for _, _, fd, *_ in pending:
+                os.close(fd)
+        return out
 
     def _drop_stale(self, ns: str, pool: str, key: str, path: str, fd: int) -> None:
         """Remove a file that can never be this key's page (another page size: the namespace
@@ -374,7 +376,11 @@ class FileBackend(L3Backend):
         with self._lock:
             self._forget(ns, pool, key)
 
-    def _get_one(self, ns: str, pool: str, key: str, offset: int, page_bytes: int) -> bool:
+    def _get_one(self, ns: str, pool: str, key: str, offset: int, page_bytes: int,
+                 ahead: HashedBatch | None = None):
+        """Load one page: True (verified) or False. With ``ahead``, a page read whole comes
+        back unverified, as ``(fd, path, digest, j)``: its hash is ``ahead``'s item ``j``,
+        and ``_settle`` decides (the fd stays open until then)."""
         path = self._path(ns, pool, key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -385,6 +391,7 @@ class FileBackend(L3Backend):
         except OSError as e:
             self._count_error("open", path, e)
             return False
+        keep = False
         try:
             header_len, stored_key, stored_bytes, digest = decode_header(
                 os.pread(fd, HEADER_MAX, 0))
@@ -395,22 +402,15 @@ class FileBackend(L3Backend):
                 self._drop_stale(ns, pool, key, path, fd)
                 return False
             view = self.arena.view(offset, page_bytes)
-            n = os.preadv(fd, [view], header_len)
-            if n != page_bytes or page_digest(identity_seed(ns, pool, key, page_bytes),
-                                              view) != digest:
-                self.integrity.failed(ns, pool, key, "cut short" if n != page_bytes
-                                      else "page bytes or identity changed")
-                self._drop_stale(ns, pool, key, path, fd)
-                return False
-            self.integrity.verified_loads(1)
-            with self._lock:
-                if (ns, pool, key) in self._lru:
-                    self._lru.move_to_end((ns, pool, key))
-            try:
-                os.utime(fd)  # the LRU order a restart finds
-            except OSError:
-                pass
-            return True
+            seed = identity_seed(ns, pool, key, page_bytes)
+            if ahead is None:
+                n, got = read_hashed(fd, view, header_len, seed)
+            else:
+                n, got = os.preadv(fd, [view], header_len), None
+                if n == page_bytes:
+                    keep = True
+                    return fd, path, digest, ahead.add(seed, view)
+            return self._settle(ns, pool, key, path, fd, n == page_bytes, got == digest)
         except OldFormat:
             self.integrity.unchecked_copies()
             self._drop_stale(ns, pool, key, path, fd)
@@ -419,7 +419,27 @@ class FileBackend(L3Backend):
             self._count_error("read", path, e)
             return False
         finally:
-            os.close(fd)
+            if not keep:
+                os.close(fd)
+
+    def _settle(self, ns: str, pool: str, key: str, path: str, fd: int, whole: bool,
+                good: bool) -> bool:
+        """A page read (``whole``: all its bytes) whose hash did (``good``) or did not match
+        its header: a hit, or a counted failure whose file goes."""
+        if not (whole and good):
+            self.integrity.failed(ns, pool, key, "page bytes or identity changed" if whole
+                                  else "cut short")
+            self._drop_stale(ns, pool, key, path, fd)
+            return False
+        self.integrity.verified_loads(1)
+        with self._lock:
+            if (ns, pool, key) in self._lru:
+                self._lru.move_to_end((ns, pool, key))
+        try:
+            os.utime(fd)  # the LRU order a restart finds
+        except OSError:
+            pass
+        return True
 
     def take_evicted(self) -> list[tuple[str, str, str]] | None:
         with self._lock:
@@ -450,6 +470,10 @@ class FileBackend(L3Backend):
             self._lru.clear()
             self.used = 0
         return n
+
+    def close(self) -> None:
+        self._put_hash.close()
+        self._get_hash.close()
 
     def stats(self) -> dict:
         return {"pages": len(self._lru), "bytes": self.used, "capacity": self.capacity,
