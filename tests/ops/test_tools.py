@@ -51,8 +51,10 @@ def test_bench_l3_checksum_section_compares_daemons_with_and_without():
              timeout=180)["checksum"]
     assert r["hash_gbps"]["cold"] > 0 and r["hash_gbps"]["in_cache"] > 0
     f = r["file"]
-    assert set(f) >= {"get_on", "get_off", "write_on", "write_off", "get_on_over_off"}
+    assert set(f) >= {"get_on", "get_off", "write_on", "write_off", "get_on_over_off",
+                      "get_paired", "write_paired"}
     assert f["get_on"]["median"] > 0 and f["write_off"]["median"] > 0 and "mooncake" not in r
+    assert f["get_paired"] > 0 and f["write_paired"] > 0
 
 
 def test_bench_index_tiny_run_prints_every_row_side_by_side(capsys):
