@@ -64,11 +64,12 @@ from hicached.plugin.sessions import RankSessions
 from hicached.plugin.settings import PluginSettings
 from hicached.plugin.vllm_blocks import BlockPool, device_pool, token_indices
 from hicached.plugin.vllm_naming import (
-    GroupSpec,
     build_vllm_namespace,
     check_hash_algo,
+    chunk_alignment_warning,
     config_digest,
     copy_path,
+    group_specs,
     load_async,
     page_keys,
     pool_names,
@@ -114,40 +115,6 @@ class _Req:
     load: tuple[int, int] | None = None  # what to load at the next step
 
 
-def _group_kind(spec: Any) -> str | None:
-    names = {c.__name__ for c in type(spec).__mro__}
-    if "MambaSpec" in names:
-        return "state"
-    if names & {"SlidingWindowSpec", "ChunkedLocalAttentionSpec", "SlidingWindowMLASpec"}:
-        return "sliding"
-    if "FullAttentionSpec" in names:
-        return "attention"
-    return None
-
-
-def group_specs(kv_cache_config: Any) -> list[GroupSpec]:
-    """The transferable groups of vLLM's ``KVCacheConfig`` as ``GroupSpec``; ValueError for a
-    group kind this connector does not know (vLLM then refuses to start, naming it)."""
-    ids = getattr(kv_cache_config, "transfer_group_ids", None)
-    groups = kv_cache_config.kv_cache_groups
-    out = []
-    for i in ids if ids is not None else range(len(groups)):
-        g = groups[i]
-        spec = g.kv_cache_spec
-        kind = _group_kind(spec)
-        if kind is None:
-            raise ValueError(f"KV-cache group {i} is a {type(spec).__name__}, which hicached "
-                             "does not store")
-        window = 1
-        if kind == "sliding":
-            w = int(getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size",
-                                                                     0) or 0)
-            window = max(1, -(-(w - 1) // spec.block_size) + 1)
-        out.append(GroupSpec(i, kind, int(spec.block_size), len(g.layer_names),
-                             int(spec.page_size_bytes) * len(g.layer_names), window))
-    return out
-
-
 class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector over a hicached daemon (see the module docstring)."""
 
@@ -188,6 +155,7 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
         self._io_blocks = {"load": 0, "save": 0, "background": 0, "failed": 0}
         log.info("%s: namespace %s, pools %s", name, self._sessions.namespace.namespace,
                  sorted(self._pools.values()))
+        self._aligned_told = self._is_worker  # scheduler: the chunking checked (first step)
 
     def _namespace(self, vllm_config: Any, cache: Any):
         model = vllm_config.model_config
@@ -255,6 +223,13 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
             st.saved, st.load = first + len(run.keys), None
 
     def build_connector_meta(self, scheduler_output: Any) -> HicachedMeta:
+        if not self._aligned_told:  # (vLLM sets the block size it chunks on after our start)
+            self._aligned_told = True
+            warning = chunk_alignment_warning(
+                int(getattr(self._vllm_config.cache_config, "block_size", 0) or 0),
+                self._block, self._groups)
+            if warning:
+                log.warning("hicached-vllm: %s", warning)
         meta = HicachedMeta(loads=self._async_loads)
         self._async_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -312,8 +287,27 @@ class HicachedConnector(KVConnectorBase_V1, SupportsHMA):
         if full > st.saved:
             keys = self._keys(st.request, full)[st.saved:]
             if keys:
-                meta.saves.append(self._run(st, req_id, st.saved, keys))
+                run = self._run(st, req_id, st.saved, keys)
+                self._only_end_state(run, full - 1 if computed_after == full * self._block
+                                     else None)
+                meta.saves.append(run)
                 st.saved += len(keys)
+
+    def _only_end_state(self, run: PageRun, end_block: int | None) -> None:
+        """Keep in a save only the state that is its block's: a state group's slot holds the
+        state after the step's last token, so it is block ``p``'s state only when the step
+        ended exactly at that block's end (``end_block``). vLLM rotates a request's state
+        slots, and its engine core may chunk a prefill on another block size than its
+        groups' (on CPU it kept 128 while the groups took 384 to fit an fp32 state): a slot
+        named at any other block holds another position's state, which a hit would restore
+        as this block's (wrong outputs). Such blocks are stored without their state."""
+        for g in self._groups:
+            if g.kind != "state":
+                continue
+            ids = run.blocks[self._pools[g.index]]
+            for i in range(len(ids)):
+                if run.first + i != end_block:
+                    ids[i] = None
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         self._reqs.pop(request.request_id, None)

@@ -177,3 +177,54 @@ def _hex(h: Any) -> str:
     if isinstance(h, int):
         return f"{h & (2**256 - 1):064x}"
     raise TypeError(f"unexpected vLLM block hash type {type(h).__name__}")
+
+
+def chunk_alignment_warning(core_block: int, block: int, groups: Sequence[GroupSpec]
+                            ) -> str | None:
+    """What to tell an operator when vLLM's engine core aligns prefill chunks to
+    ``core_block`` tokens while its KV-cache groups took ``block`` (vLLM 0.32 on CPU sizes
+    the groups' blocks to fit an fp32 state, 384 tokens, while its scheduler goes on chunking
+    on the configured 128): a state is stored only where a chunk ended on a block end
+    (``HicachedConnector._only_end_state``), so most prompts store none. None when all is
+    well."""
+    if not core_block or core_block == block or not any(g.kind == "state" for g in groups):
+        return None
+    return (f"vLLM's scheduler aligns prefill chunks to {core_block}-token blocks while its "
+            f"KV-cache groups use {block}-token blocks: hicached stores a state only where a "
+            f"chunk ended on a block end, so most prompts store none (no hits, never wrong "
+            f"ones); pass --block-size {block} to vLLM for a state at every prompt's last "
+            f"full block")
+
+
+def _group_kind(spec: Any) -> str | None:
+    names = {c.__name__ for c in type(spec).__mro__}
+    if "MambaSpec" in names:
+        return "state"
+    if names & {"SlidingWindowSpec", "ChunkedLocalAttentionSpec", "SlidingWindowMLASpec"}:
+        return "sliding"
+    if "FullAttentionSpec" in names:
+        return "attention"
+    return None
+
+
+def group_specs(kv_cache_config: Any) -> list[GroupSpec]:
+    """The transferable groups of vLLM's ``KVCacheConfig`` as ``GroupSpec``; ValueError for a
+    group kind this connector does not know (vLLM then refuses to start, naming it)."""
+    ids = getattr(kv_cache_config, "transfer_group_ids", None)
+    groups = kv_cache_config.kv_cache_groups
+    out = []
+    for i in ids if ids is not None else range(len(groups)):
+        g = groups[i]
+        spec = g.kv_cache_spec
+        kind = _group_kind(spec)
+        if kind is None:
+            raise ValueError(f"KV-cache group {i} is a {type(spec).__name__}, which hicached "
+                             "does not store")
+        window = 1
+        if kind == "sliding":
+            w = int(getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size",
+                                                                     0) or 0)
+            window = max(1, -(-(w - 1) // spec.block_size) + 1)
+        out.append(GroupSpec(i, kind, int(spec.block_size), len(g.layer_names),
+                             int(spec.page_size_bytes) * len(g.layer_names), window))
+    return out

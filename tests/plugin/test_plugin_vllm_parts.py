@@ -17,6 +17,7 @@ from hicached.plugin.vllm_naming import (
     GroupSpec,
     build_vllm_namespace,
     check_hash_algo,
+    chunk_alignment_warning,
     config_digest,
     copy_path,
     load_async,
@@ -200,3 +201,13 @@ def test_exists_of_pools_registered_by_another_session_of_the_namespace(daemon):
         with pytest.raises(UnknownPool):
             scheduler.batch_exists_v2(["a"], [PoolTransfer("mamba", keys=["a"],
                                                            hit_policy="trailing_pages")])
+
+
+def test_a_scheduler_chunking_on_other_blocks_than_its_hybrid_groups_is_told_to_the_operator():
+    hybrid = [GroupSpec(0, "state", 384, 2, 1 << 20), GroupSpec(1, "attention", 384, 2, 1 << 20)]
+    told = chunk_alignment_warning(128, 384, hybrid)
+    assert "--block-size 384" in told and "128-token" in told
+    assert chunk_alignment_warning(384, 384, hybrid) is None
+    assert chunk_alignment_warning(0, 384, hybrid) is None  # not known: nothing to say
+    assert chunk_alignment_warning(16, 256, hybrid[1:]) is None  # no state: blocks are blocks
+

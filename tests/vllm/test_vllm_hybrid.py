@@ -101,6 +101,55 @@ def test_hybrid_cached_output_equals_uncached(models, tmp_path):
                      summary), summary
 
 
+# A prefill in chunks of a block and 128 tokens: chunks that end inside a block and then cross
+# its end (blocks 256: chunk ends 384, 768, 1152, 1536; blocks 384: 512, 1024, 1536). Only
+# 768 and 1536, resp. 1536, are block ends: the only blocks whose state slot holds their state.
+# (vLLM's engine core aligns chunks to 128 tokens on CPU whatever block size its groups took.)
+C1 = tokens(31, 1700)
+C_LONG = C1 + tokens(32, 50)  # a hit at 1536, where a chunk ended on a block end
+C_MID = C1[:1300] + tokens(33, 50)  # leaves C1 inside block 4 (256) or 3 (384)
+
+
+def test_a_state_is_stored_only_at_a_block_where_a_chunk_ended(models, tmp_path):
+    """vLLM rotates a request's state slots, and a slot holds the state after the step's last
+    token: stored at a block that step did not end on, it would be restored as that block's
+    state (a hit at 1152 with another position's state gave other outputs, before the fix)."""
+    base = Engine(tmp_path, "base", models["qwen3_next"])
+    try:
+        want = base.generate([C_LONG, C_MID])
+    finally:
+        base.close()
+    block = _block_size(base)
+    d = DaemonProc(tmp_path, l2_size="512MiB", slab_size="8MiB").start()
+    a = b = None
+    try:
+        a = Engine(tmp_path, "a", models["qwen3_next"], d.endpoint,
+                   llm_args={"max_num_batched_tokens": block + 128,
+                             "enable_chunked_prefill": True})
+        a.one(C1)
+        a.close()  # (its log is whole once it is closed)
+        with open(a.log_path, "rb") as f:
+            core = re.search(rb"aligns prefill chunks to (\d+)-token blocks", f.read())
+        a = None
+        b = Engine(tmp_path, "b", models["qwen3_next"], d.endpoint)
+        mid = b.one(C_MID)
+        assert mid["out"] == want[1]["out"], (mid, block, b.tail())
+        if core:  # the engine core chunked on 128 tokens: states only where a chunk ended
+            ends = range(block + 128, len(C_MID), block + 128)
+            assert mid["cached"] in {0, *(e for e in ends if e % block == 0)}, (mid, block)
+        else:  # it chunked on the groups' blocks: every block of the match has its state
+            assert mid["cached"] == 1300 // block * block, (mid, block)
+        assert b.reset()  # vLLM's own prefix cache: the next hit comes from hicached
+        long = b.one(C_LONG)
+        assert long["out"] == want[0]["out"], (long, block, b.tail())
+        assert long["cached"] >= 1536, (long, block, b.tail())
+    finally:
+        for e in (a, b):
+            if e is not None:
+                e.close()
+        d.cleanup()
+
+
 def worker_summary(engine: Engine) -> str:
     """The connector worker's last words (logged at shutdown) in a closed engine's log."""
     with open(engine.log_path, errors="replace") as f:
