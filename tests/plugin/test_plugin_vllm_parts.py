@@ -70,18 +70,23 @@ def test_blocks_go_through_the_daemon_unchanged(daemon):
         assert not d[2].any()
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("shape", [(BLOCKS, 2, BLOCK, 8), (2, BLOCKS, BLOCK, 8)])
-def test_the_device_path_stores_the_pointer_paths_pages(daemon, shape):
-    """Blocks stored through the device path (what a GPU KV cache uses; ``kernels/cuda.py``
-    runs the same gathers on CPU tensors) load through the pointer path into other blocks, and
-    back: one page format, whichever path copied it."""
-    src = [("l0", layer(5, shape)), ("l1", layer(6, shape))]
+def test_the_device_path_stores_the_pointer_paths_pages(daemon, shape, device):
+    """Blocks stored through the device path (what a GPU KV cache uses: on ``cuda``, DMA into
+    the arena registered with CUDA; ``kernels/cuda.py`` runs the same gathers on CPU tensors)
+    load through the pointer path into other blocks, and back: one page format, whichever
+    path copied it."""
+    src = [("l0", layer(5, shape).to(device)), ("l1", layer(6, shape).to(device))]
     mid = [("l0", torch.zeros(shape, dtype=torch.bfloat16)),
            ("l1", torch.zeros(shape, dtype=torch.bfloat16))]
-    back = [("l0", torch.zeros(shape, dtype=torch.bfloat16)),
-            ("l1", torch.zeros(shape, dtype=torch.bfloat16))]
+    back = [("l0", torch.zeros(shape, dtype=torch.bfloat16, device=device)),
+            ("l1", torch.zeros(shape, dtype=torch.bfloat16, device=device))]
     dev = device_pool(src, BLOCKS, BLOCK)
-    assert dev.page_bytes == BlockPool(src, BLOCKS, BLOCK).page_bytes
+    assert dev.page_bytes == BlockPool(mid, BLOCKS, BLOCK).page_bytes
     keys = ["d1", "d4", "d15"]
     with daemon.client("vllm-d") as a, daemon.client("vllm-d") as b, \
             daemon.client("vllm-d") as c:
@@ -96,6 +101,7 @@ def test_the_device_path_stores_the_pointer_paths_pages(daemon, shape):
         assert c.batch_get_v2([PoolTransfer("kv", token_indices([9, 8, 7], BLOCK),
                                             keys=keys)]) == {"kv": [True] * 3}
     dim = shape.index(BLOCKS)
+    src, back = [(n, t.cpu()) for n, t in src], [(n, t.cpu()) for n, t in back]
     for (_, s_), (_, m), (_, k) in zip(src, mid, back, strict=True):
         sel = lambda t, ix: t.index_select(dim, torch.tensor(ix))  # noqa: E731
         assert torch.equal(sel(m, [0, 2, 3]), sel(s_, [1, 4, 15]))
