@@ -15,6 +15,7 @@ from hicached.backends.integrity import (
     HASH_PIECE,
     HashAhead,
     HashedBatch,
+    digests,
     page_digest,
     read_hashed,
     write_hashed,
@@ -106,3 +107,17 @@ def test_a_batch_hashed_ahead_verifies_and_a_flipped_byte_still_misses(tmp_path,
     finally:
         b.close()
         arena.close()
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_digests_in_two_halves_are_each_pages_own(n):
+    pages = [_page(HASH_AHEAD_MIN, 40 + i) for i in range(n)]
+    items = [(i, memoryview(p)) for i, p in enumerate(pages)]
+    want = [page_digest(i, p) for i, p in enumerate(pages)]
+    hasher = HashAhead()
+    try:
+        assert digests(hasher, items) == want
+        assert digests(hasher, items) == want  # the helper free again after a batch
+        assert digests(None, items) == want
+    finally:
+        hasher.close()

@@ -56,7 +56,7 @@ from collections.abc import Callable, Mapping, Sequence
 from hicached.arena import Arena
 from hicached.backends.base import L3Backend
 from hicached.backends.guard import Breaker, CallTimeout, DeadlineCaller, StoreUnavailable
-from hicached.backends.integrity import BadKeys, Integrity
+from hicached.backends.integrity import BadKeys, HashAhead, Integrity
 from hicached.backends.mooncake.options import MooncakeOptions, redact
 from hicached.backends.mooncake.probe import probe_master, probe_setup
 from hicached.backends.mooncake.trailer import Trailers
@@ -110,6 +110,7 @@ class MooncakeBackend(MooncakeTransfers, L3Backend):
         self._recoveries_told = 0  # breaker recoveries ``take_evicted`` has answered for
         self.trailers = Trailers()  # registered with the client beside the arena
         self.integrity = Integrity("mooncake")
+        self.hash_put, self.hash_get = HashAhead(), HashAhead()  # a second core's share
         self.bad = BadKeys()  # keys whose bad copy could not be removed: stored again
         self.counters = {"puts": 0, "put_failures": 0, "gets": 0, "get_misses": 0,
                          "exists_calls": 0, "size_mismatches": 0,
@@ -351,6 +352,8 @@ class MooncakeBackend(MooncakeTransfers, L3Backend):
             self._closed = True
             store, self._store = self._store, None
         self._stop.set()
+        self.hash_put.close()
+        self.hash_get.close()
         if store is None:
             self._caller.close()
             return

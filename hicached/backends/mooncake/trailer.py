@@ -24,8 +24,6 @@ import threading
 
 import torch
 
-from hicached.backends.integrity import identity_seed, page_digest
-
 FORMAT_PART = "c1"  # object keys: <key_prefix>/c1/<ns>/<pool>/<key>
 MAGIC = b"HCT1"
 _TRAILER = struct.Struct("<4sIQ")
@@ -53,21 +51,20 @@ class Trailers:
         start = self.base + self.lane_base(lane)
         return [start + i * TRAILER_BYTES for i in range(n)]
 
-    def seal(self, lane: str, i: int, ns: str, pool: str, key: str, page_bytes: int,
-             page) -> None:
-        """Write the trailer of ``page`` (its arena view) into trailer ``i`` of ``lane``."""
-        digest = page_digest(identity_seed(ns, pool, key, page_bytes), page)
+    def seal(self, lane: str, i: int, page_bytes: int, digest: int) -> None:
+        """Write the trailer of a page whose ``page_digest`` is ``digest`` into trailer ``i``
+        of ``lane``."""
         at = self.lane_base(lane) + i * TRAILER_BYTES
         _TRAILER.pack_into(self.buffer, at, MAGIC, page_bytes, digest)
 
-    def check(self, lane: str, i: int, ns: str, pool: str, key: str, page_bytes: int,
-              page) -> str | None:
-        """None when trailer ``i`` of ``lane`` verifies ``page``; else what is wrong."""
+    def check(self, lane: str, i: int, page_bytes: int, digest: int | None) -> str | None:
+        """None when trailer ``i`` of ``lane`` names a page of ``page_bytes`` whose
+        ``page_digest`` is ``digest`` (the page as read); else what is wrong."""
         at = self.lane_base(lane) + i * TRAILER_BYTES
-        magic, size, digest = _TRAILER.unpack_from(self.buffer, at)
+        magic, size, stored = _TRAILER.unpack_from(self.buffer, at)
         if magic != MAGIC or size != page_bytes:
             return "no trailer of this format and page size"
-        if page_digest(identity_seed(ns, pool, key, page_bytes), page) != digest:
+        if digest is None or digest != stored:
             return "page bytes or identity changed"
         return None
 

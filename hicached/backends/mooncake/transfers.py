@@ -27,6 +27,7 @@ import re
 import time
 from collections.abc import Sequence
 
+from hicached.backends.integrity import digests, identity_seed
 from hicached.backends.mooncake.trailer import FORMAT_PART, SLOTS, TRAILER_BYTES
 from hicached.errors import ArenaError
 
@@ -69,7 +70,8 @@ def code_name(rc: int) -> str:
 
 class MooncakeTransfers:
     """The put, get and remove of ``MooncakeBackend`` (its ``opts``, ``arena``, ``trailers``,
-    ``integrity``, ``bad``, ``counters``, ``breaker`` and guarded calls ``_admit`` /
+    ``integrity``, ``hash_put`` / ``hash_get``, ``bad``, ``counters``, ``breaker`` and guarded
+    calls ``_admit`` /
     ``_transfer`` / ``_settle`` / ``_call``)."""
 
     def _names(self, ns: str, pool: str, keys: Sequence[str]) -> list[str]:
@@ -120,10 +122,14 @@ class MooncakeTransfers:
         again = [(n, (ns, pool, k)) for n, k in zip(names, keys) if (ns, pool, k) in self.bad]
         if again:  # their bad copies are still there: a put would keep the first value
             self._remove([n for n, _ in again], keys=[key for _, key in again])
+        sums = digests(self.hash_put, [(identity_seed(ns, pool, k, page_bytes),
+                                         self.arena.view(off, page_bytes))
+                                        for k, off in zip(keys, offsets)])
+        if None in sums:  # (a hash that failed: no page of this batch is put half-sealed)
+            return [False] * len(keys)
         with self.trailers.locks["put"]:
-            for i, (key, off) in enumerate(zip(keys, offsets)):
-                self.trailers.seal("put", i, ns, pool, key, page_bytes,
-                                   self.arena.view(off, page_bytes))
+            for i, digest in enumerate(sums):
+                self.trailers.seal("put", i, page_bytes, digest)
             rcs = self._batch("batch_put_from_multi_buffers", "put", names, ptrs,
                               self.trailers.ptrs("put", len(keys)), page_bytes)
         if rcs is None:
@@ -162,12 +168,16 @@ class MooncakeTransfers:
                               self.trailers.ptrs("get", len(keys)), page_bytes)
             if rcs is None:
                 return [False] * len(keys)
+            # checked here, before L2 sees them: hashed on this reader thread and a helper
+            got = [i for i, rc in enumerate(rcs) if rc == whole]
+            sums = dict(zip(got, digests(self.hash_get, [
+                (identity_seed(ns, pool, keys[i], page_bytes),
+                 self.arena.view(offsets[i], page_bytes)) for i in got])))
             out = []
-            for i, (rc, key, off) in enumerate(zip(rcs, keys, offsets)):
+            for i, (rc, key) in enumerate(zip(rcs, keys)):
                 why = None
-                if rc == whole:  # checked here, on the reader thread, before L2 sees it
-                    why = self.trailers.check("get", i, ns, pool, key, page_bytes,
-                                              self.arena.view(off, page_bytes))
+                if rc == whole:
+                    why = self.trailers.check("get", i, page_bytes, sums[i])
                     if why is not None:
                         self.integrity.failed(ns, pool, key, why)
                         bad.append(names[i])
