@@ -91,24 +91,6 @@ def read_hashed(fd: int, view: memoryview, pos: int, seed: int) -> tuple[int, in
     return done, h.intdigest()
 
 
-def write_hashed(fd: int, view: memoryview, pos: int, seed: int) -> int:
-    """``pwrite`` all of ``view`` to ``fd`` at file offset ``pos``, hashing each piece just
-    before its write (the write then reads it from cache): ``page_digest(seed, view)``."""
-    h = xxhash.xxh3_64(seed=seed) if _enabled else None
-    done, total = 0, len(view)
-    while done < total:
-        piece = view[done:done + HASH_PIECE]
-        if h is not None:
-            h.update(piece)
-        end = done + len(piece)
-        while done < end:  # short writes: finish the piece
-            n = os.pwrite(fd, view[done:end], pos + done)
-            if n <= 0:
-                raise OSError(f"pwrite wrote nothing at {pos + done}")
-            done += n
-    return h.intdigest() if h is not None else 0
-
-
 def write_plain(fd: int, view: memoryview, pos: int) -> None:
     """``pwrite`` all of ``view`` to ``fd`` at ``pos`` (short writes finished), in pieces."""
     done, total = 0, len(view)
@@ -117,6 +99,20 @@ def write_plain(fd: int, view: memoryview, pos: int) -> None:
         if n <= 0:
             raise OSError(f"pwrite wrote nothing at {pos + done}")
         done += n
+
+
+def write_hashed(fd: int, view: memoryview, pos: int, seed: int) -> int:
+    """``write_plain`` of ``view``, each piece hashed just before its write (the write then
+    reads it from cache): ``page_digest(seed, view)``."""
+    if not _enabled:
+        write_plain(fd, view, pos)
+        return 0
+    h = xxhash.xxh3_64(seed=seed)
+    for done in range(0, len(view), HASH_PIECE):
+        piece = view[done:done + HASH_PIECE]
+        h.update(piece)
+        write_plain(fd, piece, pos + done)
+    return h.intdigest()
 
 
 class HashedBatch:
