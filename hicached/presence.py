@@ -72,7 +72,8 @@ MIN_SLOTS, MAX_SLOTS = 1 << 14, 1 << 26  # 256 KiB .. 1 GiB of slots (locked sha
 # still fits (a million of them in a 4 GiB arena), for 0.65-1.3% of the arena (power-of-2
 # rounding). Smaller pages: set ``presence_slots``.
 KEY_BYTES = 4096
-LOOKUP_SCALAR = 64  # ``PresenceView.lookup``: keys probed one by one (a batch, a tail)
+LOOKUP_SCALAR = 64  # ``PresenceView.lookup``: batches up to this probe key by key
+LOOKUP_WINDOW = 8  # ``PresenceView.lookup``: slots read at once from each key's home (128 B)
 SET_TAIL = 32  # ``set_many``: keys still probing after a round that go one by one
 TAG_GRAIN = 64 * 1024  # arena bytes per slot tag: pages this large or larger get a tag
 # Readers rely on the daemon's stores becoming visible in program order, and causally (x86): a
@@ -414,46 +415,46 @@ class PresenceView:
     def lookup(self, keys: Sequence[str]) -> np.ndarray | None:
         """Per key its pool bitmask (int64, as ``PageIndex.presence``), or None when a key has
         no fingerprint (not a str), or a slot changed under the reading (the fp read again
-        after its mask differs: ask the daemon). Batches of up to ``LOOKUP_SCALAR`` keys, and
-        the keys still probing after a vectorised round once they are that few, probe one by
-        one (a numpy round costs ~10 calls of ~1-2 us; a scalar probe ~0.2 us)."""
+        after its mask differs: ask the daemon). Batches of up to ``LOOKUP_SCALAR`` keys probe
+        one by one (a scalar probe ~0.2 us). Larger ones read ``LOOKUP_WINDOW`` slots from each
+        key's home slot in one gather: a probe ends at its fp or at an empty slot, so the first
+        of either in the window answers the key; the few keys whose window holds neither go on
+        one by one. One gather costs the same at any load, where rounds of one slot each
+        (vectorised probing) took ~3 rounds more at a half-full table: at a million keys this
+        is ~1.2 x the lookup at 10k, from ~1.6 x."""
         fps = fingerprint_list(self.seed, keys)
         if fps is None:
             return None
-        if len(fps) <= LOOKUP_SCALAR:
-            out = [0] * len(fps)
+        n, m = len(fps), self.slots - 1
+        if n <= LOOKUP_SCALAR:
+            out = [0] * n
             return (np.array(out, np.uint64).view(np.int64)
-                    if self._probe(fps, [fp & self.slots - 1 for fp in fps], out) else None)
+                    if self._probe(fps, [fp & m for fp in fps], out) else None)
+        words = self._words
         want = np.array(fps, np.uint64)
-        words, wmask = self._words, 2 * self.slots - 1
-        out = np.zeros(want.size, np.int64)
-        word = (want << np.uint64(1)).astype(np.intp) & wmask  # each key's home slot's fp word
-        todo = None  # key positions still probing (None: all of them)
-        for _ in range(self.slots):
-            cur = words.take(word)
-            hit = cur == want
-            if hit.any():
-                where = hit.nonzero()[0] if todo is None else todo[hit]
-                at = word[hit]
-                out[where] = words.take(at + 1).view(np.int64)
-                if not (words.take(at) == want[hit]).all():
-                    return None
-            more = ~hit & (cur != 0)
-            if not more.any():
-                return out
-            todo = more.nonzero()[0] if todo is None else todo[more]
-            word = word[more]
-            word += 2
-            word &= wmask
-            if todo.size <= LOOKUP_SCALAR:  # the long probe runs' thin tail
-                tail = todo.tolist()
-                masks = [0] * len(tail)
-                if not self._probe([fps[i] for i in tail], (word >> 1).tolist(), masks):
-                    return None
-                out[tail] = np.array(masks, np.uint64).view(np.int64)
-                return out
-            want = want[more]
-        return None  # (no empty slot met: a table never this full)
+        home = (want & np.uint64(m)).astype(np.intp)
+        width = min(LOOKUP_WINDOW, self.slots)
+        slot = home[:, None] + np.arange(width)
+        slot &= m
+        cur = words.take(slot << 1)  # (n, width): the window's fps
+        hit = cur == want[:, None]
+        stop = hit | (cur == 0)
+        first = stop.argmax(axis=1)  # the first fp or empty slot (0 when neither: see below)
+        rows = np.arange(n)
+        at = slot[rows, first]
+        found = hit[rows, first]
+        out = np.where(found, words.take((at << 1) + 1), 0).view(np.int64)
+        if not (words.take(at[found] << 1) == want[found]).all():
+            return None  # a slot changed under the reading
+        left = (~stop[rows, first]).nonzero()[0]  # no fp and no empty slot in the window
+        if left.size:
+            tail = left.tolist()
+            masks = [0] * len(tail)
+            if not self._probe([fps[i] for i in tail], ((home[left] + width) & m).tolist(),
+                               masks):
+                return None
+            out[tail] = np.array(masks, np.uint64).view(np.int64)
+        return out
 
     def _probe(self, fps: list[int], slots: list[int], out: list[int]) -> bool:
         """``out[i]``: the mask of ``fps[i]``, probing from slot ``slots[i]`` (0 when absent);

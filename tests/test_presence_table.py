@@ -15,6 +15,7 @@ from hicached.presence import (
     H_MAGIC,
     KEY_BYTES,
     LOOKUP_SCALAR,
+    LOOKUP_WINDOW,
     MAX_LOAD,
     MIN_SLOTS,
     SESSION_WORDS,
@@ -132,25 +133,33 @@ def test_table_follows_sets_and_removes_with_collisions(table):
     assert view.lookup(keys).tolist() == [model.get(k, 0) for k in keys]
 
 
-def test_lookup_probes_alike_one_by_one_vectorised_and_in_its_tail():
-    """Batches of 1 to 400 keys on a table at its fill limit (long probe runs): the scalar
-    path (up to ``LOOKUP_SCALAR`` keys), the vectorised rounds and their scalar tail all read
-    the model exactly."""
-    path = f"/dev/shm/hicached-test-presence-{os.getpid()}-{time.monotonic_ns()}"
-    t = PresenceTable(path, 1024, epoch=5)
-    try:
-        keys = hexkeys(1200)
-        rng = random.Random(4)
-        stored = rng.sample(keys, int(1024 * MAX_LOAD))
-        model = {k: rng.randrange(1, 1 << 62) for k in stored}
-        t.set_many(fingerprints(SEED, stored), np.array([model[k] for k in stored], np.int64))
-        view = PresenceView(path, 1024, 5, SEED)
-        for n in (1, 2, 17, LOOKUP_SCALAR, LOOKUP_SCALAR + 1, 150, 400):
-            for _ in range(5):
-                batch = rng.sample(keys, n)
-                assert view.lookup(batch).tolist() == [model.get(k, 0) for k in batch], n
-    finally:
-        t.close()
+def test_lookup_probes_alike_one_by_one_in_windows_and_in_their_tail():
+    """Batches of 1 to 400 keys on tables at their fill limit (long probe runs): the scalar
+    path (up to ``LOOKUP_SCALAR`` keys), the windows of ``LOOKUP_WINDOW`` slots and the keys
+    probed on past their window all read the model exactly; also on a table of fewer slots
+    than a window (it wraps)."""
+    rng = random.Random(4)
+    for slots in (1024, 4):
+        path = f"/dev/shm/hicached-test-presence-{os.getpid()}-{time.monotonic_ns()}"
+        t = PresenceTable(path, slots, epoch=5)
+        try:
+            keys = hexkeys(1200)
+            stored = rng.sample(keys, int(slots * MAX_LOAD))
+            model = {k: rng.randrange(1, 1 << 62) for k in stored}
+            t.set_many(fingerprints(SEED, stored), np.array([model[k] for k in stored], np.int64))
+            view = PresenceView(path, slots, 5, SEED)
+            past = 0  # keys whose window held neither their fp nor an empty slot
+            for n in (1, 2, 17, LOOKUP_SCALAR, LOOKUP_SCALAR + 1, 150, 400):
+                for _ in range(5):
+                    batch = rng.sample(keys, n) + stored[:2]
+                    assert view.lookup(batch).tolist() == [model.get(k, 0) for k in batch], n
+            for k in stored:  # a stored key's run: from its home to its slot, all occupied
+                home = fingerprint(SEED, k) & (slots - 1)
+                at = int(np.nonzero(view.table[:, 0] == fingerprint(SEED, k))[0][0])
+                past += (at - home) % slots >= LOOKUP_WINDOW
+            assert slots < LOOKUP_WINDOW or past > 0  # the tail path ran
+        finally:
+            t.close()
 
 
 class CheckedWords:

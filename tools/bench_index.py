@@ -88,6 +88,19 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def settle(pid: int, limit_s: float = 30.0) -> float:
+    """Wait until the daemon is idle (under 5 % of a core over 0.25 s: the fill's last commits
+    and idle-turn work done), at most ``limit_s``; the seconds waited. Latencies measured while
+    the daemon still works on the fill would measure the fill."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        cpu = cpu_s(pid)
+        time.sleep(0.25)
+        if cpu_s(pid) - cpu < 0.0125:
+            break
+    return time.monotonic() - t0
+
+
 def pct(values: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``values``, nearest rank below (as bench_l2's p99)."""
     s = sorted(values)
@@ -321,6 +334,7 @@ def measure(args) -> dict:
             progress(f"{out['tree']}: daemon up ({l2_size} arena); filling {first} pages")
             fill(c, 0, first, args.set_batch)
             out["rss_first"] = rss_anon(proc.pid)
+            out["settle_first_s"] = settle(proc.pid)
             out["exists_first"] = exists_pair(c, cs, first, args.exists_samples, rng, fresh)
             progress(f"filling {first} -> {pages} pages")
             spent = fill(c, first, pages, args.set_batch)
@@ -328,7 +342,9 @@ def measure(args) -> dict:
                           "gbps": (pages - first) * PAGE_BYTES / spent / 1e9}
             out["rss_full"] = rss_anon(proc.pid)
             out["heap_bytes_per_page"] = (out["rss_full"] - out["rss_before"]) / pages
-            progress(f"exists and get at {pages} pages")
+            out["settle_full_s"] = settle(proc.pid)
+            progress(f"exists and get at {pages} pages (the daemon settled in "
+                     f"{out['settle_full_s']:.2f} s)")
             out["exists_full"] = exists_pair(c, cs, pages, args.exists_samples, rng, fresh)
             out["presence_full"] = c.stats().get("presence")
             out["get"] = get_batches(c, pages, args.get_batches, rng)
