@@ -5,14 +5,20 @@ presence table at the daemon's DEFAULT sizing: pass ``--daemon-args "--presence-
 try another), on an ipc socket in a temp dir, 4 KiB pages (MLA: 1 token x 1 layer x 2048 bf16),
 64-hex keys (blake2b digests, as SGLang's chained page hashes):
 
-  fill to --first pages (10k)    sets of --set-batch pages (128, SGLang's largest) from one client
-  exists @ 10k                   batch_exists_v2 of 1024 fresh keys (512 stored at random, then
-                                 512 never stored), --exists-samples calls on each path,
-                                 interleaved: through the presence table (the default client) and
-                                 through the socket (a client with shared_exists=False)
-  fill to --pages (1M)           timed: the set throughput (pages/s, GB/s) while the index grows
-  exists @ 1M                    as at 10k; "from table" says whether the table still answered
-                                 (a full table, F_OVERFLOW, sends every exists to the socket)
+  fill to --first pages (10k)    sets of --set-batch pages (128, SGLang's largest) from one
+                                 client, into two daemons of the same settings (arena, table)
+  fill to --pages (1M)           timed, the first daemon only: the set throughput (pages/s,
+                                 GB/s) while the index grows
+  exists @ 10k and @ 1M          batch_exists_v2 of 1024 fresh keys (512 stored at random, then
+                                 512 never stored), --exists-samples calls on each path of each
+                                 daemon, interleaved (the daemon at 10k pages, then the one at
+                                 1M, each through the presence table (the default client) and
+                                 through the socket (a client with shared_exists=False)), once
+                                 both daemons are idle: a shared VM's speed drifts over the
+                                 fill's half minute, and side by side the ratio is the index
+                                 size's alone. "from table" says whether the table still
+                                 answered (a full table, F_OVERFLOW, sends every exists to the
+                                 socket). The daemon at 10k then stops.
   get @ 1M                       --get-batches calls of 64 stored pages drawn at random (leased:
                                  4 KiB pages are below the slot-tag grain, so no shared gets)
   RssAnon                        the daemon's /proc/PID/status RssAnon (its heap: not the shared
@@ -28,7 +34,7 @@ try another), on an ipc socket in a temp dir, 4 KiB pages (MLA: 1 token x 1 laye
                                  CPU (cores) meanwhile; --spin-s: the clients' spin_s
 
 ``--baseline PATH`` (repeatable; ``--tree`` is the same) runs it all again against another source
-tree, one tree after the other (two 4 GiB arenas at once would crowd the machine): the daemon,
+tree, one tree after the other (two trees' arenas at once would crowd the machine): the daemon,
 this script's measuring process and the mixed-load clients all run with ``PYTHONPATH=PATH``, so
 that tree's client code is measured too. The table prints each metric per tree and the ratio
 current / baseline. Targets (issue 24): exists p50 at 1M <= 1.3 x its 10k value on both paths;
@@ -114,16 +120,16 @@ def progress(msg: str) -> None:
 # ----------------------------------------------------------------- the measuring process
 
 
-def start_daemon(tmp: str, l2_size: str, extra: list[str]):
+def start_daemon(tmp: str, l2_size: str, extra: list[str], name: str = "bench"):
     """``python -m hicached serve`` (this process's PYTHONPATH: the tree measured) on an ipc
-    socket in ``tmp``, L3 off; (process, endpoint) once it answers a ping."""
+    socket ``name`` in ``tmp``, L3 off; (process, endpoint) once it answers a ping."""
     from hicached import Client
     from hicached.errors import DaemonUnavailable
 
-    endpoint = f"ipc://{tmp}/bench.sock"
+    endpoint = f"ipc://{tmp}/{name}.sock"
     proc = subprocess.Popen(
         [sys.executable, "-m", "hicached", "serve", "--endpoint", endpoint, "--l2-size", l2_size,
-         "--state-dir", f"{tmp}/state", "--l3-backend", "none", "--log-level", "warning", *extra],
+         "--state-dir", f"{tmp}/{name}-state", "--l3-backend", "none", "--log-level", "warning", *extra],
         stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
@@ -185,27 +191,35 @@ def fill(c, start: int, end: int, batch: int) -> float:
     return spent
 
 
-def exists_pair(table_c, socket_c, stored: int, samples: int, rng: random.Random,
-                fresh: list[int]) -> dict:
+def exists_side_by_side(points: dict, samples: int, rng: random.Random,
+                        fresh: list[int]) -> dict:
     """exists of 1024 fresh keys (512 stored, then 512 never stored), ``samples`` calls per
-    path, table and socket calls interleaved; p50 / p99 in ms per path."""
-    lat: dict[str, list[float]] = {"table": [], "socket": []}
+    point and path, all interleaved; ``points``: name -> (table client, socket client, pages
+    stored) of one daemon. Per point: p50 / p99 in ms per path, and whether the table
+    answered."""
+    lat = {name: {"table": [], "socket": []} for name in points}
     half = EXISTS_KEYS // 2
-    for i in range(samples + 10):  # 10 warm-up calls per path
-        for path, c in (("table", table_c), ("socket", socket_c)):
-            keys = [key("s", j) for j in rng.sample(range(stored), half)]
-            keys += [key("a", fresh[0] + j) for j in range(half)]
-            fresh[0] += half
-            t = time.perf_counter()
-            r = c.batch_exists_v2(keys)
-            dt = time.perf_counter() - t
-            if r.kv_hit_pages != half:
-                raise SystemExit(f"exists ({path}) found {r.kv_hit_pages} pages, not {half}")
-            if i >= 10:
-                lat[path].append(dt * 1e3)
-    shared = table_c._shared  # (client internals: was the table there and usable?)
-    return {path: {"p50_ms": pct(v, 0.5), "p99_ms": pct(v, 0.99)} for path, v in lat.items()} | {
-        "from_table": shared is not None and shared.view.usable() is not None}
+    for i in range(samples + 10):  # 10 warm-up calls per point and path
+        for name, (table_c, socket_c, stored) in points.items():
+            for path, c in (("table", table_c), ("socket", socket_c)):
+                keys = [key("s", j) for j in rng.sample(range(stored), half)]
+                keys += [key("a", fresh[0] + j) for j in range(half)]
+                fresh[0] += half
+                t = time.perf_counter()
+                r = c.batch_exists_v2(keys)
+                dt = time.perf_counter() - t
+                if r.kv_hit_pages != half:
+                    raise SystemExit(f"exists ({name}, {path}) found {r.kv_hit_pages} pages, "
+                                     f"not {half}")
+                if i >= 10:
+                    lat[name][path].append(dt * 1e3)
+    out = {}
+    for name, (table_c, _, _) in points.items():
+        shared = table_c._shared  # (client internals: was the table there and usable?)
+        out[name] = {path: {"p50_ms": pct(v, 0.5), "p99_ms": pct(v, 0.99)}
+                     for path, v in lat[name].items()}
+        out[name]["from_table"] = shared is not None and shared.view.usable() is not None
+    return out
 
 
 def get_batches(c, stored: int, batches: int, rng: random.Random) -> dict:
@@ -313,7 +327,8 @@ def mix_worker(endpoint: str, n: int, stored: int, seconds: float,
 
 
 def measure(args) -> dict:
-    """Every phase against one daemon of the tree this process imports ``hicached`` from."""
+    """Every phase against the daemons of the tree this process imports ``hicached`` from: one
+    filled to ``pages``, and one left at ``first`` for the exists side by side."""
     import torch
 
     import hicached
@@ -325,28 +340,38 @@ def measure(args) -> dict:
     rng, fresh = random.Random(7), [0]
     out: dict = {"tree": str(pathlib.Path(hicached.__file__).resolve().parent.parent),
                  "pages": pages, "first": first, "l2_size": l2_size}
+    extra = shlex.split(args.daemon_args)
     with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp:
-        proc, endpoint = start_daemon(tmp, l2_size, shlex.split(args.daemon_args))
+        proc, endpoint = start_daemon(tmp, l2_size, extra)
+        sproc = None
         try:
+            sproc, sendpoint = start_daemon(tmp, l2_size, extra, "first")  # stays at 10k
             c = make_client(endpoint, args.set_batch)
             cs = make_client(endpoint, 64, shared_exists=False)
+            s = make_client(sendpoint, args.set_batch)
+            ss = make_client(sendpoint, 64, shared_exists=False)
             out["rss_before"] = rss_anon(proc.pid)
-            progress(f"{out['tree']}: daemon up ({l2_size} arena); filling {first} pages")
+            progress(f"{out['tree']}: daemons up ({l2_size} arenas); filling {first} pages")
             fill(c, 0, first, args.set_batch)
+            fill(s, 0, first, args.set_batch)
             out["rss_first"] = rss_anon(proc.pid)
-            out["settle_first_s"] = settle(proc.pid)
-            out["exists_first"] = exists_pair(c, cs, first, args.exists_samples, rng, fresh)
             progress(f"filling {first} -> {pages} pages")
             spent = fill(c, first, pages, args.set_batch)
             out["set"] = {"pages_per_s": (pages - first) / spent,
                           "gbps": (pages - first) * PAGE_BYTES / spent / 1e9}
             out["rss_full"] = rss_anon(proc.pid)
             out["heap_bytes_per_page"] = (out["rss_full"] - out["rss_before"]) / pages
-            out["settle_full_s"] = settle(proc.pid)
-            progress(f"exists and get at {pages} pages (the daemon settled in "
-                     f"{out['settle_full_s']:.2f} s)")
-            out["exists_full"] = exists_pair(c, cs, pages, args.exists_samples, rng, fresh)
+            out["settle_s"] = settle(proc.pid) + settle(sproc.pid)
+            progress(f"exists at {first} and {pages} pages, side by side (the daemons settled "
+                     f"in {out['settle_s']:.2f} s)")
+            ex = exists_side_by_side({"first": (s, ss, first), "full": (c, cs, pages)},
+                                     args.exists_samples, rng, fresh)
+            out["exists_first"], out["exists_full"] = ex["first"], ex["full"]
+            s.close()
+            ss.close()
+            stop(sproc)
             out["presence_full"] = c.stats().get("presence")
+            progress(f"get at {pages} pages")
             out["get"] = get_batches(c, pages, args.get_batches, rng)
             runs = []
             for i in range(args.mix_runs):
@@ -362,6 +387,8 @@ def measure(args) -> dict:
             cs.close()
         finally:
             stop(proc)
+            if sproc is not None:
+                stop(sproc)
     return out
 
 
