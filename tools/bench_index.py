@@ -245,15 +245,16 @@ def get_batches(c, stored: int, batches: int, rng: random.Random) -> dict:
 
 
 def mixed_load(endpoint: str, stored: int, clients: int, seconds: float,
-               spin_s: float | None = None) -> dict:
+               spin_s: float | None = None, rate: float = 0.0) -> dict:
     """``clients`` worker processes (this script, ``--mix-worker``) started together (``spin_s``:
-    their ``Client(spin_s=...)``, None: the client's default)."""
+    their ``Client(spin_s=...)``, None: the client's default; ``rate``: ops/s offered by all
+    of them together, 0: each starts its next op when the last ends)."""
     procs = []
     try:
         for n in range(clients):
             procs.append(subprocess.Popen(
                 [sys.executable, str(HERE), "--mix-worker", endpoint, str(n), str(stored),
-                 str(seconds), "" if spin_s is None else str(spin_s)],
+                 str(seconds), "" if spin_s is None else str(spin_s), str(rate / clients)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for p in procs:  # each says "ready" once connected and registered
             if p.stdout.readline().strip() != "ready":
@@ -276,16 +277,19 @@ def mixed_load(endpoint: str, stored: int, clients: int, seconds: float,
     ops = sum(len(v) for v in lat.values())
     elapsed = max(o["elapsed_s"] for o in outs)
     got = sum(o["get_hits"] for o in outs)
-    return {"clients": clients, "seconds": elapsed, "ops": ops, "ops_per_s": ops / elapsed,
+    return {"clients": clients, "seconds": elapsed, "rate": rate, "ops": ops,
+            "ops_per_s": ops / elapsed,
             "get_hit_share": got / max(1, MIX_PAGES * len(lat["get"])),
             **{kind: {"count": len(v), "p50_ms": pct(v, 0.5), "p99_ms": pct(v, 0.99)}
                for kind, v in lat.items()}}
 
 
 def mix_worker(endpoint: str, n: int, stored: int, seconds: float,
-               spin_s: float | None = None) -> None:
+               spin_s: float | None = None, rate: float = 0.0) -> None:
     """One mixed-load client: connects, says "ready", waits for "go", runs ``seconds``, prints
-    its latencies per kind as JSON. Stored keys from the newer half of the index."""
+    its latencies per kind as JSON. Stored keys from the newer half of the index. ``rate`` >
+    0: ops start at Poisson arrivals of that many a second, and an op's latency counts from
+    its arrival (an op that starts late waited in the client's queue: that counts too)."""
     import torch
 
     from hicached import PoolTransfer
@@ -298,11 +302,18 @@ def mix_worker(endpoint: str, n: int, stored: int, seconds: float,
     lat: dict[str, list[float]] = {kind: [] for kind, _ in MIX}
     kinds, weights = zip(*MIX, strict=True)
     fresh = written = hits = 0
+    arrivals = random.Random(5000 + n)
     print("ready", flush=True)
     sys.stdin.readline()
-    start = time.perf_counter()
+    start = due = time.perf_counter()
     end = start + seconds
     while (now := time.perf_counter()) < end:
+        if rate > 0:
+            due += arrivals.expovariate(rate)
+            if due >= end:
+                break
+            if due > now:
+                time.sleep(due - now)
         kind = rng.choices(kinds, weights)[0]
         if kind == "exists":
             half = MIX_EXISTS_KEYS // 2
@@ -320,8 +331,8 @@ def mix_worker(endpoint: str, n: int, stored: int, seconds: float,
             written += MIX_PAGES
             t = time.perf_counter()
             c.batch_set_v2([PoolTransfer("kv", idx, keys=keys)])
-        lat[kind].append(round((time.perf_counter() - t) * 1e3, 4))
-    elapsed = now - start
+        lat[kind].append(round((time.perf_counter() - (due if rate > 0 else t)) * 1e3, 4))
+    elapsed = (end if rate > 0 else now) - start
     c.close()
     print(json.dumps({"lat_ms": lat, "elapsed_s": elapsed, "get_hits": hits}), flush=True)
 
@@ -378,7 +389,8 @@ def measure(args) -> dict:
                 progress(f"mixed load {i + 1}/{args.mix_runs}: {args.clients} clients, "
                          f"{args.seconds} s")
                 cpu = cpu_s(proc.pid)
-                runs.append(mixed_load(endpoint, pages, args.clients, args.seconds, args.spin_s))
+                runs.append(mixed_load(endpoint, pages, args.clients, args.seconds, args.spin_s,
+                                       args.mix_rate))
                 runs[-1]["daemon_cores"] = (cpu_s(proc.pid) - cpu) / runs[-1]["seconds"]
             out["mixed"] = median_mix(runs)
             st = c.stats()
@@ -437,6 +449,9 @@ def main() -> None:
                     help="mixed loads in a row on each daemon (the table shows medians)")
     ap.add_argument("--spin-s", type=float, default=None,
                     help="the mixed-load clients' Client(spin_s=...) (default: the client's)")
+    ap.add_argument("--mix-rate", type=float, default=0.0,
+                    help="ops/s the mixed load offers (Poisson arrivals; latencies count from "
+                         "each op's arrival); 0: closed loop, each client's next op at once")
     ap.add_argument("--small", action="store_true",
                     help="a tiny run: 2k pages (1k first), 20 samples, 2 clients for 2 s")
     ap.add_argument("--daemon-args", default="", help="more `hicached serve` options")
@@ -444,16 +459,16 @@ def main() -> None:
                     help="another source tree to measure in the same run (repeatable)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--mix-worker", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--mix-worker", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.small:  # its own defaults; flags given still win
         ap.set_defaults(pages=2000, first=1000, exists_samples=20, get_batches=20, clients=2,
                         seconds=2.0)
         args = ap.parse_args()
     if args.mix_worker:
-        endpoint, n, stored, seconds, spin_s = args.mix_worker
+        endpoint, n, stored, seconds, spin_s, rate = args.mix_worker
         mix_worker(endpoint, int(n), int(stored), float(seconds),
-                   float(spin_s) if spin_s else None)
+                   float(spin_s) if spin_s else None, float(rate))
         return
     if args.measure:
         # SIGTERM like Ctrl-C: the finally blocks stop the daemon and the mix's clients
@@ -463,7 +478,7 @@ def main() -> None:
     argv = ["--pages", str(args.pages), "--first", str(args.first), "--set-batch",
             str(args.set_batch), "--exists-samples", str(args.exists_samples), "--get-batches",
             str(args.get_batches), "--clients", str(args.clients), "--seconds",
-            str(args.seconds), "--mix-runs", str(args.mix_runs),
+            str(args.seconds), "--mix-runs", str(args.mix_runs), "--mix-rate", str(args.mix_rate),
             f"--daemon-args={args.daemon_args}"]
     if args.spin_s is not None:
         argv += ["--spin-s", str(args.spin_s)]

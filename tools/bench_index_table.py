@@ -62,7 +62,9 @@ def print_table(results: list[dict], daemon_args: str = "") -> None:
     sizing = f"daemon args {daemon_args!r}" if daemon_args else "default presence sizing"
     print(f"bench_index: {PAGE_BYTES // 1024} KiB pages, 64-hex keys, arena {r0['l2_size']}, "
           f"{sizing}, L3 off; {r0['mixed']['clients']} mixed-load clients for "
-          f"{r0['mixed']['seconds']:.1f} s")
+          f"{r0['mixed']['seconds']:.1f} s, "
+          + (f"{r0['mixed']['rate']:,.0f} ops/s offered (latencies from each op's arrival)"
+             if r0["mixed"].get("rate") else "closed loop"))
     for i, r in enumerate(results):
         print(f"  [{'current' if i == 0 else f'baseline{i}'}] {r['tree']}")
     heads = ["current"] + [f"baseline{i}" for i in range(1, len(results))]
