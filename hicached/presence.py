@@ -421,7 +421,7 @@ class PresenceView:
         of either in the window answers the key; the few keys whose window holds neither go on
         one by one. One gather costs the same at any load, where rounds of one slot each
         (vectorised probing) took ~3 rounds more at a half-full table: at a million keys this
-        is ~1.2 x the lookup at 10k, from ~1.6 x."""
+        is ~1.1 x the lookup at 10k, from ~1.6 x."""
         fps = fingerprint_list(self.seed, keys)
         if fps is None:
             return None
