@@ -251,3 +251,58 @@ def test_commit_many_refuses_an_entry_that_is_not_pending():
     ix.commit(e)
     with pytest.raises(AssertionError):
         ix.commit_many([e])
+
+
+# ------------------------------------------------------------ exact LRU, by hand
+
+N0, N1 = ("n0", "kv"), ("n1", "kv")  # two namespaces, each with a pool
+
+
+def full_index(keys, evicted=None):
+    """An index of one slab of four 256-byte slots, ``keys`` reserved (pending) in ``N0``."""
+    ix = PageIndex(
+        SlabAllocator(1024, 1024),
+        on_evict=None if evicted is None else lambda e: evicted.append(e.key),
+    )
+    return ix, [ix.reserve(N0, k, 256, 256) for k in keys]
+
+
+def test_commit_many_order_is_recency_order():
+    evicted = []
+    ix, (a, b, c, d) = full_index("abcd", evicted)
+    ix.commit_many([c, a, d, b])
+    assert [e.key for e in ix.lru_order(256)] == list("cadb")
+    assert [ix.reserve(N0, k, 256, 256).offset for k in "wxyz"] == [512, 0, 768, 256]
+    assert evicted == list("cadb")
+
+
+def test_touch_moves_to_the_end_and_pinned_pages_are_skipped():
+    evicted = []
+    ix, (a, b, c, d) = full_index("abcd", evicted)
+    ix.commit_many([a, b, c, d])
+    ix.touch(ix.get(N0, "a"))
+    ix.pin(ix.get(N0, "b"))
+    assert [e.key for e in ix.lru_order(256)] == list("bcda")
+    e = ix.reserve(N0, "e", 256, 256)
+    assert evicted == ["c"] and e.offset == 2 * 256 and ix.get(N0, "c") is None
+    ix.commit(e)
+    assert [e.key for e in ix.lru_order(256)] == list("bdae")
+    ix.unpin(ix.get(N0, "b"))
+    assert ix.reserve(N0, "f", 256, 256).offset == 256 and evicted == ["c", "b"]
+
+
+def test_pending_and_unbound_are_never_evicted():
+    evicted = []
+    ix, (a, _) = full_index("ab", evicted)
+    ix.commit(a)
+    u = ix.reserve_unbound("n0", 256)
+    ix.pin(ix.get(N0, "a"))
+    assert ix.reserve(N0, "c", 256, 256).key == "c"  # the last free slot
+    assert ix.reserve(N1, "d", 256, 256) is None and ix.reserve_unbound("n1", 256) is None
+    assert evicted == [] and ix.evictions == 0
+    assert ix.ns_bytes["n0"] == 4 * 256 and ix.ns_bytes.get("n1", 0) == 0
+    u_offset = u.offset
+    ix.bind(u, N0, "u", 250)
+    ix.commit(ix.get_pending(N0, "u"))
+    assert ix.reserve(N1, "d", 256, 256).offset == u_offset and evicted == ["u"]
+    assert ix.ns_bytes == {"n0": 3 * 256, "n1": 256}

@@ -1,5 +1,5 @@
 """PageIndex against a plain-dict model: seeded random sequences of every public call, with the
-model's prediction checked after each step, and a few hand-written LRU cases.
+model's prediction checked after each step (the hand-written LRU cases are in test_index.py).
 
 Only the public API is used (no ``tables``, ``pending``, ``_lru``...), and entries are compared with
 ``==`` or by ``(table, key, offset, gen)``, never with ``is``, so the same test holds for a rewrite
@@ -485,58 +485,3 @@ def _run(seed: int, steps: int) -> None:
 def test_random_sequences_match_the_model(block):
     for seed in range(block * 25, block * 25 + 25):
         _run(seed, 250)
-
-
-# ------------------------------------------------------------ exact LRU, by hand
-
-T, U = ("n0", "kv"), ("n1", "kv")
-
-
-def full_index(keys, evicted=None):
-    """An index of one slab of four 256-byte slots, ``keys`` reserved (pending) in ``T``."""
-    ix = PageIndex(
-        SlabAllocator(SLAB, SLAB),
-        on_evict=None if evicted is None else lambda e: evicted.append(e.key),
-    )
-    return ix, [ix.reserve(T, k, 256, 256) for k in keys]
-
-
-def test_commit_many_order_is_recency_order():
-    evicted = []
-    ix, (a, b, c, d) = full_index("abcd", evicted)
-    ix.commit_many([c, a, d, b])
-    assert [e.key for e in ix.lru_order(256)] == list("cadb")
-    assert [ix.reserve(T, k, 256, 256).offset for k in "wxyz"] == [512, 0, 768, 256]
-    assert evicted == list("cadb")
-
-
-def test_touch_moves_to_the_end_and_pinned_pages_are_skipped():
-    evicted = []
-    ix, (a, b, c, d) = full_index("abcd", evicted)
-    ix.commit_many([a, b, c, d])
-    ix.touch(ix.get(T, "a"))
-    ix.pin(ix.get(T, "b"))
-    assert [e.key for e in ix.lru_order(256)] == list("bcda")
-    e = ix.reserve(T, "e", 256, 256)
-    assert evicted == ["c"] and e.offset == 2 * 256 and ix.get(T, "c") is None
-    ix.commit(e)
-    assert [e.key for e in ix.lru_order(256)] == list("bdae")
-    ix.unpin(ix.get(T, "b"))
-    assert ix.reserve(T, "f", 256, 256).offset == 256 and evicted == ["c", "b"]
-
-
-def test_pending_and_unbound_are_never_evicted():
-    evicted = []
-    ix, (a, _) = full_index("ab", evicted)
-    ix.commit(a)
-    u = ix.reserve_unbound("n0", 256)
-    ix.pin(ix.get(T, "a"))
-    assert ix.reserve(T, "c", 256, 256).key == "c"  # the last free slot
-    assert ix.reserve(U, "d", 256, 256) is None and ix.reserve_unbound("n1", 256) is None
-    assert evicted == [] and ix.evictions == 0
-    assert ix.ns_bytes["n0"] == 4 * 256 and ix.ns_bytes.get("n1", 0) == 0
-    u_offset = u.offset
-    ix.bind(u, T, "u", 250)
-    ix.commit(ix.get_pending(T, "u"))
-    assert ix.reserve(U, "d", 256, 256).offset == u_offset and evicted == ["u"]
-    assert ix.ns_bytes == {"n0": 3 * 256, "n1": 256}

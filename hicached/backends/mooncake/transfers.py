@@ -71,8 +71,7 @@ def code_name(rc: int) -> str:
 class MooncakeTransfers:
     """The put, get and remove of ``MooncakeBackend`` (its ``opts``, ``arena``, ``trailers``,
     ``integrity``, ``hash_put`` / ``hash_get``, ``bad``, ``counters``, ``breaker`` and guarded
-    calls ``_admit`` /
-    ``_transfer`` / ``_settle`` / ``_call``)."""
+    calls ``_admit`` / ``_transfer`` / ``_settle`` / ``_call``)."""
 
     def _names(self, ns: str, pool: str, keys: Sequence[str]) -> list[str]:
         prefix = f"{self.opts.key_prefix}/{FORMAT_PART}"  # objects with a trailer (trailer.py)
