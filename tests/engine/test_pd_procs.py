@@ -62,6 +62,9 @@ def test_pd_processes(daemon, tmp_path):
                 for g, r in zip(logits_rows(got.logits, lm.vocab_size), ref.logits, strict=True):
                     assert (g - r).abs().max().item() <= 1e-5
                 assert (got.decode_prefix_len, got.moved_pages, got.moved_states) == (*want, 1)
+                # where the TTFT went: the prefill's part holds its publishing, and the load
+                assert 0 < got.publish_s < got.prefill_s < got.ttft_s
+                assert 0 < got.load_s < got.ttft_s - got.prefill_s
             assert user.check_idle().ok
             with PDClient(front2) as user2:  # A's output is in decode's cache, and in L2
                 seq_a = A + got.output_ids

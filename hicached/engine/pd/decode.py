@@ -54,6 +54,10 @@ class Transfer:
     moved_pages: int = 0
     moved_states: int = 0
     first_token: int | None = None
+    asked_s: float = 0.0  # perf_counter when the prefill was asked
+    prefill_s: float = 0.0  # asked -> Ready received
+    publish_s: float = 0.0  # of which the prefill's storing (its Ready says)
+    load_s: float = 0.0  # the delta's load from the daemon
 
 
 class DecodeEngine(Engine):
@@ -181,7 +185,8 @@ class DecodeEngine(Engine):
             req.error = str(e)
             return False
         req.transfer = Transfer(lock, have, len(have) * ps, Reservation(pages, state),
-                                time.monotonic() + self.timeout_s)
+                                time.monotonic() + self.timeout_s,
+                                asked_s=time.perf_counter())
         self._count_hits(req, len(have) * ps)  # L2 tokens: what the arrival load-back brought
         self.transferring[req.rid] = req
         self._send(M.PrefillRequest(req.rid, req.prompt, len(have) * ps, self.timeout_s))
@@ -210,6 +215,8 @@ class DecodeEngine(Engine):
         """Load the delta and the state, insert them at ``a``, set the request up to run."""
         ps, t, head = self.page_size, req.transfer, self._head(req.prompt)
         a, n = len(head), len(req.prompt)
+        t0 = time.perf_counter()
+        t.prefill_s, t.publish_s = t0 - t.asked_s, msg.publish_s
         keys = req.keys.extend(head)
         first = t.decode_prefix_len // ps
         room = t.room
@@ -224,6 +231,7 @@ class DecodeEngine(Engine):
             self._fail(req, f"the prefill's pages [{first}, {a // ps}) of the prompt were not "
                             "in hicached (evicted, or the daemon is down)")
             return req
+        t.load_s = time.perf_counter() - t0
         t.moved_pages, t.moved_states = len(room.kv_pages), len(state_keys)
         self.moved_pages += t.moved_pages
         del self.transferring[req.rid]

@@ -57,7 +57,8 @@ class PrefillEngine(Engine):
             raise ValueError("--disaggregation-mode prefill needs the radix cache (the prompt-"
                              "end state is a snapshot in it)")
         self.asked: dict[str, int] = {}  # rid -> decode_prefix_len
-        self.published: dict[str, tuple[int, bool]] = {}  # rid -> (pages, state) stored
+        # rid -> (pages, state) stored, and the seconds that took
+        self.published: dict[str, tuple[int, bool, float]] = {}
         self.published_pages = 0
 
     def add_prefill(self, rid: str, prompt: list[int], decode_prefix_len: int) -> Request:
@@ -75,7 +76,9 @@ class PrefillEngine(Engine):
         held = self.asked.pop(req.rid, None)
         if status is Status.FINISHED and held is not None:
             try:
-                self.published[req.rid] = self._publish(req, held)
+                t0 = time.perf_counter()
+                pages, state = self._publish(req, held)
+                self.published[req.rid] = pages, state, time.perf_counter() - t0
             except (PublishError, HicachedError) as e:
                 req.error = f"publishing the prompt's pages failed: {e}"
                 status = Status.ABORTED
@@ -189,9 +192,10 @@ class PrefillServer:
 
     def _answer(self, req: Request) -> None:
         if req.status is Status.FINISHED and req.rid in self.engine.published:
-            pages, state = self.engine.published.pop(req.rid)
+            pages, state, publish_s = self.engine.published.pop(req.rid)
             self._finish(req.rid, M.Ready(req.rid, req.output_ids[0],
-                                          M.logits_bytes(req.logits[:1]), pages, state))
+                                          M.logits_bytes(req.logits[:1]), pages, state,
+                                          publish_s))
         else:
             self._finish(req.rid, M.Failed(req.rid, "error", req.error or "prefill failed"))
 

@@ -6,7 +6,7 @@ Bootstrap (decode -> prefill; the prefill binds ``--disaggregation-bootstrap-end
 
   decode -> prefill   PrefillRequest(rid, prompt, decode_prefix_len, timeout_s)
                       AbortRequest(rid)                 the decode gave up (timeout, abort)
-  prefill -> decode   Ready(rid, first_token, logits, stored_pages, state_stored)
+  prefill -> decode   Ready(rid, first_token, logits, stored_pages, state_stored, publish_s)
                       Failed(rid, reason, message)     reason: abort | timeout | error
 
   ``decode_prefix_len``: prompt tokens the decode already holds (a page multiple). Ready means
@@ -57,13 +57,15 @@ class AbortRequest(_Msg, tag="abort"):
 
 class Ready(_Msg, tag="ready"):
     """Pages ``[decode_prefix_len // P, stored_pages + decode_prefix_len // P)`` and the state
-    (``state_stored``) are visible in L2; ``logits``: float32 [vocab] at the prompt end."""
+    (``state_stored``) are visible in L2; ``logits``: float32 [vocab] at the prompt end;
+    ``publish_s``: the prefill's seconds storing them and waiting until they were visible."""
 
     rid: str
     first_token: int
     logits: bytes = b""
     stored_pages: int = 0
     state_stored: bool = False
+    publish_s: float = 0.0
 
 
 class Failed(_Msg, tag="failed"):
@@ -83,7 +85,9 @@ class Generated(_Msg, tag="generated"):
     decode held itself; ``moved_pages`` / ``moved_states``: KV pages and states it loaded from
     the prefill's delta; ``loaded_pages`` / ``loaded_states``: those its arrival load-back read
     from the daemon (pages other engines of the node stored). Pages moved into the decode, all
-    told: ``moved_pages + loaded_pages``."""
+    told: ``moved_pages + loaded_pages``. Where ``ttft_s`` went: ``prefill_s`` from asking the
+    prefill to its Ready (of which ``publish_s`` the prefill's storing and waiting until the
+    pages were visible), ``load_s`` the decode's load of the delta."""
 
     rid: str
     output_ids: list[int] = []
@@ -96,6 +100,9 @@ class Generated(_Msg, tag="generated"):
     moved_states: int = 0
     loaded_pages: int = 0
     loaded_states: int = 0
+    prefill_s: float = 0.0
+    publish_s: float = 0.0
+    load_s: float = 0.0
 
 
 class CheckIdle(_Msg, tag="check"):

@@ -170,12 +170,14 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def daemons(nodes: int, l2_size: str = "512MiB", slab_size: str = "8MiB",
-            endpoint: str = "", workdir: str | None = None) -> Iterator[Endpoints]:
+            endpoint: str = "", workdir: str | None = None,
+            segment: str = "1GiB") -> Iterator[Endpoints]:
     """Start the run's daemons (stopped on exit) and say which one each role uses. One node:
     one daemon for both, pages through its L2 (``endpoint``: a running one instead, left
     running). Two nodes: a ``mooncake_master`` and two daemons sharing it, the prefill's on
     one, the decode's on the other; the prefill's pages reach the decode through the store
-    (``--disaggregation-transfer l3``: Ready once they are in L3)."""
+    (``--disaggregation-transfer l3``: Ready once they are in L3); each mounts ``segment`` of its
+    memory into the store."""
     check_nodes(nodes)
     if endpoint:
         if nodes != 1:
@@ -195,7 +197,7 @@ def daemons(nodes: int, l2_size: str = "512MiB", slab_size: str = "8MiB",
             mooncake_master(tmp) as master, contextlib.ExitStack() as stack:
         made = []
         for _ in range(2):
-            d = DaemonLauncher(l2_size, slab_size, extra=mooncake_l3_flags(master))
+            d = DaemonLauncher(l2_size, slab_size, extra=mooncake_l3_flags(master, segment))
             stack.callback(d.close)
             made.append(d)
         yield Endpoints(made[0].endpoint, made[1].endpoint, "l3")
@@ -312,6 +314,9 @@ class Record:
     ttft_s: float
     output_ids: list[int]
     logits: bytes = field(repr=False)
+    prefill_s: float = 0.0  # of ttft_s: asking the prefill -> its Ready
+    publish_s: float = 0.0  # of prefill_s: the prefill storing the pages until visible
+    load_s: float = 0.0  # of ttft_s: the decode loading the delta
 
 
 @dataclass
@@ -384,7 +389,8 @@ def _send(w: Workload, user: PDClient, radix: bool, vocab: int,
         states = got.moved_states + got.loaded_states
         run.records.append(Record(conv, turn, len(prompt), reusable, got.decode_prefix_len,
                                   pages, states, pages * u.page_bytes + states * u.state_bytes,
-                                  got.ttft_s, list(got.output_ids), got.logits))
+                                  got.ttft_s, list(got.output_ids), got.logits,
+                                  got.prefill_s, got.publish_s, got.load_s))
         run.usage.append(u)
         if on_request is not None:
             on_request(run.label)
@@ -409,7 +415,8 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def summary(run: ModeRun) -> dict:
-    """A mode's figures: bytes moved per request, TTFT, the decode's match and pool use."""
+    """A mode's figures: bytes moved per request, TTFT (and where its mean went), the
+    decode's match and pool use."""
     r, u = run.records, run.usage
     ttft = [x.ttft_s for x in r]
     prompt = sum(x.prompt for x in r)
@@ -424,6 +431,10 @@ def summary(run: ModeRun) -> dict:
         "ttft_p50_ms": percentile(ttft, 0.5) * 1e3,
         "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
         "ttft_mean_ms": sum(ttft) / len(ttft) * 1e3,
+        # where the mean TTFT went (the rest: queueing, matching, inserting on the decode)
+        "prefill_mean_ms": sum(x.prefill_s for x in r) / len(r) * 1e3,
+        "publish_mean_ms": sum(x.publish_s for x in r) / len(r) * 1e3,
+        "load_mean_ms": sum(x.load_s for x in r) / len(r) * 1e3,
         "pool_tokens": u[-1].kv_pages * u[-1].page_size,
         "pool_used_tokens_max": max(x.used_tokens for x in u),
         "pool_used_tokens_end": u[-1].used_tokens,

@@ -143,7 +143,8 @@ class FrontServer:
             req.ttft_s or 0.0, req.cached_tokens,
             t.decode_prefix_len if t is not None else 0,
             t.moved_pages if t is not None else 0, t.moved_states if t is not None else 0,
-            lb.read_pages if lb is not None else 0, lb.read_states if lb is not None else 0))
+            lb.read_pages if lb is not None else 0, lb.read_states if lb is not None else 0,
+            *((t.prefill_s, t.publish_s, t.load_s) if t is not None else ())))
 
     def _send(self, ident: bytes, msg) -> None:
         try:
