@@ -55,6 +55,7 @@ def test_bench_l3_checksum_section_compares_daemons_with_and_without():
                       "get_paired", "write_paired"}
     assert f["get_on"]["median"] > 0 and f["write_off"]["median"] > 0 and "mooncake" not in r
     assert f["get_paired"] > 0 and f["write_paired"] > 0
+    assert 0 < f["write_busy_off"] <= 1 and 0 < f["get_busy_off"] <= 1  # the CPUs, unchecked
 
 
 def test_bench_index_tiny_run_prints_every_row_side_by_side(capsys):
@@ -188,4 +189,7 @@ def test_bench_pd_moves_only_the_delta_with_the_decode_radix_and_outputs_stay_eq
     assert r["on_over_off"]["bytes_per_request"] < 1  # (at this size the states weigh most)
     for s in (off, on):
         assert 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"]
+        # where the mean TTFT went: parts of it, each measured
+        assert 0 < s["publish_mean_ms"] < s["prefill_mean_ms"] < s["ttft_mean_ms"]
+        assert 0 < s["load_mean_ms"] < s["ttft_mean_ms"] - s["prefill_mean_ms"]
         assert 0 < s["pool_used_tokens_max"] <= s["pool_tokens"]
