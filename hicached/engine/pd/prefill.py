@@ -23,10 +23,9 @@ from __future__ import annotations
 import logging
 import time
 
-import zmq
-
 from hicached.engine.engine import Engine
 from hicached.engine.pd import protocol as M
+from hicached.engine.pd.router import RouterServer
 from hicached.engine.request import Request, Status
 from hicached.engine.storage import TRANSFER_TIERS
 from hicached.errors import HicachedError
@@ -122,43 +121,16 @@ class PrefillEngine(Engine):
         return len(kv_keys), hybrid
 
 
-class PrefillServer:
+class PrefillServer(RouterServer):
     """The bootstrap ROUTER in front of a ``PrefillEngine``; ``serve_forever`` or ``poll_once``
     from one thread (the owner of the engine and the socket)."""
 
     def __init__(self, engine: PrefillEngine, endpoint: str):
-        self.engine, self.endpoint = engine, endpoint
-        self._ctx = zmq.Context()
-        self.sock = self._ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
-        self.peers: dict[str, bytes] = {}  # rid -> the decode's identity
+        super().__init__(engine, endpoint)
         self.deadlines: dict[str, float] = {}
-        self._stop = False
 
-    def stop(self) -> None:
-        """Ask ``serve_forever`` to return (from any thread)."""
-        self._stop = True
-
-    def serve_forever(self, idle_poll_ms: int = 50) -> None:
-        while not self._stop:
-            busy = bool(self.engine.waiting or self.engine.running)
-            self.poll_once(0 if busy else idle_poll_ms)
-
-    def poll_once(self, timeout_ms: int = 0) -> None:
-        """Read what arrived (waiting up to ``timeout_ms``), expire, run one engine step."""
-        if self.sock.poll(timeout_ms, zmq.POLLIN):
-            while True:
-                try:
-                    ident, frame = self.sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except ValueError:  # not [identity, payload]
-                    continue
-                self._on_frame(ident, frame)
+    def _tick(self) -> None:
         self._expire()
-        for req in self.engine.step():
-            self._answer(req)
 
     def _on_frame(self, ident: bytes, frame: bytes) -> None:
         try:
@@ -204,13 +176,3 @@ class PrefillServer:
         ident = self.peers.pop(rid, None)
         if ident is not None:
             self._send(ident, msg)
-
-    def _send(self, ident: bytes, msg) -> None:
-        try:
-            self.sock.send_multipart([ident, M.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # the decode is gone: it times out on its side
-            log.warning("could not answer %s: %s", getattr(msg, "rid", "?"), e)
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self._ctx.term()

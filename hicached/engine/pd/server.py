@@ -26,6 +26,7 @@ import zmq
 
 from hicached.engine.config import EngineConfig, add_engine_args, config_from_args
 from hicached.engine.pd import protocol as M
+from hicached.engine.pd.router import RouterServer
 from hicached.engine.storage import TRANSFER_TIERS
 
 MODES = ("prefill", "decode", "none")
@@ -73,40 +74,9 @@ def make_engine(lm, config: EngineConfig, pd: PDConfig):
     return Engine(lm, config)
 
 
-class FrontServer:
-    """``Generate`` / ``CheckIdle`` on a ROUTER in front of an engine (mode decode or none);
-    one thread owns the engine and the socket."""
-
-    def __init__(self, engine, endpoint: str):
-        self.engine, self.endpoint = engine, endpoint
-        self._ctx = zmq.Context()
-        self.sock = self._ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
-        self.peers: dict[str, bytes] = {}
-        self._stop = False
-
-    def stop(self) -> None:
-        self._stop = True
-
-    def serve_forever(self, idle_poll_ms: int = 50) -> None:
-        while not self._stop:
-            e = self.engine
-            busy = e.waiting or e.running or getattr(e, "transferring", None)
-            self.poll_once(0 if busy else idle_poll_ms)
-
-    def poll_once(self, timeout_ms: int = 0) -> None:
-        if self.sock.poll(timeout_ms, zmq.POLLIN):
-            while True:
-                try:
-                    ident, frame = self.sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except ValueError:
-                    continue
-                self._on_frame(ident, frame)
-        for req in self.engine.step():
-            self._answer(req)
+class FrontServer(RouterServer):
+    """``Generate`` / ``CheckIdle`` / ``GetUsage`` on a ROUTER in front of an engine (mode
+    decode or none)."""
 
     def _on_frame(self, ident: bytes, frame: bytes) -> None:
         try:
@@ -145,17 +115,6 @@ class FrontServer:
             t.moved_pages if t is not None else 0, t.moved_states if t is not None else 0,
             lb.read_pages if lb is not None else 0, lb.read_states if lb is not None else 0,
             *((t.prefill_s, t.publish_s, t.load_s) if t is not None else ())))
-
-    def _send(self, ident: bytes, msg) -> None:
-        try:
-            self.sock.send_multipart([ident, M.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            log.warning("could not answer: %s", e)
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self._ctx.term()
-
 
 def usage(engine) -> M.Usage:
     """An engine's device pools as the front channel reports them (``GetUsage``)."""
