@@ -130,10 +130,12 @@ class HiCache:
 
     # ------------------------------------------------------------ read
 
-    def load_back(self, tokens: Sequence[int], keys: Sequence[str], match: MatchResult
-                  ) -> LoadBack:
+    def load_back(self, tokens: Sequence[int], keys: Sequence[str], match: MatchResult,
+                  kv_only: bool = False) -> LoadBack:
         """Bring what hicached holds past ``match`` (of ``tokens``, whole pages, with page
-        ``keys``) onto the device and into the radix cache."""
+        ``keys``) onto the device and into the radix cache. ``kv_only``: not when that is only
+        a state (the device holds every KV page hicached has: the PD decode, whose prefill
+        sends the state it needs)."""
         if not self.storage.enabled or not keys:
             return NO_LOAD
         ps = self.tree.page_size
@@ -149,7 +151,7 @@ class HiCache:
                     asked.append(room)
                 return room
 
-            fetched = self.storage.prefetch(keys, usable, have, reserve)
+            fetched = self.storage.prefetch(keys, usable, have, reserve, kv_only)
             room = fetched.reservation
             if fetched.end_pages == 0:
                 if asked:

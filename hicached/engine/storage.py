@@ -79,11 +79,14 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def prefetch(self, keys: Sequence[str], usable_pages: int, kv_pages_have: int,
-                 reserve: Callable[[int], Reservation | None]) -> Fetched:
+                 reserve: Callable[[int], Reservation | None], kv_only: bool = False
+                 ) -> Fetched:
         """Load the longest prefix of ``keys`` that every pool can restore, if it is longer
         than ``usable_pages`` (what the device can already resume from). The device holds KV
         for keys ``[0, kv_pages_have)``: only later KV pages are loaded (plus the state at the
-        end). ``reserve(n)`` allocates n device pages (and a slot), or None when it cannot."""
+        end). ``reserve(n)`` allocates n device pages (and a slot), or None when it cannot.
+        ``kv_only``: a load that would bring only a state (no KV page past ``kv_pages_have``)
+        is not made."""
 
     @abc.abstractmethod
     def store(self, kv_keys: Sequence[str], kv_pages: Sequence[int], state_keys: Sequence[str],
@@ -119,7 +122,7 @@ class NullStorage(Storage):
     name = "none"
     enabled = False
 
-    def prefetch(self, keys, usable_pages, kv_pages_have, reserve) -> Fetched:
+    def prefetch(self, keys, usable_pages, kv_pages_have, reserve, kv_only=False) -> Fetched:
         return MISS
 
     def store(self, kv_keys, kv_pages, state_keys, state_slots, prefix_keys=None
@@ -195,7 +198,7 @@ class HicachedStorage(Storage):
             out.append(PoolTransfer(PoolName.INDEXER, hit_policy=PoolHitPolicy.ALL_PAGES))
         return out
 
-    def prefetch(self, keys, usable_pages, kv_pages_have, reserve) -> Fetched:
+    def prefetch(self, keys, usable_pages, kv_pages_have, reserve, kv_only=False) -> Fetched:
         if not keys:
             return MISS
         # exists already starts pulling L3-only pages into L2: count L3 loads from here
@@ -206,6 +209,8 @@ class HicachedStorage(Storage):
         if not ends:
             return MISS
         end = max(ends)
+        if kv_only and end <= kv_pages_have:
+            return MISS
         first = min(kv_pages_have, end)
         room = reserve(end - first)
         if room is None:

@@ -191,6 +191,26 @@ def test_second_decode_finds_the_first_ones_prefixes_in_l2(node):
     assert req.l2_tokens == 48 and moved(req)[:2] == (48, 1)
 
 
+def test_decode_reads_no_state_alone_from_l2(node):
+    """The decode holds A's KV but none of its states (tombstones) while L2 holds the state at
+    A's end: its arrival load-back reads nothing (a state alone), and the prefill sends the
+    page past A and the state it needs."""
+    d, twin = node.decode(), node.twin()
+    seq_a = node.run(d, A).seq
+    twin.generate(A, 6)
+    if d.states is not None:  # tombstones up to 40 (the leaf below, locked, keeps the KV)
+        lock = d.tree.inc_lock(d.tree.match_prefix(seq_a, count_hit=False).kv_node)
+        while d.tree.match_prefix(A[:40], count_hit=False).pages:
+            assert d.tree.evict_states(1) == 1
+        d.tree.dec_lock(lock)
+        assert d.tree.match_prefix(A[:40], count_hit=False).kv_len == 40
+    prompt = A[:40] + toks(12, 3)
+    req = node.run(d, prompt)
+    node.assert_equal(req, twin)
+    assert (req.loaded.read_pages, req.loaded.read_states) == (0, 0)
+    assert moved(req) == (40, 1, 1 if d.states is not None else 0)
+
+
 def test_prefill_dies_mid_request(node):
     d = node.decode(timeout_s=1.0)
     node.run(d, A)  # something cached and locked by the next request

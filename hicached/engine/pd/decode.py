@@ -4,6 +4,7 @@ A request's life on the decode (``a = len(prompt) // P * P``, the prompt's whole
 
 1. ``add_request``  (radix cache on) load-back from L2 past the device match, as any engine
                     does: prefixes other engines of the node stored are this decode's too
+                    (KV pages past its own, with the state at their end; never a state alone)
 2. ``_bootstrap``   KV-only match of ``prompt[:a]`` (through tombstones: the prefill sends the
                     state), lock the matched node for the request's life, reserve only the
                     delta pages, a slot for the prompt-end state and the request's running
@@ -94,7 +95,8 @@ class DecodeEngine(Engine):
             keys = req.keys.extend(head)
             if keys:
                 peek = self.tree.match_prefix(head, count_hit=False)
-                req.loaded = self.hicache.load_back(head, keys, peek)
+                # (a state alone is never read: the prefill sends the one at the prompt's end)
+                req.loaded = self.hicache.load_back(head, keys, peek, kv_only=True)
         self.waiting.append(req)
         return req
 
