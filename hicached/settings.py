@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 
 from hicached.errors import ConfigError
 
@@ -45,11 +46,15 @@ def parse_size(value: object, key: str = "size", allow_zero: bool = False) -> in
     return n
 
 
-def default_runtime_dir() -> str:
-    xdg = os.environ.get("XDG_RUNTIME_DIR")  # (set but empty: as if unset)
+def default_runtime_dir(env: Mapping[str, str]) -> str:
+    """Where the default socket lives: ``$XDG_RUNTIME_DIR/hicached``, else a per-user folder
+    of ``/tmp`` (``env``: the process environment, read by the entry point)."""
+    xdg = env.get("XDG_RUNTIME_DIR")  # (set but empty: as if unset)
     return os.path.join(xdg, "hicached") if xdg else f"/tmp/hicached-{os.getuid()}"
 
 
-def default_state_dir() -> str:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+def default_state_dir(env: Mapping[str, str]) -> str:
+    """Where the default state (the file L3, the config) lives: ``$XDG_STATE_HOME/hicached``,
+    else ``~/.local/state/hicached``."""
+    base = env.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
     return os.path.join(base, "hicached")

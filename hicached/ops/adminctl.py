@@ -325,13 +325,13 @@ def admin_settings(path: str | None, env) -> dict:
     return values
 
 
-def local_endpoint(configured: str) -> str:
+def local_endpoint(configured: str, env: Mapping[str, str]) -> str:
     """The control socket of this machine's daemon: ``configured`` (the config's endpoint), else
     the default endpoint of ``hicached serve`` for this user, else the systemd unit's socket
     when only that one exists."""
     if configured:
         return configured
-    mine = f"ipc://{default_runtime_dir()}/hicached.sock"
+    mine = f"ipc://{default_runtime_dir(env)}/hicached.sock"
     unit = UNIT_SOCKET[len("ipc://"):]
     if refusal(mine[len("ipc://"):]) is not None and os.path.exists(unit) and \
             refusal(unit) is None:  # (a dead daemon's leftover socket file is nobody)
@@ -351,7 +351,7 @@ def connect(args: argparse.Namespace, env: Mapping[str, str]):
         path = DEFAULT_DAEMON_CONFIG
     cfg = admin_settings(path, env)
     if args.endpoint or not (args.url or cfg["admin_port"]):
-        endpoint = args.endpoint or local_endpoint(cfg["endpoint"])
+        endpoint = args.endpoint or local_endpoint(cfg["endpoint"], env)
         if not endpoint.startswith(("ipc://", "tcp://")):
             raise ConfigError(f"--endpoint: expected ipc://PATH or tcp://HOST:PORT, got "
                               f"{endpoint!r}")

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Mapping
 
 from hicached import __version__
 from hicached.errors import HicachedError
@@ -25,7 +26,7 @@ from hicached.ops.config import DaemonConfig, load_config
 from hicached.settings import default_runtime_dir, default_state_dir
 
 
-def _serve_parser(sub) -> None:
+def _serve_parser(sub, env: Mapping[str, str]) -> None:
     p = sub.add_parser("serve", help="run the daemon in the foreground",
                        description="Run the daemon in the foreground (Ctrl-C or SIGTERM stops "
                        "it). Precedence: flags > HICACHED_* environment > --config file > "
@@ -114,7 +115,7 @@ def _serve_parser(sub) -> None:
                    help="serve recent KV event batches to routers that missed some (ROUTER)")
     p.add_argument("--print-config", action="store_true", help="print the effective config as "
                    "TOML (--config reads it back; secrets left out)")
-    _help_with_defaults(p)
+    _help_with_defaults(p, env)
 
 
 OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l3_dir",
@@ -139,7 +140,7 @@ def _show_size(n: int) -> str:
     return str(n)
 
 
-def serve_defaults() -> dict[str, str]:
+def serve_defaults(env: Mapping[str, str]) -> dict[str, str]:
     """The default of every ``serve`` option as ``--help`` shows it (paths as resolved here)."""
     out = {}
     for f in dataclasses.fields(DaemonConfig):
@@ -153,14 +154,14 @@ def serve_defaults() -> dict[str, str]:
         elif f.name in _SECRETS or value == {} or value == "":
             value = "none"
         out[f.name] = str(value)
-    state = default_state_dir()
-    out.update(endpoint=f"ipc://{default_runtime_dir()}/hicached.sock", state_dir=state,
+    state = default_state_dir(env)
+    out.update(endpoint=f"ipc://{default_runtime_dir(env)}/hicached.sock", state_dir=state,
                l3_dir="<state_dir>/l3", arena_path="/dev/shm/hicached-<digest of state_dir>")
     return out
 
 
-def _help_with_defaults(parser: argparse.ArgumentParser) -> None:
-    defaults = serve_defaults()
+def _help_with_defaults(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    defaults = serve_defaults(env)
     for action in parser._actions:
         if action.dest in defaults and action.help:
             if isinstance(action, argparse._StoreConstAction):
@@ -199,16 +200,16 @@ def _main(argv: list[str] | None) -> int:
         from hicached.engine.demo import main as demo_main
 
         return demo_main(argv[1:])
+    env = os.environ  # the one read of the environment: everything below gets it passed
     parser = argparse.ArgumentParser(prog="hicached", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hicached {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
+    _serve_parser(sub, env)
     adminctl.add_parsers(sub)
     sub.add_parser("demo", help="multi-turn demo of the reference engine through hicached "
                                 "(hicached demo --help)")
     args = parser.parse_args(argv)
-    env = os.environ  # the one read of the environment: everything below gets it passed
     if args.command != "serve":
         return adminctl.run(args, env)
     try:

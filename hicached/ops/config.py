@@ -3,9 +3,9 @@
 Precedence: CLI flags > ``HICACHED_*`` environment > TOML file (``--config``) > defaults.
 Unknown keys (file, flags) and bad values raise ``ConfigError`` naming the key; an unknown
 ``HICACHED_*`` variable is logged and ignored (the engine plugin's ``HICACHED_CLIENT_TOKEN`` and
-others share the prefix). Library code receives a ``DaemonConfig``; only the defaults of paths
-(``hicached.settings.default_runtime_dir``, ``default_state_dir``: XDG variables) read the
-environment.
+others share the prefix). Library code receives a ``DaemonConfig``; the defaults of paths
+(``hicached.settings.default_runtime_dir``, ``default_state_dir``: XDG variables) come from the
+environment ``load_config`` is given.
 Every key is documented, with its default, in ``configs/hicached.toml``.
 """
 
@@ -80,10 +80,11 @@ class DaemonConfig:
     # control loop's idle turns, so that sets find room without evicting (0: off; eviction.md)
     evict_ahead: float = 0.0
 
-    def resolved(self) -> DaemonConfig:
-        """Fill the derived defaults (paths) and check values."""
-        state = os.path.abspath(self.state_dir or default_state_dir())
-        endpoint = self.endpoint or f"ipc://{default_runtime_dir()}/hicached.sock"
+    def resolved(self, env: Mapping[str, str] | None = None) -> DaemonConfig:
+        """Fill the derived defaults (paths: from ``env``'s XDG variables) and check values."""
+        env = env or {}
+        state = os.path.abspath(self.state_dir or default_state_dir(env))
+        endpoint = self.endpoint or f"ipc://{default_runtime_dir(env)}/hicached.sock"
         arena = self.arena_path or "/dev/shm/hicached-" + hashlib.sha256(
             state.encode()).hexdigest()[:16]
         cfg = dataclasses.replace(self, state_dir=state, endpoint=endpoint, arena_path=arena,
@@ -354,4 +355,4 @@ def load_config(path: str | None = None, env: Mapping[str, str] | None = None,
         if key not in names:
             raise ConfigError(f"unknown option {key!r}")
         values[key] = _coerce(key, value)
-    return DaemonConfig(**values).resolved()
+    return DaemonConfig(**values).resolved(env)

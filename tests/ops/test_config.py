@@ -98,12 +98,16 @@ def test_log_level_socket_mode_and_env_typos(tmp_path, caplog, monkeypatch):
     assert cfg.l2_size == DaemonConfig.l2_size
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "HICACHED_L2SIZE" in warned[0] and "HICACHED_L2_SIZE" in warned[0]
-    monkeypatch.setenv("XDG_RUNTIME_DIR", "")  # set but empty: as if unset
-    endpoint = load_config(None, {}, {"state_dir": str(tmp_path)}).endpoint
-    assert endpoint.startswith("ipc:///tmp/hicached-") and "/hicached/" not in endpoint
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
-    endpoint = load_config(None, {}, {"state_dir": str(tmp_path)}).endpoint
+    # the default paths come from the environment given, never from os.environ
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "elsewhere"))
+    for env in ({}, {"XDG_RUNTIME_DIR": ""}):  # set but empty: as if unset
+        endpoint = load_config(None, env, {"state_dir": str(tmp_path)}).endpoint
+        assert endpoint.startswith("ipc:///tmp/hicached-") and "/hicached/" not in endpoint
+    endpoint = load_config(None, {"XDG_RUNTIME_DIR": str(tmp_path / "run")},
+                           {"state_dir": str(tmp_path)}).endpoint
     assert endpoint == f"ipc://{tmp_path}/run/hicached/hicached.sock"
+    state = load_config(None, {"XDG_STATE_HOME": str(tmp_path / "st")}).state_dir
+    assert state == f"{tmp_path}/st/hicached"
 
 
 def test_io_queue_depth_and_nan_times_are_refused(tmp_path):
