@@ -116,7 +116,7 @@ def test_bench_hybrid_cache_tiny_run_replays_the_trace_per_budget(capsys, monkey
     monkeypatch.setitem(sys.modules, spec.name, bench)  # (its dataclasses look themselves up)
     spec.loader.exec_module(bench)
     both = r["runs"] + [dict(x, policy="hybrid:2") for x in r["runs"]]
-    bench._ratios(both)
+    bench.add_ratios(both)
     met = {what.split(":")[0].split(" at most")[0]: ok
            for policy, what, ok in bench.targets(both) if policy == "hybrid:2"}
     orphans = max(x["orphans_client"]["max"] / x["l2_bytes"] for x in r["runs"])
