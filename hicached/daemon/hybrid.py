@@ -88,6 +88,13 @@ class HybridPolicy(KeyTree):
         self._vals.pop(k, None)
         self._vals.pop(~k, None)
 
+    def _moved_many(self, ks: list[int]) -> None:
+        vals = self._vals
+        if vals:
+            for k in ks:
+                vals.pop(k, None)
+                vals.pop(~k, None)
+
     def _parent_now(self, q: int) -> None:
         ix = self.ix
         p = ix.k_head[q]
@@ -135,14 +142,23 @@ class HybridPolicy(KeyTree):
         state: page by page, its KV page may have queued one before the call's state of the
         key came, an entry ``stale`` skips when it comes up (the key has a state)."""
         super().inserted_many(ps, used_before, mask_before)
-        kid, vals, leaves = self._kid, self._vals, {}
-        for p, k in zip(ps.tolist(), self.ix.np["p_krec"][ps].tolist()):
-            vals.pop(k, None)
-            if not kid[k]:
-                self._push_page(p)
-                leaves[k] = None
-            else:
-                self._push_mid(p)
+        ix, vals = self.ix, self._vals
+        krecs = ix.np["p_krec"][ps]
+        if vals:
+            for k in krecs.tolist():
+                vals.pop(k, None)
+        leaf = np.asarray(self._kid)[krecs] == 0
+        # (the order of the pushes matters not: a heap's entries are distinct ints)
+        leaves = {}
+        for p, k in zip(ps[leaf].tolist(), krecs[leaf].tolist()):
+            self._push_page(p)
+            leaves[k] = None
+        if not leaf.all() and any(ix._ns_trail):  # states of keys with children: mid heaps
+            mid = ~leaf
+            states = (np.asarray(ix._tbit, np.int64)[ix.np["p_tid"][ps[mid]]]
+                      & np.asarray(ix._ns_trail, np.int64)[ix.np["k_ns"][krecs[mid]]]) != 0
+            for p in ps[mid][states].tolist():
+                self._queue(self._mids, _MID, p)
         for k in leaves:
             self._maybe_tail(k)
 

@@ -38,13 +38,42 @@ class KeyTree(LruPolicy):
             setattr(self, name, memoryview(grown(getattr(self, name), n, dtype)))
 
     def linked(self, recs, parent: int) -> None:
-        """Key records ``recs`` (-1: not in L2) were linked in a chain, the first under
-        ``parent`` (-1: a root or not in L2)."""
+        """Key records ``recs`` (a list or an int64 array; -1: not in L2) were linked in a
+        chain, the first under ``parent`` (-1: a root or not in L2)."""
+        if isinstance(recs, np.ndarray):
+            if self._linked_fresh(recs, parent):
+                return
+            recs = recs.tolist()
         q = parent
         for k in recs:
             if k >= 0:
                 self._attach(k, q)
             q = k
+
+    def _linked_fresh(self, recs: np.ndarray, parent: int) -> bool:
+        """``linked`` of a call's new chain at once, in the state ``_attach`` of each in turn
+        leaves: when every key is in L2, none twice, none ``parent``, and none has a child,
+        nor (but the first) a parent. False, having done nothing, otherwise."""
+        n = len(recs)
+        if n < 2 or recs.min() < 0:
+            return False
+        up, kid = np.asarray(self._up), np.asarray(self._kid)
+        rest, head = recs[1:], recs[:-1]
+        if kid[recs].any() or up[rest].any() or parent in recs:
+            return False
+        order = np.sort(recs)
+        if not (order[1:] != order[:-1]).all():  # a key twice
+            return False
+        self._attach(int(recs[0]), parent)  # (touches no other key of the call)
+        up[rest] = head + 1
+        np.asarray(self._sib)[rest] = 0
+        np.asarray(self._psib)[rest] = 0
+        kid[head] = rest + 1
+        self._moved_many(rest.tolist())
+        mask = self.ix.np["k_mask"]
+        for q in head[mask[head] != 0].tolist():  # keys with committed pages
+            self._parent_now(q)
+        return True
 
     def _attach(self, k: int, q: int) -> None:
         if self._up[k] == q + 1:
@@ -237,6 +266,10 @@ class KeyTree(LruPolicy):
 
     def _moved(self, k: int) -> None:
         pass
+
+    def _moved_many(self, ks: list[int]) -> None:
+        for k in ks:
+            self._moved(k)
 
     def _parent_now(self, q: int) -> None:
         pass

@@ -297,7 +297,7 @@ class Records(Lookups):
             self.np["k_parent"][recs[held]] = parents[held]
             self.np["k_depth"][recs[held]] = (np.flatnonzero(held) + depth if depth >= 0
                                               else -1)
-            self.policy.linked(recs.tolist(), ks.table.get(prev) if prev else -1)
+            self.policy.linked(recs, ks.table.get(prev) if prev else -1)
             return
         up = ks.table.get(prev) if prev else -1
         recs = []

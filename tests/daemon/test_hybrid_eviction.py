@@ -284,3 +284,30 @@ def test_a_chain_taken_from_its_leaf_leaves_no_dead_entries_to_pop():
     assert {ix._key_of(ix.p_krec[e & _LOW]) for e in heap} >= {"a23", "b39"}  # the leaves
     assert len(heap) <= 3  # (one entry may name a page of B's that took a freed record)
     assert orphans(ix) == (0, 0)
+
+
+def test_a_new_chain_linked_at_once_leaves_the_tree_and_the_victims_of_key_by_key():
+    """``KeyTree.linked`` takes a call's new chain (32 keys or more, none linked yet) in a few
+    array writes; the tree, the candidates and so every eviction must be those of linking key
+    by key, also for chains that continue, rewrite or repeat earlier links."""
+    rng = random.Random(11)
+    fast, slow = make(24, "hybrid"), make(24, "hybrid")
+    slow.policy._linked_fresh = lambda recs, parent: False
+    real, fresh = fast.policy._linked_fresh, []
+    fast.policy._linked_fresh = lambda recs, parent: fresh.append(real(recs, parent)) or fresh[-1]
+    calls = []
+    for i in range(60):
+        n = rng.choice([32, 40, 48, 5])
+        parent = rng.choice([None, None] + [c[rng.randrange(len(c))] for c in calls[-4:]])
+        keys = chain(f"c{i}-", n) if rng.random() < 0.8 or not calls else calls[-1]
+        with_state = rng.random() < 0.6
+        for ix in (fast, slow):
+            p = parent if parent is not None and ix.get(("ns", "kv"), parent) else None
+            store(ix, keys, parent=p, depth=-1, states=[keys[-1]] if with_state else ())
+        calls.append(keys)
+        for name in ("_up", "_kid", "_sib", "_psib"):
+            assert bytes(getattr(fast.policy, name)) == bytes(getattr(slow.policy, name)), (i, name)
+        assert held(fast) == held(slow) and held(fast, "mamba") == held(slow, "mamba"), i
+    assert fast.evictions == slow.evictions > 500  # under pressure throughout
+    assert orphans(fast) == orphans(slow)
+    assert 20 < fresh.count(True) < len(fresh)  # both paths taken
