@@ -132,6 +132,39 @@ def test_bench_hybrid_cache_tiny_run_replays_the_trace_per_budget(capsys, monkey
     assert len([line for line in out.splitlines() if line.startswith("hybrid:2 ")]) == 3
 
 
+def test_hybrid_oracle_bounds_the_trace_between_lru_and_the_ceiling(monkeypatch):
+    """The offline policies of ``hybrid_oracle.py`` on a small trace: no eviction gives the
+    ceiling worked out by ``hybrid_trace``, the oracle never does worse than the simulated LRU,
+    and the CLI prints every policy per budget and refuses bad input."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import hybrid_oracle as oracle
+    from hybrid_trace import KV_PAGE_BYTES, make_trace, summary
+
+    trace = make_trace("mix2", 5, 240)
+    state = 32 * KV_PAGE_BYTES
+    info = summary(trace, 24, state)
+    rates = {}
+    for policy in oracle.POLICIES:
+        top = oracle.simulate(trace, 2 * info["working_set_bytes"], policy, state, 24)
+        assert top["hit_rate"] == info["ceiling_hit_rate"], policy  # nothing evicted
+        for pct in (5, 20):
+            rates[policy, pct] = oracle.simulate(trace, info["working_set_bytes"] * pct // 100,
+                                                 policy, state, 24)["hit_rate"]
+    for pct in (5, 20):
+        assert 0 < rates["lru", pct] < rates["belady", pct] <= info["ceiling_hit_rate"]
+        assert rates["lru", pct] < rates["admit", pct] <= rates["belady", pct]
+    assert rates["belady", 5] < rates["belady", 20]
+    with pytest.raises(ValueError, match="policy: 'lfu'"):
+        oracle.simulate(trace, 1 << 20, "lfu", state, 24)
+    r = _run("hybrid_oracle.py", "--requests", "200", "--budgets", "10,30")
+    assert [row["budget_pct"] for row in r["budgets"]] == [10.0, 30.0]
+    assert all(set(row) == {"budget_pct", *oracle.POLICIES} for row in r["budgets"])
+    assert r["trace"]["requests"] == 200
+    bad = subprocess.run([sys.executable, str(TOOLS / "hybrid_oracle.py"), "--budgets", "0,x"],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--budgets: '0,x'" in bad.stderr
+
+
 def test_bench_engine_under_pressure_keeps_the_base_prompts_head_unless_lru():
     """``bench_engine.py --pressure``: the reference engine asks a prompt sharing 90 % of a base
     prompt after unrelated ones evicted half a prompt's worth of L2: LRU took the base's head."""
