@@ -39,6 +39,7 @@ from hicached.presence import fingerprints
 if TYPE_CHECKING:
     from hicached.daemon.index import PageIndex
 
+RUN_MIN = 8  # keys that take the slots a victim freed go together from this many
 BATCH_MIN = 32  # calls of fewer pages go page by page (a numpy call costs ~1-2 us, a page ~3-5)
 HITS_MAX = 0x7FFFFFFF
 
@@ -95,13 +96,17 @@ class BatchOps:
         pending, and that none comes twice; ``fps`` / ``recs``: the keys' ``lookup`` when no
         record came or went since (else they are looked up here).
 
-        The keys that get a free slot without eviction are reserved together (a run of slots
-        off the allocator, one assignment per column); from the first that needs an eviction
-        on, one by one. Few keys, keys of several lengths, non-ASCII or longer than
-        ``KEY_BYTES``, and keys whose fingerprint another key has, go one by one throughout."""
+        The keys that get a free slot are reserved together (a run of slots off the
+        allocator, one assignment per column); when the class is full, the victims the next
+        key would evict go, and the keys that get the slots they freed are reserved together
+        again (a hybrid victim, a leaf segment, frees tens of slots; an LRU victim one: those
+        keys go one by one), until nothing more may go, from when on one by one. Few keys,
+        keys of several lengths, non-ASCII or longer than ``KEY_BYTES``, and keys whose
+        fingerprint another key has, go one by one throughout."""
         n = len(keys)
         width = len(keys[0]) if n else 0
-        if n < BATCH_MIN or not 0 < width <= KEY_BYTES or not self.alloc.has_free(stride):
+        if n < BATCH_MIN or not 0 < width <= KEY_BYTES or not (
+                self.alloc.has_free(stride) or self.policy.frees_runs):
             return self._reserve_each(table, keys, page_bytes, stride, owner)
         blob = "".join(keys).encode()
         if len(blob) != n * width:
@@ -110,23 +115,60 @@ class BatchOps:
         if tid is None:
             tid = self.table_id(table)  # (ValueError before anything, as ``reserve``)
             fps = None  # (a new namespace has no key table to have looked in)
-        nsid = self._ns_id[table[0]]
-        fptable = self._keys[nsid].table
+        fptable = self._keys[self._ns_id[table[0]]].table
         if fps is None:
             fps = key_fps(keys)
             recs = fptable.get_many(fps)
         if len(set(fps.tolist())) != n:  # a key twice, or two keys of one fingerprint
             return self._reserve_each(table, keys, page_bytes, stride, owner)
         mine = np.frombuffer(blob, np.uint8).reshape(n, width)
+        out: list[Entry | None] = []
+        at, evicted = 0, False
+        while at < n:
+            free = self.alloc.free_slots(stride)
+            if not free:  # what reserving keys[at] on its own would evict (``_make_room``)
+                self.pressed.add(stride)
+                victims = self.policy.make_room(stride)
+                if not victims or not sum(map(self._evict_page, victims)):
+                    break  # nothing may go: one by one from here, as each would try
+                evicted = True
+                continue
+            k = min(free, n - at)
+            if k < RUN_MIN and (at or evicted):  # a few slots freed: those keys one by one
+                out += self._reserve_each(table, keys[at:at + k], page_bytes, stride, owner)
+            else:
+                got = self._reserve_run(table, tid, keys[at:at + k], mine[at:at + k],
+                                        fps[at:at + k], None if evicted else recs[at:at + k],
+                                        page_bytes, stride, owner)
+                if got is None:  # a key another key's fingerprint stands for (2^-64)
+                    break
+                out += got
+            at += k
+        if at < n:
+            out += self._reserve_each(table, keys[at:], page_bytes, stride, owner)
+        return out
+
+    def _reserve_run(self: PageIndex, table: TableId, tid: int, keys: Sequence[str],
+                     mine: np.ndarray, fps: np.ndarray, recs: np.ndarray | None,
+                     page_bytes: int, stride: int, owner: int) -> list[Entry] | None:
+        """``reserve`` of each of ``keys`` (``mine``: their bytes, one row each; ``fps`` /
+        ``recs``: their fingerprints and key records, None: looked up now), which all get a
+        free slot of the class: in one pass. None, having done nothing, when a key record
+        ``recs`` names holds another key (the caller goes one by one)."""
+        n, width = len(keys), mine.shape[1]
+        nsid = self._ns_id[table[0]]
+        fptable = self._keys[nsid].table
+        if recs is None:
+            recs = fptable.get_many(fps)
         cols = self.np
         held = np.flatnonzero(recs >= 0)  # keys another pool of the namespace holds
         if len(held):
             kr = recs[held]
             same = (cols["k_bytes"].reshape(-1, KEY_BYTES)[kr, :width] == mine[held]).all(1)
             if np.count_nonzero(same & (cols["k_len"][kr] == width)) != len(held):
-                return self._reserve_each(table, keys, page_bytes, stride, owner)  # (2^-64)
+                return None
         runs = self.alloc.alloc_many(stride, n)
-        m = sum(len(slots) for _, slots in runs)
+        m = sum(len(slots) for _, slots in runs)  # n: the caller counted the free slots
         recs = recs[:m].copy()
         new = np.flatnonzero(recs < 0)
         if len(new):  # key records for the keys L2 holds no page of
@@ -168,7 +210,7 @@ class BatchOps:
         ns = table[0]
         self.ns_bytes[ns] = self.ns_bytes.get(ns, 0) + m * stride
         make = Entry.__new__
-        out: list[Entry | None] = [make(Entry) for _ in range(m)]
+        out: list[Entry] = [make(Entry) for _ in range(m)]
         ps_list = ps.tolist()
         for e, key, p, off, gen in zip(out, keys, ps_list, offsets.tolist(), gens.tolist()):
             e._ix, e.rec, e.table, e.key, e._offset, e.stride, e.gen = (
@@ -179,8 +221,6 @@ class BatchOps:
         pend.update(zip(keys, out))
         if owner:
             self.owners.update(dict.fromkeys(ps_list, owner))
-        if m < n:
-            out += self._reserve_each(table, keys[m:], page_bytes, stride, owner)
         return out
 
     def _reserve_each(self: PageIndex, table: TableId, keys: Sequence[str], page_bytes: int,

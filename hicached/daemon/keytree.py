@@ -26,6 +26,8 @@ MAX_WALK = 1 << 20  # keys a cycle check walks at most (a cycle is refused, neve
 class KeyTree(LruPolicy):
     """LRU lists plus the tree of keys (module docstring)."""
 
+    frees_runs = True  # a victim is a leaf segment: tens of slots (``reserve_many``)
+
     def __init__(self):
         super().__init__()
         for name in ("_up", "_kid", "_sib", "_psib"):

@@ -36,6 +36,8 @@ COMMITTED = 1  # index.COMMITTED (that module imports this one)
 class LruPolicy:
     """Least recently used per size class (see the module docstring)."""
 
+    frees_runs = False  # a victim is mostly one page (``reserve_many`` goes key by key)
+
     name = "lru"
 
     def __init__(self):

@@ -121,6 +121,11 @@ class SlabAllocator:
         class and the free slabs (which any class may take)."""
         return self._free_slots.get(stride, 0) * stride + len(self._free_slabs) * self.slab_bytes
 
+    def free_slots(self, stride: int) -> int:
+        """How many ``alloc(stride)`` can give without the caller evicting."""
+        return (self._free_slots.get(stride, 0)
+                + len(self._free_slabs) * (self.slab_bytes // stride))
+
     def alloc_many(self, stride: int, n: int) -> list[tuple[Slab, array]]:
         """Up to ``n`` free slots of class ``stride``: exactly the slots, in the same order and
         leaving the same state, as ``n`` calls of ``alloc`` that stop at the first None (a

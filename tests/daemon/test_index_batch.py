@@ -76,13 +76,15 @@ def odd_key(rng: random.Random, i: int) -> str:
 class Plan:
     """A seeded sequence of calls, replayed on two indexes: one page by page, one by call."""
 
-    def __init__(self, seed: int, calls: int = 40):
+    def __init__(self, seed: int, calls: int = 40, sizes=(1, 5, BATCH_MIN - 1, BATCH_MIN, 40, 70,
+                                                              130), slab: int = 4096):
+        self.slab = slab
         rng = random.Random(seed)
         self.calls = []
         fresh = iter(range(10**9))
         stored: list[str] = []
         for _ in range(calls):
-            n = rng.choice([1, 5, BATCH_MIN - 1, BATCH_MIN, 40, 70, 130])
+            n = rng.choice(sizes)
             kind = rng.random()
             if kind < 0.1:  # keys of other kinds: one by one on both sides
                 keys = [odd_key(rng, next(fresh)) for _ in range(n)]
@@ -99,9 +101,9 @@ class Plan:
 
 
 def replay(plan: Plan, many: bool, policy: str, tmp_path) -> list[dict]:
-    ix = PageIndex(SlabAllocator(24 * 4096, 4096), policy=make_policy(policy))
+    ix = PageIndex(SlabAllocator(24 * plan.slab, plan.slab), policy=make_policy(policy))
     ix._gen = 0  # slot generations start at random
-    shared = PresenceTable(str(tmp_path / f"p{many}"), 1024, 1, arena_bytes=24 * 4096,
+    shared = PresenceTable(str(tmp_path / f"p{many}"), 4096, 1, arena_bytes=24 * plan.slab,
                            grain=512)  # a state's slot is tagged
     ix.shared = shared
     states_seen = []
@@ -156,6 +158,38 @@ def test_calls_leave_exactly_the_state_of_pages_one_by_one(tmp_path, policy, see
     for i, (a, b) in enumerate(zip(single, batched, strict=True)):
         diff = [k for k in a if a[k] != b[k]]
         assert not diff, (i, diff)
+
+
+@pytest.mark.parametrize("policy", ["lru", "hybrid", "prefix"])
+def test_a_full_class_reserves_the_slots_each_victim_frees_together_as_one_by_one(
+        tmp_path, policy, monkeypatch):
+    """Long chains on slabs of 64 KV pages: a call finds its class full, and under ``prefix``
+    and ``hybrid`` a victim (a leaf segment) frees tens of slots, which the next keys take in
+    one pass (``_reserve_run`` after an eviction); the state is still exactly that of one by
+    one."""
+    import hicached.daemon.batch as batch
+
+    runs, real = [], batch.BatchOps._reserve_run
+
+    def counted(self, table, tid, keys, mine, fps, recs, *rest):
+        runs.append((len(keys), recs is None))
+        return real(self, table, tid, keys, mine, fps, recs, *rest)
+
+    monkeypatch.setattr(batch.BatchOps, "_reserve_run", counted)
+    plan = Plan(7, calls=0, slab=16384)
+    rng = random.Random(7)
+    stored: list[str] = []
+    for i in range(30):  # chains of fresh keys, a state at each chain's end, reads between
+        keys = [f"{i:04d}{j:060x}" for j in range(rng.choice([40, 70, 130, 200]))]
+        stored += keys
+        plan.calls.append((KV, keys, [keys[-1]], rng.sample(stored, 40), True))
+    single, batched = replay(plan, False, policy, tmp_path), replay(plan, True, policy, tmp_path)
+    for i, (a, b) in enumerate(zip(single, batched, strict=True)):
+        diff = [k for k in a if a[k] != b[k]]
+        assert not diff, (i, diff)
+    after = [n for n, evicted in runs if evicted]
+    if policy != "lru":  # (LRU: only when it reclaims another class's slab)
+        assert len(after) >= 2 and max(after) >= BATCH_MIN
 
 
 def test_a_state_committed_with_its_kv_page_queues_no_tail(tmp_path):
