@@ -165,6 +165,33 @@ def test_hybrid_oracle_bounds_the_trace_between_lru_and_the_ceiling(monkeypatch)
     assert bad.returncode == 2 and "--budgets: '0,x'" in bad.stderr
 
 
+def test_hybrid_index_replay_drives_the_index_as_the_daemon_does(monkeypatch):
+    """The trace on the page index in process: with room for everything, the ceiling worked out
+    offline, exactly; under pressure, evictions, fewer hits, and no orphan left by the chain
+    policies; the CLI times every set call per policy and refuses bad input."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import hybrid_index_replay as replay
+    from hybrid_trace import KV_PAGE_BYTES, make_trace, summary
+
+    trace = make_trace("mix2", 5, 240)
+    info = summary(trace, 24, 32 * KV_PAGE_BYTES)
+    for policy in ("lru", "hybrid"):
+        top = replay.replay(trace, policy, 2 * info["working_set_bytes"], 32, 24)
+        assert top["hit_rate"] == info["ceiling_hit_rate"] and top["evictions"] == 0, policy
+        low = replay.replay(trace, policy, info["working_set_bytes"] // 10, 32, 24)
+        assert low["evictions"] > 0 and 0 < low["hit_rate"] < top["hit_rate"], policy
+        assert low["sets"] > 0 and 0 < low["set_p50_ms"] <= low["set_p99_ms"], policy
+        assert policy == "lru" or low["orphan_bytes_at_end"] == 0
+    r = _run("hybrid_index_replay.py", "--requests", "150", "--budgets", "10",
+             "--policies", "lru,prefix,hybrid:2")
+    assert [x["policy"] for x in r["runs"]] == ["lru", "prefix", "hybrid:2"]
+    assert all(x["budget_pct"] == 10 and x["evictions"] > 0 for x in r["runs"])
+    bad = subprocess.run([sys.executable, str(TOOLS / "hybrid_index_replay.py"),
+                          "--policies", "lru,mru"],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--policies: 'mru'" in bad.stderr
+
+
 def test_bench_engine_under_pressure_keeps_the_base_prompts_head_unless_lru():
     """``bench_engine.py --pressure``: the reference engine asks a prompt sharing 90 % of a base
     prompt after unrelated ones evicted half a prompt's worth of L2: LRU took the base's head."""

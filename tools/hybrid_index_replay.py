@@ -1,0 +1,151 @@
+"""The hybrid trace replayed on the page index alone, in process (issue 25): the index's own work
+per set call, per eviction policy, without sockets, clients, copies or the VM's noise on them.
+
+``bench_hybrid_cache.py`` measures the daemon end to end, where a set's latency is mostly the
+client, the socket and the copy; this drives ``PageIndex`` as the daemon's control loop does for
+the same trace (``hybrid_trace.py``): per request, the hit (the longest prompt prefix whose KV
+pages and the state at its end are held), a get's reads of those pages (``count_hits`` and
+``touch_many``), then the set calls of up to 128 KV pages with their states (``reserve_many``,
+``link``, ``commit_many``, the call's parent pinned meanwhile), and between requests the idle
+turns' work (``Reclaimer.step``: the tails). It prints per budget and policy the token hit rate,
+the evictions, the orphan bytes left at the end and the index's CPU time per set call
+(``time.thread_time``: p50, p99, mean).
+
+Run it under ``valgrind --tool=callgrind`` (``--requests 400 --budgets 5``) for instruction
+counts, which a shared VM does not move:
+
+    python tools/hybrid_index_replay.py [--trace mix1] [--policies lru,hybrid] [--budgets 5,10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hybrid_trace import (
+    KV_PAGE_BYTES,
+    MIXES,
+    PAGE_TOKENS,
+    Trace,
+    make_trace,
+    states_to_set,
+    summary,
+)
+
+from hicached.daemon.hybrid import make_policy
+from hicached.daemon.index import PageIndex
+from hicached.daemon.orphans import orphans
+from hicached.daemon.reclaim import Reclaimer
+from hicached.daemon.slabs import SlabAllocator
+
+SET_BATCH = 128  # KV pages a set call holds (as bench_hybrid_cache)
+SLAB = 4 << 20
+KV, MAMBA = ("ns", "kv"), ("ns", "mamba")
+
+
+def replay(trace: Trace, policy: str, arena: int, state_pages: int, warmup: int) -> dict:
+    """Every request of ``trace`` on a fresh index of ``arena`` bytes under ``policy``."""
+    state = state_pages * KV_PAGE_BYTES
+    name, _, alpha = policy.partition(":")
+    ix = PageIndex(SlabAllocator(max(SLAB, arena // SLAB * SLAB), SLAB),
+                   policy=make_policy(name, float(alpha) if alpha else 1.0))
+    idle = Reclaimer(ix, 0.0)
+    idle.attach(0.0, lambda: False)  # the tails go in idle turns, as in a daemon
+    ix.mark_trailing(MAMBA)
+    times: list[float] = []
+    hit_tokens = prompt_tokens = 0
+    for i, req in enumerate(trace.requests):
+        keys, n = req.keys, len(req.keys)
+        hit = 0
+        while hit < req.prompt_pages and ix.get(KV, keys[hit]) is not None:
+            hit += 1
+        while hit and ix.get(MAMBA, keys[hit - 1]) is None:
+            hit -= 1
+        if hit:
+            read = [ix.get(KV, k) for k in keys[:hit]] + [ix.get(MAMBA, keys[hit - 1])]
+            ix.count_hits(read)  # (a get counts its reads before the policy hears of them)
+            ix.touch_many(read)
+        if i >= warmup:
+            hit_tokens += hit * PAGE_TOKENS
+            prompt_tokens += req.prompt_tokens
+        states = states_to_set(req, hit)
+        for lo in range(hit, n, SET_BATCH):
+            hi = min(n, lo + SET_BATCH)
+            t = time.thread_time()
+            guard = ix.get(KV, keys[lo - 1]) if lo else None
+            if guard is not None:
+                ix.pin(guard)
+            entries = ix.reserve_many(KV, [k for k in keys[lo:hi] if ix.get(KV, k) is None],
+                                      KV_PAGE_BYTES, KV_PAGE_BYTES)
+            mine = [keys[b - 1] for b in states if lo < b <= hi]
+            mine = [k for k in mine if ix.get(MAMBA, k) is None]
+            if mine:
+                entries += ix.reserve_many(MAMBA, mine, state, state)
+            ix.link("ns", keys[lo:hi], keys[lo - 1] if lo else None, lo)
+            ix.commit_many([e for e in entries if e is not None])
+            if guard is not None:
+                ix.unpin(guard)
+            if i >= warmup:
+                times.append(time.thread_time() - t)
+        while idle.wanted() and idle.step():
+            pass
+    ms = np.array(times) * 1e3
+    idle.settle()
+    return {"policy": policy, "arena_bytes": ix.alloc.capacity_bytes,
+            "hit_rate": hit_tokens / max(1, prompt_tokens), "evictions": ix.evictions,
+            "orphan_bytes_at_end": orphans(ix, leaving=idle.leaving())[1],
+            "sets": len(ms), "set_p50_ms": float(np.percentile(ms, 50)) if len(ms) else 0.0,
+            "set_p99_ms": float(np.percentile(ms, 99)) if len(ms) else 0.0,
+            "set_mean_ms": float(ms.mean()) if len(ms) else 0.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", choices=sorted(MIXES), default="mix1")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--policies", default="lru,hybrid")
+    ap.add_argument("--budgets", default="5,10", help="% of the working set")
+    ap.add_argument("--state-pages", type=int, default=32)
+    ap.add_argument("--warmup", type=float, default=0.1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        budgets = [float(b) for b in args.budgets.split(",") if b]
+    except ValueError:
+        ap.error(f"--budgets: {args.budgets!r} is not a comma-separated list of numbers")
+    if not budgets or any(not 0 < b <= 100 for b in budgets):
+        ap.error(f"--budgets: {args.budgets!r}: each must be in (0, 100]")
+    policies = [p for p in args.policies.split(",") if p]
+    for p in policies:
+        name, _, alpha = p.partition(":")
+        if name not in ("lru", "prefix", "hybrid") or (alpha and name != "hybrid"):
+            ap.error(f"--policies: {p!r} is not lru, prefix, hybrid or hybrid:ALPHA")
+    trace = make_trace(args.trace, args.seed, args.requests)
+    warmup = int(len(trace.requests) * args.warmup)
+    info = summary(trace, warmup, args.state_pages * KV_PAGE_BYTES)
+    rows = [dict(replay(trace, p, int(info["working_set_bytes"] * pct / 100), args.state_pages,
+                        warmup), budget_pct=pct)
+            for pct in budgets for p in policies]
+    if args.json:
+        print(json.dumps({"trace": info, "runs": rows}, indent=1))
+        return 0
+    print(f"hybrid_index_replay: trace {trace.name} (seed {trace.seed}), {len(trace.requests)} "
+          f"requests, working set {info['working_set_bytes'] / 2**20:,.1f} MiB")
+    print("budget  policy      hit rate  evictions  index CPU per set call: p50 / p99 / mean ms")
+    for r in rows:
+        print(f"{r['budget_pct']:5g} %  {r['policy']:10s}  {r['hit_rate']:8.4f}  "
+              f"{r['evictions']:9d}  {r['set_p50_ms']:.3f} / {r['set_p99_ms']:.3f} / "
+              f"{r['set_mean_ms']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
