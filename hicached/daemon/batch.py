@@ -100,8 +100,8 @@ class BatchOps:
         allocator, one assignment per column); when the class is full, the victims the next
         key would evict go, and the keys that get the slots they freed are reserved together
         again (a hybrid victim, a leaf segment, frees tens of slots; an LRU victim one: those
-        keys go one by one), until nothing more may go, from when on one by one. Few keys,
-        keys of several lengths, non-ASCII or longer than ``KEY_BYTES``, and keys whose
+        keys go one by one); a key for which nothing may go gets no slot, as on its own. Few
+        keys, keys of several lengths, non-ASCII or longer than ``KEY_BYTES``, and keys whose
         fingerprint another key has, go one by one throughout."""
         n = len(keys)
         width = len(keys[0]) if n else 0
@@ -130,7 +130,9 @@ class BatchOps:
                 self.pressed.add(stride)
                 victims = self.policy.make_room(stride)
                 if not victims or not sum(map(self._evict_page, victims)):
-                    break  # nothing may go: one by one from here, as each would try
+                    out.append(None)  # nothing may go: no room for keys[at]
+                    at += 1
+                    continue
                 evicted = True
                 continue
             k = min(free, n - at)

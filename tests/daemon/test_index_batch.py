@@ -192,6 +192,29 @@ def test_a_full_class_reserves_the_slots_each_victim_frees_together_as_one_by_on
         assert len(after) >= 2 and max(after) >= BATCH_MIN
 
 
+@pytest.mark.parametrize("policy", ["lru", "hybrid"])
+def test_a_full_class_with_pages_pinned_refuses_keys_as_one_by_one(policy):
+    """Half the arena's pages pinned (read now): the keys past the room the other half gives get
+    no slot, and the index is left as reserving them one by one leaves it."""
+    states = []
+    for many in (False, True):
+        ix = PageIndex(SlabAllocator(4 * 16384, 16384), policy=make_policy(policy))
+        ix._gen = 0
+        ix.mark_trailing(MAMBA)
+        first = [f"a{i:063x}" for i in range(256)]
+        done = [ix.reserve(KV, k, 256, 256) for k in first]
+        ix.link("ns", first, None, 0)
+        ix.commit_many(done)
+        for e in done[:128]:
+            ix.pin(e)
+        keys = [f"b{i:063x}" for i in range(200)]
+        got = (ix.reserve_many(KV, keys, 256, 256) if many
+               else [ix.reserve(KV, k, 256, 256) for k in keys])
+        assert sum(e is not None for e in got) == 128 and got[-1] is None
+        states.append((snapshot(ix, None), [e is None for e in got]))
+    assert states[0] == states[1]
+
+
 def test_a_state_committed_with_its_kv_page_queues_no_tail(tmp_path):
     """A leaf key's KV page and state in one commit: page by page the KV page queued a tail
     (the key was state-less then) that ``stale`` skips; ``commit_many`` judges the key on the
