@@ -33,8 +33,8 @@ its key's bytes compared equal.
 Eviction asks one policy object which pages go next (``policy.py``): ``_make_room`` when a size
 class has no free slot, slab reclaim, quotas, the L3 audit.
 
-A call's pages go through the per-call twins of the calls here (``batch.py``: ``reserve_many``,
-``commit_many``, ``touch_many``, ...), which leave exactly the state of these called page by
+A call's pages go through the per-call twins of the calls here (``batch.py``, ``reserving.py``:
+``reserve_many``, ``commit_many``, ``touch_many``, ...), which leave exactly the state of these called page by
 page, in a few numpy passes where the call is large enough to pay for them.
 
 Presence (``presence``): a key record's mask is the OR of ``pool_bit`` of the pools holding the

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hicached import protocol as P
-from hicached.daemon import batch
+from hicached.daemon import batch, reserving
 from hicached.daemon.batch import BATCH_MIN
 from hicached.daemon.controller import Controller
 from hicached.daemon.fptable import FpTable
@@ -167,15 +167,13 @@ def test_a_full_class_reserves_the_slots_each_victim_frees_together_as_one_by_on
     and ``hybrid`` a victim (a leaf segment) frees tens of slots, which the next keys take in
     one pass (``_reserve_run`` after an eviction); the state is still exactly that of one by
     one."""
-    import hicached.daemon.batch as batch
-
-    runs, real = [], batch.BatchOps._reserve_run
+    runs, real = [], reserving.ReserveOps._reserve_run
 
     def counted(self, table, tid, keys, mine, fps, recs, *rest):
         runs.append((len(keys), recs is None))
         return real(self, table, tid, keys, mine, fps, recs, *rest)
 
-    monkeypatch.setattr(batch.BatchOps, "_reserve_run", counted)
+    monkeypatch.setattr(reserving.ReserveOps, "_reserve_run", counted)
     plan = Plan(7, calls=0, slab=16384)
     rng = random.Random(7)
     stored: list[str] = []
@@ -310,6 +308,7 @@ def controller_run(monkeypatch, tmp_path, batched: bool, policy: str) -> tuple[l
     with ``batched`` False every call goes page by page. The answers and the final state."""
     if not batched:
         monkeypatch.setattr(batch, "BATCH_MIN", 1 << 30)
+        monkeypatch.setattr(reserving, "BATCH_MIN", 1 << 30)
     ix = PageIndex(SlabAllocator(40 * 4096, 4096), policy=make_policy(policy))
     ix._gen = 0
     shared = PresenceTable(str(tmp_path / f"c{batched}"), 2048, 1)
