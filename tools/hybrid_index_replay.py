@@ -31,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hybrid_trace import (
     KV_PAGE_BYTES,
-    MIXES,
     PAGE_TOKENS,
     Trace,
+    add_trace_args,
     make_trace,
+    parse_budgets,
     states_to_set,
     summary,
 )
@@ -108,21 +109,10 @@ def replay(trace: Trace, policy: str, arena: int, state_pages: int, warmup: int)
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", choices=sorted(MIXES), default="mix1")
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--requests", type=int, default=None)
+    add_trace_args(ap, "5,10")
     ap.add_argument("--policies", default="lru,hybrid")
-    ap.add_argument("--budgets", default="5,10", help="% of the working set")
-    ap.add_argument("--state-pages", type=int, default=32)
-    ap.add_argument("--warmup", type=float, default=0.1)
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    try:
-        budgets = [float(b) for b in args.budgets.split(",") if b]
-    except ValueError:
-        ap.error(f"--budgets: {args.budgets!r} is not a comma-separated list of numbers")
-    if not budgets or any(not 0 < b <= 100 for b in budgets):
-        ap.error(f"--budgets: {args.budgets!r}: each must be in (0, 100]")
+    budgets = parse_budgets(ap, args.budgets)
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
         name, _, alpha = p.partition(":")

@@ -44,10 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hybrid_trace import (
     KV_PAGE_BYTES,
-    MIXES,
     PAGE_TOKENS,
     Trace,
+    add_trace_args,
     make_trace,
+    parse_budgets,
+    replay_unbounded,
     states_to_set,
     summary,
 )
@@ -120,25 +122,6 @@ def _s3fifo(trace: Trace, budget: int, state_bytes: int, warmup: int) -> dict:
             "prompt_tokens": prompt_tokens, "hit_rate": hit_tokens / max(1, prompt_tokens)}
 
 
-def ceiling_hits(trace: Trace) -> list[int]:
-    """Per request, the pages of its hit with nothing ever evicted (``hybrid_trace.ceiling``):
-    what it would use of the pages and states before it."""
-    kv: set[int] = set()
-    states: set[int] = set()
-    out = []
-    for req in trace.requests:
-        kv_pages = 0
-        while kv_pages < req.prompt_pages and req.ids[kv_pages] in kv:
-            kv_pages += 1
-        hit = kv_pages
-        while hit and req.ids[hit - 1] not in states:
-            hit -= 1
-        out.append(hit)
-        kv.update(req.ids[hit:])
-        states.update(req.ids[b - 1] for b in states_to_set(req, hit))
-    return out
-
-
 def simulate(trace: Trace, budget: int, policy: str, state_bytes: int, warmup: int) -> dict:
     """Replay ``trace`` against an L2 of ``budget`` bytes under ``policy`` (``lru`` or
     ``belady``); the hit rate of the requests from ``warmup`` on."""
@@ -149,7 +132,7 @@ def simulate(trace: Trace, budget: int, policy: str, state_bytes: int, warmup: i
     # an item is a KV page (2 x id) or the state at that page (2 x id + 1)
     size = (KV_PAGE_BYTES, state_bytes)
     uses: dict[int, list[int]] = {}  # item -> the requests that use it, in order
-    for i, hit in enumerate(ceiling_hits(trace)):
+    for i, hit in enumerate(replay_unbounded(trace)[0]):
         ids = trace.requests[i].ids
         for x in ids[:hit]:
             uses.setdefault(2 * x, []).append(i)
@@ -220,20 +203,9 @@ def simulate(trace: Trace, budget: int, policy: str, state_bytes: int, warmup: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", choices=sorted(MIXES), default="mix1")
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--requests", type=int, default=None)
-    ap.add_argument("--budgets", default="5,10,25,50", help="% of the working set")
-    ap.add_argument("--state-pages", type=int, default=32)
-    ap.add_argument("--warmup", type=float, default=0.1)
-    ap.add_argument("--json", action="store_true")
+    add_trace_args(ap, "5,10,25,50")
     args = ap.parse_args(argv)
-    try:
-        budgets = [float(b) for b in args.budgets.split(",") if b]
-    except ValueError:
-        ap.error(f"--budgets: {args.budgets!r} is not a comma-separated list of numbers")
-    if not budgets or any(not 0 < b <= 100 for b in budgets):
-        ap.error(f"--budgets: {args.budgets!r}: each must be in (0, 100]")
+    budgets = parse_budgets(ap, args.budgets)
     if args.state_pages < 1:
         ap.error("--state-pages: must be >= 1")
     trace = make_trace(args.trace, args.seed, args.requests)

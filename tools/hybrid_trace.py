@@ -186,27 +186,58 @@ def states_to_set(req: Request, hit: int) -> list[int]:
     return sorted({b for b in req.branches if hit < b <= n} | ({n} if hit < n else set()))
 
 
-def ceiling(trace: Trace, warmup: int) -> dict:
-    """The trace with no eviction, worked out here: hit tokens of the counted requests, and
-    the working set (every KV page and state stored, at the end)."""
+def replay_unbounded(trace: Trace) -> tuple[list[int], set[int], set[int]]:
+    """The trace with no eviction: per request the pages of its hit (what it reads of the pages
+    and states stored before it), and the KV pages and states stored in the end (page ids)."""
     kv: set[int] = set()
     states: set[int] = set()
-    hit_tokens = prompt_tokens = 0
-    for i, req in enumerate(trace.requests):
+    hits = []
+    for req in trace.requests:
         kv_pages = 0
         while kv_pages < req.prompt_pages and req.ids[kv_pages] in kv:
             kv_pages += 1
         hit = kv_pages
         while hit and req.ids[hit - 1] not in states:
             hit -= 1
-        if i >= warmup:
-            hit_tokens += hit * PAGE_TOKENS
-            prompt_tokens += req.prompt_tokens
+        hits.append(hit)
         kv.update(req.ids[hit:])
         states.update(req.ids[b - 1] for b in states_to_set(req, hit))
+    return hits, kv, states
+
+
+def ceiling(trace: Trace, warmup: int) -> dict:
+    """The trace with no eviction, worked out here: hit tokens of the counted requests, and
+    the working set (every KV page and state stored, at the end)."""
+    hits, kv, states = replay_unbounded(trace)
+    counted = trace.requests[warmup:]
+    hit_tokens = sum(hits[warmup:]) * PAGE_TOKENS
+    prompt_tokens = sum(req.prompt_tokens for req in counted)
     return {"hit_tokens": hit_tokens, "prompt_tokens": prompt_tokens,
             "hit_rate": hit_tokens / max(1, prompt_tokens), "kv_pages": len(kv),
             "states": len(states)}
+
+
+def add_trace_args(ap, budgets: str) -> None:
+    """The options of the tools that replay a trace outside a daemon (``hybrid_oracle``,
+    ``hybrid_index_replay``): the trace, its size, the state's size, the warm-up, budgets."""
+    ap.add_argument("--trace", choices=sorted(MIXES), default="mix1")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--budgets", default=budgets, help="% of the working set")
+    ap.add_argument("--state-pages", type=int, default=32)
+    ap.add_argument("--warmup", type=float, default=0.1)
+    ap.add_argument("--json", action="store_true")
+
+
+def parse_budgets(ap, text: str) -> list[float]:
+    """``--budgets``' percentages, each in (0, 100]; ``ap.error`` (exit 2) otherwise."""
+    try:
+        budgets = [float(b) for b in text.split(",") if b]
+    except ValueError:
+        ap.error(f"--budgets: {text!r} is not a comma-separated list of numbers")
+    if not budgets or any(not 0 < b <= 100 for b in budgets):
+        ap.error(f"--budgets: {text!r}: each must be in (0, 100]")
+    return budgets
 
 
 def summary(trace: Trace, warmup: int, state_bytes: int) -> dict:
