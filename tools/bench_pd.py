@@ -45,6 +45,7 @@ from hicached.engine.pd.runner import (
     pool_sizes,
     run_both,
 )
+from hicached.settings import parse_size
 
 TARGET_BYTES = 0.15
 
@@ -73,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="the engines' (cpu, cuda, ...)")
     p.add_argument("--kv-pages", type=int, default=0, help="each engine's (0: the workload's)")
     p.add_argument("--state-slots", type=int, default=0, help="each engine's (0: the workload's)")
+    p.add_argument("--decode-l2", default="",
+                   help="two nodes: the decode daemon's L2 size (e.g. 64MiB; default: as the "
+                        "prefill's, which holds the whole run); one smaller than the prefixes "
+                        "keeps no copy on the decode's node between requests")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p.parse_args(argv)
 
@@ -97,9 +102,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         check_nodes(args.nodes)
+        if args.decode_l2 and args.nodes != 2:
+            raise ValueError("--decode-l2 needs --nodes 2 (one node has one daemon)")
+        if args.decode_l2:
+            parse_size(args.decode_l2, "--decode-l2")
         w = Workload(args.prefixes, args.prefix_tokens, args.suffix_tokens, args.conversations,
                      args.turns, args.new_tokens, args.seed)
-    except ValueError as e:
+    except ValueError as e:  # (a ConfigError too)
         print(f"bench_pd: {e}", file=sys.stderr)
         return 2
     from hicached.engine.models import load_model
@@ -119,12 +128,13 @@ def main(argv=None) -> int:
                           args.track_interval, args.prefill_chunk_pages, device=args.device)
         # two nodes: each daemon mounts as much into the store as its L2 holds, so that the
         # store keeps every page of the run (nothing is evicted there either)
-        with daemons(args.nodes, l2_size=f"{l2 >> 20}MiB", segment=f"{l2 >> 20}MiB") as ends:
+        with daemons(args.nodes, l2_size=f"{l2 >> 20}MiB", segment=f"{l2 >> 20}MiB",
+                     decode_l2_size=args.decode_l2) as ends:
             off, on = run_both(w, spec, ends, tmp, lm.vocab_size, progress(w))
     c = compare(off, on)
     c.update(nodes=args.nodes, page_size=args.page_size, page_bytes=page_bytes,
              state_bytes=state_bytes, workload=w.__dict__, nominal_reuse=w.nominal_reuse,
-             device=args.device, model={"layers": args.layers, "kv_heads": args.kv_heads,
+             device=args.device, decode_l2=args.decode_l2, model={"layers": args.layers, "kv_heads": args.kv_heads,
                     "head_dim": args.head_dim, "identity": lm.identity},
              target_bytes=TARGET_BYTES)
     if args.json:
@@ -155,6 +165,8 @@ def report(c: dict, w: Workload) -> None:
           f"{off['reusable_share']:.1%} of all prompt tokens")
     where = ("one daemon (L2)" if c["nodes"] == 1 else
              "two daemons sharing a mooncake_master (TCP on loopback; pages through L3)")
+    if c["decode_l2"]:
+        where += f", the decode's L2 {c['decode_l2']}"
     print(f"{c['nodes']} node{'s' if c['nodes'] > 1 else ''}: prefill and decode processes on "
           f"{where}, one request at a time; decode KV pool {off['pool_tokens']} tokens")
     rows = [
@@ -162,6 +174,8 @@ def report(c: dict, w: Workload) -> None:
         ("KV pages moved into the decode / request", "pages_per_request", 1, None),
         ("bytes moved into the decode / request (MiB)", "bytes_per_request", 3,
          "bytes_per_request"),
+        *([("  of them read from the store (pages, states)", "store_loads_per_request", 1,
+            None)] if c["nodes"] == 2 else []),
         ("TTFT p50 (ms)", "ttft_p50_ms", 1, "ttft_p50_ms"),
         ("TTFT p99 (ms)", "ttft_p99_ms", 1, "ttft_p99_ms"),
         ("TTFT mean (ms)", "ttft_mean_ms", 1, "ttft_mean_ms"),

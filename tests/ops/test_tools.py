@@ -234,10 +234,13 @@ def test_bench_pd_moves_only_the_delta_with_the_decode_radix_and_outputs_stay_eq
     nodes (two daemons sharing a mooncake_master: the pages go through L3)."""
     if nodes == 2:
         pytest.importorskip("mooncake.store", reason="two nodes need the mooncake extra")
+    own_l2 = ("--decode-l2", "64MiB") if nodes == 2 else ()
     r = _run("bench_pd.py", "--nodes", str(nodes), "--prefixes", "2", "--prefix-tokens", "64", "--suffix-tokens", "8",
              "--conversations", "4", "--turns", "2", "--new-tokens", "2", "--page-size", "8",
-             "--track-interval", "16", "--kv-heads", "2", "--head-dim", "16", timeout=300)
+             "--track-interval", "16", "--kv-heads", "2", "--head-dim", "16", *own_l2,
+             timeout=300)
     assert r["outputs_equal"] and r["max_logit_diff"] <= 1e-5 and r["nodes"] == nodes
+    assert r["decode_l2"] == ("64MiB" if nodes == 2 else "")
     assert r["page_bytes"] == 2 * 2 * 8 * 2 * 16 * 4  # K and V, 2 attention layers, fp32
     off, on = r["off"], r["on"]
     assert off["requests"] == on["requests"] == 8
@@ -253,3 +256,13 @@ def test_bench_pd_moves_only_the_delta_with_the_decode_radix_and_outputs_stay_eq
         assert 0 < s["publish_mean_ms"] < s["prefill_mean_ms"] < s["ttft_mean_ms"]
         assert 0 < s["load_mean_ms"] < s["ttft_mean_ms"] - s["prefill_mean_ms"]
         assert 0 < s["pool_used_tokens_max"] <= s["pool_tokens"]
+    if nodes == 1:
+        assert off["store_loads_per_request"] == on["store_loads_per_request"] == 0
+    else:
+        # every page the decode loads crossed the store, once per node: what the decode's
+        # daemon read (pages and states) is below what the decode moved when it keeps copies
+        assert 0 < off["store_loads_per_request"] < off["pages_per_request"]
+        assert 0 < on["store_loads_per_request"] <= on["pages_per_request"] + 1
+    bad = subprocess.run([sys.executable, str(TOOLS / "bench_pd.py"), "--decode-l2", "64MiB"],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--decode-l2 needs --nodes 2" in bad.stderr

@@ -171,14 +171,18 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def daemons(nodes: int, l2_size: str = "512MiB", slab_size: str = "8MiB",
             endpoint: str = "", workdir: str | None = None,
-            segment: str = "1GiB") -> Iterator[Endpoints]:
+            segment: str = "1GiB", decode_l2_size: str = "") -> Iterator[Endpoints]:
     """Start the run's daemons (stopped on exit) and say which one each role uses. One node:
     one daemon for both, pages through its L2 (``endpoint``: a running one instead, left
     running). Two nodes: a ``mooncake_master`` and two daemons sharing it, the prefill's on
     one, the decode's on the other; the prefill's pages reach the decode through the store
     (``--disaggregation-transfer l3``: Ready once they are in L3); each mounts ``segment`` of its
-    memory into the store."""
+    memory into the store. ``decode_l2_size`` (two nodes): the decode's daemon's L2 instead of
+    ``l2_size``; one smaller than the run's prefixes models a decode node that keeps no copy of
+    them between requests, so that every page it loads crosses the store."""
     check_nodes(nodes)
+    if decode_l2_size and nodes != 2:
+        raise ValueError("a decode daemon of its own (decode_l2_size) needs two nodes")
     if endpoint:
         if nodes != 1:
             raise ValueError("a running daemon (endpoint) serves one node only")
@@ -196,8 +200,8 @@ def daemons(nodes: int, l2_size: str = "512MiB", slab_size: str = "8MiB",
     with tempfile.TemporaryDirectory(prefix="hicached-pd-nodes-", dir=workdir) as tmp, \
             mooncake_master(tmp) as master, contextlib.ExitStack() as stack:
         made = []
-        for _ in range(2):
-            d = DaemonLauncher(l2_size, slab_size, extra=mooncake_l3_flags(master, segment))
+        for size in (l2_size, decode_l2_size or l2_size):
+            d = DaemonLauncher(size, slab_size, extra=mooncake_l3_flags(master, segment))
             stack.callback(d.close)
             made.append(d)
         yield Endpoints(made[0].endpoint, made[1].endpoint, "l3")
@@ -211,10 +215,12 @@ class EngineProc:
         self.name = name
         # the child writes here for its whole life; closed in stop()
         self.log = open(os.path.join(workdir, f"{name}.log"), "ab")  # noqa: SIM115
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "hicached.engine.pd", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        # ``python -m hicached.engine.pd`` with this checkout first on its path, so that one
+        # that is not installed works too (the environment is the parent's, unchanged)
+        boot = (f"import runpy, sys; sys.path.insert(0, {ROOT!r}); "
+                "runpy.run_module('hicached.engine.pd', run_name='__main__', alter_sys=True)")
+        self.proc = subprocess.Popen([sys.executable, "-c", boot, *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
 
     def output(self) -> str:
         """What the process printed so far."""
@@ -326,6 +332,7 @@ class ModeRun:
     radix: bool
     records: list[Record]
     usage: list[M.Usage]
+    store_loads: int = 0  # pages and states the decode's daemon read from L3 (two nodes)
 
     @property
     def label(self) -> str:
@@ -351,8 +358,10 @@ def run_mode(w: Workload, spec: EngineSpec, ends: Endpoints, radix: bool, workdi
     try:
         for p in procs:
             p.wait_ready()
+        loads = _store_loads(ends)
         with PDClient(front, timeout_s=spec.timeout_s + 60) as user:
             run = _send(w, user, radix, vocab, on_request, procs)
+            run.store_loads = _store_loads(ends) - loads
             checked = user.check_idle()
             if not checked.ok:
                 raise RunError(f"the {tag} decode is not idle after the run: {checked.message}")
@@ -367,6 +376,16 @@ def run_mode(w: Workload, spec: EngineSpec, ends: Endpoints, radix: bool, workdi
         for p in procs:
             if p.proc.poll() is None:
                 p.stop(signal.SIGKILL)
+
+
+def _store_loads(ends: Endpoints) -> int:
+    """Pages and states the decode's daemon has read from L3 so far (0 when it has none)."""
+    if ends.transfer != "l3":
+        return 0
+    from hicached.client.api import Client
+
+    with Client(ends.decode, "bench-pd-stats", timeout_s=30.0) as c:
+        return int(c.stats().get("l3_loads", 0))
 
 
 def _send(w: Workload, user: PDClient, radix: bool, vocab: int,
@@ -427,6 +446,8 @@ def summary(run: ModeRun) -> dict:
         "matched_share": sum(x.matched for x in r) / prompt,
         "reusable_share": sum(x.reusable for x in r) / prompt,
         "pages_per_request": sum(x.pages for x in r) / len(r),
+        # of them (and of the states), what the decode's daemon read from the store (two nodes)
+        "store_loads_per_request": run.store_loads / len(r),
         "bytes_per_request": sum(x.nbytes for x in r) / len(r),
         "ttft_p50_ms": percentile(ttft, 0.5) * 1e3,
         "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
