@@ -86,7 +86,9 @@ class Storage(abc.ABC):
         for keys ``[0, kv_pages_have)``: only later KV pages are loaded (plus the state at the
         end). ``reserve(n)`` allocates n device pages (and a slot), or None when it cannot.
         ``kv_only``: a load that would bring only a state (no KV page past ``kv_pages_have``)
-        is not made."""
+        is not made. hicached is asked about keys from the first that could matter on
+        (``kv_pages_have`` with ``kv_only``, else ``usable_pages``), never about pages only
+        the device needs (a daemon pulls L3-only pages into L2 when asked about them)."""
 
     @abc.abstractmethod
     def store(self, kv_keys: Sequence[str], kv_pages: Sequence[int], state_keys: Sequence[str],
@@ -199,13 +201,19 @@ class HicachedStorage(Storage):
         return out
 
     def prefetch(self, keys, usable_pages, kv_pages_have, reserve, kv_only=False) -> Fetched:
-        if not keys:
+        # Asked from the first page that could matter: the device holds KV pages [0, have),
+        # and a state at the end of [0, usable] or before is of no use. The keys are chain
+        # hashes (each names its whole prefix), so a run from ``start`` is this prompt's; and
+        # exists starts pulling L3-only pages into L2, which pages the device holds would waste
+        # (the PD decode asked for its whole prompt: every page of its match crossed the store)
+        start = min(kv_pages_have if kv_only else usable_pages, len(keys))
+        if start == len(keys):
             return MISS
         # exists already starts pulling L3-only pages into L2: count L3 loads from here
         before = self._l3_loads()
-        hit = self.plugin.batch_exists_v2(list(keys), self._sidecars_query())
-        ends = [e for e in (getattr(hit, "restorable_prefix_pages", None) or ())
-                if e > usable_pages]
+        hit = self.plugin.batch_exists_v2(list(keys[start:]), self._sidecars_query())
+        ends = [start + e for e in (getattr(hit, "restorable_prefix_pages", None) or ())
+                if start + e > usable_pages]
         if not ends:
             return MISS
         end = max(ends)

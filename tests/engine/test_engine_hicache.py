@@ -118,6 +118,29 @@ def test_l2_l1_l3_hits_continue_exactly(models, make_daemon, engine, arch):
     eng.check_idle()
 
 
+def test_a_load_past_the_device_match_reads_from_l3_only_the_pages_past_it(models, make_daemon,
+                                                                          engine):
+    """The device holds A's pages [0, 48) with a state at 48; another engine stored a longer
+    prompt sharing them, [0, 72) with a state at 72, and the daemon's L2 lost everything (L3
+    kept it). The engine asks hicached from its match on: the daemon reads from L3 the three
+    pages past it and the state at their end, not the six pages the device holds too."""
+    lm = models["qwen3_next"]
+    daemon = make_daemon()
+    eng, other = engine(lm, daemon), engine(lm, daemon)
+    eng.generate(A, 3)
+    longer = A[:48] + toks(27, 11)  # 75 tokens: whole pages [0, 72), states at 64 and 72
+    other.generate(longer, 3)
+    with daemon.client() as admin:
+        settle_l3(admin)
+        admin.flush("l2")
+        before = admin.stats()["l3_loads"]
+        r = eng.generate(longer + toks(4, 12), 3)
+        loads = admin.stats()["l3_loads"] - before
+    check(lm, r, l1=48, l2=0, l3=24)
+    assert loads == 3 + 1, loads  # pages 6..8 and the state at 72 (asked from 0: 9 + 1)
+    eng.check_idle()
+
+
 ENGINE_PROC = """
 import json, sys
 import torch
