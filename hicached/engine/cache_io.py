@@ -12,6 +12,11 @@ shares between requests and that hicached copies to and from.
 
 The restore follows transformers' own lazy initialisation (``engine-plugins.md`` §3), so the cache
 is indistinguishable from one that computed the prefix itself: continuation is bit-exact.
+
+With a ``capacity`` (the request's prompt and answer), each plain attention layer's KV lives in
+a buffer of that many tokens (``ReservedLayer``): a chunk is written after the tokens before it,
+where transformers' ``DynamicLayer`` copies the whole cache into a new tensor per chunk (a long
+context's prefill and decode then cost a copy of the context per forward).
 """
 
 from __future__ import annotations
@@ -22,6 +27,71 @@ import torch
 
 from hicached.engine.models import CacheGeometry
 from hicached.engine.pools import IndexerPool, KVPool, StatePool
+
+
+def _reserved_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class ReservedLayer(DynamicLayer):
+        """A ``DynamicLayer`` whose keys and values are views of the first ``length`` tokens of
+        buffers [1, heads, capacity, dim]: ``update`` copies the chunk in place (the buffers
+        double when a chunk would not fit)."""
+
+        def reserve(self, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+            """Take ``k`` / ``v`` [1, heads, capacity, dim] (any strides) as the buffers,
+            ``length`` tokens of them filled."""
+            self.dtype, self.device = k.dtype, k.device
+            self.kbuf, self.vbuf, self.length = k, v, length
+            self.keys, self.values = k[:, :, :length], v[:, :, :length]
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.reserve(_token_major(key_states, key_states.shape[-2]),
+                             _token_major(value_states, value_states.shape[-2]), 0)
+            start, end = self.length, self.length + key_states.shape[-2]
+            if end > self.kbuf.shape[-2]:
+                self._grow(end)
+            self.kbuf[:, :, start:end].copy_(key_states)
+            self.vbuf[:, :, start:end].copy_(value_states)
+            self.length = end
+            self.keys, self.values = self.kbuf[:, :, :end], self.vbuf[:, :, :end]
+            return self.keys, self.values
+
+        def _grow(self, need: int) -> None:
+            cap = max(need, 2 * self.kbuf.shape[-2])
+            for name in ("kbuf", "vbuf"):
+                old = getattr(self, name)
+                new = _token_major(old, cap)
+                new[:, :, : self.length].copy_(old[:, :, : self.length])
+                setattr(self, name, new)
+
+        def reset(self) -> None:
+            self.length = 0
+            self.kbuf = self.vbuf = None
+            super().reset()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("the engine never crops a request's cache")
+
+    return ReservedLayer
+
+
+_RESERVED = None
+
+
+def _token_major(like: torch.Tensor, tokens: int) -> torch.Tensor:
+    """An empty [1, heads, tokens, dim] view of a token-major buffer, ``like``'s kind."""
+    b, h, _, d = like.shape
+    return like.new_empty((b, max(tokens, 1), h, d)).transpose(1, 2)
+
+
+def reserved_layer():
+    """The ``ReservedLayer`` class (made once, on first use: transformers imports lazily)."""
+    global _RESERVED
+    if _RESERVED is None:
+        _RESERVED = _reserved_layer_class()
+    return _RESERVED
 
 
 class CacheIO:
@@ -54,16 +124,23 @@ class CacheIO:
                 self.indexer.write(li, page_of, offsets, layer.indexer_keys[0, start:end])
 
     def build(self, pages: Sequence[int], num_tokens: int, slot: int | None,
-              has_state: bool):
+              has_state: bool, capacity: int = 0):
         """A fresh cache holding tokens ``[0, num_tokens)`` of ``pages``; its recurrent layers
         run on state slot ``slot`` (``has_state``: the slot holds the state after
-        ``num_tokens`` tokens; False: a fresh sequence, the model starts from zeros)."""
+        ``num_tokens`` tokens; False: a fresh sequence, the model starts from zeros).
+        ``capacity``: tokens the request will hold at most; with it, plain attention layers
+        keep their KV in buffers of that size (``ReservedLayer``) instead of growing by
+        concatenation."""
         from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
         cache = self.new_cache()
-        if num_tokens:
-            for li, layer_id in enumerate(self.geometry.attn_layers):
-                layer = cache.layers[layer_id]
+        for li, layer_id in enumerate(self.geometry.attn_layers):
+            layer = cache.layers[layer_id]
+            if capacity and type(layer) is DynamicLayer:  # (DSA's layers keep theirs)
+                cache.layers[layer_id] = layer = reserved_layer()()
+                layer.reserve(*self.kv.read(li, pages, num_tokens,
+                                            capacity=max(capacity, num_tokens, 1)), num_tokens)
+            elif num_tokens:
                 k, v = self.kv.read(li, pages, num_tokens)
                 DynamicLayer.lazy_initialization(layer, k, v)
                 layer.keys, layer.values = k, v

@@ -239,7 +239,8 @@ class Engine:
             req.slot = self._alloc_state()
             if m.node.state is not None:
                 self.states.copy(m.node.state, req.slot)  # copy-on-write of the match
-        req.cache = self.io.build(req.pages, cached, req.slot, has_state=cached > 0)
+        req.cache = self.io.build(req.pages, cached, req.slot, has_state=cached > 0,
+                                  capacity=len(req.prompt) + req.max_new_tokens)
         self._count_hits(req, cached)
         req.keep = self._snapshot_points(req, cached, m.branching_len)
         req.status = Status.PREFILL

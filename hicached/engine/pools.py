@@ -196,18 +196,36 @@ class KVPool(DevicePool):
         else:
             self.kv[pages, layer, offsets] = torch.cat((k, v), dim=-1)
 
-    def read(self, layer: int, pages: Sequence[int], num_tokens: int
+    def read(self, layer: int, pages: Sequence[int], num_tokens: int, capacity: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens ``[0, num_tokens)`` of the page list as HF tensors [1, heads, T, dim]."""
+        """Tokens ``[0, num_tokens)`` of the page list as HF tensors [1, heads, T, dim]; with
+        ``capacity``, views [1, heads, C, dim] of buffers laid out token-major [C, heads, dim]
+        (C >= capacity and the pages' tokens) whose first T tokens hold them: an MHA layer's
+        pages are gathered straight into them, with no transposing copy."""
         idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.device)
         if self.kind == "mha":
-            k = self.kv[0, idx, layer].flatten(0, 1)[:num_tokens]  # [T, heads, dim]
-            v = self.kv[1, idx, layer].flatten(0, 1)[:num_tokens]
+            srcs = [self.kv[i, :, layer] for i in (0, 1)]  # [pages, P, heads, dim] views
+            if capacity:
+                n = len(idx) * self.page_size
+                out = []
+                for src in srcs:
+                    buf = src.new_empty((max(capacity, n), *src.shape[2:]))
+                    torch.index_select(src, 0, idx, out=buf[:n].view(len(idx), *src.shape[1:]))
+                    out.append(buf.unsqueeze(0).transpose(1, 2))
+                return out[0], out[1]
+            k, v = (x.index_select(0, idx).flatten(0, 1)[:num_tokens] for x in srcs)
         else:
-            lat = self.kv[idx, layer].flatten(0, 1)[:num_tokens]  # [T, 1, k_dim + v_dim]
-            k, v = lat[..., : self.k_dim], lat[..., self.k_dim :]
-        return (k.transpose(0, 1).unsqueeze(0).contiguous(),
-                v.transpose(0, 1).unsqueeze(0).contiguous())
+            lat = self.kv[:, layer].index_select(0, idx).flatten(0, 1)[:num_tokens]
+            k, v = lat[..., : self.k_dim], lat[..., self.k_dim :]  # [T, 1, k_dim + v_dim]
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        if not capacity:
+            return k.contiguous(), v.contiguous()
+        out = []
+        for x in (k, v):
+            buf = x.new_empty((1, max(capacity, num_tokens), *x.shape[1::2])).transpose(1, 2)
+            buf[:, :, :num_tokens].copy_(x)
+            out.append(buf)
+        return out[0], out[1]
 
 
 class IndexerPool(DevicePool):

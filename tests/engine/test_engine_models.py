@@ -96,3 +96,35 @@ def test_snapshot_restore_continues_exactly(models, arch):
         for k in range(4):
             full = recompute_logits(lm, ids + decoded[:k])
             assert (got[k] - full).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("capacity", [70 + 3, 50])  # the request's tokens; too few: it grows
+def test_a_reserved_cache_continues_bit_equal_to_a_growing_one(models, capacity):
+    """``build(capacity=...)``: plain attention layers keep their KV in token-major buffers
+    written in place (``ReservedLayer``); the logits and the pages stored from it are the
+    bits of transformers' concatenating ``DynamicLayer``."""
+    lm, P = models["qwen3_next"], 8
+    runs = []
+    for cap in (0, capacity):
+        io = pools_for(lm, P)
+        ids = tokens(70, 4)
+        pages = list(range(9))
+        live = io.build([], 0, 0, has_state=False)
+        for s in range(0, 48, P):
+            lm.forward(ids[s : s + P], live)
+            io.store(live, s, s + P, pages)
+        io.states.copy(0, 2)
+        cache = io.build(pages[:6], 48, 2, has_state=True, capacity=cap)
+        kinds = {type(cache.layers[i]).__name__ for i in lm.geometry.attn_layers}
+        assert kinds == ({"ReservedLayer"} if cap else {"DynamicLayer"})
+        got = []
+        for s in range(48, 70, P):
+            got.append(lm.forward(ids[s : s + P], cache)[-1])
+            io.store(cache, s, min(70, s + P), pages)
+        for _ in range(3):
+            got.append(lm.forward([int(got[-1].argmax())], cache)[-1])
+        assert cache.get_seq_length() == 73
+        runs.append((got, io.kv.kv[:, :9].clone()))
+    (a, pa), (b, pb) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(pa, pb)

@@ -255,7 +255,8 @@ class DecodeEngine(Engine):
             req.lock, req.pages = t.lock, []
         t.room = Reservation([], None)  # the tree owns them now
         req.protected_len = req.computed = a
-        req.cache = self.io.build(req.pages, a, req.slot, has_state=a > 0)
+        req.cache = self.io.build(req.pages, a, req.slot, has_state=a > 0,
+                                  capacity=n + req.max_new_tokens)
         req.keep = []
         t.first_token = msg.first_token
         req.first_token_s = time.perf_counter()
