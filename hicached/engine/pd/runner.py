@@ -4,11 +4,14 @@ the runner of ``tools/bench_pd.py`` and ``hicached demo --pd``.
 One run (``run_both``):
 
     daemons(nodes)         the daemons, and the endpoint each role talks to (``Endpoints``)
-    run_mode(radix=False)  a prefill and a decode process (``python -m hicached.engine.pd``), the
-                           workload sent to the decode's front socket one request at a time,
-                           the decode's pools read after each; then both processes stop
-    run_mode(radix=True)   the same with --disaggregation-decode-enable-radix-cache
+    Mode(radix=False)      a prefill and a decode process (``python -m hicached.engine.pd``)
+    Mode(radix=True)       the same with --disaggregation-decode-enable-radix-cache, beside it
+    each request           sent to both decodes' front sockets, one at a time, the order
+                           alternating; the decode's pools read after each
+    finish                 each decode idle (nothing leaked), its processes stopped
     compare(off, on)       outputs equal request by request, and the on / off ratios
+
+(``interleave=False``: one mode, then the other.)
 
 The two modes share the daemons but no page: each runs under its own ``--tenant`` (another page
 namespace, fresh per run), so neither finds the other's pages, nor an earlier run's, in L2.
@@ -32,7 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
 import hicached
 from hicached.engine.pd import protocol as M
@@ -339,43 +342,97 @@ class ModeRun:
         return "radix on" if self.radix else "radix off"
 
 
-def run_mode(w: Workload, spec: EngineSpec, ends: Endpoints, radix: bool, workdir: str,
-             vocab: int, on_request: Callable[[str], None] | None = None) -> ModeRun:
-    """Start a prefill and a decode for ``radix``, send the workload, stop them. Their logs
-    are left in a new directory under ``workdir``."""
-    tag = f"radix-{'on' if radix else 'off'}"
-    tenant = f"pd-{os.getpid()}-{tag}"
-    workdir = tempfile.mkdtemp(prefix=f"{tag}-", dir=workdir)  # this mode's sockets and logs
-    boot, front = f"ipc://{workdir}/boot.sock", f"ipc://{workdir}/front.sock"
-    decode_args = spec.args("decode", ends.decode, tenant, boot) + [
-        "--serve-endpoint", front, "--disaggregation-timeout-s", str(spec.timeout_s)]
-    if radix:
-        decode_args.append("--disaggregation-decode-enable-radix-cache")
-    prefill_args = spec.args("prefill", ends.prefill, tenant, boot) + [
-        "--disaggregation-transfer", ends.transfer]
-    procs = [EngineProc(workdir, f"prefill-{tag}", prefill_args),
-             EngineProc(workdir, f"decode-{tag}", decode_args)]
-    try:
-        for p in procs:
-            p.wait_ready()
-        loads = _store_loads(ends)
-        with PDClient(front, timeout_s=spec.timeout_s + 60) as user:
-            run = _send(w, user, radix, vocab, on_request, procs)
-            run.store_loads = _store_loads(ends) - loads
-            checked = user.check_idle()
-            if not checked.ok:
-                raise RunError(f"the {tag} decode is not idle after the run: {checked.message}")
-        for p in procs:  # (their interpreters take a second to exit: together)
+class Mode:
+    """One mode's prefill and decode processes and the user's client of its decode: started by
+    ``with``, sent requests one at a time (``send``), checked and stopped by ``finish``. Their
+    logs are left in a new directory under ``workdir``."""
+
+    def __init__(self, spec: EngineSpec, ends: Endpoints, radix: bool, workdir: str):
+        self.ends, self.timeout_s = ends, spec.timeout_s
+        self.run = ModeRun(radix, [], [])
+        self.history: dict[int, list[int]] = {}
+        tag = self.tag = f"radix-{'on' if radix else 'off'}"
+        tenant = f"pd-{os.getpid()}-{tag}"
+        workdir = tempfile.mkdtemp(prefix=f"{tag}-", dir=workdir)  # its sockets and logs
+        boot = f"ipc://{workdir}/boot.sock"
+        self.front = f"ipc://{workdir}/front.sock"
+        decode_args = spec.args("decode", ends.decode, tenant, boot) + [
+            "--serve-endpoint", self.front, "--disaggregation-timeout-s", str(spec.timeout_s)]
+        if radix:
+            decode_args.append("--disaggregation-decode-enable-radix-cache")
+        prefill_args = spec.args("prefill", ends.prefill, tenant, boot) + [
+            "--disaggregation-transfer", ends.transfer]
+        self.procs = [EngineProc(workdir, f"prefill-{tag}", prefill_args),
+                      EngineProc(workdir, f"decode-{tag}", decode_args)]
+        self.user: PDClient | None = None
+
+    def __enter__(self) -> Self:
+        try:
+            for p in self.procs:
+                p.wait_ready()
+            self.user = PDClient(self.front, timeout_s=self.timeout_s + 60)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def send(self, conv: int, turn: int, new: list[int], w: Workload, vocab: int) -> None:
+        """One request: this conversation's history plus ``new``; its record (and the pages
+        and states the decode's daemon read from the store meanwhile) joins ``run``. A failed
+        request raises with the processes' output."""
+        run, user = self.run, self.user
+        prompt = self.history.get(conv, []) + new
+        reusable = len(self.history[conv]) if turn else (
+            w.prefix_tokens if conv >= w.prefixes else 0)
+        loads = _store_loads(self.ends)
+        got = user.generate(f"c{conv}t{turn}", prompt, w.new_tokens)
+        if got.error:
+            logs = "\n".join(f"--- {p.name}\n{p.output()[-2000:]}" for p in self.procs)
+            raise RunError(f"{run.label}, conversation {conv} turn {turn}: {got.error}\n{logs}")
+        run.store_loads += _store_loads(self.ends) - loads
+        self.history[conv] = prompt + got.output_ids
+        u = user.usage()
+        pages = got.moved_pages + got.loaded_pages
+        states = got.moved_states + got.loaded_states
+        run.records.append(Record(conv, turn, len(prompt), reusable, got.decode_prefix_len,
+                                  pages, states, pages * u.page_bytes + states * u.state_bytes,
+                                  got.ttft_s, list(got.output_ids), got.logits,
+                                  got.prefill_s, got.publish_s, got.load_s))
+        run.usage.append(u)
+
+    def finish(self) -> ModeRun:
+        """The decode must be idle (nothing leaked); both processes exit cleanly."""
+        checked = self.user.check_idle()
+        if not checked.ok:
+            raise RunError(f"the {self.tag} decode is not idle after the run: {checked.message}")
+        self.user.close()
+        self.user = None
+        for p in self.procs:  # (their interpreters take a second to exit: together)
             p.send(signal.SIGTERM)
-        for p in procs:
+        for p in self.procs:
             if p.wait() != 0:
                 raise RunError(f"{p.name} exited with {p.proc.returncode}:\n"
                                f"{p.output()[-3000:]}")
-        return run
-    finally:
-        for p in procs:
+        return self.run
+
+    def __exit__(self, *exc) -> None:
+        if self.user is not None:
+            self.user.close()
+            self.user = None
+        for p in self.procs:
             if p.proc.poll() is None:
                 p.stop(signal.SIGKILL)
+
+
+def run_mode(w: Workload, spec: EngineSpec, ends: Endpoints, radix: bool, workdir: str,
+             vocab: int, on_request: Callable[[str], None] | None = None) -> ModeRun:
+    """Start a prefill and a decode for ``radix``, send the workload, stop them."""
+    with Mode(spec, ends, radix, workdir) as mode:
+        for conv, turn, new in w.messages(vocab):
+            mode.send(conv, turn, new, w, vocab)
+            if on_request is not None:
+                on_request(mode.run.label)
+        return mode.finish()
 
 
 def _store_loads(ends: Endpoints) -> int:
@@ -388,43 +445,26 @@ def _store_loads(ends: Endpoints) -> int:
         return int(c.stats().get("l3_loads", 0))
 
 
-def _send(w: Workload, user: PDClient, radix: bool, vocab: int,
-          on_request: Callable[[str], None] | None, procs: list[EngineProc]) -> ModeRun:
-    """The workload through ``user``, one request at a time, each conversation's next prompt
-    built from the answers it got; a failed request raises with the processes' output."""
-    run = ModeRun(radix, [], [])
-    history: dict[int, list[int]] = {}
-    for conv, turn, new in w.messages(vocab):
-        prompt = history.get(conv, []) + new
-        reusable = len(history[conv]) if turn else (
-            w.prefix_tokens if conv >= w.prefixes else 0)
-        got = user.generate(f"c{conv}t{turn}", prompt, w.new_tokens)
-        if got.error:
-            logs = "\n".join(f"--- {p.name}\n{p.output()[-2000:]}" for p in procs)
-            raise RunError(f"{run.label}, conversation {conv} turn {turn}: {got.error}\n{logs}")
-        history[conv] = prompt + got.output_ids
-        u = user.usage()
-        pages = got.moved_pages + got.loaded_pages
-        states = got.moved_states + got.loaded_states
-        run.records.append(Record(conv, turn, len(prompt), reusable, got.decode_prefix_len,
-                                  pages, states, pages * u.page_bytes + states * u.state_bytes,
-                                  got.ttft_s, list(got.output_ids), got.logits,
-                                  got.prefill_s, got.publish_s, got.load_s))
-        run.usage.append(u)
-        if on_request is not None:
-            on_request(run.label)
-    return run
-
-
 # ------------------------------------------------------------------ both modes, compared
 
 
 def run_both(w: Workload, spec: EngineSpec, ends: Endpoints, workdir: str, vocab: int,
-             on_request: Callable[[str], None] | None = None) -> tuple[ModeRun, ModeRun]:
-    """The workload without, then with the decode-side radix cache: (off, on)."""
-    off = run_mode(w, spec, ends, False, workdir, vocab, on_request)
-    on = run_mode(w, spec, ends, True, workdir, vocab, on_request)
-    return off, on
+             on_request: Callable[[str], None] | None = None, interleave: bool = True
+             ) -> tuple[ModeRun, ModeRun]:
+    """The workload without and with the decode-side radix cache: (off, on). ``interleave``:
+    both modes' processes run side by side and each request goes to both, in turn first
+    (off then on, then on then off, ...), so that the machine's drift and any warm-up fall on
+    both alike; else one mode after the other."""
+    if not interleave:
+        return (run_mode(w, spec, ends, False, workdir, vocab, on_request),
+                run_mode(w, spec, ends, True, workdir, vocab, on_request))
+    with Mode(spec, ends, False, workdir) as off, Mode(spec, ends, True, workdir) as on:
+        for i, (conv, turn, new) in enumerate(w.messages(vocab)):
+            for mode in (off, on) if i % 2 == 0 else (on, off):
+                mode.send(conv, turn, new, w, vocab)
+                if on_request is not None:
+                    on_request(mode.run.label)
+        return off.finish(), on.finish()
 
 
 def percentile(xs: list[float], q: float) -> float:
