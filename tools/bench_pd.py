@@ -3,7 +3,8 @@
 The shape of SGLang's decode-radix benchmark (PR #19746: 20 unique 50k-token prefixes, 4.5k-token
 suffixes, ~91 % prefix reuse, a fixed number of requests), scaled to a CPU: 20 prefixes of
 ``--prefix-tokens``, ``--conversations`` multi-turn chats on them (a fresh ``--suffix-tokens``
-user message and ``--new-tokens`` answer per turn), sent turn by turn, one request at a time.
+user message and ``--new-tokens`` answer per turn), sent turn by turn, one request at a time,
+each to both modes in alternating order (both modes' processes run side by side).
 The reference engine's prefill and decode run as processes (``python -m hicached.engine.pd``)
 on one node, pages through the node's daemon (L2 only), or with ``--nodes 2`` against two
 daemons sharing a ``mooncake_master`` on loopback (the prefill's pages reach the decode through
@@ -168,7 +169,8 @@ def report(c: dict, w: Workload) -> None:
     if c["decode_l2"]:
         where += f", the decode's L2 {c['decode_l2']}"
     print(f"{c['nodes']} node{'s' if c['nodes'] > 1 else ''}: prefill and decode processes on "
-          f"{where}, one request at a time; decode KV pool {off['pool_tokens']} tokens")
+          f"{where}, one request at a time, to both modes in turn; decode KV pool "
+          f"{off['pool_tokens']} tokens")
     rows = [
         ("decode-side match (tokens / request)", "matched_tokens_mean", 0, None),
         ("KV pages moved into the decode / request", "pages_per_request", 1, None),
