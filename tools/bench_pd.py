@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="the engines' (cpu, cuda, ...)")
     p.add_argument("--kv-pages", type=int, default=0, help="each engine's (0: the workload's)")
     p.add_argument("--state-slots", type=int, default=0, help="each engine's (0: the workload's)")
+    p.add_argument("--sequential", action="store_true",
+                   help="one mode after the other instead of side by side (half the engines' "
+                        "memory at a time; the machine's drift then falls on one mode)")
     p.add_argument("--decode-l2", default="",
                    help="two nodes: the decode daemon's L2 size (e.g. 64MiB; default: as the "
                         "prefill's, which holds the whole run); one smaller than the prefixes "
@@ -131,7 +134,8 @@ def main(argv=None) -> int:
         # store keeps every page of the run (nothing is evicted there either)
         with daemons(args.nodes, l2_size=f"{l2 >> 20}MiB", segment=f"{l2 >> 20}MiB",
                      decode_l2_size=args.decode_l2) as ends:
-            off, on = run_both(w, spec, ends, tmp, lm.vocab_size, progress(w))
+            off, on = run_both(w, spec, ends, tmp, lm.vocab_size, progress(w),
+                               interleave=not args.sequential)
     c = compare(off, on)
     c.update(nodes=args.nodes, page_size=args.page_size, page_bytes=page_bytes,
              state_bytes=state_bytes, workload=w.__dict__, nominal_reuse=w.nominal_reuse,

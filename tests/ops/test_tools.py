@@ -231,10 +231,11 @@ def test_bench_pd_moves_only_the_delta_with_the_decode_radix_and_outputs_stay_eq
     pages. Without the decode radix every request moves its prompt's whole pages (72 then 80
     tokens: 9 and 10 pages); with it the two first turns on a new prefix move all 9, every
     other request one page (the 8-token message past what the decode holds). The same on two
-    nodes (two daemons sharing a mooncake_master: the pages go through L3)."""
+    nodes (two daemons sharing a mooncake_master: the pages go through L3). Two nodes run the
+    modes side by side (the default), one node one after the other (``--sequential``)."""
     if nodes == 2:
         pytest.importorskip("mooncake.store", reason="two nodes need the mooncake extra")
-    own_l2 = ("--decode-l2", "64MiB") if nodes == 2 else ()
+    own_l2 = ("--decode-l2", "64MiB") if nodes == 2 else ("--sequential",)
     r = _run("bench_pd.py", "--nodes", str(nodes), "--prefixes", "2", "--prefix-tokens", "64", "--suffix-tokens", "8",
              "--conversations", "4", "--turns", "2", "--new-tokens", "2", "--page-size", "8",
              "--track-interval", "16", "--kv-heads", "2", "--head-dim", "16", *own_l2,
