@@ -136,7 +136,7 @@ class CacheIO:
         cache = self.new_cache()
         for li, layer_id in enumerate(self.geometry.attn_layers):
             layer = cache.layers[layer_id]
-            if capacity and type(layer) is DynamicLayer:  # (DSA's layers keep theirs)
+            if capacity and type(layer) is DynamicLayer and self.indexer is None:  # (not DSA's)
                 cache.layers[layer_id] = layer = reserved_layer()()
                 layer.reserve(*self.kv.read(li, pages, num_tokens,
                                             capacity=max(capacity, num_tokens, 1)), num_tokens)

@@ -128,3 +128,20 @@ def test_a_reserved_cache_continues_bit_equal_to_a_growing_one(models, capacity)
     (a, pa), (b, pb) = runs
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert torch.equal(pa, pb)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_pool_read_into_a_reserved_buffer_holds_the_same_tokens(kind):
+    """``KVPool.read(capacity=C)``: [1, heads, >= C, dim] views whose first T tokens are the
+    plain read's, whatever the page order; the rest is room for the request's later tokens."""
+    pool = KVPool(kind, 8, 4, 2, 3 if kind == "mha" else 1, 5, 5 if kind == "mha" else 2,
+                  torch.float32, torch.device("cpu"))
+    pool.kv.normal_(generator=torch.Generator().manual_seed(1))
+    pages, t = [5, 2, 7], 10  # 12 tokens of pages, the last page partly used
+    for cap in (10, 16, 64):
+        for li in (0, 1):
+            k0, v0 = pool.read(li, pages, t)
+            k, v = pool.read(li, pages, t, capacity=cap)
+            assert k.shape[2] >= cap and v.shape[2] >= cap
+            assert k.shape[:2] == k0.shape[:2] and k.shape[3] == k0.shape[3]
+            assert torch.equal(k[:, :, :t], k0) and torch.equal(v[:, :, :t], v0)
