@@ -1,6 +1,6 @@
 """``hicached demo --pd``: the demo's multi-turn chat through a prefill and a decode process, run
-without and then with the decode-side radix cache (``runner.py``, the runner of
-``tools/bench_pd.py``), one node.
+without and with the decode-side radix cache side by side, each request to both in turn
+(``runner.py``, the runner of ``tools/bench_pd.py``), one node.
 
 Per request it prints the prompt tokens the decode held itself (its radix cache's match: only
 the rest is asked of the prefill), the bytes moved into the decode (the prefill's pages and
