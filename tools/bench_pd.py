@@ -8,9 +8,8 @@ each to both modes in alternating order (both modes' processes run side by side)
 The reference engine's prefill and decode run as processes (``python -m hicached.engine.pd``)
 on one node, pages through the node's daemon (L2 only), or with ``--nodes 2`` against two
 daemons sharing a ``mooncake_master`` on loopback (the prefill's pages reach the decode through
-the store: Ready once they are in L3), once with
-``--disaggregation-decode-enable-radix-cache`` and without, side by side
-(``hicached.engine.pd.runner``).
+the store: Ready once they are in L3), with and without
+``--disaggregation-decode-enable-radix-cache``, side by side (``hicached.engine.pd.runner``).
 
 Per mode: bytes moved into the decode per request (the prefill's delta and what the decode's
 arrival load-back read from the daemon), TTFT p50 / p99 as the decode measures it (arrival to
