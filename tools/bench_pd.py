@@ -36,16 +36,8 @@ import math
 import sys
 import tempfile
 
-from hicached.engine.pd.runner import (
-    NODES,
-    EngineSpec,
-    Workload,
-    check_nodes,
-    compare,
-    daemons,
-    pool_sizes,
-    run_both,
-)
+from hicached.engine.pd.procs import NODES, EngineSpec, check_nodes, daemons, pool_sizes
+from hicached.engine.pd.runner import Workload, compare, run_both
 from hicached.settings import parse_size
 
 TARGET_BYTES = 0.15

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hicached.engine.models import CacheGeometry
-from hicached.engine.pools import IndexerPool, KVPool, StatePool
+from hicached.engine.pools import IndexerPool, KVPool, StatePool, token_major
 
 
 def _reserved_layer_class():
@@ -81,9 +81,7 @@ _RESERVED = None
 
 
 def _token_major(like: torch.Tensor, tokens: int) -> torch.Tensor:
-    """An empty [1, heads, tokens, dim] view of a token-major buffer, ``like``'s kind."""
-    b, h, _, d = like.shape
-    return like.new_empty((b, max(tokens, 1), h, d)).transpose(1, 2)
+    return token_major(like, like.shape[1], like.shape[3], tokens)
 
 
 def reserved_layer():

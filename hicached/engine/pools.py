@@ -205,13 +205,12 @@ class KVPool(DevicePool):
         idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.device)
         if self.kind == "mha":
             srcs = [self.kv[i, :, layer] for i in (0, 1)]  # [pages, P, heads, dim] views
-            if capacity:
-                n = len(idx) * self.page_size
-                out = []
-                for src in srcs:
-                    buf = src.new_empty((max(capacity, n), *src.shape[2:]))
-                    torch.index_select(src, 0, idx, out=buf[:n].view(len(idx), *src.shape[1:]))
-                    out.append(buf.unsqueeze(0).transpose(1, 2))
+            if capacity:  # each page's rows straight into the buffers
+                n, (_, ps, heads, dim) = len(idx), srcs[0].shape
+                out = [token_major(srcs[0], heads, dim, max(capacity, n * ps)) for _ in srcs]
+                for src, buf in zip(srcs, out):
+                    torch.index_select(src, 0, idx,
+                                       out=buf[0].transpose(0, 1)[: n * ps].view(n, ps, heads, dim))
                 return out[0], out[1]
             k, v = (x.index_select(0, idx).flatten(0, 1)[:num_tokens] for x in srcs)
         else:
@@ -220,12 +219,16 @@ class KVPool(DevicePool):
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         if not capacity:
             return k.contiguous(), v.contiguous()
-        out = []
-        for x in (k, v):
-            buf = x.new_empty((1, max(capacity, num_tokens), *x.shape[1::2])).transpose(1, 2)
+        out = [token_major(x, x.shape[1], x.shape[3], max(capacity, num_tokens)) for x in (k, v)]
+        for x, buf in zip((k, v), out):
             buf[:, :, :num_tokens].copy_(x)
-            out.append(buf)
         return out[0], out[1]
+
+
+def token_major(like: torch.Tensor, heads: int, dim: int, tokens: int) -> torch.Tensor:
+    """An empty [1, heads, tokens, dim] view (``like``'s dtype and device) of a buffer laid out
+    token-major, [tokens, heads, dim]: a request's reserved attention KV (``cache_io``)."""
+    return like.new_empty((1, max(tokens, 1), heads, dim)).transpose(1, 2)
 
 
 class IndexerPool(DevicePool):

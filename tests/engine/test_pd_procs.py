@@ -18,8 +18,8 @@ from hicached.client.api import Client
 from hicached.engine.config import EngineConfig
 from hicached.engine.engine import Engine
 from hicached.engine.models import load_model
+from hicached.engine.pd.procs import EngineProc
 from hicached.engine.pd.protocol import logits_rows
-from hicached.engine.pd.runner import EngineProc
 from hicached.engine.pd.server import PDClient
 
 pytest.importorskip("transformers", reason="the reference engine needs the engine extra")

@@ -13,14 +13,8 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from hicached.engine.pd.runner import (
-    EngineSpec,
-    ModeRun,
-    Workload,
-    compare,
-    daemons,
-    run_both,
-)
+from hicached.engine.pd.procs import EngineSpec, daemons
+from hicached.engine.pd.runner import ModeRun, Workload, compare, run_both
 
 DEFAULT_MODELS = "qwen3_next"
 
