@@ -308,6 +308,7 @@ class HybridPolicy(KeyTree):
         ix = self.ix
         tick = ix._tick
         ranked = self._ranked
+        self.split_ok = True  # (a leaf segment, or a state alone; not once a slab is taken)
         if ranked is not None and ranked[0] == stride and ranked[1] == tick:
             # the same reservation needs more room (no page was used since: the candidates
             # scored for its last slot keep their order): the key above the segment that went,
@@ -376,12 +377,14 @@ class HybridPolicy(KeyTree):
                 other[1].stride, set()) & self._class_ns.get(stride, set())):
             return best[1]
         self._ranked = None
+        self.split_ok = False  # a slab's pages: all of them must go
         if other is not None:  # a slab of another class: the one of its oldest leaf (the
             # deep end of a chain: what it takes with it is mostly in that slab)
             pages = self._expand([p for p in ix._slots.get(other[1].index, ()) if p >= 0])
             if pages:
                 return pages
         if best is not None:
+            self.split_ok = True
             return best[1]
         slab = ix.alloc.oldest_unpinned(stride)  # no leaf anywhere may go: LRU's slab
         if slab is not None:

@@ -69,6 +69,8 @@ from hicached.daemon.records import (  # noqa: F401 - names the daemon imports f
 )
 from hicached.daemon.slabs import SlabAllocator
 
+SPLIT_MIN = 8  # pages of a leaf segment below which it goes whole (``_evict_victims``)
+
 
 class PageIndex(BatchOps, Records):
     """Page and key records, pins and eviction over a ``SlabAllocator``.
@@ -86,6 +88,11 @@ class PageIndex(BatchOps, Records):
         self.policy.bind(self)
         self.pressed: set[int] = set()  # size classes a reservation had to evict for (reclaim.py)
         self.commit_tails: Callable[[], bool] = lambda: True  # a commit evicts the tails due
+        # where the rest of a leaf segment goes once a reservation has its room (a daemon's
+        # idle turns: ``reclaim.py``); None: a victim set goes whole
+        self.defer: Callable[[list[int]], None] | None = None
+        # (stride, need) -> pages evicted: the deferred pages of that class go first
+        self.take_deferred: Callable[[int, int], int] | None = None
         super().__init__(allocator)
 
     # ------------------------------------------------------------ reserve / commit / abort
@@ -272,14 +279,41 @@ class PageIndex(BatchOps, Records):
     def _make_room(self, stride: int) -> int | None:
         self.pressed.add(stride)
         while True:
+            if self.take_deferred is not None and self.take_deferred(stride, 1):
+                offset = self.alloc.alloc(stride)
+                if offset is not None:
+                    return offset
+                continue
             victims = self.policy.make_room(stride)  # dependants included, in order
             if not victims:
                 return None
-            if not sum(map(self._evict_page, victims)):
+            if not self._evict_victims(victims, stride, 1):
                 return None  # a policy naming only pages that cannot go: no room
             offset = self.alloc.alloc(stride)
             if offset is not None:
                 return offset
+
+    def _evict_victims(self, victims: list[int], stride: int, need: int) -> int:
+        """Evict ``victims`` (``policy.make_room``'s, in order); returns how many went. A leaf
+        segment (``policy.split_ok``) of more than ``SPLIT_MIN`` pages goes key by key from its
+        leaf up only until class ``stride`` has ``need`` free slots: the rest, state-less keys
+        no hit can use, goes to ``defer`` (the idle turns, or the next reservation that needs
+        room: ``reclaim.py``), off the path of the set that asked. So a set that needs one
+        slot for a state does not also evict the hundred KV pages only that state made
+        useful."""
+        if self.defer is None or len(victims) <= SPLIT_MIN or not self.policy.split_ok:
+            return sum(map(self._evict_page, victims))
+        krec, n, i, end = self.p_krec, 0, 0, len(victims)
+        while i < end:
+            k = krec[victims[i]]
+            while i < end and krec[victims[i]] == k:  # (a key's pages are together: states
+                n += self._evict_page(victims[i])  # first, ``KeyTree._pages``)
+                i += 1
+            if self.alloc.free_slots(stride) >= need:
+                break
+        if i < end:
+            self.defer(victims[i:])
+        return n
 
     def _evict_page(self, p: int) -> int:
         """Evict page record ``p`` if it is committed and unpinned (1), else 0."""

@@ -37,6 +37,9 @@ class LruPolicy:
     """Least recently used per size class (see the module docstring)."""
 
     frees_runs = False  # a victim is mostly one page (``reserve_many`` goes key by key)
+    # whether ``make_room``'s last victim set was a leaf segment, whose keys may go in part
+    # (from the leaf up, the rest a state-less tail no hit can use: ``PageIndex._evict_victims``)
+    split_ok = False
 
     name = "lru"
 

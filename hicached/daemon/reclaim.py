@@ -57,6 +57,44 @@ class Reclaimer:
         tails ``EARLY`` before they are due (a commit would take them then, on a set's path)."""
         self.ahead, self.busy, self.tails = ahead, busy, True
         self.ix.commit_tails = self._commit_tails
+        self.ix.defer, self.ix.take_deferred = self._defer, self.take
+
+    def _defer(self, pages: list[int]) -> None:
+        """The rest of a leaf segment a reservation split (``PageIndex._evict_victims``): it
+        goes after the victim set begun, in its order, with the same checks."""
+        ix = self.ix
+        self._queue[:0] = [(p, ix.p_gen[p], ix.p_used[p]) for p in reversed(pages)]
+
+    def take(self, stride: int, need: int) -> int:
+        """Evict queued pages of class ``stride`` (the next ones in the queue, while they are of
+        it) until the class has ``need`` free slots: a reservation takes the dead tails left
+        for the idle turns before the policy names live pages. Returns the pages evicted."""
+        ix, queue, done = self.ix, self._queue, 0
+        while queue and ix.p_stride[queue[-1][0]] == stride:
+            if ix.alloc.free_slots(stride) >= need:
+                break
+            got = self._next()
+            if got is None:
+                break
+            done += got
+        self.evicted += done
+        return done
+
+    def _next(self) -> int | None:
+        """Evict the queue's next page if it may still go (1; 0: gone another way); None when
+        it may not (read, or depended on, since): the set ends there."""
+        ix, queue = self.ix, self._queue
+        p, gen, used = queue.pop()
+        if ix.p_gen[p] != gen or not ix.p_flags[p] & COMMITTED:
+            return 0  # gone another way (which took its dependants first): the rest may go
+        if ix.p_pins[p] or ix.p_used[p] != used or not ix.policy.may_go_ahead(p):
+            queue.append((p, gen, used))  # read, or depended on, since: the set ends
+            ix.policy.abandoned([q for q, g, _ in queue if ix.p_gen[q] == g])
+            queue.clear()
+            return None
+        got = ix._evict_page(p)
+        self._queue_evicted += got
+        return got
 
     def _commit_tails(self) -> bool:
         """Whether a commit takes the tails due itself: the loop has had work for the idle
@@ -131,16 +169,8 @@ class Reclaimer:
                     break
                 queue.extend((p, ix.p_gen[p], ix.p_used[p]) for p in reversed(victims))
                 self._queue_evicted = 0
-            p, gen, used = queue.pop()
-            if ix.p_gen[p] != gen or not ix.p_flags[p] & COMMITTED:
-                pass  # gone another way (which took its dependants first): the rest may go
-            elif ix.p_pins[p] or ix.p_used[p] != used or not ix.policy.may_go_ahead(p):
-                queue.append((p, gen, used))  # read, or depended on, since: the set ends
-                ix.policy.abandoned([q for q, g, _ in queue if ix.p_gen[q] == g])
-                queue.clear()
-            elif ix._evict_page(p):
+            if self._next():
                 done += 1
-                self._queue_evicted += 1
                 if done % CHECK_EVERY == 0 and busy():
                     break
             if not queue and not self._queue_evicted:

@@ -102,8 +102,11 @@ class ReserveOps:
             free = self.alloc.free_slots(stride)
             if not free:  # what reserving keys[at] on its own would evict (``_make_room``)
                 self.pressed.add(stride)
+                if self.take_deferred is not None and self.take_deferred(stride, n - at):
+                    evicted = True  # the dead tails a split segment left (``reclaim.py``)
+                    continue
                 victims = self.policy.make_room(stride)
-                if not victims or not sum(map(self._evict_page, victims)):
+                if not victims or not self._evict_victims(victims, stride, n - at):
                     out.append(None)  # nothing may go: no room for keys[at]
                     at += 1
                     continue

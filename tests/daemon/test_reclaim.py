@@ -166,3 +166,70 @@ def test_a_daemons_commits_leave_the_tails_due_to_its_idle_turns_unless_it_has_n
     assert orphans(ix)[0] == 2
     r.settle()
     assert orphans(ix) == (0, 0)
+
+
+def split_setup():
+    """A slab of 16 KV pages and one of 2 states, full of states: chain a (12 KV pages and a
+    state at its end, a segment of 13 pages) and chain b (2 and a state), with a daemon's
+    reclaimer attached."""
+    ix = make(2, "prefix")
+    r = Reclaimer(ix, 0.0)
+    r.attach(0.0, lambda: False)
+    store(ix, chain("a", 12), states=["a11"])
+    store(ix, chain("b", 2), states=["b01"])
+    return ix, r
+
+
+def test_a_set_that_needs_a_state_slot_leaves_the_rest_of_the_segment_to_the_idle_turns():
+    """The victim for one state slot is a's whole segment; the set evicts its leaf key (the
+    state and a11) and leaves a00..a10, which no hit can use now, to the loop's idle turns:
+    they are going (not orphans), and go in the next step."""
+    ix, r = split_setup()
+    store(ix, chain("c", 1), states=["c00"])
+    assert held(ix, "mamba") == ["b01", "c00"]
+    assert held(ix) == sorted(chain("a", 11) + chain("b", 2) + ["c00"])
+    going = sorted(ix.get(("ns", "kv"), k).rec for k in chain("a", 11))
+    assert sorted(r.leaving()) == going and r.wanted()
+    assert orphans(ix, grace_ticks=0, leaving=r.leaving()) == (0, 0)
+    assert r.step(pages=4) == 4 and held(ix) == sorted(chain("a", 7) + chain("b", 2) + ["c00"])
+    assert orphans(ix, grace_ticks=0, leaving=r.leaving()) == (0, 0)  # a leaf first: a10..a07
+    assert r.step() == 7 and not r.wanted()
+    assert held(ix) == sorted(chain("b", 2) + ["c00"]) and orphans(ix, grace_ticks=0) == (0, 0)
+    assert r.evicted == 11
+
+
+def test_without_a_reclaimer_the_segment_goes_whole():
+    ix = make(2, "prefix")
+    store(ix, chain("a", 12), states=["a11"])
+    store(ix, chain("b", 2), states=["b01"])
+    store(ix, chain("c", 1), states=["c00"])
+    assert held(ix) == sorted(chain("b", 2) + ["c00"])
+
+
+def test_a_set_that_needs_kv_slots_takes_the_deferred_pages_before_any_live_one():
+    """After the split, a set of 12 KV pages finds 2 slots free: it takes a10 down to a01 (the
+    dead tail, in its order, as far as it needs) and evicts nothing that can still give a hit;
+    a00 goes in the next idle turn."""
+    ix, r = split_setup()
+    store(ix, chain("c", 1), states=["c00"])
+    assert ix.alloc.free_slots(KV) == 2
+    store(ix, chain("d", 12))
+    assert held(ix) == sorted(["a00"] + chain("b", 2) + ["c00"] + chain("d", 12))
+    assert held(ix, "mamba") == ["b01", "c00"] and r.evicted == 10
+    assert orphans(ix, leaving=r.leaving()) == (0, 0)  # (d's state may come with its next call)
+    assert r.wanted() and r.step() == 1 and "a00" not in held(ix) and r.evicted == 11
+
+
+def test_a_deferred_tail_continued_since_keeps_what_the_new_chain_needs():
+    """A request continues a's remaining prefix at a05 with a new state before the idle turn:
+    a00..a05 lead to a state again; the idle turn takes a10..a06 and stops there."""
+    ix, r = split_setup()
+    store(ix, chain("c", 1), states=["c00"])  # a's state and a11 go, a00..a10 deferred
+    ix.touch_many([ix.get(("ns", "kv"), k) for k in chain("a", 6)])  # a get of a00..a05
+    store(ix, ["e0"], parent="a05", depth=6, states=["e0"])  # a state slot: evicts b or c
+    while r.wanted():
+        r.step()
+    kv = held(ix)
+    assert set(chain("a", 6) + ["e0"]) <= set(kv) and not set(chain("a", 11)[6:]) & set(kv)
+    assert "e0" in held(ix, "mamba")
+    assert orphans(ix, grace_ticks=0) == (0, 0)
