@@ -20,7 +20,17 @@ budget simulated here, in bytes, with:
 - ``s3fifo``: an online policy that keeps what is read twice (S3-FIFO: new items enter a FIFO
   of a tenth of the budget, leave it for the main LRU only if read meanwhile, and come back
   straight to the main LRU if stored again while a ghost list remembers them): a check that
-  one-hit wonders are not what LRU loses to.
+  one-hit wonders are not what LRU loses to;
+- ``visible``: the best that a store can predict from what it sees, fitted with hindsight.
+  Each item a request stores gets the features a daemon could know then: KV page or state, a
+  state at the request's end or at a branching point, the children and the reads the key it
+  hangs from has had so far, whether that key held the end state of an earlier request (a
+  conversation continued), how many pages the request stored. An LRU run records, per feature
+  class, how often the items stored in that class were read again (knowing the future); then
+  LRU runs again with every item whose class was read again less often than ``theta`` put at
+  the LRU end as it is stored (the next to go). The best of ``THETAS`` (0: LRU itself) is
+  reported. An online learner of these features can do no better than their hindsight
+  frequencies, so this bounds what such a predictor is worth on the trace.
 
 Belady's rule is optimal for pages of one size and one use each; with multi-MB states and hits
 that need a state at their end it is not an upper bound in theory, but it is what a policy
@@ -55,7 +65,8 @@ from hybrid_trace import (
 )
 
 NEVER = 1 << 40  # the next use of an item no request asks for again
-POLICIES = ("lru", "belady", "admit", "s3fifo")
+POLICIES = ("lru", "belady", "admit", "s3fifo", "visible")
+THETAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)  # visible: read-again frequencies tried as the cut
 SMALL = 0.1  # s3fifo: the new items' FIFO, share of the budget
 GHOSTS = 100_000  # s3fifo: items the ghost list remembers
 
@@ -122,6 +133,85 @@ def _s3fifo(trace: Trace, budget: int, state_bytes: int, warmup: int) -> dict:
             "prompt_tokens": prompt_tokens, "hit_rate": hit_tokens / max(1, prompt_tokens)}
 
 
+def _bucket(n: int) -> int:
+    return 0 if n <= 0 else min(6, 1 + n.bit_length() - 1)
+
+
+def _lru_seen(trace: Trace, budget: int, state_bytes: int, warmup: int, uses: dict,
+              fit: dict | None, demoted: dict | None, theta: float) -> float:
+    """``visible``'s LRU pass: features of each stored item as a store sees them; with ``fit``,
+    count per class whether the item is read again; with ``demoted`` (class -> read-again
+    frequency), store an item of a class below ``theta`` at the LRU end. The hit rate."""
+    size = (KV_PAGE_BYTES, state_bytes)
+    order: OrderedDict[int, None] = OrderedDict()
+    used = hit_tokens = prompt_tokens = 0
+    kids: dict[int, int] = {}
+    reads: dict[int, int] = {}
+    ends: set[int] = set()
+    for i, req in enumerate(trace.requests):
+        ids, n = req.ids, len(req.ids)
+        hit = _hit(req, order.__contains__)
+        if i >= warmup:
+            hit_tokens += hit * PAGE_TOKENS
+            prompt_tokens += req.prompt_tokens
+        for item in [2 * x for x in ids[:hit]] + ([2 * ids[hit - 1] + 1] if hit else []):
+            order.move_to_end(item)
+        at = ids[hit - 1] if hit else -1  # the key the stored pages hang from
+        shape = (_bucket(kids.get(at, 0) + 1) if hit else -1, at in ends,
+                 _bucket(reads.get(at, 0)) if hit else -1, _bucket(n - hit))
+        if hit:
+            reads[at] = reads.get(at, 0) + 1
+            if n > hit:
+                kids[at] = kids.get(at, 0) + 1
+        stored = [(2 * ids[j], (0, j == n - 1, *shape)) for j in range(hit, n)]
+        stored += [(2 * ids[b - 1] + 1, (1, b == n, *shape)) for b in states_to_set(req, hit)]
+        if n:
+            ends.add(ids[n - 1])
+        for item, cls in stored:
+            if fit is not None:
+                seq = uses.get(item, ())
+                again = bisect.bisect_right(seq, i) < len(seq)
+                counts = fit.setdefault(cls, [0, 0])
+                counts[0] += again
+                counts[1] += 1
+            if item in order:
+                order.move_to_end(item)
+                continue
+            order[item] = None
+            used += size[item & 1]
+            if demoted is not None and demoted.get(cls, 1.0) < theta:
+                order.move_to_end(item, last=False)
+        while used > budget:
+            item, _ = order.popitem(last=False)
+            used -= size[item & 1]
+    return hit_tokens / max(1, prompt_tokens)
+
+
+def _uses(trace: Trace) -> dict[int, list[int]]:
+    """Item -> the requests that use it, in order (with nothing ever evicted)."""
+    uses: dict[int, list[int]] = {}
+    for i, hit in enumerate(replay_unbounded(trace)[0]):
+        ids = trace.requests[i].ids
+        for x in ids[:hit]:
+            uses.setdefault(2 * x, []).append(i)
+        if hit:
+            uses.setdefault(2 * ids[hit - 1] + 1, []).append(i)
+    return uses
+
+
+def _visible(trace: Trace, budget: int, state_bytes: int, warmup: int) -> dict:
+    uses, fit = _uses(trace), {}
+    _lru_seen(trace, budget, state_bytes, warmup, uses, fit, None, 0.0)
+    freq = {cls: again / total for cls, (again, total) in fit.items()}
+    rates = {theta: _lru_seen(trace, budget, state_bytes, warmup, uses, None, freq, theta)
+             for theta in THETAS}
+    theta = max(rates, key=lambda t: (rates[t], -t))
+    prompt = sum(r.prompt_tokens for r in trace.requests[warmup:])
+    return {"policy": "visible", "budget_bytes": budget, "hit_rate": rates[theta],
+            "hit_tokens": round(rates[theta] * prompt), "prompt_tokens": prompt,
+            "theta": theta, "classes": len(fit)}
+
+
 def simulate(trace: Trace, budget: int, policy: str, state_bytes: int, warmup: int) -> dict:
     """Replay ``trace`` against an L2 of ``budget`` bytes under ``policy`` (``lru`` or
     ``belady``); the hit rate of the requests from ``warmup`` on."""
@@ -129,15 +219,11 @@ def simulate(trace: Trace, budget: int, policy: str, state_bytes: int, warmup: i
         raise ValueError(f"policy: {policy!r} is not one of {', '.join(POLICIES)}")
     if policy == "s3fifo":
         return _s3fifo(trace, budget, state_bytes, warmup)
+    if policy == "visible":
+        return _visible(trace, budget, state_bytes, warmup)
     # an item is a KV page (2 x id) or the state at that page (2 x id + 1)
     size = (KV_PAGE_BYTES, state_bytes)
-    uses: dict[int, list[int]] = {}  # item -> the requests that use it, in order
-    for i, hit in enumerate(replay_unbounded(trace)[0]):
-        ids = trace.requests[i].ids
-        for x in ids[:hit]:
-            uses.setdefault(2 * x, []).append(i)
-        if hit:
-            uses.setdefault(2 * ids[hit - 1] + 1, []).append(i)
+    uses = _uses(trace)  # item -> the requests that use it, in order
     depth = trace.depth
 
     def next_use(item: int, now: int) -> int:
@@ -226,11 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hybrid_oracle: trace {trace.name} (seed {trace.seed}), {len(trace.requests)} requests, "
           f"working set {info['working_set_bytes'] / 2**20:,.1f} MiB, ceiling {ceil:.4f}")
     print("hit rate (ratio to the simulated LRU's; to the ceiling)")
-    print("budget  lru (sim)     belady (offline)        admit (offline)      s3fifo (online)")
+    print("budget  lru (sim)     belady (offline)        admit (offline)      s3fifo (online)"
+          "  visible (hindsight)")
     for row in rows:
         lru = row["lru"]
         cells = [f"{row[pol]:.4f} ({row[pol] / lru if lru else 0:.2f}; "
-                 f"{row[pol] / ceil if ceil else 0:.2f})" for pol in ("belady", "admit", "s3fifo")]
+                 f"{row[pol] / ceil if ceil else 0:.2f})" for pol in POLICIES[1:]]
         print(f"{row['budget_pct']:5g} %  {lru:9.4f}  " + "  ".join(f"{c:>20s}" for c in cells))
     return 0
 

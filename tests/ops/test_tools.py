@@ -153,7 +153,10 @@ def test_hybrid_oracle_bounds_the_trace_between_lru_and_the_ceiling(monkeypatch)
     for pct in (5, 20):
         assert 0 < rates["lru", pct] < rates["belady", pct] <= info["ceiling_hit_rate"]
         assert rates["lru", pct] < rates["admit", pct] <= rates["belady", pct]
+        assert rates["lru", pct] <= rates["visible", pct] <= info["ceiling_hit_rate"]
     assert rates["belady", 5] < rates["belady", 20]
+    seen = oracle.simulate(trace, info["working_set_bytes"] // 20, "visible", state, 24)
+    assert seen["theta"] in oracle.THETAS and seen["classes"] > 10  # features a store sees
     with pytest.raises(ValueError, match="policy: 'lfu'"):
         oracle.simulate(trace, 1 << 20, "lfu", state, 24)
     r = _run("hybrid_oracle.py", "--requests", "200", "--budgets", "10,30")
