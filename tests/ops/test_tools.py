@@ -178,6 +178,7 @@ def test_hybrid_index_replay_drives_the_index_as_the_daemon_does(monkeypatch):
 
     trace = make_trace("mix2", 5, 240)
     info = summary(trace, 24, 32 * KV_PAGE_BYTES)
+    most = {}
     for policy in ("lru", "hybrid"):
         top = replay.replay(trace, policy, 2 * info["working_set_bytes"], 32, 24)
         assert top["hit_rate"] == info["ceiling_hit_rate"] and top["evictions"] == 0, policy
@@ -185,6 +186,11 @@ def test_hybrid_index_replay_drives_the_index_as_the_daemon_does(monkeypatch):
         assert low["evictions"] > 0 and 0 < low["hit_rate"] < top["hit_rate"], policy
         assert low["sets"] > 0 and 0 < low["set_p50_ms"] <= low["set_p99_ms"], policy
         assert policy == "lru" or low["orphan_bytes_at_end"] == 0
+        assert 0 < low["set_evicted_p99"] <= low["set_evicted_max"], policy
+        most[policy] = low["set_evicted_max"]
+    # a set evicts about what it stores under either policy: a leaf segment goes only as far as
+    # the call needs (a state's segment of ~100 KV pages would double a call's evictions)
+    assert most["hybrid"] <= most["lru"] + 16, most
     r = _run("hybrid_index_replay.py", "--requests", "150", "--budgets", "10",
              "--policies", "lru,prefix,hybrid:2")
     assert [x["policy"] for x in r["runs"]] == ["lru", "prefix", "hybrid:2"]
