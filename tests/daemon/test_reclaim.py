@@ -10,7 +10,7 @@ from inproc_daemon import inproc_daemon
 from pools import kv_pool, kv_tokens, pages
 from test_hybrid_eviction import KV, chain, held, make, store
 
-from hicached import Client, PoolTransfer
+from hicached import Client, HostPool, PoolTransfer
 from hicached.daemon.orphans import orphans
 from hicached.daemon.reclaim import Reclaimer
 
@@ -233,3 +233,43 @@ def test_a_deferred_tail_continued_since_keeps_what_the_new_chain_needs():
     assert set(chain("a", 6) + ["e0"]) <= set(kv) and not set(chain("a", 11)[6:]) & set(kv)
     assert "e0" in held(ix, "mamba")
     assert orphans(ix, grace_ticks=0) == (0, 0)
+
+
+def test_the_daemon_leaves_the_rest_of_a_split_segment_to_its_idle_turns(tmp_path):
+    """A real daemon, a slab of 16 KV pages and one of 3 states: chain a (12 pages and a state),
+    then b and c (a page and a state each). n's state needs a slot: its set evicts a's state and
+    a11 only; a00..a10 go in the loop's idle turns (counted as evicted ahead). What is held
+    reads back exactly and no orphan is ever counted."""
+    with inproc_daemon(tmp_path, eviction="prefix", l2_size=32 << 10, slab_size=16 << 10,
+                       l3_backend="none", shared_exists=False) as d, \
+            Client(d.endpoint, "ns") as c:
+        src = kv_pool(num_pages=32, seed=4)
+        states = HostPool.allocate_mamba(8, 2, (16, 32), [(3, 4)])
+        for b in states.buffers:
+            b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(5)).to(b.dtype))
+        c.register_mem_host_pool_v2(src, "kv")
+        c.register_mem_host_pool_v2(states, "mamba")
+
+        def put(keys, first, slot):
+            res = c.batch_set_v2([PoolTransfer("kv", pages(first, len(keys)), keys=keys),
+                                  PoolTransfer("mamba", [slot], keys=keys[-1:],
+                                               hit_policy="trailing_pages")],
+                                 anchor_pool="kv", depth=0)
+            assert all(res["kv"]) and res["mamba"] == [True]
+
+        a = [f"a{i}" for i in range(12)]
+        put(a, 0, 0)
+        put(["b0"], 12, 1)
+        put(["c0"], 13, 2)
+        assert c.stats()["evictions"] == 0
+        put(["n0"], 14, 3)
+        deadline = time.monotonic() + 10
+        while (st := c.stats())["evictions_ahead"] < 11:
+            assert time.monotonic() < deadline, st
+            time.sleep(0.02)
+        assert st["evictions"] == 13 and st["l2_orphan_bytes"] == 0
+        assert c.batch_exists(a) == 0
+        dst = kv_pool(num_pages=32)
+        c.register_mem_host_pool_v2(dst, "kv")
+        assert all(c.batch_get_v1(["b0", "c0", "n0"], pages(12, 3)))
+        assert torch.equal(kv_tokens(dst, 12, 3), kv_tokens(src, 12, 3))
