@@ -68,7 +68,8 @@ class Reclaimer:
     def take(self, stride: int, need: int) -> int:
         """Evict queued pages of class ``stride`` (the next ones in the queue, while they are of
         it) until the class has ``need`` free slots: a reservation takes the dead tails left
-        for the idle turns before the policy names live pages. Returns the pages evicted."""
+        for the idle turns before the policy names live pages. Returns the pages evicted (on
+        the reservation's path: not counted in ``evicted``, the pages evicted ahead)."""
         ix, queue, done = self.ix, self._queue, 0
         while queue and ix.p_stride[queue[-1][0]] == stride:
             if ix.alloc.free_slots(stride) >= need:
@@ -77,7 +78,6 @@ class Reclaimer:
             if got is None:
                 break
             done += got
-        self.evicted += done
         return done
 
     def _next(self) -> int | None:
