@@ -155,8 +155,7 @@ class HybridPolicy(KeyTree):
             leaves[k] = None
         if not leaf.all() and any(ix._ns_trail):  # states of keys with children: mid heaps
             mid = ~leaf
-            states = (np.asarray(ix._tbit, np.int64)[ix.np["p_tid"][ps[mid]]]
-                      & np.asarray(ix._ns_trail, np.int64)[ix.np["k_ns"][krecs[mid]]]) != 0
+            states = np.array(ix._tstate, np.uint8)[ix.np["p_tid"][ps[mid]]] != 0
             for p in ps[mid][states].tolist():
                 self._queue(self._mids, _MID, p)
         for k in leaves:
@@ -222,12 +221,13 @@ class HybridPolicy(KeyTree):
         """``touched`` of each in turn (a page may come twice: queued once, with the tick of
         its first use in the call, as ``touched`` queues it)."""
         super().touched_many(ps, ticks)
-        kid, krec, states = self._kid, self.ix.p_krec, any(self.ix._ns_trail)
+        ix = self.ix
+        kid, krec, tid, state = self._kid, ix.p_krec, ix.p_tid, ix._tstate
         for p, t in zip(ps, ticks):
             if not kid[krec[p]]:
                 self._push_page(p, t)
-            elif states:  # (no namespace has trailing pools: no page is a mid-chain state)
-                self._push_mid(p, t)
+            elif state[tid[p]]:  # a mid-chain state (``_push_mid``; a get's KV pages are not)
+                self._queue(self._mids, _MID, p, t)
 
     def grow(self, n: int) -> None:
         super().grow(n)
@@ -235,7 +235,7 @@ class HybridPolicy(KeyTree):
 
     def _push_mid(self, p: int, t: int = -1) -> None:
         ix = self.ix
-        if ix._tbit[ix.p_tid[p]] & ix._ns_trail[ix.k_ns[ix.p_krec[p]]]:  # a state
+        if ix._tstate[ix.p_tid[p]]:  # a state
             self._queue(self._mids, _MID, p, t)
 
     def _push_page(self, p: int, t: int = -1) -> None:
@@ -261,8 +261,8 @@ class HybridPolicy(KeyTree):
             t, p = e >> 32, e & _LOW
             k = ix.p_krec[p]
             if not ix.p_flags[p] & COMMITTED or ix.p_stride[p] != stride or (
-                    bool(self._kid[k]) != (bit == _MID)) or (bit == _MID and not (
-                    ix._tbit[ix.p_tid[p]] & ix._ns_trail[ix.k_ns[k]])):
+                    bool(self._kid[k]) != (bit == _MID)) or (bit == _MID and not
+                                                             ix._tstate[ix.p_tid[p]]):
                 self._queued[p] &= ~bit  # gone, moved, or no candidate of this kind now
                 if ix.p_flags[p] & COMMITTED:
                     self._requeue(p)
@@ -290,7 +290,7 @@ class HybridPolicy(KeyTree):
         super().removed(p)
         ix = self.ix
         k = ix.p_krec[p]
-        if ix.p_flags[p] & IN_L3 and ix._tbit[ix.p_tid[p]] & ix._ns_trail[ix.k_ns[k]]:
+        if ix.p_flags[p] & IN_L3 and ix._tstate[ix.p_tid[p]]:
             self._kflags[k] |= STATE_L3
 
     def _push(self, k: int) -> None:

@@ -227,8 +227,7 @@ class KeyTree(LruPolicy):
         named it does)."""
         ix = self.ix
         k = ix.p_krec[p]
-        return (not self._kid[k] or bool(ix.p_flags[p] & IN_L3)
-                or bool(ix._tbit[ix.p_tid[p]] & ix._ns_trail[ix.k_ns[k]]))
+        return not self._kid[k] or bool(ix.p_flags[p] & IN_L3) or bool(ix._tstate[ix.p_tid[p]])
 
     def _segment(self, k: int) -> list[int] | None:
         """The pages leaf ``k`` takes with it (its own and the state-less single-child keys

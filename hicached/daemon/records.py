@@ -89,6 +89,8 @@ class Records(Lookups):
         self._ns_names: list[str] = []
         self._ns_id: dict[str, int] = {}
         self._ns_trail: list[int] = []  # per namespace id: the bits of its trailing pools
+        self._tstate = bytearray()  # per table id: 1 if its pool is one of its namespace's
+        # trailing pools (its pages are states; ``_tbit[tid] & _ns_trail[ns]`` in one lookup)
         self._keys: list[_Keys] = []
         # slot -> page record, per slab (an array of its slots), for ``at`` / ``tagged``
         self._slots: dict[int, array] = {}
@@ -157,13 +159,14 @@ class Records(Lookups):
             self._tables.append(table)
             self._tcount.append(0)
             self._tbit.append(bit)
-            self._ns(table[0])
+            self._tstate.append(1 if self._ns_trail[self._ns(table[0])] & bit else 0)
         return tid
 
     def mark_trailing(self, table: TableId) -> None:
         """``table``'s pool has TRAILING_PAGES hits (a state: ``Reserve.trailing``)."""
         tid = self.table_id(table)
         self._ns_trail[self._ns_id[table[0]]] |= self._tbit[tid]
+        self._tstate[tid] = 1
 
     def trailing(self, ns: str) -> int:
         """The pool bits of namespace ``ns``'s trailing pools."""
