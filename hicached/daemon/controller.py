@@ -407,8 +407,9 @@ class Controller(SetControl, SessionControl, StoreWaits):
         positions of a key in one chunk, so a key's pages of every pool are leased together),
         yielding between two (None: all at once). Each chunk's pages are pinned, touched and
         counted as it is looked up, under the lease the answer names (registered from the
-        first chunk on: the pins go with the session if it ends; renewed at each resume); a
-        page evicted or committed between two chunks is seen as it is when its chunk comes."""
+        first chunk that found pages on: the pins go with the session if it ends; renewed at
+        each resume); a page evicted or committed between two chunks is seen as it is when its
+        chunk comes."""
         if not chunk or sum(len(t.keys) for t in msg.transfers) <= chunk:
             return self._lease_present(s, msg, final)
         loading = self.tier.loading if msg.stream and not final else {}
@@ -416,13 +417,15 @@ class Controller(SetControl, SessionControl, StoreWaits):
         tags = [[0] * len(t.keys) for t in msg.transfers]
         from_l3: list[list[int]] = [[] for _ in msg.transfers]
         partial, misses = False, 0
-        g = self.leases.new_lease(s.id, [], self.clock(), pinned=True)
+        g = None  # the lease, once a chunk found pages
         for n, parts in enumerate(chunks or key_chunks([t.keys for t in msg.transfers], chunk)):
             if n:
                 yield
-                if s.id not in self.sessions or self.leases.leases.get(g.id) is not g:
+                if s.id not in self.sessions or (
+                        g is not None and self.leases.leases.get(g.id) is not g):
                     raise UnknownSession(f"session {s.id} ended while its Lease was worked")
-                g.deadline = self.clock() + self.leases.lease_ttl_s
+                if g is not None:
+                    g.deadline = self.clock() + self.leases.lease_ttl_s
             entries: list[Entry] = []
             for p, at in parts:
                 t = msg.transfers[p]
@@ -444,17 +447,19 @@ class Controller(SetControl, SessionControl, StoreWaits):
                         misses += 1
             if entries:
                 self.index.read_many(entries)  # touched, a hit each, pinned for the lease
-                g.entries.extend(entries)
+                if g is None:
+                    g = self.leases.new_lease(s.id, entries, self.clock(), pinned=True)
+                else:
+                    g.entries.extend(entries)
                 if self.tier.selective:
                     self.later(self._on_hits, entries)
         self.counters["partial_answers"] += partial
-        self.counters["hits"] += len(g.entries)
         self.counters["misses"] += misses
-        if g.entries:
+        if g is not None:
+            self.counters["hits"] += len(g.entries)
             g.deadline = self.clock() + self.leases.lease_ttl_s
             answer = P.Leased(msg.req_id, g.id, offsets, tags)
         else:
-            self.leases.release(g.id, s.id)
             answer = P.Leased(msg.req_id, 0, offsets, tags)
         self.first_l3_reads = (answer, [sorted(row) for row in from_l3])
         return answer

@@ -285,6 +285,7 @@ class DaemonOperations:
             "parked_exists": sum(isinstance(p, ParkedExists) for p in c.parked.values()),
             "parked_store_waits": sum(isinstance(p, ParkedStore) for p in c.parked.values()),
             "l2_flush": c.flusher.status(),
+            "sliced": c.slicer.status(),
             "l3_backend": c.tier.backend.name,
             "l3_tier": c.tier.status(),
             "l3": c.tier.backend_stats(),
