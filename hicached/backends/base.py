@@ -25,6 +25,11 @@ class L3Backend(ABC):
     """One L3 store. Pages are addressed by (namespace digest, pool, key)."""
 
     name = "abstract"
+    # Closing it stalls the whole process (Mooncake's client holds the GIL for ~1 s, joining
+    # its heartbeat thread): once detached, the daemon keeps it open, unused, for a later
+    # attach with the same options or the daemon's exit (``L3Tier.unpark``), never closing
+    # it while it serves.
+    slow_close = False
 
     def open(self, arena: Arena) -> None:
         """Called once before any transfer with the arena transfers read from / write into."""

@@ -131,8 +131,10 @@ class DaemonOperations:
             return True
 
         if self.call(begin):
-            try:
-                backend = self._open_backend(name, options)
+            try:  # one detached with these options and kept open (``L3Backend.slow_close``)
+                opts = backend_options(name, self.config, options)
+                backend = (self.call(lambda: self.tier.unpark(name, opts))
+                           or self._open_backend(name, options))
             except BaseException:
                 self.call(lambda: setattr(self, "_attaching", False))
                 raise
