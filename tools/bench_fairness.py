@@ -9,9 +9,11 @@ pages, 64-hex keys, and client processes of this script:
                   other, --think-ms (1) apart. Every call goes through the daemon's socket
                   (``shared_exists=False``, ``shared_gets=False``): the daemon's loop is what is
                   measured, not the presence table that answers most exists in production.
-  huge client     one process that, while told to, repeats: exists of --huge-keys keys (16384,
-                  the last set's), set of --huge-keys new pages, get of those pages (leased,
-                  ``remember_pages=0``); each call's time is recorded.
+  huge client     one process that first sets new pages until the arena was filled once over
+                  (the daemon in its steady state: evicting, its index grown to its size), then,
+                  while told to, repeats: exists of --huge-keys keys (16384, the last set's), set
+                  of --huge-keys new pages, get of those pages (leased, ``remember_pages=0``);
+                  each call's time is recorded.
 
 The run alternates windows of --seconds (2) each, --rounds (4) times: the small clients alone,
 then the small clients with the huge client. A small call counts in the window its start falls
@@ -162,10 +164,11 @@ def small_worker(endpoint: str, n: int, keys: int, pages: int, think_s: float) -
     print(json.dumps(calls), flush=True)
 
 
-def huge_worker(endpoint: str, keys: int) -> None:
-    """The huge client: says "ready"; for each line "go SECONDS" repeats (exists, set, get) of
-    ``keys`` keys until SECONDS have passed (the cycle under way is finished), then prints its
-    calls as JSON; "stop" (or EOF) ends it."""
+def huge_worker(endpoint: str, keys: int, warmup: int) -> None:
+    """The huge client: sets ``warmup`` calls of ``keys`` new pages (the daemon in its steady
+    state: the arena full, the index grown to its size), says "ready"; for each line "go
+    SECONDS" repeats (exists, set, get) of ``keys`` keys until SECONDS have passed (the cycle
+    under way is finished), then prints its calls as JSON; "stop" (or EOF) ends it."""
     import torch
 
     from hicached import PoolTransfer
@@ -173,6 +176,9 @@ def huge_worker(endpoint: str, keys: int) -> None:
     torch.set_num_threads(1)
     c = make_client(endpoint, keys, remember_pages=0)
     idx = torch.arange(keys)
+    for w in range(warmup):
+        c.batch_set_v2([PoolTransfer("kv", idx, keys=[key(f"warm{w}-", i)
+                                                      for i in range(keys)])])
     cycle = 0
     last = [key("h-none-", i) for i in range(keys)]  # nothing stored yet: the first exists
     print("ready", flush=True)
@@ -219,6 +225,7 @@ def summarize(lat: list[float]) -> dict:
 def measure(args) -> dict:
     """The whole run against one daemon (see the module docstring)."""
     import hicached
+    from hicached.settings import parse_size
 
     out: dict = {"tree": str(pathlib.Path(hicached.__file__).resolve().parent.parent),
                  "clients": args.clients, "huge_keys": args.huge_keys,
@@ -232,7 +239,10 @@ def measure(args) -> dict:
             small = [spawn("small", endpoint, str(n), str(args.small_keys), str(args.small_pages),
                            str(args.think_ms / 1000)) for n in range(args.clients)]
             procs += small
-            huge = spawn("huge", endpoint, str(args.huge_keys))
+            # the arena filled once over: eviction and the index at their steady state
+            warmup = -(-parse_size(args.l2_size) // (args.huge_keys * PAGE_BYTES)) + 1
+            progress(f"warming up: {warmup} sets of {args.huge_keys} pages")
+            huge = spawn("huge", endpoint, str(args.huge_keys), str(warmup))
             procs.append(huge)
             for p in procs:
                 if p.stdout.readline().strip() != "ready":
@@ -302,7 +312,7 @@ def main() -> None:
             endpoint, n, keys, pages, think = sys.argv[3:8]
             small_worker(endpoint, int(n), int(keys), int(pages), float(think))
         else:
-            huge_worker(sys.argv[3], int(sys.argv[4]))
+            huge_worker(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=4, help="small client processes")

@@ -38,9 +38,9 @@ from hicached.errors import HicachedError
 
 log = logging.getLogger(__name__)
 
-SLICE_S = 0.002  # work of a sliced call per turn of the loop: what another request may wait
+SLICE_S = 0.001  # work of a sliced call per turn of the loop: what another request may wait
 SLICE_KEYS = 1024  # a call of more keys (and released pages) than this is sliced
-CHUNK_KEYS = 128  # keys between two points where a sliced call may pause (~3 ms evicting)
+CHUNK_KEYS = 64  # keys between two points where a sliced call may pause (``fit_chunk``)
 MAX_HELD = 4096  # requests of one client waiting behind its sliced call (more: refused)
 CHUNK_S = 0.001  # a chunk of a call whose keys cost unevenly (a Reserve that evicts): its aim
 MIN_CHUNK_KEYS = 8
