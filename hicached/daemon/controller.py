@@ -27,6 +27,7 @@ With ``books`` None (tests, tools that drive this object directly) ``later`` run
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -42,7 +43,16 @@ from hicached.daemon.reclaim import Reclaimer
 from hicached.daemon.session_control import SessionControl
 from hicached.daemon.sessions import ParkedExists, ParkedGet, ParkedStore, PoolSpec, Session
 from hicached.daemon.set_control import SetControl
-from hicached.daemon.slicing import Slicer, Steps, as_answer, call_keys, drive, key_chunks
+from hicached.daemon.slicing import (
+    CHEAP_CHUNKS,
+    Slicer,
+    Steps,
+    as_answer,
+    call_keys,
+    drive,
+    fit_chunk,
+    key_chunks,
+)
 from hicached.daemon.store_waits import StoreWaits
 from hicached.errors import PageSizeMismatch, ProtocolError, UnknownSession
 from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
@@ -180,14 +190,18 @@ class Controller(SetControl, SessionControl, StoreWaits):
         if not chunk or len(keys) <= chunk:
             masks = self.index.presence(s.ns, keys)  # one lookup a key for every pool
         else:
-            parts = []
-            for lo in range(0, len(keys), chunk):
+            parts, lo, step = [], 0, chunk
+            while lo < len(keys):
                 if lo:
                     yield
                     if s.id not in self.sessions:
                         raise UnknownSession(f"session {s.id} ended while its Exists of "
                                              f"{len(keys)} keys was worked")
-                parts.append(self.index.presence(s.ns, keys[lo:lo + chunk]))
+                hi = min(len(keys), lo + step)
+                t0 = time.perf_counter()
+                parts.append(self.index.presence(s.ns, keys[lo:hi]))
+                step = fit_chunk(chunk * CHEAP_CHUNKS, hi - lo, time.perf_counter() - t0)
+                lo = hi
             masks = np.concatenate(parts)
         in_l3: dict[str, set[str]] = {}
         if self.tier.attached:
@@ -552,13 +566,15 @@ class Controller(SetControl, SessionControl, StoreWaits):
             g = self.leases.take_lease(lid, s.id)
             if g is None:
                 continue
-            entries = g.entries
+            entries, step = g.entries, chunk
             while entries:  # from the end (the order of unpins does not matter), letting go
                 if not first:  # of each chunk's pages as it goes: no pause at the end
                     yield
                 first = False
-                self.index.unpin_many(entries[-chunk:])
-                del entries[-chunk:]
+                t0 = time.perf_counter()
+                self.index.unpin_many(entries[-step:])
+                del entries[-step:]
+                step = fit_chunk(chunk * CHEAP_CHUNKS, step, time.perf_counter() - t0)
 
     def released_then(self, s: Session, lease_ids: list[int], chunk: int | None,
                       steps: Steps) -> Steps:

@@ -44,6 +44,8 @@ CHUNK_KEYS = 64  # keys between two points where a sliced call may pause (``fit_
 MAX_HELD = 4096  # requests of one client waiting behind its sliced call (more: refused)
 CHUNK_S = 0.001  # a chunk of a call whose keys cost unevenly (a Reserve that evicts): its aim
 MIN_CHUNK_KEYS = 8
+CHEAP_CHUNKS = 16  # where keys cost little (an Exists's lookups, a Release's unpins), a chunk
+#                    grows to this many chunks' keys while it takes under ``CHUNK_S``
 
 Steps = Generator[None, None, Any]
 
@@ -63,7 +65,7 @@ def fit_chunk(chunk: int, keys: int, took_s: float) -> int:
     evict pays 25 us to a few hundred a page: 128 of them would be one long pause)."""
     if took_s <= 0 or not keys:
         return chunk
-    return max(MIN_CHUNK_KEYS, min(chunk, int(keys * CHUNK_S / took_s)))
+    return max(min(MIN_CHUNK_KEYS, chunk), min(chunk, int(keys * CHUNK_S / took_s)))
 
 
 def call_keys(msg: Any) -> int:

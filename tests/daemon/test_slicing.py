@@ -53,6 +53,7 @@ def test_fit_chunk_takes_as_many_keys_as_fit_in_a_chunks_time():
     assert fit_chunk(128, 128, slicing.CHUNK_S * 4) == 32  # 4x too slow: a quarter
     assert fit_chunk(128, 64, slicing.CHUNK_S * 64) == slicing.MIN_CHUNK_KEYS
     assert fit_chunk(128, 0, 0.0) == 128
+    assert fit_chunk(4, 4, slicing.CHUNK_S * 64) == 4  # never past the chunk asked for
 
 
 def test_a_call_is_sliced_past_slice_keys_and_the_sizes_are_checked():
@@ -223,12 +224,12 @@ def test_a_commit_in_slices_publishes_the_same_pages_from_the_deep_end(tmp_path)
 N = 16384  # keys of a huge call (1 KiB pages: 16 MiB a pool)
 
 
-def fine_slices(d):
-    """The daemon's slicer at its finest (one chunk of 16 keys a turn of the loop): a huge
-    call spans a thousand turns, whatever the machine's speed."""
+def fine_slices(d, chunk_keys=16):
+    """The daemon's slicer at its finest (one chunk of ``chunk_keys`` keys a turn of the
+    loop): a huge call spans thousands of turns, whatever the machine's speed."""
     def fine():
         slicer = d.daemon.controller.slicer
-        slicer.slice_s, slicer.chunk_keys = 0.0, 16
+        slicer.slice_s, slicer.chunk_keys = 0.0, chunk_keys
     d.daemon.call(fine)
 
 
@@ -244,7 +245,7 @@ def socket_client(d, **kw):
 def test_small_calls_are_answered_while_a_huge_set_and_get_are_under_way(tmp_path):
     with inproc_daemon(tmp_path, l2_size=64 << 20, l3_backend="none") as d, \
             socket_client(d) as big, socket_client(d) as small:
-        fine_slices(d)
+        fine_slices(d, chunk_keys=4)
         big.register_mem_host_pool_v2(kv_pool(num_pages=N, seed=1), "kv")
         small.register_mem_host_pool_v2(kv_pool(num_pages=16, seed=2), "kv")
         mine = [f"s{i}" for i in range(4)]
@@ -312,6 +313,8 @@ def test_a_reader_never_sees_part_of_a_keys_pages_of_a_commit_in_slices(tmp_path
             PoolTransfer("mamba", torch.tensor([1]), keys=keys[-1:], hit_policy="trailing_pages"),
         ], anchor_pool="kv", depth=0) == {"kv": [True] * N, "indexer": [True] * N,
                                           "mamba": [True]}
+        # the Commit went without an answer: the daemon reads it a moment later
+        assert wait_until(lambda: "Commit" in under_way(d), timeout_s=60)
         seen = []  # (kv hits, indexer hits, head's hit) read while the Commit was under way
         while "Commit" in under_way(d):
             got = reader.batch_get_v2([PoolTransfer("kv", pages(0, 32), keys=sample),
