@@ -258,6 +258,9 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                     self._run_calls()
                 if self.controller.slicer.active:  # a slice of a huge call (slicing.py)
                     self._guarded(self.controller.slicer.step)
+                    # the clients waiting for a CPU (a small machine: the loop busy with a huge
+                    # call takes a core) may send their requests before the next slice
+                    os.sched_yield()
                 if self.controller.flusher.active:
                     self._guarded(self.controller.flusher.step)
                 elif reclaim and self.sock not in events:  # an idle turn: evict ahead

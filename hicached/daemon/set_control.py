@@ -66,7 +66,7 @@ class SetControl:
                 claims = msg.ahead[p] if ahead is not None and p < len(msg.ahead) else ()
                 n = len(t.keys)
                 row, tag_row, bound_row = [0] * n, [0] * n, [False] * n
-                lo, step = 0, chunk or n
+                lo, step = 0, max(1, chunk // 4) if chunk else n  # (eviction may be dear)
                 while lo < n:
                     if chunk and (p or lo):  # (a chunk before this one)
                         yield

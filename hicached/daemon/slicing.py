@@ -40,11 +40,12 @@ log = logging.getLogger(__name__)
 
 SLICE_S = 0.001  # work of a sliced call per turn of the loop: what another request may wait
 SLICE_KEYS = 1024  # a call of more keys (and released pages) than this is sliced
-CHUNK_KEYS = 64  # keys between two points where a sliced call may pause (``fit_chunk``)
+CHUNK_KEYS = 256  # keys between two points where a sliced call may pause (~0.5 ms of a Lease
+#                   or a Commit; a Reserve starts at a quarter and fits its chunks: ``fit_chunk``)
 MAX_HELD = 4096  # requests of one client waiting behind its sliced call (more: refused)
 CHUNK_S = 0.001  # a chunk of a call whose keys cost unevenly (a Reserve that evicts): its aim
 MIN_CHUNK_KEYS = 8
-CHEAP_CHUNKS = 16  # where keys cost little (an Exists's lookups, a Release's unpins), a chunk
+CHEAP_CHUNKS = 4  # where keys cost little (an Exists's lookups, a Release's unpins), a chunk
 #                    grows to this many chunks' keys while it takes under ``CHUNK_S``
 
 Steps = Generator[None, None, Any]
