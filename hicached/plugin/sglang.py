@@ -41,7 +41,9 @@ Failure behaviour: the I/O methods never raise. A daemon that is down, restartin
 one counted (``get_stats().counters``); the client reconnects on its own (a restarted daemon is
 re-joined, pools registered again). Pools never registered, pools whose registration failed and
 ``BLOCK_GROUPS`` queries (no producer in SGLang 0.5.23) answer misses. Writes of replicated pools
-on a non-writer MLA rank are skipped and reported stored (the writer rank stores them).
+on a non-writer MLA rank are skipped and reported stored (the writer rank stores them). A caller's
+bug is not a miss: keys given as one ``str`` or ``bytes`` instead of a list of keys raise
+``InvalidArgument`` naming the argument (iterating one would make each character a key).
 
 ``"allocator": "shm"``: SGLang then allocates the host pools as memfd shared memory. hicached has
 no use for that: this plugin runs inside the engine process and already copies straight between
@@ -75,7 +77,7 @@ from hicached.plugin.health import PluginHealth
 from hicached.plugin.namespace import RankNamespace
 from hicached.plugin.sessions import RankSessions
 from hicached.plugin.settings import PluginSettings
-from hicached.types import PoolTransfer
+from hicached.types import PoolTransfer, key_list
 from hicached.types import PoolTransferResult as _OwnResult
 
 _hs = import_sglang()
@@ -176,7 +178,7 @@ class HicachedStorage(_Base):
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Number of leading keys whose KV page is stored (0 when the daemon is unavailable)."""
-        keys = list(keys)
+        keys = key_list(keys)
         if not keys:
             return 0
 
@@ -191,10 +193,12 @@ class HicachedStorage(_Base):
                         extra_info: Any = None) -> Any:
         """SGLang's hit semantics over every pool (hicached.hits): ``kv_hit_pages`` = the
         largest prefix all pools can restore, per-pool hits, ``restorable_prefix_pages``."""
-        keys = list(keys)
+        keys = key_list(keys)
+        transfers = list(pool_transfers or ())
+        for t in transfers:
+            key_list(t.keys or (), f"pool {_value(t.name)!r}: keys")
         if not keys:
             return _result(0, {}, [])
-        transfers = list(pool_transfers or ())
 
         def run(client: Client) -> Any:
             queries, miss_all = [], False
@@ -208,7 +212,7 @@ class HicachedStorage(_Base):
                                            f"query for pool {name!r} ({policy}) answers a miss")
                     continue
                 queries.append(PoolTransfer(self._sessions.wire(name),
-                                            keys=list(t.keys or ()), hit_policy=policy))
+                                            keys=key_list(t.keys or ()), hit_policy=policy))
             res = client.batch_exists_v2(keys, queries)
             hits = {wire.split("@")[0]: n for wire, n in res.extra_pool_hit_pages.items()}
             final, restorable = res.kv_hit_pages, list(res.restorable_prefix_pages or [])
@@ -224,12 +228,12 @@ class HicachedStorage(_Base):
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None
                      ) -> list[bool]:
         """Load KV pages into the registered KV host pool at ``host_indices``."""
-        return self.batch_get_v2([PoolTransfer("kv", host_indices, keys=list(keys))])["kv"]
+        return self.batch_get_v2([PoolTransfer("kv", host_indices, keys=key_list(keys))])["kv"]
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None
                      ) -> list[bool]:
         """Store KV pages from the registered KV host pool at ``host_indices``."""
-        return self.batch_set_v2([PoolTransfer("kv", host_indices, keys=list(keys))],
+        return self.batch_set_v2([PoolTransfer("kv", host_indices, keys=key_list(keys))],
                                  extra_info)["kv"]
 
     # ------------------------------------------------------------ KV: generic (v0) path
@@ -253,7 +257,7 @@ class HicachedStorage(_Base):
                   target_sizes: Any = None) -> list[Any]:
         """KV pages into flat page tensors (SGLang passes ``get_dummy_flat_data_page()`` each);
         the filled tensor per hit, None per miss."""
-        keys = list(keys)
+        keys = key_list(keys)
         if not keys:
             return []
         misses = [None] * len(keys)
@@ -281,7 +285,7 @@ class HicachedStorage(_Base):
                   target_sizes: Any = None) -> bool:
         """Store flat KV pages (``get_data_page(i)`` each); True when all are stored. (SGLang
         passes no prefix keys on this path: its pages are roots of unknown depth.)"""
-        keys = list(keys)
+        keys = key_list(keys)
         if not keys:
             return True
         if not self._sessions.writes("kv"):
@@ -309,7 +313,8 @@ class HicachedStorage(_Base):
         done: dict[Any, list[bool]] = {}
         todo: list[tuple[Any, PoolTransfer]] = []
         for t in transfers:
-            name, keys = _value(t.name), list(t.keys or ())
+            name = _value(t.name)
+            keys = key_list(t.keys or (), f"pool {name!r}: keys")
             if not keys:
                 done[t.name] = []
             elif writing and not self._sessions.writes(name):
