@@ -14,7 +14,9 @@ waiting for L3 loads, ``get_wait_s``, 2 s by default, so that answer comes first
 after a call failed for a daemon down, hung or restarting, every call misses at once for this
 long, then twice as long after each further failure, up to 30 s; a success resets it), ``model_name``, ``model_revision``, ``namespace_salt``, ``kv_cache_dtype`` (see
 ``namespace.py``), ``token`` (the daemon's ``client_token``; default: the engine's
-``HICACHED_CLIENT_TOKEN`` variable), ``clear_tier`` ("all" | "l2" | "none": what ``clear()`` flushes, node-wide).
+``HICACHED_CLIENT_TOKEN`` variable), ``clear_tier`` ("all" | "l2" | "none": which tiers ``clear()``
+flushes), ``clear_scope`` ("namespace": this rank's namespace's pages only, the default; "node":
+every page of the daemon, whoever stored it).
 SGLang itself reads ``interface_v1`` (1: KV through ``batch_get_v1``/``batch_set_v1``, one copy
 per page; otherwise the generic ``batch_get``/``batch_set`` with a staging page, two copies) and
 ``allocator``.
@@ -382,14 +384,19 @@ class HicachedStorage(_Base):
     # ------------------------------------------------------------ admin
 
     def clear(self) -> bool:
-        """SGLang's "clear storage": flush ``clear_tier`` of the daemon (node-wide, like
-        HiCacheFile's clear of its whole directory). Never raises; False when not done."""
+        """SGLang's "clear storage": flush ``clear_tier`` of this rank's namespace (its pages in
+        L2, and in L3 where the backend finds them by namespace: file, Mooncake), or of the
+        whole node with ``clear_scope`` "node" (every engine's pages). Other engines of the
+        same namespace (same model and geometry) share its pages: they lose them too. Never
+        raises; False when not done (a daemon too old to flush one namespace, an L3 backend
+        that cannot find a namespace's pages: nothing is flushed then)."""
         if self.settings.clear_tier == "none":
             self._health.warn_once("clear", f"{self.name}: clear() ignored (clear_tier none)")
             return False
+        node = self.settings.clear_scope == "node"
 
         def run(client: Client) -> bool:
-            client.flush(self.settings.clear_tier)
+            client.flush(self.settings.clear_tier, namespace=None if node else client.namespace)
             return True
 
         return self._guard("clear", lambda: False, run)
