@@ -8,6 +8,7 @@ call that split its argument would hit (or store) them, and the checks below wou
 
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 from inproc_daemon import inproc_daemon
@@ -114,10 +115,13 @@ def test_a_pool_transfer_refuses_one_key_at_construction(one):
     assert PoolTransfer("kv").keys is None
 
 
-def test_the_protocol_still_types_keys_as_lists():
-    """The daemon side needs no check of its own: its decoder takes only lists of str."""
-    frame = P.encode(P.Exists(1, 1, ["a"]))
-    assert P.request_decoder.decode(frame).keys == ["a"]
+@pytest.mark.parametrize("one", ["abc", b"abc"], ids=["str", "bytes"])
+def test_the_daemon_decodes_keys_only_as_a_list_of_str(one):
+    """A frame built by another client with one key where the list belongs is malformed on
+    the daemon side (its decoder is typed): the split happened only in the client."""
+    with pytest.raises(msgspec.ValidationError, match=r"Expected `array`"):
+        P.request_decoder.decode(msgspec.msgpack.encode(["exists", 1, 1, one]))
+    assert P.request_decoder.decode(P.encode(P.Exists(1, 1, ["abc"]))).keys == ["abc"]
 
 
 @pytest.mark.parametrize("one", [b"\x01" * 64, "ab" * 32])
