@@ -314,16 +314,16 @@ class MooncakeBackend(MooncakeTransfers, L3Backend):
         lease TTL, which includes any exists check, would otherwise survive). Returns how many;
         BackendUnavailable when the store could not be reached (unavailable, timed out: a 502
         over HTTP), BackendError when it refused."""
-        return self._remove(f"^{_literal(self.opts.key_prefix)}/")
+        return self._remove_matching(f"^{_literal(self.opts.key_prefix)}/")
 
     def clear_namespace(self, ns: str) -> int:
         """Remove the pages of namespace digest ``ns`` under our key prefix (with the objects
         of the format before trailers, ``<key_prefix>/<ns>/...``), as ``clear`` does; other
         namespaces' objects stay. Every node's copies go: the store is shared."""
-        return self._remove(f"^{_literal(self.opts.key_prefix)}/({FORMAT_PART}/)?"
+        return self._remove_matching(f"^{_literal(self.opts.key_prefix)}/({FORMAT_PART}/)?"
                             f"{_literal(key_part(ns))}/")
 
-    def _remove(self, regex: str) -> int:
+    def _remove_matching(self, regex: str) -> int:
         """``remove_by_regex(regex, force)``: how many objects went, or the error (``clear``)."""
         where = f"Mooncake store at {redact(self.opts.master_server_address)}"
         store = self._admit(self.opts.timeout_s)
