@@ -321,7 +321,7 @@ class MooncakeBackend(MooncakeTransfers, L3Backend):
         of the format before trailers, ``<key_prefix>/<ns>/...``), as ``clear`` does; other
         namespaces' objects stay. Every node's copies go: the store is shared."""
         return self._remove_matching(f"^{_literal(self.opts.key_prefix)}/({FORMAT_PART}/)?"
-                            f"{_literal(key_part(ns))}/")
+                                     f"{_literal(key_part(ns))}/")
 
     def _remove_matching(self, regex: str) -> int:
         """``remove_by_regex(regex, force)``: how many objects went, or the error (``clear``)."""
