@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from hicached.engine.config import add_engine_args, config_from_args
+from hicached.extras import install_hint
 
 PHASES = ("no cache", "device + L2", "new engine", "L3")
 DEVICE_ONLY = ("no cache", "device only")
@@ -265,10 +265,7 @@ def engine_install_hint() -> str | None:
         pass
     else:
         return None
-    root = pathlib.Path(__file__).resolve().parents[2]
-    if (root / "pyproject.toml").is_file() and (root / "hicached").is_dir():  # a clone, -e
-        return f"pip install -e '{root}[engine]'"
-    return "pip install 'hicached[engine]'"
+    return install_hint("engine")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,11 +42,11 @@ from typing import Any, Self
 
 from hicached.errors import ConfigError, HicachedError
 from hicached.ops.config import parse_options, read_config_table
-from hicached.settings import default_runtime_dir
+from hicached.settings import UNIT_ENDPOINT, default_endpoint
 from hicached.sockpath import refusal
 
 DEFAULT_DAEMON_CONFIG = "/etc/hicached/hicached.toml"
-UNIT_SOCKET = "ipc:///run/hicached/hicached.sock"  # configs/hicached.service
+UNIT_SOCKET = UNIT_ENDPOINT  # configs/hicached.service
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_READY = 0, 1, 2, 3
 
 
@@ -331,7 +331,7 @@ def local_endpoint(configured: str, env: Mapping[str, str]) -> str:
     when only that one exists."""
     if configured:
         return configured
-    mine = f"ipc://{default_runtime_dir(env)}/hicached.sock"
+    mine = default_endpoint(env)
     unit = UNIT_SOCKET[len("ipc://"):]
     if refusal(mine[len("ipc://"):]) is not None and os.path.exists(unit) and \
             refusal(unit) is None:  # (a dead daemon's leftover socket file is nobody)

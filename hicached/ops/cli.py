@@ -23,7 +23,7 @@ from hicached import __version__
 from hicached.errors import HicachedError
 from hicached.ops import adminctl, interrupts
 from hicached.ops.config import DaemonConfig, load_config
-from hicached.settings import default_runtime_dir, default_state_dir
+from hicached.settings import default_endpoint, default_state_dir
 
 
 def _serve_parser(sub, env: Mapping[str, str]) -> None:
@@ -155,7 +155,7 @@ def serve_defaults(env: Mapping[str, str]) -> dict[str, str]:
             value = "none"
         out[f.name] = str(value)
     state = default_state_dir(env)
-    out.update(endpoint=f"ipc://{default_runtime_dir(env)}/hicached.sock", state_dir=state,
+    out.update(endpoint=default_endpoint(env), state_dir=state,
                l3_dir="<state_dir>/l3", arena_path="/dev/shm/hicached-<digest of state_dir>")
     return out
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 log = logging.getLogger(__name__)
 
 from hicached.errors import ConfigError
-from hicached.settings import default_runtime_dir, default_state_dir, parse_size
+from hicached.settings import default_endpoint, default_state_dir, parse_size
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class DaemonConfig:
         """Fill the derived defaults (paths: from ``env``'s XDG variables) and check values."""
         env = env or {}
         state = os.path.abspath(self.state_dir or default_state_dir(env))
-        endpoint = self.endpoint or f"ipc://{default_runtime_dir(env)}/hicached.sock"
+        endpoint = self.endpoint or default_endpoint(env)
         arena = self.arena_path or "/dev/shm/hicached-" + hashlib.sha256(
             state.encode()).hexdigest()[:16]
         cfg = dataclasses.replace(self, state_dir=state, endpoint=endpoint, arena_path=arena,

@@ -243,7 +243,7 @@ def test_demo_without_its_extra_says_what_to_install(home):
 @pytest.mark.parametrize("kwargs, named", [
     ({"endpoint": "/tmp/hicached.sock"}, "endpoint"),
     ({"endpoint": "ipc://"}, "endpoint"),
-    ({"endpoint": None}, "endpoint"),
+    ({"endpoint": 7}, "endpoint"),  # (None: the default endpoint, tests/client)
     ({"namespace": 123}, "namespace"),
     ({"namespace": ""}, "namespace"),
     ({"namespace": "x" * 5000}, "namespace"),

@@ -67,6 +67,7 @@ from hicached.backends.mooncake.transfers import (
     code_name,
 )
 from hicached.errors import BackendError, BackendUnavailable, ConfigError
+from hicached.extras import install_hint
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def import_store_class() -> type:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
         raise ConfigError(
-            "l3_backend 'mooncake' needs the Mooncake client: pip install 'hicached[mooncake]' "
+            f"l3_backend 'mooncake' needs the Mooncake client: {install_hint('mooncake')} "
             "(mooncake-transfer-engine-non-cuda; on Debian also apt-get install libibverbs1 "
             f"librdmacm1 libnuma1). Import failed: {e}") from e
     return MooncakeDistributedStore
