@@ -217,3 +217,50 @@ def test_a_slow_detach_waits_with_progress_and_a_silent_daemon_is_not_called_unr
     assert rc == 1 and out == ""
     assert f"no answer from the hicached admin API at {mute} within 0.5 s" in err
     assert "cannot reach" not in err
+
+
+def test_status_tells_nothing_there_from_a_slow_or_stopped_daemon(make_daemon):
+    """Before the call, a short probe (the ZeroMQ handshake, answered by the daemon's I/O
+    thread, not its loop): nothing listening is said within a second, not after --timeout; a
+    peer that takes the call but does not answer in time is a daemon still at work; one that
+    accepts connections but never completes the handshake (a stopped daemon) is said too."""
+    import signal
+
+    import zmq
+
+    port = free_port()  # bound, then closed: nobody listens there
+    start = time.monotonic()
+    rc, out, err = cli("status", "--endpoint", f"tcp://127.0.0.1:{port}")
+    assert time.monotonic() - start < 5  # the CLI's own start included (was 30 s)
+    assert (rc, out) == (1, "")
+    assert err.startswith(f"hicached status: error: nothing listens on tcp://127.0.0.1:{port} "
+                          "(connection refused)"), err
+    assert err.count("\n") == 1
+
+    ctx = zmq.Context()
+    mute = ctx.socket(zmq.ROUTER)  # a daemon whose loop is busy: handshakes, never answers
+    mute.setsockopt(zmq.LINGER, 0)
+    try:
+        port = mute.bind_to_random_port("tcp://127.0.0.1")
+        rc, out, err = cli("status", "--endpoint", f"tcp://127.0.0.1:{port}", "--timeout", "0.5")
+        assert (rc, out) == (1, "")
+        assert (f"no answer from the hicached daemon on tcp://127.0.0.1:{port} within 0.5 s: it "
+                "may still be working on status") in err, err
+        assert mute.poll(0) and len(mute.recv_multipart()) == 2  # the call itself was sent
+    finally:
+        mute.close()
+        ctx.term()
+
+    d = make_daemon()
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        rc, out, err = cli("status", "--endpoint", d.endpoint)
+        assert time.monotonic() - start < 10
+        assert (rc, out) == (1, "")
+        assert (f"something accepts connections on {d.endpoint} but does not complete a "
+                "ZeroMQ handshake within 1 s: a stopped daemon") in err, err
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    rc, out, err = cli("status", "--endpoint", d.endpoint)
+    assert rc == 0 and "ok, ready" in out, err
