@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 from hicached.errors import ConfigError, HicachedError
-from hicached.ops.config import parse_options, read_config_table
+from hicached.ops.config import absolute_ipc, parse_options, read_config_table
 from hicached.settings import UNIT_ENDPOINT, default_endpoint
 from hicached.sockpath import refusal
 
@@ -351,7 +351,7 @@ def connect(args: argparse.Namespace, env: Mapping[str, str]):
         path = DEFAULT_DAEMON_CONFIG
     cfg = admin_settings(path, env)
     if args.endpoint or not (args.url or cfg["admin_port"]):
-        endpoint = args.endpoint or local_endpoint(cfg["endpoint"], env)
+        endpoint = absolute_ipc(args.endpoint or local_endpoint(cfg["endpoint"], env))
         if not endpoint.startswith(("ipc://", "tcp://")):
             raise ConfigError(f"--endpoint: expected ipc://PATH or tcp://HOST:PORT, got "
                               f"{endpoint!r}")
