@@ -185,8 +185,8 @@ class SocketAdmin:
 
     def attach(self, backend: str, options: dict, write_policy: str | None,
                prefetch_policy: str | None, timeout_s: float) -> dict:
-        if prefetch_policy:
-            raise AdminError("--prefetch-policy is an engine-side setting the admin HTTP API "
+        if prefetch_policy:  # bad usage on this path (exit status 2), not a daemon's error
+            raise ConfigError("--prefetch-policy is an engine-side setting the admin HTTP API "
                              "records for SGLang's tools; over the socket there is nothing to "
                              "record it in (use --url, or leave it out)")
         status = self.call(lambda r: P.Attach(r, backend, options, write_policy or ""),
