@@ -148,7 +148,9 @@ def run_phase(lm, cfg, args, progress: Progress, label: str) -> list[Turn]:
 
 
 def report(arch: str, results: dict[str, list[Turn]]) -> str:
-    """Per-turn table of every phase against "no cache", then a summary per phase."""
+    """Per-turn table of every phase against "no cache", then a summary per phase. A turn's
+    speed-up is shown only where some of its prompt came from a cache (L1, L2 or L3): where
+    every token was computed, the two runs did the same work and their ratio is noise ("-")."""
     base = results["no cache"]
     header = (f"{'phase':<12} {'conv':>4} {'turn':>4} {'prompt':>6} {'no-cache':>9} "
               f"{'ttft':>8} {'speedup':>7} {'L1':>5} {'L2':>5} {'L3':>5} {'computed':>8}")
@@ -156,9 +158,10 @@ def report(arch: str, results: dict[str, list[Turn]]) -> str:
     for phase in list(results)[1:]:
         for t, b in zip(results[phase], base):
             h = t.hits
+            speedup = f"{b.ttft_s / t.ttft_s:>6.1f}x" if h["computed"] < t.prompt else "-"
             lines.append(f"{phase:<12} {t.conv:>4} {t.turn:>4} {t.prompt:>6} "
                          f"{b.ttft_s * 1e3:>9.1f} {t.ttft_s * 1e3:>8.1f} "
-                         f"{b.ttft_s / t.ttft_s:>6.1f}x {h['l1']:>5} {h['l2']:>5} {h['l3']:>5} "
+                         f"{speedup:>7} {h['l1']:>5} {h['l2']:>5} {h['l3']:>5} "
                          f"{h['computed']:>8}")
     lines.append(f"{'phase':<12} {'hit rate':>9} {'mean ttft ms':>13} {'vs no cache':>12}")
     for phase, turns in results.items():

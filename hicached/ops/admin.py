@@ -370,7 +370,8 @@ class AdminServer:
         pages = await self._blocking(d.flush, tier)
         what = {"l2": "L2", "l3": "L3", "all": "L2 and L3"}[tier]
         return _json({"success": True, "tier": tier, "pages": pages,
-                      "message": f"Cache flushed: {pages} pages dropped from {what}."})
+                      "message": f"Cache flushed: {pages} page{'' if pages == 1 else 's'} "
+                                 f"dropped from {what}."})
 
 
 def check_admin_port(host: str, port: int) -> None:
