@@ -36,6 +36,7 @@ from hicached.daemon.l3.workers import IOWorkers
 from hicached.daemon.leases import LeaseTable
 from hicached.daemon.operations import DaemonOperations, backend_options
 from hicached.daemon.quotas import make_quotas
+from hicached.daemon.room import allocated_bytes, check_room, read_room
 from hicached.daemon.sessions import Session, namespace_digest
 from hicached.daemon.slabs import SlabAllocator
 from hicached.errors import (
@@ -50,7 +51,7 @@ from hicached.liveness import own_pid_ns
 from hicached.ops.config import DaemonConfig
 from hicached.ops.metrics import make_metrics
 from hicached.ops.sdnotify import NullNotifier
-from hicached.presence import TAG_GRAIN, PresenceTable, default_slots
+from hicached.presence import TAG_GRAIN, PresenceTable, default_slots, table_bytes
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         try:
             self._check_endpoint(config.endpoint)  # taken: say so before the arena and L3
             self._recorded_arena(self._lock_fd, config.arena_path)
+            self._check_room(config)  # an arena the node cannot back: refused before it is made
             log.info("reserving the arena: %.1f GiB of shared memory at %s (about a second "
                      "per GiB)", config.l2_size / (1 << 30), config.arena_path)
             self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.access_mode,
@@ -159,6 +161,21 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                                      f"{type(e).__name__}: {e}") from None
         backend.opened_with = opts  # a re-attach with other options is refused (operations.py)
         return backend
+
+    @staticmethod
+    @staticmethod
+    def _check_room(config: DaemonConfig) -> None:
+        """ConfigError when the node cannot back the arena and its presence table (``room.py``);
+        the files a crashed daemon left at their paths count as free (they are replaced)."""
+        def table(arena_bytes: int) -> int:
+            if not config.shared_exists:
+                return 0
+            return table_bytes(config.presence_slots or default_slots(arena_bytes), arena_bytes,
+                               TAG_GRAIN if config.shared_gets else 0)
+
+        old = allocated_bytes(config.arena_path, config.arena_path + ".presence")
+        check_room(config.l2_size, read_room(os.path.dirname(config.arena_path) or "."), old,
+                   table)
 
     # ------------------------------------------------------------ loop
 

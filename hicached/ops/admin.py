@@ -377,7 +377,8 @@ class AdminServer:
         # (the answer names the namespace: a client can tell a daemon that read it)
         return _json({"success": True, "tier": tier, "pages": pages,
                       **({"namespace": namespace} if namespace else {}),
-                      "message": f"Cache flushed: {pages} pages{of} dropped from {what}."})
+                      "message": f"Cache flushed: {pages} page{'' if pages == 1 else 's'}{of} "
+                                 f"dropped from {what}."})
 
 
 def check_admin_port(host: str, port: int) -> None:

@@ -23,7 +23,7 @@ from hicached import __version__
 from hicached.errors import HicachedError
 from hicached.ops import adminctl, interrupts
 from hicached.ops.config import DaemonConfig, load_config
-from hicached.settings import default_runtime_dir, default_state_dir
+from hicached.settings import default_endpoint, default_state_dir
 
 
 def _serve_parser(sub, env: Mapping[str, str]) -> None:
@@ -69,7 +69,7 @@ def _serve_parser(sub, env: Mapping[str, str]) -> None:
     p.add_argument("--presence-slots", dest="presence_slots", type=int,
                    help="slots of the shared presence table, a power of 2 (0: from l2_size)")
     p.add_argument("--log-level", dest="log_level",
-                   help="debug, info (default), warning, error or critical")
+                   help="debug, info, warning, error or critical")
     p.add_argument("--io-queue-depth", dest="io_queue_depth", type=int,
                    help="L3 jobs queued at most (past it: write-throughs skipped, loads and "
                    "lookups miss)")
@@ -101,8 +101,8 @@ def _serve_parser(sub, env: Mapping[str, str]) -> None:
     p.add_argument("--namespace-quotas", dest="namespace_quotas",
                    help='per-namespace L2 quotas as JSON, e.g. \'{"tenant-a": "8GiB"}\'')
     p.add_argument("--eviction", dest="eviction",
-                   help="which L2 pages go first: hybrid (default: chains leaf first, states "
-                   "and tokens per byte weighed), prefix (chains leaf first, LRU) or lru")
+                   help="which L2 pages go first: hybrid (chains leaf first, states and tokens "
+                   "per byte weighed), prefix (chains leaf first, LRU) or lru")
     p.add_argument("--eviction-alpha", dest="eviction_alpha", type=float,
                    help="hybrid eviction: weight of a page's value against its recency")
     p.add_argument("--evict-ahead", dest="evict_ahead", type=float,
@@ -110,7 +110,7 @@ def _serve_parser(sub, env: Mapping[str, str]) -> None:
                    "evicting ahead while the daemon is idle (0: off)")
     p.add_argument("--kv-events-endpoint", dest="kv_events_endpoint",
                    help="publish KV events for routers on this ZeroMQ PUB endpoint, e.g. "
-                   "tcp://*:5557 (default: off; docs/kv-events.md)")
+                   "tcp://*:5557; docs/kv-events.md")
     p.add_argument("--kv-events-replay-endpoint", dest="kv_events_replay_endpoint",
                    help="serve recent KV event batches to routers that missed some (ROUTER)")
     p.add_argument("--print-config", action="store_true", help="print the effective config as "
@@ -155,7 +155,8 @@ def serve_defaults(env: Mapping[str, str]) -> dict[str, str]:
             value = "none"
         out[f.name] = str(value)
     state = default_state_dir(env)
-    out.update(endpoint=f"ipc://{default_runtime_dir(env)}/hicached.sock", state_dir=state,
+    out.update(kv_events_endpoint="off")  # (not "none": no events are published)
+    out.update(endpoint=default_endpoint(env), state_dir=state,
                l3_dir="<state_dir>/l3", arena_path="/dev/shm/hicached-<digest of state_dir>")
     return out
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicached.settings import default_runtime_dir
+from hicached.settings import default_endpoint
 
 CLEAR_TIERS = ("all", "l2", "none")
 CLEAR_SCOPES = ("namespace", "node")  # what clear() flushes: this rank's namespace, or all
@@ -38,7 +38,7 @@ class PluginSettings:
         endpoint = extra.get("endpoint") or ""
         if not endpoint and extra.get("socket"):
             endpoint = f"ipc://{extra['socket']}"
-        endpoint = endpoint or f"ipc://{default_runtime_dir(env or {})}/hicached.sock"
+        endpoint = endpoint or default_endpoint(env or {})
         if not isinstance(endpoint, str) or not endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"hicached extra_config endpoint must start with ipc:// or tcp://, "
                              f"got {endpoint!r}")

@@ -70,6 +70,7 @@ from hicached.backends.mooncake.transfers import (
     key_part,
 )
 from hicached.errors import BackendError, BackendUnavailable, ConfigError
+from hicached.extras import install_hint
 
 log = logging.getLogger(__name__)
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}")
@@ -86,7 +87,7 @@ def import_store_class() -> type:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
         raise ConfigError(
-            "l3_backend 'mooncake' needs the Mooncake client: pip install 'hicached[mooncake]' "
+            f"l3_backend 'mooncake' needs the Mooncake client: {install_hint('mooncake')} "
             "(mooncake-transfer-engine-non-cuda; on Debian also apt-get install libibverbs1 "
             f"librdmacm1 libnuma1). Import failed: {e}") from e
     return MooncakeDistributedStore
