@@ -191,6 +191,7 @@ class Client(ExistsCalls, GetCalls, SetCalls, WaitCalls, ClientAdmin):
         self._releases.drop()
         self.reservation_ttl_s = w.reservation_ttl_s
         self.lease_ttl_s = w.lease_ttl_s
+        self.flushes_namespaces = w.flush_namespace  # (``ClientAdmin.flush``)
         if self.arena is None or self.arena.path != w.arena_path or \
                 self.arena.size_bytes != w.arena_bytes or self.arena.ident != _ident(w.arena_path):
             self.arena = Arena.attach(w.arena_path, w.arena_bytes)  # old mapping dies with refs

@@ -19,7 +19,7 @@ from hicached.client.exists import KV
 from hicached.client.hostpool import PageIO
 from hicached.client.leaseless import read_known
 from hicached.errors import DaemonUnavailable, InvalidTransfer
-from hicached.types import PoolTransfer
+from hicached.types import PoolTransfer, key_list
 
 log = logging.getLogger(__name__)
 
@@ -134,4 +134,4 @@ class GetCalls:
     def batch_get_v1(self, keys: Sequence[str], host_indices: Any, extra_info: Any = None
                      ) -> list[bool]:
         """v1: load KV pages into the registered KV host pool."""
-        return self.batch_get_v2([PoolTransfer(KV, host_indices, keys=list(keys))])[KV]
+        return self.batch_get_v2([PoolTransfer(KV, host_indices, keys=key_list(keys))])[KV]

@@ -37,7 +37,7 @@ from hicached.daemon.leases import LeaseTable
 from hicached.daemon.operations import DaemonOperations, backend_options
 from hicached.daemon.quotas import make_quotas
 from hicached.daemon.room import allocated_bytes, check_room, read_room
-from hicached.daemon.sessions import Session
+from hicached.daemon.sessions import Session, namespace_digest
 from hicached.daemon.slabs import SlabAllocator
 from hicached.errors import (
     BackendError,
@@ -411,11 +411,13 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             case P.Bye():
                 c.close_session(msg.session)
                 return None
-            case P.Flush():
+            case P.Flush():  # (namespace "": the whole node, as from an older client)
                 if msg.tier == "l2":  # answered when the walk of the arena ends
-                    c.flush_l2(lambda n: self._send(identity, P.Ok(msg.req_id)))
+                    c.flush_l2(lambda n: self._send(identity, P.Ok(msg.req_id)),
+                               namespace_digest(msg.namespace) if msg.namespace else None)
                     return None
-                self._off_loop(identity, msg.req_id, lambda: self.flush(msg.tier),
+                self._off_loop(identity, msg.req_id,
+                               lambda: self.flush(msg.tier, namespace=msg.namespace),
                                lambda n: P.Ok(msg.req_id))
                 return None
             case P.Attach():

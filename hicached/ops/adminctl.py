@@ -2,6 +2,7 @@
 
     hicached status                          health, readiness, tiers, pools, namespaces
     hicached flush [--tier l2|l3|all]        drop pages (default l2)
+                   [--namespace NAME]        ... of that namespace only (default: every page)
     hicached attach BACKEND [--l3-options JSON|@file] [--write-policy P] [--prefetch-policy P]
     hicached detach
 
@@ -115,8 +116,13 @@ class AdminClient:
         stats = self.request("GET", "/stats") if health.get("status") == "ok" else None
         return health, ready, stats
 
-    def flush(self, tier: str, timeout_s: float) -> dict:
-        return self.request("POST", "/flush_cache", query={"tier": tier}, timeout_s=timeout_s)
+    def flush(self, tier: str, timeout_s: float, namespace: str = "") -> dict:
+        query = {"tier": tier, **({"namespace": namespace} if namespace else {})}
+        res = self.request("POST", "/flush_cache", query=query, timeout_s=timeout_s)
+        if namespace and res.get("namespace") != namespace:  # a daemon older than the option
+            raise AdminError(f"the daemon at {self.url} is older than --namespace: it ignored "
+                             f"it and flushed {tier} of the whole node ({res.get('message')})")
+        return res
 
     def attach(self, backend: str, options: dict, write_policy: str | None,
                prefetch_policy: str | None, timeout_s: float) -> dict:
@@ -303,6 +309,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--tier", choices=["l2", "l3", "all"], default="l2",
                    help="which pages: l2 (the shared-memory arena), l3 (the attached backend's "
                    "store) or all (default: l2)")
+    p.add_argument("--namespace", default="", help="only the pages of this namespace (as "
+                   "engines name it; `hicached status` lists them); default: every page of "
+                   "the node")
     p = sub.add_parser("attach", parents=[common], help="attach an L3 backend at runtime",
                        **how)
     p.add_argument("backend", help="backend name: file, mooncake, hf3fs, ...")
@@ -428,7 +437,8 @@ def _command(client, args: argparse.Namespace, out) -> int:
     if args.command == "flush":
         probe = client.l3_pages_left if args.tier != "l2" else None
         with Progress(f"flushing {args.tier}", probe):
-            res = client.flush(args.tier, max(args.timeout, 3600.0))
+            res = client.flush(args.tier, max(args.timeout, 3600.0),
+                               getattr(args, "namespace", "") or "")
     elif args.command == "attach":
         with Progress(f"attaching {args.backend}"):
             res = client.attach(args.backend, args.options, args.write_policy,

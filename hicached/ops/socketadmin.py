@@ -65,6 +65,7 @@ class SocketAdmin:
         monitor.close(linger=0)
         self._req = 0
         self._session = 0
+        self._flush_namespace = False  # the daemon reads Flush.namespace (its Welcome says)
 
     def _probe(self, monitor, deadline_s: float) -> None:
         """Wait (at most ``deadline_s``) for the ZeroMQ handshake with whatever listens at the
@@ -160,6 +161,7 @@ class SocketAdmin:
         finally:
             self._token = token
         self._session = welcome.session
+        self._flush_namespace = welcome.flush_namespace
 
     # ------------------------------------------------------------ the commands
 
@@ -175,13 +177,22 @@ class SocketAdmin:
     def backend(self) -> dict:
         return self.call(lambda r: P.GetBackend(r), "the L3 status").status
 
-    def flush(self, tier: str, timeout_s: float) -> dict:
+    def flush(self, tier: str, timeout_s: float, namespace: str = "") -> dict:
+        if namespace:  # an older daemon would read past the namespace: ask first
+            if not self._session:
+                self._handshake()
+            if not self._flush_namespace:
+                raise AdminError(f"the daemon on {self.where} is older than --namespace (it "
+                                 "would flush the whole node): nothing was flushed")
         if tier in ("l3", "all") and not self.backend()["attached"]:
             if tier == "l3":
                 raise AdminError("no L3 backend attached: nothing to clear")
             tier = "l2"
-        self.call(lambda r: P.Flush(r, tier), f"a flush of {TIERS[tier]}", timeout_s)
-        return {"success": True, "tier": tier, "message": f"Cache flushed: {TIERS[tier]}."}
+        of = f" of namespace {namespace!r}" if namespace else ""
+        self.call(lambda r: P.Flush(r, tier, namespace), f"a flush of {TIERS[tier]}{of}",
+                  timeout_s)
+        return {"success": True, "tier": tier, **({"namespace": namespace} if namespace else {}),
+                "message": f"Cache flushed: {TIERS[tier]}{of}."}
 
     def attach(self, backend: str, options: dict, write_policy: str | None,
                prefetch_policy: str | None, timeout_s: float) -> dict:

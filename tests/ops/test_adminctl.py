@@ -13,6 +13,7 @@ from admin_helpers import KEY, admin_daemon, free_port
 from conftest import wait_until
 from pools import kv_pool, pages
 
+from hicached import PoolTransfer
 from hicached.ops.adminctl import Progress
 
 
@@ -169,6 +170,28 @@ def test_python_m_flush_cache(make_daemon):
     # on the daemon's machine, its socket: no key
     rc, out, err = cli("--endpoint", d.endpoint, module="hicached.flush_cache", key="")
     assert (rc, out) == (0, "Cache flushed: L2.\n"), err
+
+
+def test_flush_of_one_namespace_over_http_and_over_the_socket(make_daemon):
+    d, url = admin_daemon(make_daemon)
+    with d.client("model-a") as a, d.client("model-b") as b:
+        for c in (a, b):
+            c.register_mem_host_pool_v2(kv_pool(seed=4), "kv")
+            assert c.batch_set_v1(["r0", "r1"], pages(0, 2)) == [True, True]
+            c.wait_stored([PoolTransfer("kv", keys=["r0", "r1"])])
+        rc, out, err = cli("flush", "--namespace", "model-a", "--url", url)
+        assert (rc, out) == (0, "Cache flushed: 2 pages of namespace 'model-a' dropped from "
+                                "L2.\n"), err
+        assert a.stats()["l2_pages"] == 2  # B's
+        rc, out, err = cli("flush", "--namespace", "model-b", "--tier", "all", "--endpoint",
+                           d.endpoint, "--json", key="")
+        assert rc == 0, err
+        assert json.loads(out) == {"success": True, "tier": "all", "namespace": "model-b",
+                                   "message": "Cache flushed: L2 and L3 of namespace "
+                                              "'model-b'."}
+        assert a.stats()["l2_pages"] == 0
+        assert b.batch_exists(["r0", "r1"]) == 0  # gone from L3 too
+        assert a.batch_exists(["r0", "r1"]) == 2  # A's L3 copies stay: loaded back
 
 
 def test_progress_shows_elapsed_time_and_detail():
