@@ -1,0 +1,105 @@
+"""Ctrl-C at many instants of ``hicached serve``'s start: how does each run end?
+
+Starts ``python -m hicached serve`` (its own socket, arena and state dir in a temp dir, L3 off)
+again and again, sends SIGINT ``delay`` seconds after the process was started, for ``--runs``
+delays spread evenly from ``--first`` to ``--last`` s, and sorts the ends:
+
+  interrupted   ended by SIGINT, the last line on stderr ``hicached: interrupted``, no traceback
+                (the start was abandoned: docs/operating.md, Ctrl-C)
+  stopped       ended by SIGINT after ``hicached stopped`` (the daemon was up: an orderly stop)
+  silent        ended by SIGINT with nothing on stderr (before Python took SIGINT)
+  python        Python's own start was cut (``Fatal Python error``: its site import)
+  traceback     any other end with a traceback
+  abort         ``terminate called`` (an exception thrown into C++), SIGABRT
+  exit 130      the one line, then exit status 130 (how hicached ended before: a shell script
+                that ran it would go on to its next command)
+  other         anything else (the status and the last line are shown)
+
+and whether the arena file was left in /dev/shm (it never may be). A run is a fresh process, so
+the delays land in the interpreter's start, the imports (torch's), the arena's reservation and,
+for late delays and small arenas, after ready.
+
+    PYTHONPATH=$PWD python tools/ctrl_c_sweep.py [--runs 40] [--first 0.05] [--last 1.6]
+        [--l2-size 2GiB] [--verbose]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def classify(returncode: int, out: str, err: str) -> str:
+    lines = err.strip().splitlines()
+    if "terminate called" in err or returncode == -signal.SIGABRT:
+        return "abort"
+    if "Fatal Python error" in err:
+        return "python"
+    if "Traceback" in err:
+        return "traceback"
+    if returncode == -signal.SIGINT:
+        if "hicached stopped" in out:
+            return "stopped"
+        if not lines:
+            return "silent"
+        if lines[-1] == "hicached: interrupted":
+            return "interrupted"
+    if returncode == 130 and lines and lines[-1] == "hicached: interrupted":
+        return "exit 130"  # the one line, but an exit: a shell script running it goes on
+    return "other"
+
+
+def run_once(delay_s: float, l2_size: str, tmp: str, i: int) -> tuple[str, int, str, bool]:
+    arena = f"/dev/shm/hicached-sweep-{os.getpid()}-{i}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
+    cmd = [sys.executable, "-m", "hicached", "serve", "--l2-size", l2_size, "--endpoint",
+           f"ipc://{tmp}/s{i}.sock", "--state-dir", f"{tmp}/state{i}", "--arena-path", arena,
+           "--l3-backend", "none"]
+    start = time.monotonic()
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(max(0.0, start + delay_s - time.monotonic()))
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    left = os.path.exists(arena) or os.path.exists(arena + ".presence")
+    for path in (arena, arena + ".presence"):  # a leftover is counted, then removed
+        if os.path.exists(path):
+            os.unlink(path)
+    last = (err.strip().splitlines() or [""])[-1]
+    return classify(p.returncode, out, err), p.returncode, last, left
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=40)
+    ap.add_argument("--first", type=float, default=0.05, help="first delay, s")
+    ap.add_argument("--last", type=float, default=1.6, help="last delay, s")
+    ap.add_argument("--l2-size", default="2GiB")
+    ap.add_argument("--verbose", action="store_true", help="one line per run")
+    args = ap.parse_args()
+    step = (args.last - args.first) / max(1, args.runs - 1)
+    counts: collections.Counter = collections.Counter()
+    where: dict[str, list[float]] = collections.defaultdict(list)
+    leftovers = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            delay = args.first + i * step
+            kind, rc, last, left = run_once(delay, args.l2_size, tmp, i)
+            counts[kind, rc] += 1
+            where[kind].append(round(delay, 2))
+            leftovers += left
+            if args.verbose:
+                print(f"{delay:5.2f} s  {kind:11s} status {rc:4d}  {last[:90]}"
+                      + ("  ARENA LEFT" if left else ""), flush=True)
+    for (kind, rc), n in sorted(counts.items()):
+        print(f"{kind:11s} status {rc:4d}: {n:3d}  at {where[kind]}")
+    print(f"arena files left in /dev/shm: {leftovers}")
+
+
+if __name__ == "__main__":
+    main()
