@@ -20,13 +20,14 @@ the delays land in the interpreter's start, the imports (torch's), the arena's r
 for late delays and small arenas, after ready.
 
     PYTHONPATH=$PWD python tools/ctrl_c_sweep.py [--runs 40] [--first 0.05] [--last 1.6]
-        [--l2-size 2GiB] [--verbose]
+        [--l2-size 2GiB] [--slab-size 1MiB] [--verbose] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import signal
 import subprocess
@@ -55,12 +56,13 @@ def classify(returncode: int, out: str, err: str) -> str:
     return "other"
 
 
-def run_once(delay_s: float, l2_size: str, tmp: str, i: int) -> tuple[str, int, str, bool]:
+def run_once(delay_s: float, l2_size: str, slab_size: str, tmp: str,
+             i: int) -> tuple[str, int, str, bool]:
     arena = f"/dev/shm/hicached-sweep-{os.getpid()}-{i}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
-    cmd = [sys.executable, "-m", "hicached", "serve", "--l2-size", l2_size, "--endpoint",
-           f"ipc://{tmp}/s{i}.sock", "--state-dir", f"{tmp}/state{i}", "--arena-path", arena,
-           "--l3-backend", "none"]
+    cmd = [sys.executable, "-m", "hicached", "serve", "--l2-size", l2_size, "--slab-size",
+           slab_size, "--endpoint", f"ipc://{tmp}/s{i}.sock", "--state-dir", f"{tmp}/state{i}",
+           "--arena-path", arena, "--l3-backend", "none"]
     start = time.monotonic()
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(max(0.0, start + delay_s - time.monotonic()))
@@ -80,24 +82,31 @@ def main() -> None:
     ap.add_argument("--first", type=float, default=0.05, help="first delay, s")
     ap.add_argument("--last", type=float, default=1.6, help="last delay, s")
     ap.add_argument("--l2-size", default="2GiB")
+    ap.add_argument("--slab-size", default="1MiB")
     ap.add_argument("--verbose", action="store_true", help="one line per run")
+    ap.add_argument("--json", action="store_true", help="every run and the counts as JSON")
     args = ap.parse_args()
     step = (args.last - args.first) / max(1, args.runs - 1)
-    counts: collections.Counter = collections.Counter()
-    where: dict[str, list[float]] = collections.defaultdict(list)
-    leftovers = 0
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             delay = args.first + i * step
-            kind, rc, last, left = run_once(delay, args.l2_size, tmp, i)
-            counts[kind, rc] += 1
-            where[kind].append(round(delay, 2))
-            leftovers += left
+            kind, rc, last, left = run_once(delay, args.l2_size, args.slab_size, tmp, i)
+            runs.append({"delay_s": round(delay, 3), "kind": kind, "status": rc,
+                         "last_line": last, "arena_left": left})
             if args.verbose:
                 print(f"{delay:5.2f} s  {kind:11s} status {rc:4d}  {last[:90]}"
                       + ("  ARENA LEFT" if left else ""), flush=True)
+    counts = collections.Counter((r["kind"], r["status"]) for r in runs)
+    leftovers = sum(r["arena_left"] for r in runs)
+    if args.json:
+        print(json.dumps({"runs": runs, "counts": {f"{k} {rc}": n for (k, rc), n in
+                                                   sorted(counts.items())},
+                          "arena_files_left": leftovers}))
+        return
     for (kind, rc), n in sorted(counts.items()):
-        print(f"{kind:11s} status {rc:4d}: {n:3d}  at {where[kind]}")
+        at = [round(r["delay_s"], 2) for r in runs if (r["kind"], r["status"]) == (kind, rc)]
+        print(f"{kind:11s} status {rc:4d}: {n:3d}  at {at}")
     print(f"arena files left in /dev/shm: {leftovers}")
 
 

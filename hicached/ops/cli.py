@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 # Only these before main() takes SIGINT: until then a Ctrl-C is Python's (a traceback), so the
 # rest is imported where it is used (hicached and its errors are imported already)
@@ -22,6 +23,9 @@ from hicached import __version__
 from hicached.errors import HicachedError
 from hicached.ops import interrupts
 from hicached.ops.phases import Phases
+
+if TYPE_CHECKING:
+    import argparse
 
 
 def _serve_parser(sub, env: Mapping[str, str]) -> None:

@@ -95,10 +95,9 @@ class _ImportWatch:
         self.module, self.phases = module, phases
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname == self.module:
+        if fullname == self.module:  # (None: the next finder finds it)
             sys.meta_path.remove(self)
             self.phases.pause(f"import:{fullname}")
-        return None
 
 
 def _watch_inside(function: str, phases: Phases) -> None:
