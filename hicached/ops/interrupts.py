@@ -1,5 +1,5 @@
 """Ctrl-C (SIGINT) in the ``hicached`` command: one line on stderr, and the process ends by
-SIGINT, at whatever instant it comes (docs/operating.md, "Ctrl-C").
+SIGINT, at whatever instant it comes (docs/operating.md, "Starting the daemon").
 
 Ending by the signal, not with exit status 130, is what shells expect: a shell that ran the
 command from a script stops the script only when its child died by SIGINT (an exit with 130 says
@@ -10,15 +10,15 @@ ends it so, and Python ends so on a KeyboardInterrupt nobody caught.
 The handler never raises into code it does not know: a KeyboardInterrupt raised while a C++
 extension's Python callback runs (torch's import calls into Python from C++: ``_initExtension``,
 ``_c10d_init``) aborts the process ("terminate called after throwing an instance of
-'pybind11::error_already_set'"). What it does depends on the mode the command is in:
+'pybind11::error_already_set'" or "'python_error'"). What it does depends on the mode the command is in:
 
     mode     when                                   SIGINT
     END      install() .. the start makes things    the line, then the process ends by SIGINT
              (imports, argument parsing, config;    at once, wherever the main thread is:
              every admin command throughout)        nothing raised, nothing made to undo
-    RECORD   ``serve`` from the state lock until    remembered only; the start calls check()
-             its own handlers are in place          between its steps (``phases.py``) and
-                                                    raises there, undoes what it made, and the
+    RECORD   ``serve``, from just before the state  remembered only; the start calls check()
+             lock until its own handlers are in     between its steps (``phases.py``) and
+             place                                  raises there, undoes what it made, and the
                                                     CLI writes the line and calls end()
     RAISE    the demo (an engine: its cleanup is    KeyboardInterrupt, as Python's default
              in ``finally`` blocks)                 handler, and remembered (check() raises it
