@@ -35,7 +35,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import NoReturn
 
 END, RECORD, RAISE = "end", "record", "raise"
 LINE = "hicached: interrupted"
@@ -47,9 +46,15 @@ _previous: object = None  # the handler install() replaced (put back by uninstal
 
 def install(mode: str = END) -> bool:
     """Take SIGINT in ``mode``, unless SIGINT is ignored (a background job's) or already handled
-    by someone else (an embedding program). Main thread only. Returns whether it did."""
+    by someone else (an embedding program). Main thread only. Returns whether it has SIGINT
+    (again: ``python -m hicached`` takes it before it imports the CLI, whose main takes it too).
+    No more imports than this module's: the sooner it runs, the shorter Python's window."""
     global _previous
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    current = signal.getsignal(signal.SIGINT)
+    if current is _on_sigint:
+        switch(mode)
+        return True
+    if current is not signal.default_int_handler:
         return False
     _previous = signal.signal(signal.SIGINT, _on_sigint)
     switch(mode)
@@ -102,8 +107,9 @@ def check() -> None:
         raise KeyboardInterrupt
 
 
-def end(line: bool = True) -> NoReturn:
-    """End the process by SIGINT, after ``LINE`` on stderr when ``line`` (main thread only).
+def end(line: bool = True) -> None:
+    """End the process by SIGINT, after ``LINE`` on stderr when ``line`` (main thread only);
+    never returns.
     Output still buffered is written first; nothing else runs (no ``atexit``): call it once
     whatever must be undone is undone."""
     for stream in (sys.stdout, sys.stderr):
@@ -125,7 +131,7 @@ def _write_line() -> None:
         pass
 
 
-def _die() -> NoReturn:
+def _die() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGINT)  # delivered before kill returns: the process is gone
     os._exit(128 + signal.SIGINT)  # only if something blocks SIGINT in every thread
