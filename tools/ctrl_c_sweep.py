@@ -13,6 +13,8 @@ delays spread evenly from ``--first`` to ``--last`` s, and sorts the ends:
   abort         ``terminate called`` (an exception thrown into C++), SIGABRT
   exit 130      the one line, then exit status 130 (how hicached ended before: a shell script
                 that ran it would go on to its next command)
+  hung          still running ``--hung-s`` after the signal: the Ctrl-C was lost (then stopped
+                with SIGTERM)
   other         anything else (the status and the last line are shown)
 
 and whether the arena file was left in /dev/shm (it never may be). A run is a fresh process, so
@@ -20,7 +22,8 @@ the delays land in the interpreter's start, the imports (torch's), the arena's r
 for late delays and small arenas, after ready.
 
     PYTHONPATH=$PWD python tools/ctrl_c_sweep.py [--runs 40] [--first 0.05] [--last 1.6]
-        [--l2-size 2GiB] [--slab-size 1MiB] [--verbose] [--json]
+        [--l2-size 2GiB] [--slab-size 1MiB] [--hung-s 60] [--verbose]
+        [--json]
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ def classify(returncode: int, out: str, err: str) -> str:
     return "other"
 
 
-def run_once(delay_s: float, l2_size: str, slab_size: str, tmp: str,
-             i: int) -> tuple[str, int, str, bool]:
+def run_once(delay_s: float, l2_size: str, slab_size: str, tmp: str, i: int,
+             hung_s: float) -> tuple[str, int, str, bool]:
     arena = f"/dev/shm/hicached-sweep-{os.getpid()}-{i}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
     cmd = [sys.executable, "-m", "hicached", "serve", "--l2-size", l2_size, "--slab-size",
@@ -67,7 +70,12 @@ def run_once(delay_s: float, l2_size: str, slab_size: str, tmp: str,
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(max(0.0, start + delay_s - time.monotonic()))
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=120)
+    try:
+        out, err = p.communicate(timeout=hung_s)
+    except subprocess.TimeoutExpired:  # the signal was lost: the start went on
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+        return "hung", p.returncode, (err.strip().splitlines() or [""])[-1], False
     left = os.path.exists(arena) or os.path.exists(arena + ".presence")
     for path in (arena, arena + ".presence"):  # a leftover is counted, then removed
         if os.path.exists(path):
@@ -83,6 +91,9 @@ def main() -> None:
     ap.add_argument("--last", type=float, default=1.6, help="last delay, s")
     ap.add_argument("--l2-size", default="2GiB")
     ap.add_argument("--slab-size", default="1MiB")
+    ap.add_argument("--hung-s", type=float, default=60.0,
+                    help="a run still going this long after the signal counts as hung (then "
+                    "SIGTERM stops it)")
     ap.add_argument("--verbose", action="store_true", help="one line per run")
     ap.add_argument("--json", action="store_true", help="every run and the counts as JSON")
     args = ap.parse_args()
@@ -91,7 +102,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             delay = args.first + i * step
-            kind, rc, last, left = run_once(delay, args.l2_size, args.slab_size, tmp, i)
+            kind, rc, last, left = run_once(delay, args.l2_size, args.slab_size, tmp, i,
+                                             args.hung_s)
             runs.append({"delay_s": round(delay, 3), "kind": kind, "status": rc,
                          "last_line": last, "arena_left": left})
             if args.verbose:
