@@ -64,19 +64,32 @@ _DRAIN_OK = (P.Commit, P.Release, P.Bye, P.ExistsTally)
 class Daemon(DaemonOperations, Handshakes, DaemonFiles):
     """``Daemon(config).serve_forever()`` runs until ``stop()`` (or SIGTERM/SIGINT via ``run``)."""
 
-    def __init__(self, config: DaemonConfig):
+    def __init__(self, config: DaemonConfig,
+                 on_phase: Callable[[str], None] | None = None):
+        """Make the daemon: state lock, arena, index, L3 backend, socket. ``on_phase(name)`` is
+        called as the start reaches "lock", "arena" (after each step of the reservation), "l3"
+        and "socket" (``ops/phases.py``); whatever it raises abandons the start, which undoes
+        what it made (lock, arena file, backend, socket) and lets the exception go on."""
         self.config = config
         self._stop = threading.Event()
         self._stop_asked = False  # set by a signal handler (stop_on_signal)
+        on_phase = on_phase or (lambda name: None)
+        log_progress = arena_progress()
+
+        def progress(done: int, total: int) -> None:
+            log_progress(done, total)
+            on_phase("arena")
+
         self._lock_fd = self._take_state_lock(config.state_dir)
         try:
+            on_phase("lock")
             self._check_endpoint(config.endpoint)  # taken: say so before the arena and L3
             self._recorded_arena(self._lock_fd, config.arena_path)
             self._check_room(config)  # an arena the node cannot back: refused before it is made
             log.info("reserving the arena: %.1f GiB of shared memory at %s (about a second "
                      "per GiB)", config.l2_size / (1 << 30), config.arena_path)
             self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.access_mode,
-                                      progress=arena_progress())
+                                      progress=progress)
             self._record_arena(self._lock_fd, config.arena_path)
             self._set_group(config.arena_path)
         except BaseException:
@@ -98,6 +111,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                                config.l3_load_chunk, config.l3_audit_s)
             if config.l3_backend != "none":
                 self.tier.attach(self._open_backend(config.l3_backend, None))
+            on_phase("l3")
             if self.presence is not None:  # before any client reads it (a restart with L3)
                 self.presence.beat(time.monotonic(), self.tier.attached)
             self.controller = Controller(self.index, self.leases, self.tier, time.monotonic,
@@ -110,6 +124,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             self.controller.kv_events = make_kv_events(config, self.index, self.tier)
             self.ctx = zmq.Context()
             self.sock = self._bind(config.endpoint)
+            on_phase("socket")
         except BaseException:
             if hasattr(self, "controller"):
                 self.controller.kv_events.close()
@@ -117,6 +132,9 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                 self.workers.close()
             if getattr(self, "tier", None) is not None:
                 self.tier.close()
+            if hasattr(self, "sock"):  # (ctx.term waits for every socket to be closed)
+                self.sock.close(linger=0)
+                self._remove_socket_file()
             if hasattr(self, "ctx"):
                 self.ctx.term()
             if getattr(self, "presence", None) is not None:
@@ -481,6 +499,15 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                         "unfinished", *busy)
         self._run_calls(ShuttingDown("daemon is shutting down"))
 
+    def _remove_socket_file(self) -> None:
+        """Remove the ipc socket's file (its socket closed: zmq leaves it)."""
+        ep = self.config.endpoint
+        if ep.startswith("ipc://"):
+            try:
+                os.unlink(ep[len("ipc://"):])
+            except FileNotFoundError:
+                pass
+
     def close(self) -> None:
         """Release everything the daemon owns. Safe to call twice."""
         if self._closed:
@@ -494,12 +521,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                         "process exit to reclaim")
         self.sock.close(linger=0)
         self.ctx.term()
-        ep = self.config.endpoint
-        if ep.startswith("ipc://"):
-            try:
-                os.unlink(ep[len("ipc://"):])
-            except FileNotFoundError:
-                pass
+        self._remove_socket_file()
         if self.presence is not None:
             self.presence.close()
         self.arena.close()

@@ -325,7 +325,8 @@ def read_config_table(path: str) -> dict:
 STORE_ENV_PREFIXES = ("MOONCAKE_", "SGLANG_MOONCAKE_")
 STORE_ENV_NAMES = ("LOCAL_HOSTNAME",)
 # HICACHED_* variables that are not daemon settings: the engine side's and the tests'
-OTHER_ENV = ("HICACHED_CLIENT_TOKEN", "HICACHED_TEST_DEVICE", "HICACHED_BENCH_")
+OTHER_ENV = ("HICACHED_CLIENT_TOKEN", "HICACHED_TEST_DEVICE", "HICACHED_TEST_PAUSE_AT",
+             "HICACHED_BENCH_")
 
 
 def absolute_ipc(endpoint: str) -> str:

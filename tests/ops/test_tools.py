@@ -276,3 +276,13 @@ def test_bench_pd_moves_only_the_delta_with_the_decode_radix_and_outputs_stay_eq
     bad = subprocess.run([sys.executable, str(TOOLS / "bench_pd.py"), "--decode-l2", "64MiB"],
                          check=False, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--decode-l2 needs --nodes 2" in bad.stderr
+
+
+def test_ctrl_c_sweep_sorts_each_run_and_finds_nothing_left():
+    r = _run("ctrl_c_sweep.py", "--runs", "2", "--first", "0.5", "--last", "0.6",
+             "--l2-size", "16MiB")
+    assert [run["delay_s"] for run in r["runs"]] == [0.5, 0.6]
+    # past Python's own start: the one line (or the stop once up), and the end by SIGINT
+    assert all(run["kind"] in ("interrupted", "stopped") and run["status"] == -2
+               for run in r["runs"]), r
+    assert r["arena_files_left"] == 0
