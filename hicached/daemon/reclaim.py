@@ -118,7 +118,7 @@ class Reclaimer:
             policy.abandoned([q for q, g, _ in queue if ix.p_gen[q] == g])
             queue.clear()
             return None
-        got = sum(ix._evict_page(p) for p, _ in live)
+        got = ix._evict_pages([p for p, _ in live])
         self._queue_evicted += got
         return got
 
@@ -145,8 +145,7 @@ class Reclaimer:
     def settle(self) -> None:
         """Evict the tails due now (before the orphans are counted: a stats call may come
         between a commit and the loop's next idle turn)."""
-        for p in self.ix.policy.stale():
-            self.ix._evict_page(p)
+        self.ix._evict_pages(self.ix.policy.stale())
 
     def _target(self, stride: int) -> int:
         return max(stride, int(self.ahead * self.ix.alloc.capacity_bytes))
