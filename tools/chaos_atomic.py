@@ -336,7 +336,11 @@ class Run:
               rng: random.Random) -> None:
         for _ in range(procs):
             self.spawn(name, chains)
-        end = time.monotonic() + seconds
+        deadline = time.monotonic() + 120  # (a loaded machine takes seconds to import torch)
+        while (not all(stats.exists() for _, _, stats, _ in self.workers)
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        end = time.monotonic() + seconds  # of load: from when every process is ready
         turn = 0
         while True:
             wait = rng.uniform(1.0, 3.0)
