@@ -25,10 +25,15 @@ can be checked wherever it came from.
     python tools/chaos_atomic.py --seconds 300 --check-s 40        # the issue's run
     python tools/chaos_atomic.py --seconds 20 --check-s 10          # a short one
 
-Prints one JSON object (counts per phase: gets, keys checked, torn keys, wrong pages, and the
-first torn keys with what the worker knew of them); exit status 1 when a torn key or a wrong
-page was found in the checked phase (or a wrong page anywhere). ``tests/test_tools_chaos.py``
-runs a few seconds of it.
+Prints one JSON object (counts per phase: gets, keys checked, torn keys, wrong pages, the
+daemon's evictions during the checked phase, and the first torn keys of that phase with what
+the worker knew of them: whether it read the KV page with no lease, and what L2 held of the
+key right after); exit status 1 when a torn key was found in the checked phase, a wrong page
+anywhere, a worker died other than by SIGKILL, or the daemon exited. ``--stateless`` stores a
+share of the calls without their state: the state-less leaves the hybrid eviction drops after
+a grace, also in the checked phase. Torn keys of the first phase are counted, not failed: under
+eviction a set may store a key's KV page and get no room for its INDEXER page (the set says
+so). ``tests/ops/test_tools.py`` runs a few seconds of it.
 """
 
 from __future__ import annotations
