@@ -130,7 +130,7 @@ class GetCalls:
             if again and time.monotonic() - sent > self.timeout_s:
                 break  # what is still loading is a miss for this call
             todo = again
-        if read and not first:  # hits at one instant: the daemon's answer (``leaseless.py``)
+        if read and (not first or len(read) > 1):  # hits of one instant (``leaseless.py``)
             for name, js in still_there(shared.view, read).items():
                 for j in js:
                     out[name][j] = False

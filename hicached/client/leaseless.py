@@ -18,14 +18,13 @@ causally, as on x86 (``presence.ORDERED_STORES``; elsewhere no table is used at 
 fails step 1 is not copied; one that fails step 3 is copied again under a lease, as is every page
 the client never saw. So a get of pages used before costs one copy and no message.
 
-One instant for the whole get: a tag this client learnt at some moment and finds again later
-was in its slot all along (a tag once gone never comes back), so the pages read here were all
-in L2 together when the get began. The pages leased after them are the daemon's answer at a
-later instant, when some of these may have gone (evicted with the rest of their key, whose
-INDEXER page the lease then calls a miss). So once the leases are answered the tags of the pages
-read here are read once more (``still_there``): a page whose tag is gone is a miss, and every
-hit of the get was in L2 at the instant the daemon answered. Without that, a key evicted
-between the two (all its pools at once) came back as a KV hit with its INDEXER page missing.
+One instant for the whole get: a page whose tag is there before and after its copy was in its
+slot all along in between (a tag once gone never comes back). The pages of one pool are checked
+together, so they were all in L2 at one instant; those of another pool, or leased after them
+(the daemon's answer, at a later instant), may not have been: a key evicted in between (all its
+pools at once) came back as a KV hit with its INDEXER page missing. So once the last copy or
+lease is done the tags of the pages read here are read once more (``still_there``): a page whose
+tag is gone is a miss, and every hit of the get was in L2 at the instant of that last reading.
 
 The daemon still learns of every such hit (LRU recency, hit counts, selective write-through,
 metrics): the (offset, tag) pairs go out later in one ``Release`` (``piggyback.py``).
