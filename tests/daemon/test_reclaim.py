@@ -192,14 +192,17 @@ def torn(ix, keys):
     return [k for k, a, b in zip(keys, kv, idx) if a != b]
 
 
-def tails_setup():
+def tails_setup(more=()):
     """A trailing namespace (chain s with a state) and a state-less leaf t00..t02 (KV and
     INDEXER pages) whose grace is over: the idle turns' next victim set is t02, t01, t00 (each
-    key's INDEXER page first, as its call reserved them last)."""
+    key's INDEXER page first, as its call reserved them last). ``more``: (keys, states) of
+    other calls, stored before (a commit once the tails are due may take them itself)."""
     ix = make(8, "hybrid")
     r = Reclaimer(ix, 0.0)
     r.attach(0.0, lambda: False)
     store_both(ix, chain("s", 2), states=["s01"])
+    for keys, states in more:
+        store_both(ix, keys, states=states)
     store_both(ix, chain("t", 3))
     stem = [ix.get(("ns", "kv"), k) for k in chain("s", 2)]
     for _ in range(600):  # 1200 page uses of others: t's grace (GRACE_TICKS) is over
@@ -227,8 +230,7 @@ def test_a_step_stopped_at_any_page_never_leaves_half_a_key():
 def test_a_step_stopped_by_a_request_stops_at_a_key_s_end():
     """A leaf segment with a state (state, INDEXER, KV of its leaf, then the keys above):
     a request arriving after the first pages stops the turn only once the key is gone."""
-    ix, r = tails_setup()
-    store_both(ix, chain("u", 2), states=["u01"])
+    ix, r = tails_setup(more=[(chain("u", 2), ["u01"])])
     ix.defer(ix.policy.doomed(ix.get(("ns", "mamba"), "u01").rec))  # u01's state, u01, u00
     assert r.step(busy=lambda: True) == 3  # u01's state and both its pages, then the request
     assert torn(ix, chain("u", 2)) == [] and held(ix, "indexer") == sorted(
