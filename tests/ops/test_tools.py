@@ -286,3 +286,18 @@ def test_ctrl_c_sweep_sorts_each_run_and_finds_nothing_left():
     assert all(run["kind"] in ("interrupted", "stopped") and run["status"] == -2
                for run in r["runs"]), r
     assert r["arena_files_left"] == 0
+
+
+def test_chaos_atomic_tiny_run_checks_every_get_and_finds_no_torn_key():
+    """tools/chaos_atomic.py (issue 45, item 8) for a few seconds a phase: processes killed
+    inside sets and gets and started again, an L2 flush, then every get checked: no key comes
+    back as a KV hit with its INDEXER page missing, no page with another key's bytes."""
+    proc = subprocess.run(
+        [sys.executable, str(TOOLS / "chaos_atomic.py"), "--seconds", "4", "--check-s", "4",
+         "--procs", "2", "--check-procs", "2", "--chains", "30", "--check-chains", "4",
+         "--stateless", "0.3"], check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["churn"]["gets"] > 0 and r["check"]["gets"] > 0 and r["check"]["keys"] > 0
+    assert r["check"]["torn"] == r["check"]["wrong"] == r["churn"]["wrong"] == 0
+    assert r["crashes"] == 0 and r["processes"] > 4  # at least one killed and started again
