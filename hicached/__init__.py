@@ -19,7 +19,6 @@ from hicached.errors import (
     UnknownPool,
     VersionMismatch,
 )
-from hicached.types import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
 
 __version__ = "0.1.0"
 
@@ -45,9 +44,17 @@ __all__ = [
 ]
 
 
+_TYPES = ("PoolHitPolicy", "PoolName", "PoolTransfer", "PoolTransferResult")
+
+
 def __getattr__(name: str):
     # Client and HostPool pull in torch and zmq; the daemon's CLI can start without paying that
-    # until it needs them.
+    # until it needs them. The types too (typing, dataclasses): this module runs before the
+    # CLI can take Ctrl-C (ops/interrupts.py), so the less it imports the shorter that window.
+    if name in _TYPES:
+        from hicached import types
+
+        return getattr(types, name)
     if name == "Client":
         from hicached.client.api import Client
 

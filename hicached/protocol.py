@@ -20,6 +20,7 @@ Requests (client -> daemon)             answer
                  and pages read without any lease, counted (``shared_get.py``)
   Bye          end of session            (none: fire and forget)
   Flush        empty L2 (and/or L3)      Ok
+                 (of the node, or of one namespace)
   GetStats     counters (or the status)  Stats
   Ping         liveness                  Ok
   Attach       attach an L3 backend      BackendStatus
@@ -265,10 +266,16 @@ class Bye(_Msg, tag="bye"):
 
 
 class Flush(_Msg, tag="flush"):
-    """Drop unpinned pages: ``tier`` is ``l2``, ``l3`` or ``all``."""
+    """Drop unpinned pages: ``tier`` is ``l2``, ``l3`` or ``all``. ``namespace`` (a name, as in
+    ``Hello``): only that namespace's pages, in L2 and in an L3 that can find them by
+    namespace (else the answer is ``Error``, ``backend``, and nothing is dropped); "": every
+    page of the node. A trailing field: an older client sends none (the whole node, as
+    before), an older daemon reads past it and flushes the whole node, so a client names a
+    namespace only to a daemon whose ``Welcome.flush_namespace`` says it reads it."""
 
     req_id: int
     tier: str = "l2"
+    namespace: str = ""
 
 
 class Attach(_Msg, tag="attach"):
@@ -326,6 +333,8 @@ class Welcome(_Msg, tag="welcome"):
     presence_epoch: int = 0
     presence_seed: int = 0  # this session's namespace's fingerprint seed
     presence_session: int = -1  # this session's commit word in the table (-1: none)
+    # the daemon reads ``Flush.namespace`` (an older one sends no such field: False)
+    flush_namespace: bool = False
 
 
 class Registered(_Msg, tag="registered"):

@@ -1,5 +1,5 @@
-"""Config helpers every side reads the same way: byte sizes (``4GiB``, ``512MiB``, ``1e9``) and the
-default directories of a daemon's socket and state (XDG variables).
+"""Config helpers every side reads the same way: byte sizes (``4GiB``, ``512MiB``, ``1e9``), the
+default endpoint, and the default directories of a daemon's socket and state (XDG variables).
 
 The daemon's config (``hicached.ops.config``), the L3 backends' options and the SGLang plugin's
 settings all parse sizes here, so "4gb" means the same bytes everywhere.
@@ -51,6 +51,17 @@ def default_runtime_dir(env: Mapping[str, str]) -> str:
     of ``/tmp`` (``env``: the process environment, read by the entry point)."""
     xdg = env.get("XDG_RUNTIME_DIR")  # (set but empty: as if unset)
     return os.path.join(xdg, "hicached") if xdg else f"/tmp/hicached-{os.getuid()}"
+
+
+def default_endpoint(env: Mapping[str, str]) -> str:
+    """The endpoint ``hicached serve`` listens on by default: ``ipc://`` and the socket
+    ``hicached.sock`` in ``default_runtime_dir(env)``. It depends on the user (their
+    ``XDG_RUNTIME_DIR``, else their uid): a client of another user than the daemon's, or of the
+    systemd unit's daemon (``UNIT_ENDPOINT``), must name the endpoint."""
+    return f"ipc://{default_runtime_dir(env)}/hicached.sock"
+
+
+UNIT_ENDPOINT = "ipc:///run/hicached/hicached.sock"  # configs/hicached.service's socket
 
 
 def default_state_dir(env: Mapping[str, str]) -> str:

@@ -12,6 +12,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicached.errors import InvalidArgument
+
+# What ``list(keys)`` would split into characters (or byte values): one key, not a sequence.
+_NOT_KEY_SEQUENCES = (str, bytes, bytearray, memoryview)
+
 
 class PoolName(str, enum.Enum):
     """Names of the pools a hybrid model has; ``str()`` is the wire value."""
@@ -57,6 +62,16 @@ def policy_value(policy: Any) -> str:
     return value
 
 
+def key_list(keys: Any, what: str = "keys") -> list[str]:
+    """``keys`` (a sequence of page keys) as a list. ``InvalidArgument`` naming ``what`` when it
+    is one ``str`` or ``bytes``: iterating it would make each character a key (``"abc"`` would
+    ask for keys 'a', 'b', 'c', and hit pages stored under them)."""
+    if isinstance(keys, _NOT_KEY_SEQUENCES):
+        raise InvalidArgument(f"{what} must be a sequence of keys (a list of str), got one "
+                              f"{type(keys).__name__} {keys!r:.80}: wrap a single key in a list")
+    return list(keys)
+
+
 @dataclass
 class PoolTransfer:
     """One pool's part of a v2 call.
@@ -64,7 +79,7 @@ class PoolTransfer:
     ``host_indices`` are token-granular slots of that pool's registered host pool: page i of
     ``keys`` starts at ``host_indices[i * page_size]`` (len == len(keys) * page_size).
     In ``batch_exists_v2`` only ``name``, ``hit_policy`` and ``len(keys)`` (the trailing window N)
-    matter.
+    matter. ``keys`` given as one ``str`` or ``bytes`` raises ``InvalidArgument``.
     """
 
     name: PoolName | str
@@ -74,6 +89,10 @@ class PoolTransfer:
     hit_policy: PoolHitPolicy | str = PoolHitPolicy.ALL_PAGES
     nodes_to_load: list | None = None
     indices_from_pool: PoolName | str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keys, _NOT_KEY_SEQUENCES):
+            key_list(self.keys, f"PoolTransfer({self.name!r}).keys")
 
 
 @dataclass

@@ -22,7 +22,7 @@ def require_mooncake():
         import mooncake
         import mooncake.store  # the client the backend uses
     except ImportError as e:
-        pytest.skip(f"mooncake client not importable ({e}); pip install 'hicached[mooncake]'",
+        pytest.skip(f"mooncake client not importable ({e}); pip install -e '.[mooncake]'",
                     allow_module_level=True)
     return mooncake
 

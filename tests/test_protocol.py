@@ -17,12 +17,14 @@ REQUESTS = [
     P.Release(0, 7, [1, 2]),
     P.Bye(0, 7),
     P.Flush(8, "all"),
+    P.Flush(8, "l2", "sglang|model=a"),
     P.GetStats(9),
     P.Ping(10),
     P.WaitStored(11, 7, [P.PoolKeys("kv", ["a", "b"]), P.PoolKeys("mamba", ["b"])], 2.5),
 ]
 ANSWERS = [
     P.Welcome(1, 7, "/dev/shm/x", 1 << 30, 99, 30.0, 30.0),
+    P.Welcome(1, 7, "/dev/shm/x", 1 << 30, 99, 30.0, 30.0, flush_namespace=True),
     P.Ok(2),
     P.ExistsResult(3, 2, {"kv": 2, "mamba": 2}, [2]),
     P.Reserved(4, 11, [[0, P.SLOT_PRESENT], [P.SLOT_NO_SPACE, P.SLOT_INFLIGHT]]),
@@ -74,6 +76,22 @@ def test_an_older_daemon_refuses_wait_stored_by_name():
 
     with pytest.raises(msgspec.ValidationError, match="wait_stored"):
         old_request_decoder.decode(P.encode(P.WaitStored(1, 7, [P.PoolKeys("kv", ["a"])])))
+
+
+def test_flush_namespace_is_a_trailing_field_older_peers_read_past():
+    """An older client's Flush (no namespace) is a flush of the whole node; an older daemon
+    reads past the namespace and would flush the whole node, which is why a client names one
+    only to a daemon whose Welcome says ``flush_namespace`` (an older client reads past that)."""
+    from protocol_v4 import OldFlush, OldWelcome, old_answer_decoder, old_request_decoder
+
+    assert P.request_decoder.decode(P.encode(OldFlush(3, "all"))) == P.Flush(3, "all", "")
+    old = old_request_decoder.decode(P.encode(P.Flush(3, "l3", "ns")))
+    assert old == OldFlush(3, "l3")
+    new = P.Welcome(1, 7, "/dev/shm/x", 1 << 30, 99, 30.0, 30.0, flush_namespace=True)
+    assert old_answer_decoder.decode(P.encode(new)) == OldWelcome(
+        1, 7, "/dev/shm/x", 1 << 30, 99, 30.0, 30.0)
+    older = OldWelcome(1, 7, "/dev/shm/x", 1 << 30, 99, 30.0, 30.0, "/dev/shm/x.p", 64)
+    assert P.answer_decoder.decode(P.encode(older)).flush_namespace is False
 
 
 def test_packed_exists_keys_round_trip():

@@ -20,7 +20,7 @@ and (with the Mooncake client installed) on Mooncake. Target: on / off >= 0.90.
 
     python tools/bench_l3.py [--reps 10] [--section mooncake|3fs|checksum] [--daemon-args "..."]
                              [--json]
-    (the mooncake section needs pip install 'hicached[mooncake]')
+    (the mooncake section needs the mooncake extra: pip install -e '.[mooncake]' in the clone)
 """
 
 from __future__ import annotations

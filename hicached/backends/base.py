@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from hicached.arena import Arena
+from hicached.errors import BackendError
 
 
 class L3Backend(ABC):
@@ -30,6 +31,9 @@ class L3Backend(ABC):
     # attach with the same options or the daemon's exit (``L3Tier.unpark``), never closing
     # it while it serves.
     slow_close = False
+    # ``clear_namespace`` works: the store can find one namespace's pages (a flush of one
+    # namespace's L3 pages is refused for a backend that cannot)
+    clears_namespaces = False
 
     def open(self, arena: Arena) -> None:
         """Called once before any transfer with the arena transfers read from / write into."""
@@ -62,6 +66,12 @@ class L3Backend(ABC):
     def clear(self) -> int:
         """Delete every stored page; returns how many (best effort)."""
         return 0
+
+    def clear_namespace(self, ns: str) -> int:
+        """Delete every stored page of namespace digest ``ns`` (all its pools), and no other;
+        returns how many (best effort). Blocking; on the writer thread, behind the writes
+        queued before it. Only called where ``clears_namespaces`` is True."""
+        raise BackendError(f"L3 backend {self.name} cannot clear one namespace's pages")
 
     def take_evicted(self) -> list[tuple[str, str, str]] | None:
         """The (namespace, pool, key) of the pages this backend deleted to make room since the

@@ -86,6 +86,7 @@ class FileBackend(L3Backend):
     """
 
     name = "file"
+    clears_namespaces = True  # a namespace's pages are the files under <root>/<its digest>/
 
     def __init__(self, root: str, capacity: object = "25%", min_free: object = "5%",
                  **unknown):
@@ -469,6 +470,21 @@ class FileBackend(L3Backend):
                 keys.clear()
             self._lru.clear()
             self.used = 0
+        return n
+
+    def clear_namespace(self, ns: str) -> int:
+        """Delete the pages under ``<root>/<ns>/`` (every pool of namespace digest ``ns``);
+        other namespaces' pages stay."""
+        n = 0
+        with self._lock:
+            for pool in [p for (space, p) in self._keys if space == ns]:
+                for key in list(self._keys[(ns, pool)]):
+                    try:
+                        os.unlink(self._path(ns, pool, key))
+                        n += 1
+                    except FileNotFoundError:
+                        pass
+                    self._forget(ns, pool, key)
         return n
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ re-joining a restarted daemon) they use.
 from __future__ import annotations
 
 from hicached import protocol as P
+from hicached.errors import InvalidArgument, VersionMismatch
 
 
 class ClientAdmin:
@@ -15,10 +16,25 @@ class ClientAdmin:
     def stats(self) -> dict:
         return self._call(lambda s, r: P.GetStats(r)).stats
 
-    def flush(self, tier: str = "l2", timeout_s: float = 600.0) -> None:
+    def flush(self, tier: str = "l2", timeout_s: float = 600.0, *,
+              namespace: str | None = None) -> None:
         """Drop unpinned L2 pages (``l2``), every L3 page (``l3``) or both (``all``); waits for
-        the end (a large L2 or store takes a while: hence the long default deadline)."""
-        self._call(lambda s, r: P.Flush(r, tier), timeout_s)
+        the end (a large L2 or store takes a while: hence the long default deadline).
+
+        ``namespace``: only that namespace's pages (``client.namespace``: this client's own),
+        in L2 and in L3 where the backend can find them by namespace (file, Mooncake; another
+        one raises ``BackendError`` and nothing is dropped); None: every page of the node,
+        whoever stored it. A daemon older than namespace flushes would flush the whole node:
+        ``VersionMismatch`` instead, and nothing is sent."""
+        if namespace is not None:
+            if not isinstance(namespace, str) or not namespace:
+                raise InvalidArgument(f"namespace must be None (the whole node) or a non-empty "
+                                      f"str, got {namespace!r}")
+            if not self.flushes_namespaces:
+                raise VersionMismatch(f"hicached at {self.endpoint} is older than namespace "
+                                      f"flushes: it would flush the whole node (nothing was "
+                                      f"flushed; upgrade it, or flush with namespace=None)")
+        self._call(lambda s, r: P.Flush(r, tier, namespace or ""), timeout_s)
         if tier in ("l2", "all"):
             self._recall.clear()  # the pages left their slots: no guess is worth copying
 

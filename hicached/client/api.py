@@ -1,6 +1,6 @@
 """The engine-side client: SGLang's v2 storage calls over the daemon's socket and shared arena.
 
-    client = Client("ipc:///run/hicached/hicached.sock", namespace="qwen3-next|bf16|tp0/1")
+    client = Client(namespace="qwen3-next|bf16|tp0/1")  # the default endpoint of `hicached serve`
     client.register_mem_host_pool_v2(kv_host_pool, PoolName.KV)
     client.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=idx, keys=keys)])
 
@@ -58,6 +58,7 @@ from hicached.errors import (
     error_from_code,
 )
 from hicached.liveness import own_pid_ns, own_start_ticks
+from hicached.settings import UNIT_ENDPOINT, default_endpoint
 from hicached.sockpath import refusal
 from hicached.types import pool_value
 
@@ -94,13 +95,23 @@ def next_spin(spin_s: float, spin: float, waited_s: float) -> float:
 
 
 class Client(ExistsCalls, GetCalls, SetCalls, WaitCalls, ClientAdmin):
-    """A connection to one hicached daemon, in one namespace. Thread-safe; a context manager."""
+    """A connection to one hicached daemon, in one namespace. Thread-safe; a context manager.
 
-    def __init__(self, endpoint: str, namespace: str, *, timeout_s: float = 5.0,
-                 client_name: str = "", spin_s: float = 0.002, token: str = "",
-                 remember_pages: int = 65536, set_ahead_bytes: int = 64 << 20,
+    ``endpoint``: where the daemon listens (``ipc:///path`` or ``tcp://host:port``). Left out
+    (None), it is the endpoint ``hicached serve`` listens on by default for this process's user,
+    ``settings.default_endpoint`` of the process environment (read here, once):
+    ``ipc://$XDG_RUNTIME_DIR/hicached/hicached.sock``, else ``ipc:///tmp/hicached-$UID/...``.
+    A client of a daemon run by another user, or by the systemd unit, must name its endpoint.
+    ``namespace`` is required: ``Client(namespace=...)`` or ``Client(endpoint, namespace)``."""
+
+    def __init__(self, endpoint: str | None = None, namespace: str | None = None, *,
+                 timeout_s: float = 5.0, client_name: str = "", spin_s: float = 0.002,
+                 token: str = "", remember_pages: int = 65536, set_ahead_bytes: int = 64 << 20,
                  release_delay_s: float = 0.05, shared_exists: bool = True,
                  shared_gets: bool = True):
+        self._default_endpoint = endpoint is None  # (named in the error when nobody listens)
+        if endpoint is None:  # an entry point of engine code: the environment is read here
+            endpoint = default_endpoint(os.environ)
         check_client_args(endpoint, namespace, timeout_s, client_name, spin_s, token,
                           remember_pages, set_ahead_bytes, release_delay_s, shared_exists,
                           shared_gets)
@@ -156,7 +167,11 @@ class Client(ExistsCalls, GetCalls, SetCalls, WaitCalls, ClientAdmin):
             why = refusal(self.endpoint[6:])
             if why is not None:  # (a dead daemon's socket file: fail now, not at the deadline)
                 self._sock = None
-                raise DaemonUnavailable(f"no daemon socket at {self.endpoint} ({why})")
+                raise DaemonUnavailable(f"no daemon socket at {self.endpoint} ({why})" + (
+                    ": the default endpoint of `hicached serve` for this user; is it running? "
+                    f"(a daemon of another user, or the systemd unit's at {UNIT_ENDPOINT}, "
+                    "needs its endpoint named: Client(endpoint, namespace))"
+                    if self._default_endpoint else ""))
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.endpoint)
@@ -176,6 +191,7 @@ class Client(ExistsCalls, GetCalls, SetCalls, WaitCalls, ClientAdmin):
         self._releases.drop()
         self.reservation_ttl_s = w.reservation_ttl_s
         self.lease_ttl_s = w.lease_ttl_s
+        self.flushes_namespaces = w.flush_namespace  # (``ClientAdmin.flush``)
         if self.arena is None or self.arena.path != w.arena_path or \
                 self.arena.size_bytes != w.arena_bytes or self.arena.ident != _ident(w.arena_path):
             self.arena = Arena.attach(w.arena_path, w.arena_bytes)  # old mapping dies with refs

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hicached import protocol as P
-from hicached.types import PoolName, PoolTransferResult, policy_value, pool_value
+from hicached.types import PoolName, PoolTransferResult, key_list, policy_value, pool_value
 
 KV = PoolName.KV.value  # the anchor pool of every exists
 
@@ -20,7 +20,7 @@ class ExistsCalls:
 
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Number of leading keys whose KV page is stored (L2 or L3)."""
-        keys = list(keys)
+        keys = key_list(keys)
         shared = self._exists_shared(keys, ())
         if shared is not None:
             return shared[0]
@@ -29,14 +29,14 @@ class ExistsCalls:
     def batch_exists_v2(self, keys: Sequence[str], pool_transfers: Sequence[Any] | None = None,
                         extra_info: Any = None) -> PoolTransferResult:
         """Largest prefix every pool can restore (ARCHITECTURE.md hit semantics)."""
-        keys = list(keys)
+        keys = key_list(keys)
         queries = []
         for t in pool_transfers or ():
             name = pool_value(t.name)
+            window = len(key_list(t.keys or (), f"pool {name!r}: keys"))
             if name == KV:
                 continue
-            queries.append(P.PoolQuery(name, policy_value(t.hit_policy),
-                                       max(1, len(t.keys or ()))))
+            queries.append(P.PoolQuery(name, policy_value(t.hit_policy), max(1, window)))
         shared = self._exists_shared(keys, queries)
         if shared is not None:
             return PoolTransferResult(*shared)

@@ -1,5 +1,5 @@
 """The client's get calls: pages it saw before are read with no lease, checked by the daemon's slot
-tags (``shared_get.py``); the others are leased, copied out of the arena and released.
+tags (``leaseless.py``); the others are leased, copied out of the arena and released.
 
 Mixed into ``hicached.client.api.Client`` (its ``_call``, ``_plan``, ``_pages_plan``, ``_view``,
 ``_recall``, ``_releases``, ``_epoch``, ``lease_ttl_s``, ``timeout_s``).
@@ -17,9 +17,9 @@ import torch
 from hicached import protocol as P
 from hicached.client.exists import KV
 from hicached.client.hostpool import PageIO
-from hicached.client.leaseless import read_known
+from hicached.client.leaseless import read_known, still_there
 from hicached.errors import DaemonUnavailable, InvalidTransfer
-from hicached.types import PoolTransfer
+from hicached.types import PoolTransfer, key_list
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class GetCalls:
         while the others load, then the loading ones are asked for again (joining the loads in
         flight, starting none), until none is loading or the call's deadline passes.
 
-        Unleased reads (``shared_get.py``): where the daemon publishes slot tags, pages whose
+        Unleased reads (``leaseless.py``): where the daemon publishes slot tags, pages whose
         slot this client learnt from an earlier set or get are copied from there with no
         request, checked by their tags; only the others are leased. A get of pages used before
         then sends nothing at all.
@@ -72,6 +72,7 @@ class GetCalls:
         keys_of = {name: keys for name, _, keys, _ in plan}
         starts_of = {name: starts for name, _, _, starts in plan}
         epoch, arena, shared = self._view  # one daemon's arena and tags, never a mix
+        read: dict = {}  # pages read with no lease (``read_known``)
         if shared is not None and self._shared_gets and shared.view.grain:
             guesses, copy = {}, None  # (pages that fail the tags are stale guesses)
             read, touched = read_known(self._recall, shared.view, todo, keys_of, starts_of,
@@ -129,9 +130,13 @@ class GetCalls:
             if again and time.monotonic() - sent > self.timeout_s:
                 break  # what is still loading is a miss for this call
             todo = again
+        if read and (not first or len(read) > 1):  # hits of one instant (``leaseless.py``)
+            for name, js in still_there(shared.view, read).items():
+                for j in js:
+                    out[name][j] = False
         return out
 
     def batch_get_v1(self, keys: Sequence[str], host_indices: Any, extra_info: Any = None
                      ) -> list[bool]:
         """v1: load KV pages into the registered KV host pool."""
-        return self.batch_get_v2([PoolTransfer(KV, host_indices, keys=list(keys))])[KV]
+        return self.batch_get_v2([PoolTransfer(KV, host_indices, keys=key_list(keys))])[KV]

@@ -18,6 +18,14 @@ causally, as on x86 (``presence.ORDERED_STORES``; elsewhere no table is used at 
 fails step 1 is not copied; one that fails step 3 is copied again under a lease, as is every page
 the client never saw. So a get of pages used before costs one copy and no message.
 
+One instant for the whole get: a page whose tag is there before and after its copy was in its
+slot all along in between (a tag once gone never comes back). The pages of one pool are checked
+together, so they were all in L2 at one instant; those of another pool, or leased after them
+(the daemon's answer, at a later instant), may not have been: a key evicted in between (all its
+pools at once) came back as a KV hit with its INDEXER page missing. So once the last copy or
+lease is done the tags of the pages read here are read once more (``still_there``): a page whose
+tag is gone is a miss, and every hit of the get was in L2 at the instant of that last reading.
+
 The daemon still learns of every such hit (LRU recency, hit counts, selective write-through,
 metrics): the (offset, tag) pairs go out later in one ``Release`` (``piggyback.py``).
 """
@@ -38,18 +46,18 @@ log = logging.getLogger(__name__)
 def read_known(recall: PageRecall, view: PresenceView,
                todo: Sequence[tuple[str, PageIO, list[int]]], keys_of: dict[str, list[str]],
                starts_of: dict[str, list[int]], arena: Any
-               ) -> tuple[dict[str, set[int]], list[int]]:
+               ) -> tuple[dict[str, dict[int, tuple[int, int]]], list[int]]:
     """Copy the pages of ``todo`` (pool, io, positions into the call's keys) that this client
-    knows, checked by their slot tags. Returns per pool the positions read, and the flat
-    (offset, tag) pairs of those pages (for the daemon's accounting). Never raises: a pool whose
-    copy fails reads nothing here.
+    knows, checked by their slot tags. Returns per pool the positions read, each with its tag
+    word and tag (for ``still_there``), and the flat (offset, tag) pairs of those pages (for
+    the daemon's accounting). Never raises: a pool whose copy fails reads nothing here.
 
     Plain Python over a memoryview of the tags, no numpy: the check after the copy runs with
     the CPU caches full of page bytes, where every numpy call costs several microseconds."""
     if not view.grain or not view.alive():
         return {}, []
     words, first, grain, covered = view.tag_words()
-    read: dict[str, set[int]] = {}
+    read: dict[str, dict[int, tuple[int, int]]] = {}
     pairs: list[int] = []
     for name, io, idx in todo:
         if not recall.uses(io) or io.page_bytes < grain:
@@ -67,13 +75,28 @@ def read_known(recall: PageRecall, view: PresenceView,
         except (ValueError, RuntimeError, TypeError, IndexError) as e:
             log.debug("unleased copy of pool %r failed: %s", name, e)
             continue
-        done = set()
+        done = {}
         for j, w, off, tag in known:
             if words[w] == tag:  # still there: the copy read this page's bytes
-                done.add(j)
+                done[j] = (w, tag)
                 pairs += (off, tag)
         if done:
             read[name] = done
     if not read or not view.alive():  # the daemon stopped keeping the tags: lease them all
         return {}, []
     return read, pairs
+
+
+def still_there(view: PresenceView, read: dict[str, dict[int, tuple[int, int]]]
+                ) -> dict[str, list[int]]:
+    """Per pool, the positions of ``read`` (``read_known``'s) whose page left its slot since
+    (its tag is gone; all of them when the daemon stopped keeping the tags): misses now."""
+    if not view.alive():
+        return {name: list(got) for name, got in read.items()}
+    words = view.tag_words()[0]
+    gone = {}
+    for name, got in read.items():
+        lost = [j for j, (w, tag) in got.items() if words[w] != tag]
+        if lost:
+            gone[name] = lost
+    return gone

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from hicached.errors import LengthMismatch
 from hicached.hits import leading_run
-from hicached.types import PoolHitPolicy, PoolTransfer, policy_value, pool_value
+from hicached.types import PoolHitPolicy, PoolTransfer, key_list, policy_value, pool_value
 
 if TYPE_CHECKING:
     from hicached.client.api import Client
@@ -158,7 +158,7 @@ class PrefetchOperation:
         if chunk_pages < 1:
             raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
         self.client = client
-        self.keys = list(keys)
+        self.keys = key_list(keys)
         self.page_size = client._io(KV).page_size
         self.num_tokens = len(self.keys) * self.page_size
         n = len(host_indices) if host_indices is not None else 0
@@ -170,6 +170,7 @@ class PrefetchOperation:
         self.trailing: list[Any] = []
         for t in sidecars:
             name = pool_value(t.name)
+            key_list(t.keys or (), f"pool {name!r}: keys")  # (only their number is used)
             client._io(name)  # UnknownPool now rather than on the thread
             policy_name = policy_value(t.hit_policy)
             (self.all_pages if policy_name == PoolHitPolicy.ALL_PAGES.value

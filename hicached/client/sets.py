@@ -17,7 +17,7 @@ from hicached.client.exists import KV
 from hicached.client.flatpages import TensorPages
 from hicached.client.hostpool import PageIO
 from hicached.errors import DaemonUnavailable, InvalidTransfer, LengthMismatch
-from hicached.types import PoolHitPolicy, PoolTransfer, pool_value
+from hicached.types import PoolHitPolicy, PoolTransfer, key_list, pool_value
 
 TRAILING = PoolHitPolicy.TRAILING_PAGES.value
 
@@ -32,8 +32,8 @@ class SetCalls:
             if any(name == p[0] for p in plan):  # results are per pool: one would be lost
                 raise InvalidTransfer(f"pool {name!r} is named twice in one call: put its "
                                       "keys in one transfer")
+            keys = key_list(t.keys or (), f"pool {name!r}: keys")
             io = self._io(name)
-            keys = list(t.keys or ())
             plan.append((name, io, keys, token_starts(t.host_indices, len(keys),
                                                        io.page_size, name, io.capacity_tokens)))
         return plan
@@ -41,7 +41,7 @@ class SetCalls:
     def _pages_plan(self, pool_name: Any, keys: Sequence[str], pages: Sequence[torch.Tensor]
                     ) -> tuple[str, list[tuple[str, PageIO, list[str], list[int]]]]:
         name = pool_value(pool_name)
-        keys = list(keys)
+        keys = key_list(keys)
         if len(keys) != len(pages):
             raise LengthMismatch(f"pool {name!r}: {len(keys)} keys but {len(pages)} pages")
         try:
@@ -160,7 +160,7 @@ class SetCalls:
                      parent: str | None = None, depth: int | None = None) -> list[bool]:
         """v1: store KV pages from the registered KV host pool (``parent`` and ``depth``: as
         ``batch_set_v2``)."""
-        return self.batch_set_v2([PoolTransfer(KV, host_indices, keys=list(keys))],
+        return self.batch_set_v2([PoolTransfer(KV, host_indices, keys=key_list(keys))],
                                  parent=parent, depth=depth)[KV]
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from hicached import protocol as P
 from hicached.errors import DaemonUnavailable, InvalidTransfer, ProtocolError
-from hicached.types import pool_value
+from hicached.types import key_list, pool_value
 
 
 class WaitCalls:
@@ -70,11 +70,12 @@ class WaitCalls:
         answer, ``ProtocolError`` when it is older than this call."""
         wanted = []
         for t in transfers:
-            keys = list(getattr(t, "keys", None) or ())
+            name = pool_value(t.name)
+            keys = key_list(getattr(t, "keys", None) or (), f"pool {name!r}: keys")
             if not all(type(k) is str for k in keys):
-                raise InvalidTransfer(f"pool {pool_value(t.name)!r}: keys must be str")
+                raise InvalidTransfer(f"pool {name!r}: keys must be str")
             if keys:
-                wanted.append(P.PoolKeys(pool_value(t.name), keys))
+                wanted.append(P.PoolKeys(name, keys))
         if not wanted:
             return
         wait_s = self.timeout_s if timeout_s is None else timeout_s

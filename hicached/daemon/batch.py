@@ -116,8 +116,7 @@ class BatchOps(ReserveOps):
         if self.event_tids and events:
             self.kv_events.stored(entries)
         if self.commit_tails():  # (a daemon's idle turns take them: ``reclaim.py``)
-            for p in self.policy.stale():  # pages no hit can use any more (``hybrid.py``)
-                self._evict_page(p)
+            self._evict_pages(self.policy.stale())  # pages no hit can use (``hybrid.py``)
 
     def _publish(self: PageIndex, entries: Sequence[Entry], ps: np.ndarray, krecs: np.ndarray,
                  mask_before: np.ndarray, firsts: np.ndarray | None) -> None:
@@ -179,6 +178,7 @@ class BatchOps(ReserveOps):
         touched: dict = {}  # slab -> None, in the order of their last touch
         owners = self.owners
         tick = self._tick
+        masks_before: dict[int, int] = {}  # key record -> its mask before the call
         for e in entries:
             p = e.rec
             if self.p_gen[p] != e.gen or not flags[p] & PENDING:
@@ -194,11 +194,9 @@ class BatchOps(ReserveOps):
             self._tcount[tid] += 1
             self.committed_count += 1
             k = self.p_krec[p]
-            old = mask_of[k]
-            mask_of[k] = new = old | self._tbit[tid]
+            masks_before.setdefault(k, mask_of[k])
+            mask_of[k] |= self._tbit[tid]
             if shared is not None:
-                if new != old:
-                    shared.set(self._sfp(k), new)
                 shared.publish_tag(e._offset, e.stride, e.gen)
             tick += 1
             used[p] = tick
@@ -212,13 +210,16 @@ class BatchOps(ReserveOps):
             pins[p] -= 1  # unpin
             if pins[p] == 0:
                 slab.pinned -= 1
+        if shared is not None:  # each key's mask once, with all its pools of the call: a
+            for k, old in masks_before.items():  # reader of the table never sees one without
+                if mask_of[k] != old:  # the others (as ``_publish``)
+                    shared.set(self._sfp(k), mask_of[k])
         self._tick = tick
         alloc.touched(touched)
         if self.event_tids and events:
             self.kv_events.stored(entries)
         if self.commit_tails():
-            for p in policy.stale():  # pages no hit can use any more (``hybrid.py``)
-                self._evict_page(p)
+            self._evict_pages(policy.stale())  # pages no hit can use any more (``hybrid.py``)
 
     # ------------------------------------------------------------ recency, pins, hits
     # (one loop a call: at a get's 16-64 random pages the numpy calls and the slab counts by

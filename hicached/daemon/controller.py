@@ -631,7 +631,8 @@ class Controller(SetControl, SessionControl, StoreWaits):
 
     # ------------------------------------------------------------ maintenance
 
-    def flush_l2(self, done: Callable[[int], None]) -> None:
-        """Drop unpinned L2 pages (dirty ones under write_back are written first), in slices of
-        the loop (``flushing.L2Flush``); ``done(pages dropped)`` runs on the loop at the end."""
-        self.flusher.request(done)
+    def flush_l2(self, done: Callable[[int], None], ns: str | None = None) -> None:
+        """Drop unpinned L2 pages (``ns``: those of that namespace digest; dirty ones under
+        write_back are written first), in slices of the loop (``flushing.L2Flush``);
+        ``done(pages dropped)`` runs on the loop at the end."""
+        self.flusher.request(done, ns)

@@ -13,10 +13,16 @@ lease or an L3 write pins it (as before: a page an L3 write pins is dropped once
 for while a walk is under way joins it if the walk has not left its first slab yet; otherwise
 it gets a walk of its own once the running one ends (the running walk already passed slots
 that may hold pages committed before the new request).
+
+A flush may name a namespace (its digest, ``Flush.namespace``): the walk then drops only that
+namespace's pages (with the pages that depend on them, which are its own: chains never cross
+namespaces), and its waiter is answered with that namespace's count. Walks are shared as above:
+a walk drops the pages of every namespace its waiters named (every page when one named none).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -38,11 +44,15 @@ class L2Flush:
         self.index = tier.index
         self.slice_s = slice_s
         self.clock = clock
-        self.waiters: list[Callable[[int], None]] = []  # answered when this walk ends
-        self.queued: list[Callable[[int], None]] = []  # answered after a walk of their own
+        # (namespace digest, or None: every page; done): answered when this walk ends, or
+        # (queued) after a walk of their own
+        self.waiters: list[tuple[str | None, Callable[[int], None]]] = []
+        self.queued: list[tuple[str | None, Callable[[int], None]]] = []
+        self.scope: set[str] | None = None  # the namespaces this walk drops (None: every page)
         self.slab = -1  # next slab of the walk (-1: none under way)
         self.slot = 0  # next slot in it
         self.dropped = 0
+        self.dropped_of: dict[str, int] = {}  # pages dropped by this walk, per namespace digest
         self.slices = 0  # slices of the walk so far
         self.started = 0.0
 
@@ -50,21 +60,25 @@ class L2Flush:
     def active(self) -> bool:
         return self.slab >= 0
 
-    def request(self, done: Callable[[int], None]) -> None:
-        """Flush L2; ``done(pages dropped)`` runs on the control loop when it is done."""
+    def request(self, done: Callable[[int], None], ns: str | None = None) -> None:
+        """Flush L2 (``ns``: only the pages of that namespace digest); ``done(pages dropped)``
+        runs on the control loop when it is done."""
         if self.active and (self.slab, self.slot) != (0, 0):
-            self.queued.append(done)
+            self.queued.append((ns, done))
             return
-        self.waiters.append(done)
-        if not self.active:
-            self._begin()
+        self.waiters.append((ns, done))
+        self._begin()  # (again, for a walk not yet started: its scope may have grown)
 
     def _begin(self) -> None:
+        names = [ns for ns, _ in self.waiters]
+        self.scope = None if None in names else set(names)
         t = self.tier
         if t.dirty and t.attached:  # write_back: every dirty page is written, then dropped
-            t.drop_when_written.update(t.dirty)
-            t.write_back_all()
+            mine = [e for e in t.dirty if self.scope is None or e.table[0] in self.scope]
+            t.drop_when_written.update(mine)
+            t.write_back_all(mine)
         self.slab, self.slot, self.dropped, self.slices = 0, 0, 0, 0
+        self.dropped_of = {}
         self.started = self.clock()
 
     def step(self) -> None:
@@ -83,6 +97,7 @@ class L2Flush:
         slabs = self.index.alloc.slabs
         at, drop_one = self.index.at, self.index.drop_one
         writing = self.tier.drop_when_written
+        scope, dropped_of = self.scope, self.dropped_of
         while self.slab < len(slabs):
             slab = slabs[self.slab]
             end = slab.num_slots if slab.stride else 0
@@ -90,11 +105,15 @@ class L2Flush:
                 stop = min(end, self.slot + CHECK_EVERY)
                 for k in range(self.slot, stop):
                     e = at(slab.offset + k * slab.stride)
-                    if e is not None and e.committed:
+                    if e is not None and e.committed and (scope is None
+                                                          or e.table[0] in scope):
                         if e.writing:
                             writing.add(e)
                         else:
-                            self.dropped += drop_one(e)  # with the pages that depend on it
+                            n = drop_one(e)  # with the pages that depend on it
+                            self.dropped += n
+                            ns = e.table[0]
+                            dropped_of[ns] = dropped_of.get(ns, 0) + n
                 self.slot = stop
                 if self.clock() >= deadline:
                     return
@@ -111,17 +130,20 @@ class L2Flush:
             self.slice_s = slice_s
 
     def _finish(self) -> None:
-        n = self.dropped + len(self.tier.drop_when_written)
-        log.info("flushed %d pages from L2 in %.2f s (%d slices of the loop)", n,
-                 self.clock() - self.started, self.slices)
+        later = collections.Counter(e.table[0] for e in self.tier.drop_when_written)
+        n = self.dropped + sum(later.values())
+        log.info("flushed %d pages from L2 in %.2f s (%d slices of the loop)%s", n,
+                 self.clock() - self.started, self.slices,
+                 "" if self.scope is None else f" of {len(self.scope)} namespace(s)")
         waiters, self.waiters = self.waiters, []
+        dropped_of = self.dropped_of
         self.slab = -1
         if self.queued:
             self.waiters, self.queued = self.queued, []
             self._begin()
-        for done in waiters:
+        for ns, done in waiters:
             try:
-                done(n)
+                done(n if ns is None else dropped_of.get(ns, 0) + later[ns])
             except Exception:  # one waiter's bug must not cost the others their answer
                 log.exception("answering a flush failed")
 

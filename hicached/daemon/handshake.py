@@ -61,4 +61,4 @@ class Handshakes:
         return P.Welcome(msg.req_id, s.id, self.arena.path, self.arena.size_bytes, os.getpid(),
                          self.config.reservation_ttl_s, self.config.lease_ttl_s, *(
                              (t.path, t.slots, t.epoch, self.index.seed(s.ns), s.presence_word)
-                             if t is not None else ()))
+                             if t is not None else ()), flush_namespace=True)

@@ -42,7 +42,9 @@ key committed, kept by ``commit`` and ``_unpublish``, so an exists query looks e
 for all its pools. With ``shared`` set, every change of a mask is also published in the
 shared-memory presence table (``presence.py``), from which clients answer exists without asking,
 and so is every committed large page's slot tag (its generation, from ``commit`` until
-``_unpublish`` frees the slot), with which clients read pages without a lease.
+``_unpublish`` frees the slot), with which clients read pages without a lease. A key's mask is
+written there once per call that changes it (a commit, ``_evict_pages``), never with some of the
+call's pools of the key and not the others: clients read the table while the loop writes it.
 """
 
 from __future__ import annotations
@@ -302,13 +304,13 @@ class PageIndex(BatchOps, Records):
         slot for a state does not also evict the hundred KV pages only that state made
         useful."""
         if self.defer is None or len(victims) <= SPLIT_MIN or not self.policy.split_ok:
-            return sum(map(self._evict_page, victims))
+            return self._evict_pages(victims)
         krec, n, i, end = self.p_krec, 0, 0, len(victims)
         while i < end:
-            k = krec[victims[i]]
+            k, j = krec[victims[i]], i
             while i < end and krec[victims[i]] == k:  # (a key's pages are together: states
-                n += self._evict_page(victims[i])  # first, ``KeyTree._pages``)
-                i += 1
+                i += 1  # first, ``KeyTree._pages``)
+            n += self._evict_pages(victims[j:i])
             if self.alloc.free_slots(stride) >= need:
                 break
         if i < end:
@@ -317,19 +319,49 @@ class PageIndex(BatchOps, Records):
 
     def _evict_page(self, p: int) -> int:
         """Evict page record ``p`` if it is committed and unpinned (1), else 0."""
-        if not self.p_flags[p] & COMMITTED or self.p_pins[p]:
+        return self._evict_pages((p,))
+
+    def _evict_pages(self, pages: Sequence[int], evicting: bool = True) -> int:
+        """Evict (``evicting`` False: drop, as a flush does: not counted, no ``on_evict``)
+        those of page records ``pages`` that are committed and unpinned, in order; how many
+        went. Each key's mask in the shared presence table is written once, before its first
+        page here goes, at what it is once they all went: a client answering exists from the
+        table never sees a key that some of these pages left and the others not yet (its KV
+        page without its INDEXER page: the mirror of the atomic multi-pool commit, the
+        policies taking a key's pages together)."""
+        flags, pins = self.p_flags, self.p_pins
+        live = [p for p in pages if flags[p] & COMMITTED and not pins[p]]
+        if not live:
             return 0
-        if self.on_evict is not None:
-            self.on_evict(self.handle(p))
-        self._unpublish(p)
-        self.evictions += 1
-        return 1
+        shared = self.shared
+        if shared is not None:
+            going: dict[int, int] = {}  # key record -> the bits of its pools going
+            for p in live:
+                k = self.p_krec[p]
+                going[k] = going.get(k, 0) | self._tbit[self.p_tid[p]]
+            for k, bits in going.items():
+                left = self.k_mask[k] & ~bits
+                if left:
+                    shared.set(self._sfp(k), left)
+                else:
+                    shared.remove(self._sfp(k))
+        n = 0
+        for p in live:
+            if not flags[p] & COMMITTED:  # (named twice)
+                continue
+            if evicting and self.on_evict is not None:
+                self.on_evict(self.handle(p))
+            self._unpublish(p)
+            n += 1
+        if evicting:
+            self.evictions += n
+        return n
 
     def evict(self, entry: Entry) -> int:
         """Remove a committed, unpinned entry from L2 and free its slot, with the pages the
         policy says depend on it (before it: ``policy.doomed``); returns the pages evicted."""
         assert entry.committed and entry.pins == 0, entry
-        return sum(map(self._evict_page, self.policy.doomed(entry.rec)))
+        return self._evict_pages(self.policy.doomed(entry.rec))
 
     def drop(self, entries: Sequence[Entry]) -> int:
         """Remove committed, unpinned entries (and their dependants); returns how many pages
@@ -340,12 +372,7 @@ class PageIndex(BatchOps, Records):
         """Remove ``entry`` if it is committed and unpinned (flush), with its dependants as
         ``evict``; the pages dropped (0: ``entry`` stays)."""
         if entry.committed and entry.pins == 0:
-            n = 0
-            for p in self.policy.doomed(entry.rec):
-                if self.p_flags[p] & COMMITTED and not self.p_pins[p]:
-                    self._unpublish(p)
-                    n += 1
-            return n
+            return self._evict_pages(self.policy.doomed(entry.rec), evicting=False)
         return 0
 
     def _rec_at(self, offset: int) -> int:
@@ -387,6 +414,8 @@ class PageIndex(BatchOps, Records):
         return self.handle(p)
 
     def _unpublish(self, p: int) -> None:
+        """Page record ``p`` leaves L2 (its slot freed; the caller, ``_evict_pages``, wrote
+        its key's mask in the shared presence table before)."""
         tid, k = self.p_tid[p], self.p_krec[p]
         self.policy.removed(p)
         self._tcount[tid] -= 1
@@ -397,10 +426,6 @@ class PageIndex(BatchOps, Records):
             self.kv_events.removed_l2(self.event_tids[tid], self._key_of(k))
         if self.shared is not None:
             self.shared.clear_tag(self.p_off[p], self.p_stride[p])  # before the slot is freed
-            if left:
-                self.shared.set(self._sfp(k), left)
-            else:
-                self.shared.remove(self._sfp(k))
         self.p_flags[p] &= ~COMMITTED
         self._free_page(p)
 

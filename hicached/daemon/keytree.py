@@ -27,6 +27,7 @@ class KeyTree(LruPolicy):
     """LRU lists plus the tree of keys (module docstring)."""
 
     frees_runs = True  # a victim is a leaf segment: tens of slots (``reserve_many``)
+    whole_keys = True  # ``doomed``, segments and tails take a key's pages together
 
     def __init__(self):
         super().__init__()

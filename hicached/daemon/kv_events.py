@@ -259,10 +259,11 @@ class NullKVEvents:
     def removed(self, table, key: str, medium: str) -> None:
         pass
 
-    def cleared(self, keys_of: Callable[[Any], Any], medium: str) -> None:
+    def cleared(self, keys_of: Callable[[Any], Any], medium: str, ns: str | None = None
+                ) -> None:
         pass
 
-    def all_cleared(self) -> None:
+    def all_cleared(self, ns: str | None = None) -> None:
         pass
 
     def send(self) -> None:
@@ -345,17 +346,22 @@ class KVEvents(NullKVEvents):
         else:
             events.append(BlockRemoved([h], medium))
 
-    def cleared(self, keys_of: Callable[[Any], Any], medium: str) -> None:
-        """An L3 clear: the keys of each block pool that ``keys_of(table)`` names (those
-        the tier remembers as stored) left ``medium``."""
+    def cleared(self, keys_of: Callable[[Any], Any], medium: str, ns: str | None = None
+                ) -> None:
+        """An L3 clear (``ns``: of that namespace digest's pages only): the keys of each block
+        pool that ``keys_of(table)`` names (those the tier remembers as stored) left
+        ``medium``."""
         for table, pool in self.pools.items():
-            for key in list(keys_of(table)):
-                self._removed(pool, key, medium)
+            if ns is None or table[0] == ns:
+                for key in list(keys_of(table)):
+                    self._removed(pool, key, medium)
 
-    def all_cleared(self) -> None:
-        """Every tier was flushed: ``AllBlocksCleared`` to each namespace with block pools."""
-        for ns in dict.fromkeys(p.namespace for p in self.pools.values()):
-            self.pending.setdefault(ns, []).append(AllBlocksCleared())
+    def all_cleared(self, ns: str | None = None) -> None:
+        """Every tier was flushed: ``AllBlocksCleared`` to each namespace with block pools
+        (``ns``: every tier of that namespace digest: to it alone, on its topic)."""
+        names = (p.namespace for t, p in self.pools.items() if ns is None or t[0] == ns)
+        for name in dict.fromkeys(names):
+            self.pending.setdefault(name, []).append(AllBlocksCleared())
 
     def send(self) -> None:
         """Hand the turn's events to the publisher: one batch per namespace."""

@@ -23,7 +23,7 @@ from hicached import protocol as P
 from hicached.backends.base import BACKENDS, is_backend_name
 from hicached.daemon.l3.tier import close_quietly
 from hicached.daemon.orphans import orphans
-from hicached.daemon.sessions import ParkedExists, ParkedGet, ParkedStore
+from hicached.daemon.sessions import ParkedExists, ParkedGet, ParkedStore, namespace_digest
 from hicached.errors import (
     BackendConflict,
     BackendError,
@@ -190,17 +190,28 @@ class DaemonOperations:
     def backend_status(self) -> dict:
         return self.call(lambda: {**self.tier.status(), "backend_stats": self.tier.backend_stats()})
 
-    def flush(self, tier: str = "l2", timeout_s: float = 600.0) -> int:
+    def flush(self, tier: str = "l2", timeout_s: float = 600.0, namespace: str = "") -> int:
         """Drop unpinned L2 pages (``l2``), every L3 page (``l3``) or both (``all``); returns how
-        many. Thread-safe; blocks the caller, never the loop: L3 is cleared on the writer thread
-        behind the writes queued before it (a large store takes a while, and no page written
-        before the flush may survive it)."""
+        many. ``namespace`` (a name, as clients give it): only that namespace's pages, in L2 and
+        in an L3 backend that can find them by namespace (``L3Backend.clears_namespaces``;
+        another one is refused with ``BackendError`` before anything is dropped); "": every
+        page of the node. Thread-safe; blocks the caller, never the loop: L3 is cleared on the
+        writer thread behind the writes queued before it (a large store takes a while, and no
+        page written before the flush may survive it)."""
         if tier not in FLUSH_TIERS:
             raise ProtocolError(f"unknown tier {tier!r}; valid: {list(FLUSH_TIERS)}")
+        ns = namespace_digest(namespace) if namespace else None
+        if ns is not None and tier in ("l3", "all"):
+            backend = self.call(lambda: self.tier.backend if self.tier.attached else None)
+            if backend is not None and not backend.clears_namespaces:
+                raise BackendError(
+                    f"L3 backend {backend.name} cannot find one namespace's pages to clear "
+                    f"them: nothing was flushed (flush tier l2 for the namespace's L2 pages, "
+                    f"or the whole node)")
         n = 0
         if tier in ("l2", "all"):
             walk: Future = Future()
-            self.call(lambda: self.controller.flush_l2(walk.set_result))
+            self.call(lambda: self.controller.flush_l2(walk.set_result, ns))
             if threading.get_ident() == self._loop_thread:  # nobody else would walk it
                 self.controller.flusher.finish_now()
             try:
@@ -209,7 +220,7 @@ class DaemonOperations:
                 raise HicachedError(f"L2 flush did not finish within {timeout_s} s") from None
         if tier in ("l3", "all"):
             fut: Future = Future()
-            self.call(lambda: self.tier.clear(fut.set_result))
+            self.call(lambda: self.tier.clear(fut.set_result, ns))
             try:
                 got = fut.result(timeout_s)
             except FutureTimeout:
@@ -220,8 +231,8 @@ class DaemonOperations:
                 raise BackendError(f"L3 {self.tier.backend.name} clear failed: "
                                    f"{type(got).__name__}: {got}")
             n += got
-        if tier == "all":  # every tier: what routers knew of this node is gone
-            self.call(self.controller.kv_events.all_cleared)
+        if tier == "all":  # every tier: what routers knew of this node (or namespace) is gone
+            self.call(lambda: self.controller.kv_events.all_cleared(ns))
         return n
 
     def stats(self) -> dict:

@@ -40,6 +40,10 @@ class LruPolicy:
     # whether ``make_room``'s last victim set was a leaf segment, whose keys may go in part
     # (from the leaf up, the rest a state-less tail no hit can use: ``PageIndex._evict_victims``)
     split_ok = False
+    # whether every path evicts a key's pages together, its states aside (``KeyTree``): the
+    # reclaimer then keeps a key whole that gained a page since its set was named. Not LRU's
+    # (pools go one by one: a key's KV page may stay without its INDEXER page)
+    whole_keys = False
 
     name = "lru"
 

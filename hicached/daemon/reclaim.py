@@ -12,14 +12,20 @@ request waits, and ``step`` returns as soon as one arrives. The tails of ``Hybri
 without a reclaimer) only when the loop has had no idle turn for ``TAILS_WAIT_S``, and a stats
 call first takes them (``settle``) so that the orphans it counts are the ones the policy keeps.
 
-A victim set is evicted in the policy's order (dependants first: a segment from its leaf up) and
-may be stopped between any two pages. Before each page goes it is checked again: the same page
-(its generation), committed, unpinned, not used since the policy named it, and, by the policy's
-``may_go_ahead``, nothing resident depending on it now (a chain continued from the segment's
-middle since). The first page that fails ends the set (what is left of a segment is a state-less
+A victim set is evicted in the policy's order (dependants first: a segment from its leaf up), a
+key at a time, and may be stopped between any two keys. A key's pages in the set (they come
+together: ``KeyTree._pages``) go in one go, never some now and the rest in a later turn: a
+reader between two turns would see the key's KV page without the INDEXER page its call stored
+with it (the atomic multi-pool commit, whose mirror this is). Before a key's pages go each is
+checked again: the same page (its generation), committed, unpinned, not used since the policy
+named it, and, by the policy's ``may_go_ahead``, nothing resident depending on it now (a chain
+continued from the segment's middle since); and, where the policy evicts keys whole
+(``whole_keys``), the key holds no other page but its states (one committed since). The first
+key that fails ends the set with all its pages kept (what is left of a segment is a state-less
 tail, back in ``HybridPolicy.stale``'s queue); a page gone another way meanwhile is skipped. So
-an interrupted set never leaves a page without its ancestors, a page read since the policy chose
-it stays, and the pages of a set begun are going (``leaving``: the orphan count leaves them out).
+an interrupted set never leaves a page without its ancestors nor a key without some of its
+pages, a page read since the policy chose it stays with its key, and the pages of a set begun
+are going (``leaving``: the orphan count leaves them out).
 """
 
 from __future__ import annotations
@@ -29,11 +35,11 @@ from collections.abc import Callable
 
 from hicached.daemon.policy import COMMITTED
 
-STEP_PAGES = 64  # pages one ``step`` evicts at most
+STEP_PAGES = 64  # pages one ``step`` evicts (at most that, and the rest of the key it is at)
 # ticks before its grace ends that a tail goes (``policy.stale``): in an idle turn that comes
 # before the tail would count as an orphan, not after
 EARLY = 512
-CHECK_EVERY = 2  # pages between two looks at whether a request waits
+CHECK_EVERY = 2  # pages between two looks at whether a request waits (at a key's end)
 TAILS_WAIT_S = 0.01  # a commit takes the tails due itself once the loop had no idle turn as long
 
 
@@ -71,7 +77,7 @@ class Reclaimer:
         for the idle turns before the policy names live pages. Returns the pages evicted (on
         the reservation's path: not counted in ``evicted``, the pages evicted ahead)."""
         ix, queue, done = self.ix, self._queue, 0
-        while queue and ix.p_stride[queue[-1][0]] == stride:
+        while queue and stride in (ix.p_stride[p] for p, _, _ in self._key_run()):
             if ix.alloc.free_slots(stride) >= need:
                 break
             got = self._next()
@@ -80,21 +86,56 @@ class Reclaimer:
             done += got
         return done
 
-    def _next(self) -> int | None:
-        """Evict the queue's next page if it may still go (1; 0: gone another way); None when
-        it may not (read, or depended on, since): the set ends there."""
+    def _key_run(self) -> list[tuple[int, int, int]]:
+        """The queue's next entries that belong to one key (its pages in the set, with the
+        entries of pages gone meanwhile among them), the next one first."""
         ix, queue = self.ix, self._queue
-        p, gen, used = queue.pop()
-        if ix.p_gen[p] != gen or not ix.p_flags[p] & COMMITTED:
+        k, n = -1, 0
+        for p, gen, _ in reversed(queue):
+            if ix.p_gen[p] == gen and ix.p_flags[p] & COMMITTED:
+                if k < 0:
+                    k = ix.p_krec[p]
+                elif ix.p_krec[p] != k:
+                    break
+            n += 1
+        return queue[len(queue) - n:][::-1]
+
+    def _next(self) -> int | None:
+        """Evict the pages of the queue's next key if each may still go (how many went; 0:
+        all gone another way); None when one may not (read, or depended on, since, or the
+        key holds a page the set does not): the set ends there, the key's pages all kept."""
+        ix, queue = self.ix, self._queue
+        run = self._key_run()
+        del queue[len(queue) - len(run):]
+        live = [(p, used) for p, gen, used in run
+                if ix.p_gen[p] == gen and ix.p_flags[p] & COMMITTED]
+        if not live:
             return 0  # gone another way (which took its dependants first): the rest may go
-        if ix.p_pins[p] or ix.p_used[p] != used or not ix.policy.may_go_ahead(p):
-            queue.append((p, gen, used))  # read, or depended on, since: the set ends
-            ix.policy.abandoned([q for q, g, _ in queue if ix.p_gen[q] == g])
+        policy = ix.policy
+        if any(ix.p_pins[p] or ix.p_used[p] != used or not policy.may_go_ahead(p)
+               for p, used in live) or (policy.whole_keys and self._more_pages(live)):
+            queue.extend(reversed(run))  # read, or depended on, since: the set ends
+            policy.abandoned([q for q, g, _ in queue if ix.p_gen[q] == g])
             queue.clear()
             return None
-        got = ix._evict_page(p)
+        got = ix._evict_pages([p for p, _ in live])
         self._queue_evicted += got
         return got
+
+    def _more_pages(self, live: list[tuple[int, int]]) -> bool:
+        """Whether the key of ``live`` (its pages in the set, not states alone) holds a
+        committed page that is no state and not in the set (stored since the policy named
+        it): taking the set's pages would leave that page of the key without the others."""
+        ix = self.ix
+        if all(ix._tstate[ix.p_tid[p]] for p, _ in live):
+            return False  # states alone (a mid-chain state): the key's other pages stay
+        mine = {p for p, _ in live}
+        p = ix.k_head[ix.p_krec[live[0][0]]]
+        while p >= 0:
+            if p not in mine and ix.p_flags[p] & COMMITTED and not ix._tstate[ix.p_tid[p]]:
+                return True
+            p = ix.p_knext[p]
+        return False
 
     def _commit_tails(self) -> bool:
         """Whether a commit takes the tails due itself: the loop has had work for the idle
@@ -104,8 +145,7 @@ class Reclaimer:
     def settle(self) -> None:
         """Evict the tails due now (before the orphans are counted: a stats call may come
         between a commit and the loop's next idle turn)."""
-        for p in self.ix.policy.stale():
-            self.ix._evict_page(p)
+        self.ix._evict_pages(self.ix.policy.stale())
 
     def _target(self, stride: int) -> int:
         return max(stride, int(self.ahead * self.ix.alloc.capacity_bytes))
@@ -169,9 +209,10 @@ class Reclaimer:
                     break
                 queue.extend((p, ix.p_gen[p], ix.p_used[p]) for p in reversed(victims))
                 self._queue_evicted = 0
-            if self._next():
-                done += 1
-                if done % CHECK_EVERY == 0 and busy():
+            got = self._next()
+            if got:
+                before, done = done, done + got
+                if done // CHECK_EVERY != before // CHECK_EVERY and busy():
                     break
             if not queue and not self._queue_evicted:
                 self._blocked = self._state()  # a set of which nothing could go

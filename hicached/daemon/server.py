@@ -36,7 +36,8 @@ from hicached.daemon.l3.workers import IOWorkers
 from hicached.daemon.leases import LeaseTable
 from hicached.daemon.operations import DaemonOperations, backend_options
 from hicached.daemon.quotas import make_quotas
-from hicached.daemon.sessions import Session
+from hicached.daemon.room import allocated_bytes, check_room, read_room
+from hicached.daemon.sessions import Session, namespace_digest
 from hicached.daemon.slabs import SlabAllocator
 from hicached.daemon import slicing
 from hicached.daemon.slicing import Steps, as_answer, drive
@@ -52,7 +53,7 @@ from hicached.liveness import own_pid_ns
 from hicached.ops.config import DaemonConfig
 from hicached.ops.metrics import make_metrics
 from hicached.ops.sdnotify import NullNotifier
-from hicached.presence import TAG_GRAIN, PresenceTable, default_slots
+from hicached.presence import TAG_GRAIN, PresenceTable, default_slots, table_bytes
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +72,32 @@ class _Sliced(NamedTuple):
 class Daemon(DaemonOperations, Handshakes, DaemonFiles):
     """``Daemon(config).serve_forever()`` runs until ``stop()`` (or SIGTERM/SIGINT via ``run``)."""
 
-    def __init__(self, config: DaemonConfig):
+    def __init__(self, config: DaemonConfig,
+                 on_phase: Callable[[str], None] | None = None):
+        """Make the daemon: state lock, arena, index, L3 backend, socket. ``on_phase(name)`` is
+        called as the start reaches "lock", "arena" (after each step of the reservation), "l3"
+        and "socket" (``ops/phases.py``); whatever it raises abandons the start, which undoes
+        what it made (lock, arena file, backend, socket) and lets the exception go on."""
         self.config = config
         self._stop = threading.Event()
         self._stop_asked = False  # set by a signal handler (stop_on_signal)
+        on_phase = on_phase or (lambda name: None)
+        log_progress = arena_progress()
+
+        def progress(done: int, total: int) -> None:
+            log_progress(done, total)
+            on_phase("arena")
+
         self._lock_fd = self._take_state_lock(config.state_dir)
         try:
+            on_phase("lock")
             self._check_endpoint(config.endpoint)  # taken: say so before the arena and L3
             self._recorded_arena(self._lock_fd, config.arena_path)
+            self._check_room(config)  # an arena the node cannot back: refused before it is made
             log.info("reserving the arena: %.1f GiB of shared memory at %s (about a second "
                      "per GiB)", config.l2_size / (1 << 30), config.arena_path)
             self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.access_mode,
-                                      progress=arena_progress())
+                                      progress=progress)
             self._record_arena(self._lock_fd, config.arena_path)
             self._set_group(config.arena_path)
         except BaseException:
@@ -104,6 +119,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                                config.l3_load_chunk, config.l3_audit_s)
             if config.l3_backend != "none":
                 self.tier.attach(self._open_backend(config.l3_backend, None))
+            on_phase("l3")
             if self.presence is not None:  # before any client reads it (a restart with L3)
                 self.presence.beat(time.monotonic(), self.tier.attached)
             self.controller = Controller(self.index, self.leases, self.tier, time.monotonic,
@@ -116,6 +132,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             self.controller.kv_events = make_kv_events(config, self.index, self.tier)
             self.ctx = zmq.Context()
             self.sock = self._bind(config.endpoint)
+            on_phase("socket")
         except BaseException:
             if hasattr(self, "controller"):
                 self.controller.kv_events.close()
@@ -123,6 +140,9 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                 self.workers.close()
             if getattr(self, "tier", None) is not None:
                 self.tier.close()
+            if hasattr(self, "sock"):  # (ctx.term waits for every socket to be closed)
+                self.sock.close(linger=0)
+                self._remove_socket_file()
             if hasattr(self, "ctx"):
                 self.ctx.term()
             if getattr(self, "presence", None) is not None:
@@ -167,6 +187,21 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                                      f"{type(e).__name__}: {e}") from None
         backend.opened_with = opts  # a re-attach with other options is refused (operations.py)
         return backend
+
+    @staticmethod
+    @staticmethod
+    def _check_room(config: DaemonConfig) -> None:
+        """ConfigError when the node cannot back the arena and its presence table (``room.py``);
+        the files a crashed daemon left at their paths count as free (they are replaced)."""
+        def table(arena_bytes: int) -> int:
+            if not config.shared_exists:
+                return 0
+            return table_bytes(config.presence_slots or default_slots(arena_bytes), arena_bytes,
+                               TAG_GRAIN if config.shared_gets else 0)
+
+        old = allocated_bytes(config.arena_path, config.arena_path + ".presence")
+        check_room(config.l2_size, read_room(os.path.dirname(config.arena_path) or "."), old,
+                   table)
 
     # ------------------------------------------------------------ loop
 
@@ -461,11 +496,13 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             case P.Bye():
                 c.close_session(msg.session)
                 return None
-            case P.Flush():
+            case P.Flush():  # (namespace "": the whole node, as from an older client)
                 if msg.tier == "l2":  # answered when the walk of the arena ends
-                    c.flush_l2(lambda n: self._send(identity, P.Ok(msg.req_id)))
+                    c.flush_l2(lambda n: self._send(identity, P.Ok(msg.req_id)),
+                               namespace_digest(msg.namespace) if msg.namespace else None)
                     return None
-                self._off_loop(identity, msg.req_id, lambda: self.flush(msg.tier),
+                self._off_loop(identity, msg.req_id,
+                               lambda: self.flush(msg.tier, namespace=msg.namespace),
                                lambda n: P.Ok(msg.req_id))
                 return None
             case P.Attach():
@@ -531,6 +568,15 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                         "unfinished", *busy)
         self._run_calls(ShuttingDown("daemon is shutting down"))
 
+    def _remove_socket_file(self) -> None:
+        """Remove the ipc socket's file (its socket closed: zmq leaves it)."""
+        ep = self.config.endpoint
+        if ep.startswith("ipc://"):
+            try:
+                os.unlink(ep[len("ipc://"):])
+            except FileNotFoundError:
+                pass
+
     def close(self) -> None:
         """Release everything the daemon owns. Safe to call twice."""
         if self._closed:
@@ -544,12 +590,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                         "process exit to reclaim")
         self.sock.close(linger=0)
         self.ctx.term()
-        ep = self.config.endpoint
-        if ep.startswith("ipc://"):
-            try:
-                os.unlink(ep[len("ipc://"):])
-            except FileNotFoundError:
-                pass
+        self._remove_socket_file()
         if self.presence is not None:
             self.presence.close()
         self.arena.close()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from hicached.engine.config import add_engine_args, config_from_args
+from hicached.extras import install_hint
 
 PHASES = ("no cache", "device + L2", "new engine", "L3")
 DEVICE_ONLY = ("no cache", "device only")
@@ -148,7 +148,9 @@ def run_phase(lm, cfg, args, progress: Progress, label: str) -> list[Turn]:
 
 
 def report(arch: str, results: dict[str, list[Turn]]) -> str:
-    """Per-turn table of every phase against "no cache", then a summary per phase."""
+    """Per-turn table of every phase against "no cache", then a summary per phase. A turn's
+    speed-up is shown only where some of its prompt came from a cache (L1, L2 or L3): where
+    every token was computed, the two runs did the same work and their ratio is noise ("-")."""
     base = results["no cache"]
     header = (f"{'phase':<12} {'conv':>4} {'turn':>4} {'prompt':>6} {'no-cache':>9} "
               f"{'ttft':>8} {'speedup':>7} {'L1':>5} {'L2':>5} {'L3':>5} {'computed':>8}")
@@ -156,9 +158,10 @@ def report(arch: str, results: dict[str, list[Turn]]) -> str:
     for phase in list(results)[1:]:
         for t, b in zip(results[phase], base):
             h = t.hits
+            speedup = f"{b.ttft_s / t.ttft_s:>6.1f}x" if h["computed"] < t.prompt else "-"
             lines.append(f"{phase:<12} {t.conv:>4} {t.turn:>4} {t.prompt:>6} "
                          f"{b.ttft_s * 1e3:>9.1f} {t.ttft_s * 1e3:>8.1f} "
-                         f"{b.ttft_s / t.ttft_s:>6.1f}x {h['l1']:>5} {h['l2']:>5} {h['l3']:>5} "
+                         f"{speedup:>7} {h['l1']:>5} {h['l2']:>5} {h['l3']:>5} "
                          f"{h['computed']:>8}")
     lines.append(f"{'phase':<12} {'hit rate':>9} {'mean ttft ms':>13} {'vs no cache':>12}")
     for phase, turns in results.items():
@@ -265,10 +268,7 @@ def engine_install_hint() -> str | None:
         pass
     else:
         return None
-    root = pathlib.Path(__file__).resolve().parents[2]
-    if (root / "pyproject.toml").is_file() and (root / "hicached").is_dir():  # a clone, -e
-        return f"pip install -e '{root}[engine]'"
-    return "pip install 'hicached[engine]'"
+    return install_hint("engine")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from hicached.extras import install_hint
+
 log = logging.getLogger(__name__)
 
 ARCHS = ("qwen3_next", "deepseek_v32")
@@ -66,7 +68,7 @@ def _transformers():
         from transformers.utils import logging as hf_logging
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ModelUnavailable("the reference engine needs transformers: "
-                               "pip install 'hicached[engine]'") from e
+                               + install_hint("engine")) from e
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()  # kernel fallback notices are expected on CPU
     return transformers

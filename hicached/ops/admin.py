@@ -15,6 +15,7 @@ methods, in an executor when they may block (never on the aiohttp loop).
                                         GET|POST /clear_hicache_storage_backend)
     GET|POST /flush_cache?tier=l2|l3|all    drop pages (default l2, as SGLang's flush_cache
                                         empties the host tier and leaves L3)   (admin key)
+             [&namespace=NAME]          only that namespace's pages (the answer names it)
 
 Admin key rule (SGLang's): no ``admin_api_key`` configured -> 400 with how to enable it; key
 configured -> ``Authorization: Bearer <key>`` required, else 401. The key is compared in
@@ -358,19 +359,26 @@ class AdminServer:
         return await self._flush(request, "l3")
 
     async def flush(self, request: web.Request) -> web.Response:
-        return await self._flush(request, request.query.get("tier", "l2"))
+        return await self._flush(request, request.query.get("tier", "l2"),
+                                 request.query.get("namespace", ""))
 
-    async def _flush(self, request: web.Request, tier: str) -> web.Response:
+    async def _flush(self, request: web.Request, tier: str, namespace: str = ""
+                     ) -> web.Response:
         d = self.daemon
         if tier in ("l3", "all") and not (await self._blocking(d.backend_status))["attached"]:
             if tier == "l3":
                 raise BackendError("no L3 backend attached: nothing to clear")
             tier = "l2"
-        log.info("admin: flush %s from %s", tier, request.remote)
-        pages = await self._blocking(d.flush, tier)
+        log.info("admin: flush %s%s from %s", tier,
+                 f" of namespace {namespace!r}" if namespace else "", request.remote)
+        pages = await self._blocking(d.flush, tier, namespace=namespace)
         what = {"l2": "L2", "l3": "L3", "all": "L2 and L3"}[tier]
+        of = f" of namespace {namespace!r}" if namespace else ""
+        # (the answer names the namespace: a client can tell a daemon that read it)
         return _json({"success": True, "tier": tier, "pages": pages,
-                      "message": f"Cache flushed: {pages} pages dropped from {what}."})
+                      **({"namespace": namespace} if namespace else {}),
+                      "message": f"Cache flushed: {pages} page{'' if pages == 1 else 's'}{of} "
+                                 f"dropped from {what}."})
 
 
 def check_admin_port(host: str, port: int) -> None:

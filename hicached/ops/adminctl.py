@@ -2,7 +2,8 @@
 
     hicached status                          health, readiness, tiers, pools, namespaces
     hicached flush [--tier l2|l3|all]        drop pages (default l2)
-    hicached attach BACKEND [--config JSON|@file] [--write-policy P] [--prefetch-policy P]
+                   [--namespace NAME]        ... of that namespace only (default: every page)
+    hicached attach BACKEND [--l3-options JSON|@file] [--write-policy P] [--prefetch-policy P]
     hicached detach
 
 How the daemon is found (first that applies):
@@ -41,12 +42,12 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 from hicached.errors import ConfigError, HicachedError
-from hicached.ops.config import parse_options, read_config_table
-from hicached.settings import default_runtime_dir
+from hicached.ops.config import absolute_ipc, parse_options, read_config_table
+from hicached.settings import UNIT_ENDPOINT, default_endpoint
 from hicached.sockpath import refusal
 
 DEFAULT_DAEMON_CONFIG = "/etc/hicached/hicached.toml"
-UNIT_SOCKET = "ipc:///run/hicached/hicached.sock"  # configs/hicached.service
+UNIT_SOCKET = UNIT_ENDPOINT  # configs/hicached.service
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_READY = 0, 1, 2, 3
 
 
@@ -115,8 +116,13 @@ class AdminClient:
         stats = self.request("GET", "/stats") if health.get("status") == "ok" else None
         return health, ready, stats
 
-    def flush(self, tier: str, timeout_s: float) -> dict:
-        return self.request("POST", "/flush_cache", query={"tier": tier}, timeout_s=timeout_s)
+    def flush(self, tier: str, timeout_s: float, namespace: str = "") -> dict:
+        query = {"tier": tier, **({"namespace": namespace} if namespace else {})}
+        res = self.request("POST", "/flush_cache", query=query, timeout_s=timeout_s)
+        if namespace and res.get("namespace") != namespace:  # a daemon older than the option
+            raise AdminError(f"the daemon at {self.url} is older than --namespace: it ignored "
+                             f"it and flushed {tier} of the whole node ({res.get('message')})")
+        return res
 
     def attach(self, backend: str, options: dict, write_policy: str | None,
                prefetch_policy: str | None, timeout_s: float) -> dict:
@@ -134,7 +140,7 @@ class AdminClient:
     def l3_pages_left(self) -> str:
         pages = self.request("GET", "/stats", timeout_s=5)["tiers"]["l3"]["backend_stats"].get(
             "pages")
-        return f"{pages} pages in L3" if pages is not None else ""
+        return f"{_count(pages, 'page')} in L3" if pages is not None else ""
 
 
 def _decode(raw: bytes) -> Any:
@@ -218,9 +224,9 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
         return "\n".join(lines)
     l2, l3 = stats["tiers"]["l2"], stats["tiers"]["l3"]
     cap = l2["capacity_bytes"] or 1
-    lines.append(f"  L2      {l2['pages']} pages, {human_bytes(l2['used_bytes'])} used of "
-                 f"{human_bytes(cap)} ({100 * l2['used_bytes'] / cap:.1f}%), "
-                 f"{l2['free_slabs']} free slabs")
+    lines.append(f"  L2      {_count(l2['pages'], 'page')}, {human_bytes(l2['used_bytes'])} "
+                 f"used of {human_bytes(cap)} ({100 * l2['used_bytes'] / cap:.1f}%), "
+                 f"{_count(l2['free_slabs'], 'free slab')}")
     counted = stats.get("counted", True)  # False: a daemon without admin_port counts no hits
     lines.append("          " + (f"hits {l2['hits']}, misses {l2['misses']}, " if counted else "")
                  + f"evictions {l2['evictions']}, no space {l2['no_space']}"
@@ -228,7 +234,7 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
     flush = l2.get("flush")
     if flush:
         lines.append(f"          flushing: slab {flush['slab']} of {flush['slabs']}, "
-                     f"{flush['dropped']} pages dropped in {flush['seconds']:.1f} s")
+                     f"{_count(flush['dropped'], 'page')} dropped in {flush['seconds']:.1f} s")
     table = l2.get("presence_table")
     if table and table["full"]:
         lines.append(f"          presence table full ({table['slots']} slots): engines ask the "
@@ -238,36 +244,42 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
         lines.append(
             f"  L3      {l3['backend']}: {l3['write_policy']}, prefetch "
             f"{'on' if l3['prefetch'] else 'off'}"
-            + (f"; {stored} pages stored" if stored is not None else "")
+            + (f"; {_count(stored, 'page')} stored" if stored is not None else "")
             + (" [DEGRADED: failing, answered as misses]" if l3["degraded"] else ""))
         waiting = (l2.get("parked_gets", 0) + l2.get("parked_exists", 0)
                    + l2.get("parked_store_waits", 0))
         if l3.get("dirty_pages"):  # write_back: only in L2 until evicted, flushed or detached
-            lines.append(f"          {l3['dirty_pages']} dirty pages (in L2 only, not yet "
-                         "written to L3)")
+            lines.append(f"          {_count(l3['dirty_pages'], 'dirty page')} (in L2 only, "
+                         "not yet written to L3)")
         lines.append("          " + (f"hits {l3['hits']}, " if counted else "")
                      + f"loads {l3.get('l3_loads', 0)}, writes "
                      f"{l3.get('l3_writes', 0)} (failed {l3.get('l3_write_failures', 0)}, "
                      f"dropped {l3.get('l3_writes_dropped', 0)}), load failures "
                      f"{l3.get('l3_load_failures', 0)}, errors {l3.get('l3_errors', 0)}"
-                     + (f"; {waiting} requests waiting for it" if waiting else ""))
+                     + (f"; {_count(waiting, 'request')} waiting for it" if waiting else ""))
     else:
         lines.append("  L3      none attached")
     for pool, p in stats["pools"].items():
-        lines.append(f"  pool    {pool}: {p['l2_pages']} pages ({human_bytes(p['l2_bytes'])})"
+        lines.append(f"  pool    {pool}: {_count(p['l2_pages'], 'page')} "
+                     f"({human_bytes(p['l2_bytes'])})"
                      + (f", hits L2 {p['l2_hits']} / L3 {p['l3_hits']}, misses "
                         f"{p['l2_misses']}" if counted else ""))
-    lines.append(f"  clients {stats['sessions']} sessions, {l2['leases']} leases, "
-                 f"{l2['reservations']} reservations, "
+    lines.append(f"  clients {_count(stats['sessions'], 'session')}, "
+                 f"{_count(l2['leases'], 'lease')}, {_count(l2['reservations'], 'reservation')}, "
                  f"{human_bytes(l2.get('set_ahead_bytes', 0))} in set-ahead slots; "
-                 f"{stats['requests']} requests")
+                 f"{_count(stats['requests'], 'request')}")
     for n in stats["namespaces"]:
         quota = (f" of a {human_bytes(n['quota_bytes'])} quota (own evictions "
                  f"{n['evictions']}, rejections {n['rejections']})"
                  if n.get("quota_bytes") is not None else "")
         lines.append(f"  ns      {n['namespace']}: {human_bytes(n['used_bytes'])}{quota}, "
-                     f"{n.get('sessions', 0)} sessions")
+                     f"{_count(n.get('sessions', 0), 'session')}")
     return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: "1 page", "0 pages", "2 free slabs"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 # ---------------------------------------------------------------- commands
@@ -289,20 +301,32 @@ def add_parsers(sub) -> None:
                         help=f"the daemon's TOML config (default {DEFAULT_DAEMON_CONFIG} "
                         "when readable)")
     common.add_argument("--json", action="store_true", help="machine-readable output")
-    common.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    common.add_argument("--timeout", type=float, default=30.0,
+                        help="seconds per request (default: 30)")
     how = {"epilog": FINDING, "formatter_class": argparse.RawDescriptionHelpFormatter}
     sub.add_parser("status", parents=[common], help="health, readiness and counters", **how)
     p = sub.add_parser("flush", parents=[common], help="drop cached pages", **how)
-    p.add_argument("--tier", choices=["l2", "l3", "all"], default="l2")
+    p.add_argument("--tier", choices=["l2", "l3", "all"], default="l2",
+                   help="which pages: l2 (the shared-memory arena), l3 (the attached backend's "
+                   "store) or all (default: l2)")
+    p.add_argument("--namespace", default="", help="only the pages of this namespace (as "
+                   "engines name it; `hicached status` lists them); default: every page of "
+                   "the node")
     p = sub.add_parser("attach", parents=[common], help="attach an L3 backend at runtime",
                        **how)
     p.add_argument("backend", help="backend name: file, mooncake, hf3fs, ...")
-    p.add_argument("--config", dest="backend_config", default="",
-                   help="backend options as a JSON object or @file.json")
+    p.add_argument("--l3-options", dest="l3_options",
+                   help="backend options as a JSON object or @file.json, as serve's "
+                   "--l3-options (default: the backend's defaults)")
+    p.add_argument("--config", dest="backend_config", help=argparse.SUPPRESS)  # the old name
     p.add_argument("--write-policy", dest="write_policy",
-                   choices=["write_through", "write_through_selective", "write_back"])
+                   choices=["write_through", "write_through_selective", "write_back"],
+                   help="when pages go to the new L3: at commit, after write_through_threshold "
+                   "hits, or when L2 evicts them (default: the daemon's write_policy)")
     p.add_argument("--prefetch-policy", dest="prefetch_policy",
-                   choices=["best_effort", "wait_complete", "timeout"])
+                   choices=["best_effort", "wait_complete", "timeout"],
+                   help="SGLang's prefetch policy, recorded by the admin HTTP API for SGLang's "
+                   "tools (--url only; the daemon does not use it)")
     sub.add_parser("detach", parents=[common], help="detach the L3 backend", **how)
 
 
@@ -331,7 +355,7 @@ def local_endpoint(configured: str, env: Mapping[str, str]) -> str:
     when only that one exists."""
     if configured:
         return configured
-    mine = f"ipc://{default_runtime_dir(env)}/hicached.sock"
+    mine = default_endpoint(env)
     unit = UNIT_SOCKET[len("ipc://"):]
     if refusal(mine[len("ipc://"):]) is not None and os.path.exists(unit) and \
             refusal(unit) is None:  # (a dead daemon's leftover socket file is nobody)
@@ -351,7 +375,7 @@ def connect(args: argparse.Namespace, env: Mapping[str, str]):
         path = DEFAULT_DAEMON_CONFIG
     cfg = admin_settings(path, env)
     if args.endpoint or not (args.url or cfg["admin_port"]):
-        endpoint = args.endpoint or local_endpoint(cfg["endpoint"], env)
+        endpoint = absolute_ipc(args.endpoint or local_endpoint(cfg["endpoint"], env))
         if not endpoint.startswith(("ipc://", "tcp://")):
             raise ConfigError(f"--endpoint: expected ipc://PATH or tcp://HOST:PORT, got "
                               f"{endpoint!r}")
@@ -368,11 +392,24 @@ def connect(args: argparse.Namespace, env: Mapping[str, str]):
     return AdminClient(url, key, args.timeout)
 
 
+def attach_options(args: argparse.Namespace) -> dict:
+    """The backend options of ``attach`` from ``--l3-options`` (or ``--config``, its old name,
+    still read); ConfigError naming the flag for bad JSON or both flags given."""
+    if args.l3_options is not None and args.backend_config is not None:
+        raise ConfigError("--l3-options and --config: give one (--config is the old name of "
+                          "--l3-options)")
+    if args.backend_config is not None:
+        return parse_options(args.backend_config or "{}", "--config")
+    return parse_options(args.l3_options or "{}", "--l3-options")
+
+
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     """Run one admin subcommand (``env``: the process environment, read by the entry point);
     returns the exit status."""
     client = None
     try:
+        if args.command == "attach":  # bad usage is said before looking for a daemon
+            args.options = attach_options(args)
         client = connect(args, env)
         return _command(client, args, sys.stdout)
     except ConfigError as e:
@@ -400,11 +437,11 @@ def _command(client, args: argparse.Namespace, out) -> int:
     if args.command == "flush":
         probe = client.l3_pages_left if args.tier != "l2" else None
         with Progress(f"flushing {args.tier}", probe):
-            res = client.flush(args.tier, max(args.timeout, 3600.0))
+            res = client.flush(args.tier, max(args.timeout, 3600.0),
+                               getattr(args, "namespace", "") or "")
     elif args.command == "attach":
-        options = parse_options(args.backend_config or "{}", "--config")
         with Progress(f"attaching {args.backend}"):
-            res = client.attach(args.backend, options, args.write_policy,
+            res = client.attach(args.backend, args.options, args.write_policy,
                                 args.prefetch_policy, max(args.timeout, 600.0))
     elif args.command == "detach":  # write_back: dirty pages first (drain_timeout_s)
         with Progress("detaching"):

@@ -12,18 +12,20 @@ python -m hicached works the same."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import logging
 import os
 import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
+# Only these before main() takes SIGINT: until then a Ctrl-C is Python's (a traceback), so the
+# rest is imported where it is used (hicached and its errors are imported already)
 from hicached import __version__
 from hicached.errors import HicachedError
-from hicached.ops import adminctl, interrupts
-from hicached.ops.config import DaemonConfig, load_config
-from hicached.settings import default_runtime_dir, default_state_dir
+from hicached.ops import interrupts
+from hicached.ops.phases import Phases
+
+if TYPE_CHECKING:
+    import argparse
 
 
 def _serve_parser(sub, env: Mapping[str, str]) -> None:
@@ -69,7 +71,7 @@ def _serve_parser(sub, env: Mapping[str, str]) -> None:
     p.add_argument("--presence-slots", dest="presence_slots", type=int,
                    help="slots of the shared presence table, a power of 2 (0: from l2_size)")
     p.add_argument("--log-level", dest="log_level",
-                   help="debug, info (default), warning, error or critical")
+                   help="debug, info, warning, error or critical")
     p.add_argument("--io-queue-depth", dest="io_queue_depth", type=int,
                    help="L3 jobs queued at most (past it: write-throughs skipped, loads and "
                    "lookups miss)")
@@ -101,8 +103,8 @@ def _serve_parser(sub, env: Mapping[str, str]) -> None:
     p.add_argument("--namespace-quotas", dest="namespace_quotas",
                    help='per-namespace L2 quotas as JSON, e.g. \'{"tenant-a": "8GiB"}\'')
     p.add_argument("--eviction", dest="eviction",
-                   help="which L2 pages go first: hybrid (default: chains leaf first, states "
-                   "and tokens per byte weighed), prefix (chains leaf first, LRU) or lru")
+                   help="which L2 pages go first: hybrid (chains leaf first, states and tokens "
+                   "per byte weighed), prefix (chains leaf first, LRU) or lru")
     p.add_argument("--eviction-alpha", dest="eviction_alpha", type=float,
                    help="hybrid eviction: weight of a page's value against its recency")
     p.add_argument("--evict-ahead", dest="evict_ahead", type=float,
@@ -110,7 +112,7 @@ def _serve_parser(sub, env: Mapping[str, str]) -> None:
                    "evicting ahead while the daemon is idle (0: off)")
     p.add_argument("--kv-events-endpoint", dest="kv_events_endpoint",
                    help="publish KV events for routers on this ZeroMQ PUB endpoint, e.g. "
-                   "tcp://*:5557 (default: off; docs/kv-events.md)")
+                   "tcp://*:5557; docs/kv-events.md")
     p.add_argument("--kv-events-replay-endpoint", dest="kv_events_replay_endpoint",
                    help="serve recent KV event batches to routers that missed some (ROUTER)")
     p.add_argument("--print-config", action="store_true", help="print the effective config as "
@@ -142,6 +144,11 @@ def _show_size(n: int) -> str:
 
 def serve_defaults(env: Mapping[str, str]) -> dict[str, str]:
     """The default of every ``serve`` option as ``--help`` shows it (paths as resolved here)."""
+    import dataclasses
+
+    from hicached.ops.config import DaemonConfig
+    from hicached.settings import default_endpoint, default_state_dir
+
     out = {}
     for f in dataclasses.fields(DaemonConfig):
         value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -155,12 +162,15 @@ def serve_defaults(env: Mapping[str, str]) -> dict[str, str]:
             value = "none"
         out[f.name] = str(value)
     state = default_state_dir(env)
-    out.update(endpoint=f"ipc://{default_runtime_dir(env)}/hicached.sock", state_dir=state,
+    out.update(kv_events_endpoint="off")  # (not "none": no events are published)
+    out.update(endpoint=default_endpoint(env), state_dir=state,
                l3_dir="<state_dir>/l3", arena_path="/dev/shm/hicached-<digest of state_dir>")
     return out
 
 
 def _help_with_defaults(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    import argparse
+
     defaults = serve_defaults(env)
     for action in parser._actions:
         if action.dest in defaults and action.help:
@@ -171,16 +181,26 @@ def _help_with_defaults(parser: argparse.ArgumentParser, env: Mapping[str, str])
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``hicached``: one line on stderr, never a traceback, for Ctrl-C (at any moment) and for a
-    reader that leaves (``hicached status | head``)."""
+    """``hicached``: one line on stderr, never a traceback, for Ctrl-C (at any moment; the
+    process then ends by SIGINT: ``interrupts.py``) and for a reader that leaves (``hicached
+    status | head``). As the process's entry point (``argv`` None) it keeps its SIGINT handler
+    to the end, so a Ctrl-C while Python exits is the one line too; called with ``argv`` it
+    puts back the handler it found when it returns."""
     interrupts.install()
     try:
-        status = _main(argv)
+        env = os.environ  # the one read of the environment: everything below gets it passed
+        phases = Phases.from_env(env)
+        phases.reach("start")
+        status = _main(argv, env, phases)
         sys.stdout.flush()  # here, so a closed pipe is seen now and not at exit
+        if interrupts.pressed():  # Ctrl-C stopped it in order (serve: "hicached stopped")
+            interrupts.end(line=False)
         return status
+    except HicachedError as e:  # (a HICACHED_TEST_PAUSE_AT that names no phase)
+        print(f"hicached: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        print("\nhicached: interrupted", file=sys.stderr)
-        return 130
+        interrupts.end()
     except BrokenPipeError:
         # the reader of our output is gone: point stdout at /dev/null, so the flush at exit
         # does not fail again, and end as a process killed by SIGPIPE would be seen by a shell
@@ -189,18 +209,24 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except Exception:
         if interrupts.pressed():  # an import cut short by Ctrl-C fails later in other words
-            print("\nhicached: interrupted", file=sys.stderr)
-            return 130
+            interrupts.end()
         raise
+    finally:
+        if argv is not None:
+            interrupts.uninstall()
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, env: Mapping[str, str], phases: Phases) -> int:
+    import argparse
+
+    from hicached.ops import adminctl
+
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["demo"]:  # the reference engine's demo parses its own flags
         from hicached.engine.demo import main as demo_main
 
+        interrupts.switch(interrupts.RAISE)  # an engine: its cleanup is in finally blocks
         return demo_main(argv[1:])
-    env = os.environ  # the one read of the environment: everything below gets it passed
     parser = argparse.ArgumentParser(prog="hicached", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hicached {__version__}")
@@ -214,6 +240,10 @@ def _main(argv: list[str] | None) -> int:
         return adminctl.run(args, env)
     try:
         if args.command == "serve":
+            import logging
+
+            from hicached.ops.config import load_config
+
             overrides = {k: getattr(args, k) for k in OPTION_KEYS}
             cfg = load_config(args.config, env, overrides)
             if args.print_config:
@@ -225,17 +255,18 @@ def _main(argv: list[str] | None) -> int:
             # only, unless the log level is debug or MC_LOG_LEVEL says otherwise
             os.environ.setdefault("MC_LOG_LEVEL", "INFO" if cfg.log_level == "debug" else
                                   "WARNING")
+            phases.reach("config")
             from hicached.ops.sdnotify import SystemdNotifier
             from hicached.ops.serve import serve
 
-            interrupts.check()  # a Ctrl-C the imports swallowed
+            phases.reach("imported")
             if env.get("HICACHED_BENCH_NO_CHECKSUMS") == "1":  # tools/bench_l3.py only
                 from hicached.backends.integrity import disable_for_benchmark
 
                 disable_for_benchmark()
 
             serve(cfg, SystemdNotifier.from_env(env),
-                  reload=lambda: load_config(args.config, env, overrides))
+                  reload=lambda: load_config(args.config, env, overrides), phases=phases)
             return 0
     except HicachedError as e:
         print(f"hicached: error: {e}", file=sys.stderr)

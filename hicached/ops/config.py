@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 log = logging.getLogger(__name__)
 
 from hicached.errors import ConfigError
-from hicached.settings import default_runtime_dir, default_state_dir, parse_size
+from hicached.settings import default_endpoint, default_state_dir, parse_size
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,14 @@ class DaemonConfig:
         """Fill the derived defaults (paths: from ``env``'s XDG variables) and check values."""
         env = env or {}
         state = os.path.abspath(self.state_dir or default_state_dir(env))
-        endpoint = self.endpoint or f"ipc://{default_runtime_dir(env)}/hicached.sock"
+        endpoint = absolute_ipc(self.endpoint or default_endpoint(env))
         arena = self.arena_path or "/dev/shm/hicached-" + hashlib.sha256(
             state.encode()).hexdigest()[:16]
         cfg = dataclasses.replace(self, state_dir=state, endpoint=endpoint, arena_path=arena,
-                                  l3_dir=self.l3_dir or os.path.join(state, "l3"))
+                                  l3_dir=self.l3_dir or os.path.join(state, "l3"),
+                                  kv_events_endpoint=absolute_ipc(self.kv_events_endpoint),
+                                  kv_events_replay_endpoint=absolute_ipc(
+                                      self.kv_events_replay_endpoint))
         cfg.check()
         return cfg
 
@@ -322,7 +325,21 @@ def read_config_table(path: str) -> dict:
 STORE_ENV_PREFIXES = ("MOONCAKE_", "SGLANG_MOONCAKE_")
 STORE_ENV_NAMES = ("LOCAL_HOSTNAME",)
 # HICACHED_* variables that are not daemon settings: the engine side's and the tests'
-OTHER_ENV = ("HICACHED_CLIENT_TOKEN", "HICACHED_TEST_DEVICE", "HICACHED_BENCH_")
+OTHER_ENV = ("HICACHED_CLIENT_TOKEN", "HICACHED_TEST_DEVICE", "HICACHED_TEST_PAUSE_AT",
+             "HICACHED_BENCH_")
+
+
+def absolute_ipc(endpoint: str) -> str:
+    """``endpoint`` with a relative ``ipc://`` path made absolute against the working directory
+    now (ZeroMQ would resolve it against the daemon's, and a client elsewhere would not find
+    it); other endpoints (tcp, ``ipc://@name``: Linux's abstract sockets, ``ipc://`` with no
+    path) as given."""
+    if not endpoint.startswith("ipc://"):
+        return endpoint
+    path = endpoint[len("ipc://"):]
+    if not path or path.startswith(("/", "@")):
+        return endpoint
+    return "ipc://" + os.path.abspath(path)
 
 
 def load_config(path: str | None = None, env: Mapping[str, str] | None = None,

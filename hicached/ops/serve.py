@@ -10,10 +10,13 @@
                            flags) and its policy keys applied (``reload_policies``), READY=1
     SIGTERM / SIGINT       STOPPING=1, drain (``Daemon._drain_for_shutdown``: work in flight
                            finishes within ``drain_timeout_s``, new requests get ShuttingDown),
-                           admin API closed, exit 0
+                           admin API closed, "hicached stopped"; then exit 0 (SIGTERM), or the
+                           CLI ends the process by SIGINT (a SIGINT came: ``interrupts.py``)
 
 Signal handlers only set a flag or start a thread: they interrupt the control loop anywhere,
-so they never touch daemon state themselves.
+so they never touch daemon state themselves. A SIGINT during steps 0-2 is recorded and acted on
+at the start's next phase (``phases.py``): the start undoes what it made and the exception goes
+on to the CLI, which says so in one line.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from hicached.errors import HicachedError
 from hicached.ops import interrupts
 from hicached.ops.admin import check_admin_port, start_admin
 from hicached.ops.config import DaemonConfig
+from hicached.ops.phases import Phases
 from hicached.ops.sdnotify import NullNotifier
 
 log = logging.getLogger(__name__)
@@ -109,19 +113,23 @@ def raise_open_files_limit() -> tuple[int, int]:
 
 def serve(config: DaemonConfig, notifier: NullNotifier | None = None,
           reload: Callable[[], DaemonConfig] | None = None,
-          ready: Callable[[Daemon], None] | None = None) -> None:
+          ready: Callable[[Daemon], None] | None = None, phases: Phases | None = None) -> None:
     """Run a daemon in the foreground until SIGTERM / SIGINT (see the module docstring).
-    ``reload`` resolves the config again for SIGHUP (None: SIGHUP only logs)."""
+    ``reload`` resolves the config again for SIGHUP (None: SIGHUP only logs). ``phases``: where
+    the start acts on a Ctrl-C (and a test's pause); KeyboardInterrupt when one came before the
+    daemon was ready, after everything made was undone."""
     notifier = notifier or NullNotifier()
+    phases = phases or Phases()
     raise_open_files_limit()  # before the L3 backend sizes its fd table from it
     check_admin_port(config.admin_host, config.admin_port)  # before the arena and L3
-    daemon = Daemon(config)
+    interrupts.switch(interrupts.RECORD)  # from here the start makes things it must undo
+    daemon = Daemon(config, on_phase=phases.reach)
     admin = None
     reloads: list[threading.Thread] = []
     try:  # (a Ctrl-C before the handlers below are in place still closes the daemon)
         admin = start_admin(daemon)
         daemon.notifier = notifier
-        interrupts.check()  # a Ctrl-C an import swallowed (before the handlers below)
+        phases.reach("admin")
 
         def on_hup(*_) -> None:
             if reload is None:
@@ -132,10 +140,14 @@ def serve(config: DaemonConfig, notifier: NullNotifier | None = None,
             reloads.append(t)
             t.start()
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: daemon.stop_on_signal())
+        def on_int(*_) -> None:
+            interrupts.record()  # the CLI ends the process by SIGINT once the daemon stopped
+            daemon.stop_on_signal()
+
+        signal.signal(signal.SIGTERM, lambda *_: daemon.stop_on_signal())
+        signal.signal(signal.SIGINT, on_int)
         signal.signal(signal.SIGHUP, on_hup)
-        interrupts.check()
+        interrupts.check()  # one recorded before on_int took over
     except BaseException:
         if admin is not None:
             admin.close()

@@ -23,6 +23,7 @@ from hicached.ops.adminctl import AdminError
 from hicached.sockpath import refusal
 
 TIERS = {"l2": "L2", "l3": "L3", "all": "L2 and L3"}
+PROBE_S = 1.0  # longest wait for the ZeroMQ handshake before a call (``SocketAdmin._probe``)
 ADMIN_NS = "hicached-admin"  # the namespace of the session this CLI opens (with a client token)
 
 
@@ -45,14 +46,60 @@ class SocketAdmin:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | _handshake_failed(zmq))
         try:
-            self._sock.connect(endpoint)
-        except zmq.ZMQError as e:
+            try:
+                self._sock.connect(endpoint)
+            except zmq.ZMQError as e:
+                raise ConfigError(f"endpoint: cannot connect to {endpoint!r}: {e}") from None
+            self._probe(monitor, min(PROBE_S, timeout_s))
+        except BaseException:
+            self._sock.disable_monitor()
+            monitor.close(linger=0)
             self._sock.close(linger=0)
             self._ctx.term()
-            raise ConfigError(f"endpoint: cannot connect to {endpoint!r}: {e}") from None
+            raise
+        self._sock.disable_monitor()
+        monitor.close(linger=0)
         self._req = 0
         self._session = 0
+        self._flush_namespace = False  # the daemon reads Flush.namespace (its Welcome says)
+
+    def _probe(self, monitor, deadline_s: float) -> None:
+        """Wait (at most ``deadline_s``) for the ZeroMQ handshake with whatever listens at the
+        endpoint; AdminError naming which of the three it is when there is none: nothing
+        listens (refused), nothing answers the connection (no such host, a firewall), or a
+        peer accepts it but never completes the handshake (a stopped daemon, not a ZeroMQ
+        server). The handshake is answered by the daemon's ZeroMQ I/O thread, not its control
+        loop, so a busy daemon passes it at once and only its answer to the call is late."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        zmq = self._zmq
+        connected = False
+        deadline = time.monotonic() + deadline_s
+        while (left := deadline - time.monotonic()) > 0 and monitor.poll(
+                max(1, int(left * 1000))):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return
+            if event == zmq.EVENT_CONNECTED:
+                connected = True
+            elif event == zmq.EVENT_CONNECT_RETRIED and not connected:
+                raise AdminError(f"nothing listens on {self.where} (connection refused): no "
+                                 "hicached daemon there; start one with `hicached serve`, or "
+                                 "say where it is with --endpoint or --url")
+            elif event & _handshake_failed(zmq):
+                raise AdminError(f"something at {self.where} accepts connections but fails "
+                                 "the ZeroMQ handshake: not a hicached daemon")
+        if connected:
+            raise AdminError(f"something accepts connections on {self.where} but does not "
+                             f"complete a ZeroMQ handshake within {deadline_s:g} s: a stopped "
+                             "daemon, or not a hicached daemon")
+        raise AdminError(f"nothing answers on {self.where} within {deadline_s:g} s (no such "
+                         "host, or a firewall drops the connection): no hicached daemon "
+                         "reached there")
 
     def close(self) -> None:
         if self._session:
@@ -114,6 +161,7 @@ class SocketAdmin:
         finally:
             self._token = token
         self._session = welcome.session
+        self._flush_namespace = welcome.flush_namespace
 
     # ------------------------------------------------------------ the commands
 
@@ -129,18 +177,27 @@ class SocketAdmin:
     def backend(self) -> dict:
         return self.call(lambda r: P.GetBackend(r), "the L3 status").status
 
-    def flush(self, tier: str, timeout_s: float) -> dict:
+    def flush(self, tier: str, timeout_s: float, namespace: str = "") -> dict:
+        if namespace:  # an older daemon would read past the namespace: ask first
+            if not self._session:
+                self._handshake()
+            if not self._flush_namespace:
+                raise AdminError(f"the daemon on {self.where} is older than --namespace (it "
+                                 "would flush the whole node): nothing was flushed")
         if tier in ("l3", "all") and not self.backend()["attached"]:
             if tier == "l3":
                 raise AdminError("no L3 backend attached: nothing to clear")
             tier = "l2"
-        self.call(lambda r: P.Flush(r, tier), f"a flush of {TIERS[tier]}", timeout_s)
-        return {"success": True, "tier": tier, "message": f"Cache flushed: {TIERS[tier]}."}
+        of = f" of namespace {namespace!r}" if namespace else ""
+        self.call(lambda r: P.Flush(r, tier, namespace), f"a flush of {TIERS[tier]}{of}",
+                  timeout_s)
+        return {"success": True, "tier": tier, **({"namespace": namespace} if namespace else {}),
+                "message": f"Cache flushed: {TIERS[tier]}{of}."}
 
     def attach(self, backend: str, options: dict, write_policy: str | None,
                prefetch_policy: str | None, timeout_s: float) -> dict:
-        if prefetch_policy:
-            raise AdminError("--prefetch-policy is an engine-side setting the admin HTTP API "
+        if prefetch_policy:  # bad usage on this path (exit status 2), not a daemon's error
+            raise ConfigError("--prefetch-policy is an engine-side setting the admin HTTP API "
                              "records for SGLang's tools; over the socket there is nothing to "
                              "record it in (use --url, or leave it out)")
         status = self.call(lambda r: P.Attach(r, backend, options, write_policy or ""),
@@ -158,6 +215,12 @@ class SocketAdmin:
 
     def l3_pages_left(self) -> str:
         return ""  # one request at a time on this socket: the progress line shows the time only
+
+
+def _handshake_failed(zmq) -> int:
+    """The monitor events of a failed ZeroMQ handshake."""
+    return (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 def without_own_session(stats: dict) -> dict:

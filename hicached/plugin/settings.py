@@ -7,9 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicached.settings import default_runtime_dir
+from hicached.settings import default_endpoint
 
 CLEAR_TIERS = ("all", "l2", "none")
+CLEAR_SCOPES = ("namespace", "node")  # what clear() flushes: this rank's namespace, or all
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class PluginSettings:
     namespace_salt: str = ""
     kv_cache_dtype: str = ""  # SGLang's --kv-cache-dtype (fp8 formats all store as uint8)
     clear_tier: str = "all"
+    clear_scope: str = "namespace"
     allocator: str = ""
     token: str = field(default="", repr=False)  # the daemon's client_token (never logged)
 
@@ -36,7 +38,7 @@ class PluginSettings:
         endpoint = extra.get("endpoint") or ""
         if not endpoint and extra.get("socket"):
             endpoint = f"ipc://{extra['socket']}"
-        endpoint = endpoint or f"ipc://{default_runtime_dir(env or {})}/hicached.sock"
+        endpoint = endpoint or default_endpoint(env or {})
         if not isinstance(endpoint, str) or not endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"hicached extra_config endpoint must start with ipc:// or tcp://, "
                              f"got {endpoint!r}")
@@ -57,6 +59,11 @@ class PluginSettings:
             raise ValueError(f"hicached extra_config clear_tier must be one of {CLEAR_TIERS}, "
                              f"got {tier!r}")
         out["clear_tier"] = tier
+        scope = extra.get("clear_scope", "namespace")
+        if scope not in CLEAR_SCOPES:
+            raise ValueError(f"hicached extra_config clear_scope must be one of {CLEAR_SCOPES}, "
+                             f"got {scope!r}")
+        out["clear_scope"] = scope
         token = extra.get("token", (env or {}).get("HICACHED_CLIENT_TOKEN", ""))
         if not isinstance(token, str):
             raise ValueError(f"hicached extra_config token must be a string, got "  # noqa: TRY004

@@ -14,7 +14,9 @@ waiting for L3 loads, ``get_wait_s``, 2 s by default, so that answer comes first
 after a call failed for a daemon down, hung or restarting, every call misses at once for this
 long, then twice as long after each further failure, up to 30 s; a success resets it), ``model_name``, ``model_revision``, ``namespace_salt``, ``kv_cache_dtype`` (see
 ``namespace.py``), ``token`` (the daemon's ``client_token``; default: the engine's
-``HICACHED_CLIENT_TOKEN`` variable), ``clear_tier`` ("all" | "l2" | "none": what ``clear()`` flushes, node-wide).
+``HICACHED_CLIENT_TOKEN`` variable), ``clear_tier`` ("all" | "l2" | "none": which tiers ``clear()``
+flushes), ``clear_scope`` ("namespace": this rank's namespace's pages only, the default; "node":
+every page of the daemon, whoever stored it).
 SGLang itself reads ``interface_v1`` (1: KV through ``batch_get_v1``/``batch_set_v1``, one copy
 per page; otherwise the generic ``batch_get``/``batch_set`` with a staging page, two copies) and
 ``allocator``.
@@ -41,7 +43,9 @@ Failure behaviour: the I/O methods never raise. A daemon that is down, restartin
 one counted (``get_stats().counters``); the client reconnects on its own (a restarted daemon is
 re-joined, pools registered again). Pools never registered, pools whose registration failed and
 ``BLOCK_GROUPS`` queries (no producer in SGLang 0.5.23) answer misses. Writes of replicated pools
-on a non-writer MLA rank are skipped and reported stored (the writer rank stores them).
+on a non-writer MLA rank are skipped and reported stored (the writer rank stores them). A caller's
+bug is not a miss: keys given as one ``str`` or ``bytes`` instead of a list of keys raise
+``InvalidArgument`` naming the argument (iterating one would make each character a key).
 
 ``"allocator": "shm"``: SGLang then allocates the host pools as memfd shared memory. hicached has
 no use for that: this plugin runs inside the engine process and already copies straight between
@@ -75,7 +79,7 @@ from hicached.plugin.health import PluginHealth
 from hicached.plugin.namespace import RankNamespace
 from hicached.plugin.sessions import RankSessions
 from hicached.plugin.settings import PluginSettings
-from hicached.types import PoolTransfer
+from hicached.types import PoolTransfer, key_list
 from hicached.types import PoolTransferResult as _OwnResult
 
 _hs = import_sglang()
@@ -176,7 +180,7 @@ class HicachedStorage(_Base):
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Number of leading keys whose KV page is stored (0 when the daemon is unavailable)."""
-        keys = list(keys)
+        keys = key_list(keys)
         if not keys:
             return 0
 
@@ -191,10 +195,12 @@ class HicachedStorage(_Base):
                         extra_info: Any = None) -> Any:
         """SGLang's hit semantics over every pool (hicached.hits): ``kv_hit_pages`` = the
         largest prefix all pools can restore, per-pool hits, ``restorable_prefix_pages``."""
-        keys = list(keys)
+        keys = key_list(keys)
+        transfers = list(pool_transfers or ())
+        for t in transfers:
+            key_list(t.keys or (), f"pool {_value(t.name)!r}: keys")
         if not keys:
             return _result(0, {}, [])
-        transfers = list(pool_transfers or ())
 
         def run(client: Client) -> Any:
             queries, miss_all = [], False
@@ -208,7 +214,7 @@ class HicachedStorage(_Base):
                                            f"query for pool {name!r} ({policy}) answers a miss")
                     continue
                 queries.append(PoolTransfer(self._sessions.wire(name),
-                                            keys=list(t.keys or ()), hit_policy=policy))
+                                            keys=key_list(t.keys or ()), hit_policy=policy))
             res = client.batch_exists_v2(keys, queries)
             hits = {wire.split("@")[0]: n for wire, n in res.extra_pool_hit_pages.items()}
             final, restorable = res.kv_hit_pages, list(res.restorable_prefix_pages or [])
@@ -224,12 +230,12 @@ class HicachedStorage(_Base):
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None
                      ) -> list[bool]:
         """Load KV pages into the registered KV host pool at ``host_indices``."""
-        return self.batch_get_v2([PoolTransfer("kv", host_indices, keys=list(keys))])["kv"]
+        return self.batch_get_v2([PoolTransfer("kv", host_indices, keys=key_list(keys))])["kv"]
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None
                      ) -> list[bool]:
         """Store KV pages from the registered KV host pool at ``host_indices``."""
-        return self.batch_set_v2([PoolTransfer("kv", host_indices, keys=list(keys))],
+        return self.batch_set_v2([PoolTransfer("kv", host_indices, keys=key_list(keys))],
                                  extra_info)["kv"]
 
     # ------------------------------------------------------------ KV: generic (v0) path
@@ -253,7 +259,7 @@ class HicachedStorage(_Base):
                   target_sizes: Any = None) -> list[Any]:
         """KV pages into flat page tensors (SGLang passes ``get_dummy_flat_data_page()`` each);
         the filled tensor per hit, None per miss."""
-        keys = list(keys)
+        keys = key_list(keys)
         if not keys:
             return []
         misses = [None] * len(keys)
@@ -281,7 +287,7 @@ class HicachedStorage(_Base):
                   target_sizes: Any = None) -> bool:
         """Store flat KV pages (``get_data_page(i)`` each); True when all are stored. (SGLang
         passes no prefix keys on this path: its pages are roots of unknown depth.)"""
-        keys = list(keys)
+        keys = key_list(keys)
         if not keys:
             return True
         if not self._sessions.writes("kv"):
@@ -309,7 +315,8 @@ class HicachedStorage(_Base):
         done: dict[Any, list[bool]] = {}
         todo: list[tuple[Any, PoolTransfer]] = []
         for t in transfers:
-            name, keys = _value(t.name), list(t.keys or ())
+            name = _value(t.name)
+            keys = key_list(t.keys or (), f"pool {name!r}: keys")
             if not keys:
                 done[t.name] = []
             elif writing and not self._sessions.writes(name):
@@ -377,14 +384,19 @@ class HicachedStorage(_Base):
     # ------------------------------------------------------------ admin
 
     def clear(self) -> bool:
-        """SGLang's "clear storage": flush ``clear_tier`` of the daemon (node-wide, like
-        HiCacheFile's clear of its whole directory). Never raises; False when not done."""
+        """SGLang's "clear storage": flush ``clear_tier`` of this rank's namespace (its pages in
+        L2, and in L3 where the backend finds them by namespace: file, Mooncake), or of the
+        whole node with ``clear_scope`` "node" (every engine's pages). Other engines of the
+        same namespace (same model and geometry) share its pages: they lose them too. Never
+        raises; False when not done (a daemon too old to flush one namespace, an L3 backend
+        that cannot find a namespace's pages: nothing is flushed then)."""
         if self.settings.clear_tier == "none":
             self._health.warn_once("clear", f"{self.name}: clear() ignored (clear_tier none)")
             return False
+        node = self.settings.clear_scope == "node"
 
         def run(client: Client) -> bool:
-            client.flush(self.settings.clear_tier)
+            client.flush(self.settings.clear_tier, namespace=None if node else client.namespace)
             return True
 
         return self._guard("clear", lambda: False, run)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicached.plugin.namespace import RankNamespace, clean_field, dtype_name
-from hicached.types import PoolHitPolicy
+from hicached.types import PoolHitPolicy, key_list
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,10 @@ def build_vllm_namespace(*, model: str, config: str, dtype: Any, kv_cache_dtype:
 def page_keys(block_hashes: Sequence[bytes], hash_block_size: int, block_size: int,
               count: int) -> list[str]:
     """Keys of the first ``count`` blocks of ``block_size`` tokens (fewer when the request has
-    fewer hashed tokens)."""
+    fewer hashed tokens). ``block_hashes`` given as one ``bytes`` (or ``str``) raises
+    ``InvalidArgument``: its items would be byte values, each made a key."""
+    if isinstance(block_hashes, (str, bytes, bytearray, memoryview)):
+        key_list(block_hashes, "block_hashes")  # (raises; a list is not copied here)
     if block_size % hash_block_size:
         raise ValueError(f"block size {block_size} is not a multiple of the hash block size "
                          f"{hash_block_size}")

@@ -140,6 +140,26 @@ def test_clear_and_registry(arena, tmp_path):
     assert none.exists("ns", "kv", ["a"]) == [False]
 
 
+def test_clear_namespace_deletes_that_namespaces_files_only(arena, tmp_path):
+    b = create_backend("file", root=str(tmp_path))
+    b.open(arena)
+    fill(arena, 0, 64, 1)
+    for ns in ("nsA", "nsB"):
+        assert b.batch_put(ns, "kv", ["a", "b"], [0, 64], 64) == [True, True]
+    assert b.batch_put("nsA", "mamba", ["a"], [128], 64) == [True]
+    per_page = b.used // 5
+    assert b.clears_namespaces and b.clear_namespace("nsA") == 3
+    assert b.exists("nsA", "kv", ["a", "b"]) + b.exists("nsA", "mamba", ["a"]) == [False] * 3
+    assert b.exists("nsB", "kv", ["a", "b"]) == [True, True]
+    assert (b.stats()["pages"], b.used) == (2, 2 * per_page)
+    assert sum(len(fs) for _, _, fs in os.walk(tmp_path / "nsA")) == 0
+    assert b.clear_namespace("nobody") == 0
+    fill(arena, 0, 64, 7)
+    assert b.batch_get("nsB", "kv", ["a"], [0], 64) == [True]
+    assert arena.tensor[:64].eq(1).all()  # B's page came back over it
+    assert create_backend("none").clears_namespaces is False
+
+
 # ---------------------------------------------------------------- bounded space
 
 PB = 256  # page bytes in these tests: each page file counts as one 4 KiB block

@@ -191,6 +191,32 @@ def test_roundtrip_exists_skip_sizes_namespaces_clear(master, make_backend, make
     assert st["puts"] == 6  # the skipped put answers success too
 
 
+def test_clear_namespace_removes_that_namespaces_objects_only(master, make_backend, make_arena):
+    arena = make_arena()
+    b = make_backend(master.address, arena)
+    for i in range(4):
+        fill_random(arena, i * PAGE, PAGE, seed=i)
+    ns_a, ns_b = "0f" * 16, "a1" * 16  # namespace digests, as the daemon names them
+    assert b.batch_put(ns_a, "kv", ["p0", "p1"], [0, PAGE], PAGE) == [True] * 2
+    assert b.batch_put(ns_a, "mamba", ["p1"], [2 * PAGE], PAGE) == [True]
+    assert b.batch_put(ns_b, "kv", ["p0", "p1"], [0, PAGE], PAGE) == [True] * 2
+    store = b._store
+    # an object of the format before trailers in A (removed too), one of another user, and
+    # one whose key only starts like A's digest (kept: the digest is a whole key part)
+    kept = [f"someone-else/c1/{ns_a}/kv/p0", f"hicached/c1/{ns_a}x/kv/p0"]
+    old = f"hicached/{ns_a}/kv/p9"
+    assert store.batch_put_from([old, *kept], [b._base] * 3, [PAGE] * 3) == [0] * 3
+    assert b.clears_namespaces
+    assert b.clear_namespace(ns_a) == 4
+    assert b.exists(ns_a, "kv", ["p0", "p1"]) == [False] * 2
+    assert b.exists(ns_a, "mamba", ["p1"]) == [False]
+    assert b.exists(ns_b, "kv", ["p0", "p1"]) == [True] * 2
+    assert store.batch_is_exist([old, *kept]) == [0, 1, 1]
+    assert b.batch_get(ns_b, "kv", ["p1"], [5 << 20], PAGE) == [True]
+    assert torch.equal(arena.tensor[5 << 20:(5 << 20) + PAGE], arena.tensor[PAGE:2 * PAGE])
+    assert b.stats()["errors"] == 0
+
+
 def test_killed_master_misses_within_deadline_then_recovers(master, make_backend, make_arena):
     arena = make_arena()
     b = make_backend(master.address, arena, timeout_s=1.0, exists_timeout_s=0.3)

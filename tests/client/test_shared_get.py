@@ -278,6 +278,78 @@ def test_small_pages_and_daemons_without_tags_lease(make_daemon):
         assert res == [True] and names(sent) == ["Lease"] and page_values(dst, 1) == [6.0]
 
 
+def store_with_indexer(c, keys, fill):
+    """One call storing ``keys``' tagged KV pages (page i: fill + i) and their small INDEXER
+    pages (never tagged: always leased); the host pools to read them into, registered."""
+    src, ix_src = pool(len(keys), fill), indexer_pool(seed=int(fill))
+    c.register_mem_host_pool_v2(src, "kv")
+    c.register_mem_host_pool_v2(ix_src, "indexer")
+    res = c.batch_set_v2([PoolTransfer("kv", tokens(0, len(keys)), keys=keys),
+                          PoolTransfer("indexer", indexer_tokens(0, len(keys)), keys=keys)])
+    assert all(res["kv"]) and all(res["indexer"])
+    c.ping()  # committed
+    dst, ix_dst = pool(len(keys)), indexer_pool()
+    c.register_mem_host_pool_v2(dst, "kv")
+    c.register_mem_host_pool_v2(ix_dst, "indexer")
+    return ix_src, dst, ix_dst
+
+
+def get_both(c, keys):
+    return c.batch_get_v2([PoolTransfer("kv", tokens(0, len(keys)), keys=keys),
+                           PoolTransfer("indexer", indexer_tokens(0, len(keys)), keys=keys)])
+
+
+def before_each_lease(c, fn):
+    """Run ``fn()`` whenever ``c`` is about to send a ``Lease`` (between its unleased reads and
+    its lease request)."""
+    real = c._call
+
+    def call(build, *a, **k):
+        if type(build(c.session, 0)).__name__ == "Lease":
+            fn()
+        return real(build, *a, **k)
+    c._call = call
+
+
+def test_a_key_gone_between_its_unleased_page_and_the_lease_is_a_miss_in_every_pool(daemon):
+    """A get reads the KV pages it knows with no lease, then leases their INDEXER pages. L2
+    loses the keys in between (a flush here; an eviction takes a key's pages all at once the
+    same way): the lease calls the INDEXER pages misses, and so must the get call the KV pages
+    it read, whose tags are gone by then. Every hit of a get was in L2 at the instant the
+    daemon answered it: never a KV page without the INDEXER page stored with it (issue 45)."""
+    keys = [f"g{i}" for i in range(4)]
+    with daemon.client() as c, daemon.client() as other:
+        ix_src, dst, ix_dst = store_with_indexer(c, keys, 10.0)  # c knows its KV pages
+        got, sent = with_requests(c, lambda: get_both(c, keys))
+        assert got == {"kv": [True] * 4, "indexer": [True] * 4}
+        assert [t.pool for t in sent[0].transfers] == ["indexer"]  # KV: no lease
+        assert page_values(dst, 4) == [10.0, 11.0, 12.0, 13.0]
+        assert torch.equal(ix_dst.buffers[0][:4], ix_src.buffers[0][:4])
+        c.ping()  # (the INDEXER lease ends: a flush leaves leased pages, and their keys)
+        before_each_lease(c, lambda: other.flush("l2"))
+        got, sent = with_requests(c, lambda: get_both(c, keys))
+        assert got == {"kv": [False] * 4, "indexer": [False] * 4}
+        assert [t.pool for t in sent[0].transfers] == ["indexer"]  # (the KV pages were read)
+
+
+def test_unleased_pages_still_in_their_slots_after_the_lease_stay_hits(daemon):
+    """The check after the lease demotes only pages that left: KV pages stored without their
+    INDEXER pages (another call's, not yet stored) stay hits beside the INDEXER misses, and a
+    set between the unleased reads and the lease changes nothing the get read."""
+    keys = [f"h{i}" for i in range(3)]
+    with daemon.client() as w, daemon.client() as r:
+        store(w, keys, 20.0)  # KV pages only
+        ix_dst, dst = indexer_pool(), pool(3)
+        r.register_mem_host_pool_v2(dst, "kv")
+        r.register_mem_host_pool_v2(ix_dst, "indexer")
+        assert get_both(r, keys) == {"kv": [True] * 3, "indexer": [False] * 3}  # (learns)
+        before_each_lease(r, lambda: store(w, ["other"], 30.0))
+        got, sent = with_requests(r, lambda: get_both(r, keys))
+        assert got == {"kv": [True] * 3, "indexer": [False] * 3}
+        assert [t.pool for t in sent[0].transfers] == ["indexer"]
+        assert page_values(dst, 3) == [20.0, 21.0, 22.0]
+
+
 def test_a_dead_daemons_slots_are_not_read_once_its_heartbeat_is_stale(daemon):
     with daemon.client(timeout_s=1.0) as c:
         store(c, ["d0"], 2.0)

@@ -103,6 +103,33 @@ def test_flushes_asked_together_share_one_walk_and_finish_now_answers_all(tier):
     assert not flush.active and flush.slice_s == 0
 
 
+def test_a_namespace_flush_drops_that_namespace_only_and_walks_share_by_namespace(tier):
+    index = tier.index
+    mine = commit(index, [f"m{i}" for i in range(300)])  # namespace "ns" (TABLE)
+    others = [index.reserve(("other", "kv"), f"m{i}", PAGE, PAGE) for i in range(200)]
+    for e in others:  # the same keys in another namespace
+        index.commit(e)
+    flush = L2Flush(tier, slice_s=0)
+    got = []
+    flush.request(lambda n: got.append(("ns", n)), "ns")
+    flush.request(lambda n: got.append(("nobody", n)), "nobody")  # joins: the walk drops both
+    flush.step()
+    flush.request(lambda n: got.append(("other", n)), "other")  # mid-walk: a walk of its own
+    flush.request(lambda n: got.append(("ns-again", n)), "ns")  # (shares that one)
+    walk(flush)
+    assert got == [("ns", 300), ("nobody", 0), ("other", 200), ("ns-again", 0)]
+    assert not any(e.alive for e in mine + others)
+    for e in commit(index, ["x", "y"]):
+        assert e.committed
+    kept = index.reserve(("other", "kv"), "z", PAGE, PAGE)
+    index.commit(kept)
+    flush.request(lambda n: got.append(("ns", n)), "ns")
+    flush.request(lambda n: got.append(("node", n)))  # a node's flush joins: every page goes
+    walk(flush)
+    assert got[-2:] == [("ns", 2), ("node", 3)]
+    assert len(index) == 0
+
+
 def test_a_waiter_that_raises_does_not_cost_the_others_their_answer(tier):
     commit(tier.index, ["k"])
     flush = L2Flush(tier)

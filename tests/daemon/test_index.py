@@ -306,3 +306,38 @@ def test_pending_and_unbound_are_never_evicted():
     ix.commit(ix.get_pending(N0, "u"))
     assert ix.reserve(N1, "d", 256, 256).offset == u_offset and evicted == ["u"]
     assert ix.ns_bytes == {"n0": 3 * 256, "n1": 256}
+
+
+# ------------------------------------------------------------ a key's pools in the shared table
+
+
+def test_the_shared_table_never_shows_a_key_with_part_of_a_calls_pools(tmp_path):
+    """Clients answer exists from the shared table while the control loop writes it. A commit
+    of keys' KV and INDEXER pages (fewer than a batch: page by page) writes each key's mask
+    once, with both pools; an eviction (the hybrid policy takes a key's pages together) and a
+    flush's drop write it once too, without both: never a key with a KV page and no INDEXER
+    page the same call stored (issue 45)."""
+    from hicached.daemon.hybrid import make_policy
+    from hicached.presence import fingerprint
+
+    ix = PageIndex(SlabAllocator(16 * 1024, 1024), policy=make_policy("hybrid"))
+    shared = ix.shared = PresenceTable(str(tmp_path / "t"), 1024, 1)
+    written = []  # (fp, mask) as the table got them (0: removed)
+    set_, remove = shared.set, shared.remove
+    shared.set = lambda fp, mask: (written.append((fp, mask)), set_(fp, mask))
+    shared.remove = lambda fp: (written.append((fp, 0)), remove(fp))
+    keys = ["a0", "a1", "a2"]
+    fps = [fingerprint(ix.seed("ns"), k) for k in keys]
+    entries = [ix.reserve(T, k, 256, 256) for k in keys]
+    entries += [ix.reserve(("ns", "indexer"), k, 64, 64) for k in keys]
+    ix.link("ns", keys, None, 0)
+    ix.commit_many(entries)
+    both = ix.pool_bit(T) | ix.pool_bit(("ns", "indexer"))
+    assert sorted(written) == sorted((fp, both) for fp in fps)
+    written.clear()
+    assert ix.evict(ix.get(T, "a1")) == 4  # a2 (its dependant) and a1, each key's both pages
+    assert sorted(written) == sorted((fp, 0) for fp in fps[1:])
+    written.clear()
+    assert ix.drop_one(ix.get(("ns", "indexer"), "a0")) == 2
+    assert written == [(fps[0], 0)] and len(ix) == 0
+    shared.close()

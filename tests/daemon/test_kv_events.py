@@ -286,6 +286,35 @@ def test_the_file_l3s_evictions_and_an_l3_flush_are_removals_from_disk(tmp_path)
     assert flat(router.seen[n:]) == [BlockRemoved([h(k) for k in keys], "DISK")]
 
 
+def test_a_namespace_flush_is_told_on_that_namespaces_topic_only(tmp_path):
+    keys, other_ns = [key(i) for i in range(3)], "model-b|tp0of1"
+    with events_daemon(tmp_path) as d, listening(tmp_path) as router, client(d) as a, \
+            Client(d.endpoint, other_ns) as b:
+        b.register_mem_host_pool_v2(kv_pool(seed=2), "kv", event_hash="sglang_int64",
+                                    tokens_per_page=PAGE)
+        for c in (a, b):  # the same keys in both namespaces, in L2 and on disk
+            c.batch_set_v2([PoolTransfer("kv", pages(0, 3), keys=keys)])
+
+        def on_disk(seen):
+            return {t for t, _, batch, _ in seen for e in batch.events
+                    if type(e) is BlockStored and e.medium == "DISK"}
+
+        router.batches(lambda seen: on_disk(seen) == {NS, other_ns})
+        n = len(router.seen)
+        a.flush("all", namespace=NS)
+        b.batch_set_v2([PoolTransfer("kv", pages(3, 1), keys=[key(9)])], parent=keys[-1],
+                       depth=3)  # after the flush: B's next events follow A's
+        router.batches(lambda seen: any(t == other_ns for t, _, _, _ in seen[n:]))
+        after = router.seen[n:]
+    flushed = [(t, e) for t, _, batch, _ in after for e in batch.events if t == NS]
+    assert [type(e) for _, e in flushed] == [BlockRemoved, BlockRemoved, AllBlocksCleared]
+    assert [(sorted(e.block_hashes), e.medium) for _, e in flushed[:2]] == [
+        (sorted(map(h, keys)), "CPU_PINNED"), (sorted(map(h, keys)), "DISK")]
+    theirs = [e for t, _, batch, _ in after for e in batch.events if t == other_ns]
+    assert theirs and all(type(e) is BlockStored for e in theirs)  # B's new page alone
+    assert [x for e in theirs for x in e.block_hashes] == [h(key(9))] * len(theirs)
+
+
 # ---------------------------------------------------------------- the publisher, the wire
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from inproc_daemon import inproc_daemon
 from pools import kv_pool, kv_tokens, pages
-from test_hybrid_eviction import KV, chain, held, make, store
+from test_hybrid_eviction import KV, STATE, chain, held, make, store
 
 from hicached import Client, HostPool, PoolTransfer
 from hicached.daemon.orphans import orphans
@@ -49,7 +49,7 @@ def test_evicting_ahead_page_by_page_never_leaves_an_orphan(policy):
         p = parent if parent is not None and ix.get(("ns", "kv"), parent) else None
         store(ix, keys, parent=p, depth=-1, states=[keys[-1]] if with_state else ())
         while r.wanted():
-            assert r.step(pages=1) <= 1
+            assert r.step(pages=1) <= 2  # a page, or a key's KV page and its state
             assert policy == "lru" or orphans(ix) == (0, 0)
         assert r._blocked or all(ix.alloc.free_bytes(c) >= max(c, 2 * KV) for c in ix.pressed)
     assert r.evicted > 50
@@ -166,6 +166,108 @@ def test_a_daemons_commits_leave_the_tails_due_to_its_idle_turns_unless_it_has_n
     assert orphans(ix)[0] == 2
     r.settle()
     assert orphans(ix) == (0, 0)
+
+
+# ---------------------------------------------------------------- a key's pages go together
+
+IX = 128  # INDEXER slot stride: 8 a slab
+
+
+def store_both(ix, keys, parent=None, states=()):
+    """One call storing KV and INDEXER pages of ``keys`` (a chain under ``parent``) and the
+    states of ``states``, as the controller reserves them (pool after pool) and commits them."""
+    entries = [ix.reserve(("ns", "kv"), k, KV, KV) for k in keys]
+    entries += [ix.reserve(("ns", "indexer"), k, IX, IX) for k in keys]
+    for k in states:
+        ix.mark_trailing(("ns", "mamba"))
+        entries.append(ix.reserve(("ns", "mamba"), k, STATE, STATE))
+    assert None not in entries
+    ix.link("ns", list(keys), parent, -1)
+    ix.commit_many(entries)
+
+
+def torn(ix, keys):
+    """The keys of which L2 holds one of the KV and INDEXER pages without the other."""
+    kv, idx = ix.contains(("ns", "kv"), keys), ix.contains(("ns", "indexer"), keys)
+    return [k for k, a, b in zip(keys, kv, idx) if a != b]
+
+
+def tails_setup(more=()):
+    """A trailing namespace (chain s with a state) and a state-less leaf t00..t02 (KV and
+    INDEXER pages) whose grace is over: the idle turns' next victim set is t02, t01, t00 (each
+    key's INDEXER page first, as its call reserved them last). ``more``: (keys, states) of
+    other calls, stored before (a commit once the tails are due may take them itself)."""
+    ix = make(8, "hybrid")
+    r = Reclaimer(ix, 0.0)
+    r.attach(0.0, lambda: False)
+    store_both(ix, chain("s", 2), states=["s01"])
+    for keys, states in more:
+        store_both(ix, keys, states=states)
+    store_both(ix, chain("t", 3))
+    stem = [ix.get(("ns", "kv"), k) for k in chain("s", 2)]
+    for _ in range(600):  # 1200 page uses of others: t's grace (GRACE_TICKS) is over
+        ix.touch_many(stem)
+    assert r.wanted()
+    return ix, r
+
+
+def test_a_step_stopped_at_any_page_never_leaves_half_a_key():
+    """The idle turns take a state-less tail a page at a time at most: each key's KV and
+    INDEXER pages still go in one turn (a get between two turns must never find the KV page
+    of a key whose INDEXER page its call stored with it is gone)."""
+    ix, r = tails_setup()
+    keys = chain("t", 3)
+    steps = []
+    while r.wanted():
+        n = r.step(pages=1)  # one page asked for: the key's both go
+        assert torn(ix, keys) == []
+        if n:
+            steps.append((n, [k for k in keys if k in held(ix)]))
+    assert steps == [(2, ["t00", "t01"]), (2, ["t00"]), (2, [])]
+    assert held(ix) == held(ix, "indexer") == chain("s", 2)
+
+
+def test_a_step_stopped_by_a_request_stops_at_a_key_s_end():
+    """A leaf segment with a state (state, INDEXER, KV of its leaf, then the keys above):
+    a request arriving after the first pages stops the turn only once the key is gone."""
+    ix, r = tails_setup(more=[(chain("u", 2), ["u01"])])
+    ix.defer(ix.policy.doomed(ix.get(("ns", "mamba"), "u01").rec))  # u01's state, u01, u00
+    assert r.step(busy=lambda: True) == 3  # u01's state and both its pages, then the request
+    assert torn(ix, chain("u", 2)) == [] and held(ix, "indexer") == sorted(
+        chain("s", 2) + chain("t", 3) + ["u00"])
+
+
+def test_a_key_read_since_its_set_was_named_keeps_both_pages():
+    """A get reads t01's KV page (no lease: the daemon hears of it in a later ``Release``)
+    after the idle turns began the set: t01 stays with both its pages, t00 above it too."""
+    ix, r = tails_setup()
+    assert r.step(pages=1) == 2 and "t02" not in held(ix)
+    ix.touch(ix.get(("ns", "kv"), "t01"))
+    while r.wanted():
+        r.step(pages=1)
+    assert held(ix) == held(ix, "indexer") == sorted(chain("s", 2) + chain("t", 2))
+
+
+def test_a_key_that_gained_a_page_since_its_set_was_named_stays_whole():
+    """t01's INDEXER page leaves another way and comes back (a new call) before the idle
+    turns reach t01: its KV page, named with the old one, stays with the new one."""
+    ix, r = tails_setup()
+    assert r.step(pages=1) == 2
+    ix.evict(ix.get(("ns", "indexer"), "t01"))  # (with its dependants: t01's KV page, t02)
+    assert "t01" not in held(ix)
+    store_both(ix, ["t01"], parent="t00")  # stored again: not the pages the set named
+    while r.wanted():
+        r.step(pages=1)
+    assert torn(ix, chain("t", 3)) == []
+
+
+def test_a_set_taking_deferred_pages_of_its_class_takes_their_keys_whole():
+    """A reservation of INDEXER slots takes the deferred pages of that class first: each key
+    it takes goes with its KV page (the next page of the queue is of another class)."""
+    ix, r = tails_setup()
+    ix.defer(ix.policy.stale())  # t02, t01, t00 for the idle turns
+    assert r.take(IX, ix.alloc.free_slots(IX) + 1) == 2  # one INDEXER slot: t02 whole
+    assert torn(ix, chain("t", 3)) == [] and held(ix) == sorted(chain("s", 2) + chain("t", 2))
 
 
 def split_setup():

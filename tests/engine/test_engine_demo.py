@@ -33,6 +33,14 @@ def test_demo_reports_hits_from_every_tier(capsys):
         l3 = rows(out, arch, "L3")
         assert l3[0][2] > 0 and all(r[1] == 0 for r in l3)  # the daemon's L2 was flushed
         assert "no cache" in out.split(f"{arch}: TTFT per turn")[1]
+        # a speed-up only where something came from a cache: where all was computed, "-"
+        table = out.split(f"{arch}: TTFT per turn")[1].split("hit rate")[0].splitlines()[2:-1]
+        shown = [(line.split()[-5], int(line.split()[-8]), int(line.split()[-1]))
+                 for line in table]
+        assert shown and ("-", 60, 60) in shown
+        for speedup, prompt, computed in shown:
+            assert (speedup == "-") == (computed == prompt), (speedup, prompt, computed)
+            assert speedup == "-" or speedup.endswith("x")
 
 
 def test_demo_on_another_daemon_says_it_skips_the_l3_phase(daemon, capsys):
@@ -68,4 +76,7 @@ def test_demo_pd_shows_what_the_decode_radix_saves(capsys):
                                      (1, 1, 74, 56)]
     assert [r[4] for r in rows] == [40, 40, 48, 48]
     assert rows[0][5] == 40 and all(r[5] < r[4] for r in rows[1:])
+    speedups = [line.split()[-1] for line in out.split("qwen3_next: PD on one node")[1].split(
+        "\nmode")[0].splitlines() if line.split() and line.split()[0].isdigit()]
+    assert speedups[0] == "-" and all(s.endswith("x") for s in speedups[1:])  # matched 0, then >0
     assert "outputs equal across modes: yes" in out

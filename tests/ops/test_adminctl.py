@@ -4,6 +4,7 @@ subprocesses against a running daemon: human and --json output, exit codes and m
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from admin_helpers import KEY, admin_daemon, free_port
 from conftest import wait_until
 from pools import kv_pool, pages
 
+from hicached import PoolTransfer
 from hicached.ops.adminctl import Progress
 
 
@@ -38,8 +40,9 @@ def test_status_human_and_json(make_daemon):
         assert "L2      3 pages, 3.0 KiB used of 16.0 MiB" in out
         assert "L3      file: write_through, prefetch on; 3 pages stored" in out
         assert "pool    kv: 3 pages (3.0 KiB)" in out
-        assert "clients 1 sessions" in out and "in set-ahead slots" in out
-        assert "ns      model-a: 3.0 KiB, 1 sessions" in out  # every namespace, quota or not
+        assert "clients 1 session, 0 leases, 0 reservations" in out  # "1 session", not "1 sessions"
+        assert "in set-ahead slots" in out
+        assert "ns      model-a: 3.0 KiB, 1 session" in out  # every namespace, quota or not
         rc, out, err = cli("status", "--url", url, "--json", key="")  # status needs no key
         assert rc == 0, err
         doc = json.loads(out)
@@ -89,7 +92,7 @@ def test_flush_attach_detach_commands(make_daemon, tmp_path):
     l3 = tmp_path / "cli-l3"
     opts = tmp_path / "opts.json"
     opts.write_text(json.dumps({"root": str(l3)}))
-    rc, out, err = cli("attach", "file", "--config", f"@{opts}", "--url", url,
+    rc, out, err = cli("attach", "file", "--l3-options", f"@{opts}", "--url", url,
                        "--write-policy", "write_through", "--prefetch-policy", "timeout")
     assert rc == 0, err
     assert out.strip() == ("HiCache storage backend attached. backend file, write policy "
@@ -160,13 +163,35 @@ def test_python_m_flush_cache(make_daemon):
         assert c.batch_set_v1(["q0"], pages(0, 1)) == [True]
         c.ping()  # the commit is fire-and-forget: land it before the HTTP flush
         rc, out, err = cli("--url", url, module="hicached.flush_cache")
-        assert (rc, out.strip()) == (0, "Cache flushed: 1 pages dropped from L2."), err
+        assert (rc, out.strip()) == (0, "Cache flushed: 1 page dropped from L2."), err
         assert c.stats()["l2_pages"] == 0
     rc, out, err = cli("--url", url, module="hicached.flush_cache", key="")
     assert rc == 1 and "unauthorized" in err
     # on the daemon's machine, its socket: no key
     rc, out, err = cli("--endpoint", d.endpoint, module="hicached.flush_cache", key="")
     assert (rc, out) == (0, "Cache flushed: L2.\n"), err
+
+
+def test_flush_of_one_namespace_over_http_and_over_the_socket(make_daemon):
+    d, url = admin_daemon(make_daemon)
+    with d.client("model-a") as a, d.client("model-b") as b:
+        for c in (a, b):
+            c.register_mem_host_pool_v2(kv_pool(seed=4), "kv")
+            assert c.batch_set_v1(["r0", "r1"], pages(0, 2)) == [True, True]
+            c.wait_stored([PoolTransfer("kv", keys=["r0", "r1"])])
+        rc, out, err = cli("flush", "--namespace", "model-a", "--url", url)
+        assert (rc, out) == (0, "Cache flushed: 2 pages of namespace 'model-a' dropped from "
+                                "L2.\n"), err
+        assert a.stats()["l2_pages"] == 2  # B's
+        rc, out, err = cli("flush", "--namespace", "model-b", "--tier", "all", "--endpoint",
+                           d.endpoint, "--json", key="")
+        assert rc == 0, err
+        assert json.loads(out) == {"success": True, "tier": "all", "namespace": "model-b",
+                                   "message": "Cache flushed: L2 and L3 of namespace "
+                                              "'model-b'."}
+        assert a.stats()["l2_pages"] == 0
+        assert b.batch_exists(["r0", "r1"]) == 0  # gone from L3 too
+        assert a.batch_exists(["r0", "r1"]) == 2  # A's L3 copies stay: loaded back
 
 
 def test_progress_shows_elapsed_time_and_detail():
@@ -217,3 +242,108 @@ def test_a_slow_detach_waits_with_progress_and_a_silent_daemon_is_not_called_unr
     assert rc == 1 and out == ""
     assert f"no answer from the hicached admin API at {mute} within 0.5 s" in err
     assert "cannot reach" not in err
+
+
+def test_status_tells_nothing_there_from_a_slow_or_stopped_daemon(make_daemon):
+    """Before the call, a short probe (the ZeroMQ handshake, answered by the daemon's I/O
+    thread, not its loop): nothing listening is said within a second, not after --timeout; a
+    peer that takes the call but does not answer in time is a daemon still at work; one that
+    accepts connections but never completes the handshake (a stopped daemon) is said too."""
+    import signal
+
+    import zmq
+
+    port = free_port()  # bound, then closed: nobody listens there
+    start = time.monotonic()
+    rc, out, err = cli("status", "--endpoint", f"tcp://127.0.0.1:{port}")
+    assert time.monotonic() - start < 5  # the CLI's own start included (was 30 s)
+    assert (rc, out) == (1, "")
+    assert err.startswith(f"hicached status: error: nothing listens on tcp://127.0.0.1:{port} "
+                          "(connection refused)"), err
+    assert err.count("\n") == 1
+
+    ctx = zmq.Context()
+    mute = ctx.socket(zmq.ROUTER)  # a daemon whose loop is busy: handshakes, never answers
+    mute.setsockopt(zmq.LINGER, 0)
+    try:
+        port = mute.bind_to_random_port("tcp://127.0.0.1")
+        rc, out, err = cli("status", "--endpoint", f"tcp://127.0.0.1:{port}", "--timeout", "0.5")
+        assert (rc, out) == (1, "")
+        assert (f"no answer from the hicached daemon on tcp://127.0.0.1:{port} within 0.5 s: it "
+                "may still be working on status") in err, err
+        assert mute.poll(0) and len(mute.recv_multipart()) == 2  # the call itself was sent
+    finally:
+        mute.close()
+        ctx.term()
+
+    d = make_daemon()
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        rc, out, err = cli("status", "--endpoint", d.endpoint)
+        assert time.monotonic() - start < 10
+        assert (rc, out) == (1, "")
+        assert (f"something accepts connections on {d.endpoint} but does not complete a "
+                "ZeroMQ handshake within 1 s: a stopped daemon") in err, err
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    rc, out, err = cli("status", "--endpoint", d.endpoint)
+    assert rc == 0 and "ok, ready" in out, err
+
+
+def test_attach_usage_is_exit_status_2_before_any_daemon_is_looked_for(make_daemon, tmp_path):
+    """attach's backend options are --l3-options (serve's name; --config, its old name, still
+    works); bad usage exits 2 before looking for a daemon, and so does --prefetch-policy over
+    the socket, where there is nothing to record it in."""
+    nowhere = f"ipc://{tmp_path}/none.sock"
+    rc, out, err = cli("attach", "file", "--l3-options", "{bad", "--endpoint", nowhere)
+    assert (rc, out) == (2, "") and "--l3-options: not valid JSON" in err, err
+    rc, out, err = cli("attach", "file", "--l3-options", "{}", "--config", "{}", "--endpoint",
+                       nowhere)
+    assert rc == 2 and "--l3-options and --config: give one" in err, err
+    d = make_daemon(extra=["--l3-backend", "none"])
+    rc, out, err = cli("attach", "file", "--prefetch-policy", "best_effort", "--endpoint",
+                       d.endpoint, "--l3-options", json.dumps({"root": str(tmp_path / "l3")}))
+    assert (rc, out) == (2, "") and err.count("\n") == 1, err
+    assert "--prefetch-policy is an engine-side setting" in err and "--url" in err
+    rc, out, err = cli("attach", "file", "--endpoint", d.endpoint, "--config",
+                       json.dumps({"root": str(tmp_path / "l3")}))  # the old name
+    assert (rc, out) == (0, "HiCache storage backend attached. backend file, write policy "
+                            "write_through\n"), err
+    assert (tmp_path / "l3").is_dir()
+
+
+def help_blocks(text: str) -> dict[str, str]:
+    """Each option's help text in an argparse help (its lines joined, the option's own name and
+    metavar left out), by the option's first name."""
+    blocks: dict[str, str] = {}
+    name = None
+    for line in text.split("options:")[1].split("\n\n")[0].splitlines():
+        if line.startswith("  -"):
+            name = line.split()[0].rstrip(",")
+            # "  --opt METAVAR    help starts here" (or the help on the next line)
+            blocks[name] = "".join(re.split(r"\s{2,}", line.strip(), maxsplit=1)[1:])
+        elif line.strip() and name:
+            blocks[name] = (blocks[name] + " " + line.strip()).strip()
+    return blocks
+
+
+def test_every_option_of_every_command_says_what_it_does_and_its_default_once():
+    for cmd in ("status", "flush", "attach", "detach", "serve"):
+        rc, out, err = cli(cmd, "--help")
+        assert rc == 0, err
+        blocks = help_blocks(out)
+        assert len(blocks) >= 6
+        for name, block in blocks.items():
+            assert block, f"{cmd} {name} has no help text"
+            assert block.count("(default") <= 1, f"{cmd} {name}: {block!r}"
+    rc, out, _ = cli("serve", "--help")
+    kv = help_blocks(out)["--kv-events-endpoint"]
+    assert kv.endswith("(default: off)") and kv.count("default") == 1, kv
+    rc, out, _ = cli("flush", "--help")
+    assert "(default: l2)" in help_blocks(out)["--tier"]
+    rc, out, _ = cli("attach", "--help")
+    blocks = help_blocks(out)
+    assert "--config" not in blocks and "serve's --l3-options" in blocks["--l3-options"]
+    assert "write_through_threshold" in blocks["--write-policy"]
+    assert "--url only" in blocks["--prefetch-policy"]

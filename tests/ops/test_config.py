@@ -119,3 +119,57 @@ def test_io_queue_depth_and_nan_times_are_refused(tmp_path):
         with pytest.raises(ConfigError, match=f"{key}: expected float, got 'nan'"):
             load_config(None, {f"HICACHED_{key.upper()}": "nan"}, {"state_dir": str(tmp_path)})
     assert load_config(None, {}, {"io_queue_depth": 1, "state_dir": str(tmp_path)}).io_queue_depth == 1
+
+
+def test_a_relative_ipc_path_is_made_absolute_when_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, {}, {"state_dir": str(tmp_path / "s"), "endpoint": "ipc://rel.sock",
+                                 "kv_events_endpoint": "ipc://./ev/pub.sock",
+                                 "kv_events_replay_endpoint": "ipc://@abstract"})
+    assert cfg.endpoint == f"ipc://{tmp_path}/rel.sock"
+    assert cfg.kv_events_endpoint == f"ipc://{tmp_path}/ev/pub.sock"
+    assert cfg.kv_events_replay_endpoint == "ipc://@abstract"  # Linux's abstract namespace
+    from hicached.ops.config import absolute_ipc
+
+    for kept in ("ipc:///abs/x.sock", "tcp://127.0.0.1:5555", "tcp://*:5557", "ipc://", ""):
+        assert absolute_ipc(kept) == kept
+
+
+def test_a_daemon_on_a_relative_ipc_path_says_and_serves_the_absolute_one(tmp_path):
+    """``--endpoint ipc://rel.sock`` from the daemon's working directory: the line it prints
+    names the absolute path, a client elsewhere connects there, and ``hicached status`` given
+    the same relative path in that directory finds it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import wait_until
+
+    from hicached import Client
+
+    (tmp_path / "work").mkdir()
+    sock = tmp_path / "work" / "rel.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHED_")}
+    out = open(tmp_path / "out", "w+")
+    d = subprocess.Popen([sys.executable, "-m", "hicached", "serve", "--endpoint",
+                          "ipc://rel.sock", "--l2-size", "16MiB", "--slab-size", "1MiB",
+                          "--state-dir", str(tmp_path / "state"), "--l3-backend", "none"],
+                         cwd=tmp_path / "work", env=env, stdout=out, stderr=subprocess.DEVNULL)
+    try:
+        printed = tmp_path / "out"
+        assert wait_until(lambda: "listening on" in printed.read_text() or
+                          d.poll() is not None, 60), printed.read_text()
+        line = printed.read_text().splitlines()[0]
+        assert line.startswith(f"hicached listening on ipc://{sock} (pid {d.pid})"), line
+        with Client(f"ipc://{sock}", "model-a", timeout_s=5) as c:
+            c.ping()
+        st = subprocess.run([sys.executable, "-m", "hicached", "status", "--endpoint",
+                             "ipc://rel.sock"], cwd=tmp_path / "work", env=env,
+                            capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0 and st.stdout.startswith(
+            f"hicached at ipc://{sock}: ok, ready"), st.stderr
+    finally:
+        d.send_signal(signal.SIGTERM)
+        d.wait(30)
+        out.close()

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import wait_until
@@ -74,7 +73,7 @@ def test_the_cli_finds_the_default_daemon_with_no_flags(home, default_daemon):
     st = hicached("status", env=env, cwd=elsewhere)
     assert st.returncode == 0, st.stderr
     assert st.stdout.startswith(f"hicached at {endpoint}: ok, ready")
-    assert "L2      1 pages" in st.stdout and "L3      file: write_through" in st.stdout
+    assert "L2      1 page, " in st.stdout and "L3      file: write_through" in st.stdout
     assert "hits and misses are counted with admin_port set" in st.stdout
 
     fl = hicached("flush", env=env, cwd=elsewhere)
@@ -163,22 +162,9 @@ def test_ctrl_c_while_the_arena_is_reserved_is_one_line(home, tmp_path):
     assert "reserving the arena: 2.0 GiB of shared memory" in first and "per GiB" in first
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err
+    assert p.returncode == -signal.SIGINT, err  # as shells expect (ops/interrupts.py)
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "hicached: interrupted"
     assert not os.path.exists(arena) and not os.path.exists(arena + ".presence")
-
-
-def test_ctrl_c_while_python_starts_is_one_line(home, tmp_path):
-    env, elsewhere, _ = home
-    p = subprocess.Popen([sys.executable, "-m", "hicached", "serve", "--l2-size", "2GiB",
-                          "--endpoint", f"ipc://{tmp_path}/c.sock", "--l3-backend", "none"],
-                         env=env, cwd=elsewhere, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    time.sleep(0.4)  # in the imports (torch), or the arena: either way one line
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
-    assert p.returncode == 130 and "Traceback" not in err, err
-    assert err.strip().splitlines()[-1] == "hicached: interrupted"
 
 
 def test_version_module_entry_and_every_serve_default_in_help(home):
@@ -243,7 +229,7 @@ def test_demo_without_its_extra_says_what_to_install(home):
 @pytest.mark.parametrize("kwargs, named", [
     ({"endpoint": "/tmp/hicached.sock"}, "endpoint"),
     ({"endpoint": "ipc://"}, "endpoint"),
-    ({"endpoint": None}, "endpoint"),
+    ({"endpoint": 7}, "endpoint"),  # (None: the default endpoint, tests/client)
     ({"namespace": 123}, "namespace"),
     ({"namespace": ""}, "namespace"),
     ({"namespace": "x" * 5000}, "namespace"),
@@ -281,5 +267,6 @@ def test_ctrl_c_pressed_again_and_again_while_serving_stops_it(home, tmp_path):
     for i in range(50):
         p.send_signal(signal.SIGINT if i % 2 else signal.SIGTERM)
     out, err = p.communicate(timeout=30)
-    assert p.returncode == 0 and "hicached stopped" in out, err
+    # stopped in order; a Ctrl-C among the signals: it then ends by SIGINT (ops/interrupts.py)
+    assert p.returncode == -signal.SIGINT and "hicached stopped" in out, err
     assert "Traceback" not in err

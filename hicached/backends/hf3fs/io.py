@@ -264,7 +264,7 @@ def select_io(io: str, root: str, entries: int, timeout_s: float) -> tuple[SlotI
         if io == "usrbio":
             raise ConfigError(
                 f"io='usrbio' needs the {USRBIO_MODULE} module (3FS USRBIO Python binding, "
-                f"built from deepseek-ai/3FS; extra hicached[hf3fs]): {e}") from None
+                f"built from deepseek-ai/3FS src/lib/py, not on the package index): {e}") from None
         return PosixIO(), f"{USRBIO_MODULE} not importable"
     try:
         mount = module.extract_mount_point(os.path.abspath(root))

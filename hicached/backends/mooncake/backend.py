@@ -8,6 +8,8 @@
                                                                      (both: ``transfers.py``)
     exists        batch_is_exist(object keys)
     clear         remove_by_regex("^<key_prefix>/", force): our pages only, other users' stay
+    clear_namespace  remove_by_regex("^<key_prefix>/(c1/)?<namespace digest>/", force): one
+                  namespace's pages (every node's: the store is shared), other namespaces' stay
 
     object key = <key_prefix>/c1/<namespace digest>/<pool>/<key>
                  (a part that is not a plain token of [A-Za-z0-9_.=+-], <= 128 chars, becomes
@@ -62,16 +64,25 @@ from hicached.backends.guard import Breaker, CallTimeout, DeadlineCaller, StoreU
 from hicached.backends.integrity import BadKeys, HashAhead, Integrity
 from hicached.backends.mooncake.options import MooncakeOptions, redact
 from hicached.backends.mooncake.probe import probe_master, probe_setup
-from hicached.backends.mooncake.trailer import Trailers
+from hicached.backends.mooncake.trailer import FORMAT_PART, Trailers
 from hicached.backends.mooncake.transfers import (
     INVALID_PARAMS,
     UNREACHABLE,
     MooncakeTransfers,
     code_name,
+    key_part,
 )
 from hicached.errors import BackendError, BackendUnavailable, ConfigError
+from hicached.extras import install_hint
 
 log = logging.getLogger(__name__)
+_REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}")
+
+
+def _literal(text: str) -> str:
+    """``text`` matched literally in the store's (ECMAScript) regular expressions."""
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)
+
 
 def import_store_class() -> type:
     """``mooncake.store.MooncakeDistributedStore``, or a ConfigError naming the extra."""
@@ -79,7 +90,7 @@ def import_store_class() -> type:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
         raise ConfigError(
-            "l3_backend 'mooncake' needs the Mooncake client: pip install 'hicached[mooncake]' "
+            f"l3_backend 'mooncake' needs the Mooncake client: {install_hint('mooncake')} "
             "(mooncake-transfer-engine-non-cuda; on Debian also apt-get install libibverbs1 "
             f"librdmacm1 libnuma1). Import failed: {e}") from e
     return MooncakeDistributedStore
@@ -96,6 +107,7 @@ class MooncakeBackend(MooncakeTransfers, L3Backend):
 
     name = "mooncake"
     slow_close = True  # ``close`` holds the GIL ~1 s against a live master (module docstring)
+    clears_namespaces = True  # object keys carry the namespace digest
 
     def __init__(self, env: Mapping[str, str] | None = None, **options: object):
         self.opts = MooncakeOptions.resolve(options, env or {})
@@ -307,13 +319,24 @@ class MooncakeBackend(MooncakeTransfers, L3Backend):
         lease TTL, which includes any exists check, would otherwise survive). Returns how many;
         BackendUnavailable when the store could not be reached (unavailable, timed out: a 502
         over HTTP), BackendError when it refused."""
+        return self._remove_matching(f"^{_literal(self.opts.key_prefix)}/")
+
+    def clear_namespace(self, ns: str) -> int:
+        """Remove the pages of namespace digest ``ns`` under our key prefix (with the objects
+        of the format before trailers, ``<key_prefix>/<ns>/...``), as ``clear`` does; other
+        namespaces' objects stay. Every node's copies go: the store is shared."""
+        return self._remove_matching(f"^{_literal(self.opts.key_prefix)}/({FORMAT_PART}/)?"
+                                     f"{_literal(key_part(ns))}/")
+
+    def _remove_matching(self, regex: str) -> int:
+        """``remove_by_regex(regex, force)``: how many objects went, or the error (``clear``)."""
         where = f"Mooncake store at {redact(self.opts.master_server_address)}"
         store = self._admit(self.opts.timeout_s)
         if store is None:
             why = self.breaker.last_error or "not set up"
             raise BackendUnavailable(f"{where} is unavailable ({why}): nothing was cleared")
-        n = self._call(store.remove_by_regex, f"^{self.opts.key_prefix}/", True,
-                       timeout_s=self.opts.timeout_s)  # runs on the control loop (flush)
+        n = self._call(store.remove_by_regex, regex, True,
+                       timeout_s=self.opts.timeout_s)  # (on the L3 writer thread)
         if n is None:
             raise BackendUnavailable(f"{where}: clear failed or timed out "
                                      f"({self.breaker.last_error}); some pages may remain")

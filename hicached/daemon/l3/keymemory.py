@@ -67,3 +67,9 @@ class KeyMemory:
     def clear(self) -> None:
         self._tables.clear()
         self._order.clear()
+
+    def forget_namespace(self, ns: str) -> None:
+        """Forget every key of the tables of namespace digest ``ns`` (a namespace's flush)."""
+        for table in [t for t in self._tables if t[0] == ns]:
+            for key in self._tables.pop(table):
+                del self._order[(table, key)]

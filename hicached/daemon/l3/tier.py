@@ -169,16 +169,20 @@ class L3Tier(TierWrites, TierAudit):
         log.info("L3 backend %s detached", old.name)
         return True
 
-    def forget_l3_copies(self, dirty_again: bool = False) -> None:
-        """Count on no page being in L3 (a detach; a store that may have lost its pages).
-        ``dirty_again``: under write_back, L2's pages known stored are dirty again, as L2
-        may hold their only copy (their writes ask the store first, sending only what it
-        lacks)."""
-        self.known_in_l3.clear()
-        self.absent_in_l3.clear()
+    def forget_l3_copies(self, dirty_again: bool = False, ns: str | None = None) -> None:
+        """Count on no page being in L3 (a detach; a store that may have lost its pages; ``ns``:
+        no page of that namespace digest, whose pages were cleared). ``dirty_again``: under
+        write_back, L2's pages known stored are dirty again, as L2 may hold their only copy
+        (their writes ask the store first, sending only what it lacks)."""
+        if ns is None:
+            self.known_in_l3.clear()
+            self.absent_in_l3.clear()
+        else:
+            self.known_in_l3.forget_namespace(ns)
+            self.absent_in_l3.forget_namespace(ns)
         again = dirty_again and self.write_policy == "write_back" and self.attached
-        for e in self.index.forget_in_l3(handles=again):  # (one numpy pass: never a walk of
-            if e not in self.dirty:  # every page on the loop, which held it for seconds)
+        for e in self.index.forget_in_l3(handles=again, ns=ns):  # (one numpy pass: never a
+            if e not in self.dirty:  # walk of every page on the loop: seconds at 1M pages)
                 self.index.pin(e)
                 self.dirty[e] = None
 
@@ -438,21 +442,24 @@ class L3Tier(TierWrites, TierAudit):
             return set()
         return self._start_loads(table, there, job.page_bytes, job.stride, job.waiters)
 
-    def clear(self, done: Callable[[int | Exception], None]) -> None:
-        """Delete every L3 page, after the writes already queued (a clear on the writer thread,
-        so no page written before it survives). ``done(count or exception)`` runs on the control
-        loop; pages are then no longer known to be in L3, so write policies send them again."""
+    def clear(self, done: Callable[[int | Exception], None], ns: str | None = None) -> None:
+        """Delete every L3 page (``ns``: every page of that namespace digest, which the backend
+        must be able to find: ``L3Backend.clears_namespaces``), after the writes already queued
+        (a clear on the writer thread, so no page written before it survives).
+        ``done(count or exception)`` runs on the control loop; the pages are then no longer
+        known to be in L3, so write policies send them again."""
         if not self.attached:
             done(0)
             return
-        job = IOJob("clear", "", "", [], [], 0, [], backend=self.backend, done=done)
+        job = IOJob("clear", ns or "", "", [], [], 0, [], backend=self.backend, done=done)
         if not self._submit(job):
             done(HicachedError("L3 writer queue is full; try the clear again"))
 
     def _clear_done(self, job: IOJob) -> None:
+        ns = job.ns or None  # (a namespace's clear: only its pages left L3)
         if job.backend is self.backend:  # KV events: the pages it was known to hold left it
-            self.kv_events.cleared(self.known_in_l3.of, l3_medium(job.backend.name))
-        self.forget_l3_copies()
+            self.kv_events.cleared(self.known_in_l3.of, l3_medium(job.backend.name), ns)
+        self.forget_l3_copies(ns=ns)
         n = job.result[0] if job.result else 0
         if isinstance(n, Exception):
             self.counters["l3_errors"] += 1

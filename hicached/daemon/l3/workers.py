@@ -83,9 +83,9 @@ class IOWorkers:
             if job is None:
                 return
             backend = job.backend
-            if job.kind == "clear":
+            if job.kind == "clear":  # (ns: one namespace's pages, ``L3Tier.clear``)
                 try:
-                    job.result = [backend.clear()]
+                    job.result = [backend.clear_namespace(job.ns) if job.ns else backend.clear()]
                 except Exception as e:  # noqa: BLE001 - handed to the job's caller
                     job.result = [e]
                 self._finished(job)

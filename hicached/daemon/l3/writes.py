@@ -111,9 +111,11 @@ class TierWrites:
                 out.update(dict.fromkeys(group))
         return list(out)
 
-    def write_back_all(self) -> int:
-        """Queue every dirty page (flush, shutdown, policy change); returns how many."""
-        todo = [e for e in self.dirty if not e.writing]
+    def write_back_all(self, only: Iterable[Entry] | None = None) -> int:
+        """Queue every dirty page (flush, shutdown, policy change; ``only``: those of them, a
+        namespace's flush); returns how many."""
+        todo = [e for e in (self.dirty if only is None else only)
+                if e in self.dirty and not e.writing]
         n = self.write(todo) if self.attached else 0
         self.counters["write_backs"] += n
         return n

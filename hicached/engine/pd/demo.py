@@ -54,7 +54,9 @@ def _kib(n: float) -> str:
 
 
 def report(arch: str, off: ModeRun, on: ModeRun) -> str:
-    """Per-request table of both modes, then a summary per mode."""
+    """Per-request table of both modes, then a summary per mode. A request's speed-up is shown
+    only where the decode held some of its prompt (matched > 0): otherwise both modes did the
+    same work and their ratio is noise ("-")."""
     c = compare(off, on)
     u = on.usage[-1]
     title = (f"\n{arch}: PD on one node (page {u.page_size} tokens = {_kib(u.page_bytes)} "
@@ -65,9 +67,10 @@ def report(arch: str, off: ModeRun, on: ModeRun) -> str:
               f"{'KiB on':>7} {'ttft off':>8} {'ttft on':>8} {'speedup':>7}")
     lines = [title, header]
     for a, b in zip(off.records, on.records, strict=True):
+        speedup = f"{a.ttft_s / b.ttft_s:>6.1f}x" if b.matched else "-"
         lines.append(f"{b.conv:>4} {b.turn:>4} {b.prompt:>6} {b.matched:>7} "
                      f"{_kib(a.nbytes):>8} {_kib(b.nbytes):>7} {a.ttft_s * 1e3:>8.1f} "
-                     f"{b.ttft_s * 1e3:>8.1f} {a.ttft_s / b.ttft_s:>6.1f}x")
+                     f"{b.ttft_s * 1e3:>8.1f} {speedup:>7}")
     lines.append(f"{'mode':<10} {'matched':>8} {'KiB/request':>12} {'ttft p50':>9} "
                  f"{'ttft p99':>9} {'pool in use':>12}")
     for label, s in (("radix off", c["off"]), ("radix on", c["on"])):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import hicached
+from hicached.extras import install_hint
 
 if TYPE_CHECKING:
     from hicached.engine.pd.runner import Workload
@@ -63,7 +64,7 @@ def mooncake_master(workdir: str) -> Iterator[str]:
     try:
         import mooncake
     except ImportError as e:
-        raise RunError(f"two nodes need Mooncake ({e}): pip install 'hicached[mooncake]'") \
+        raise RunError(f"two nodes need Mooncake ({e}): {install_hint('mooncake')}") \
             from None
     binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
     port, metrics = _free_port(), _free_port()
