@@ -15,10 +15,14 @@ Lease (and the Release of a lease) are generators ("steps") that yield between c
                                                            served between two slices
 
 One code path for both (``drive`` runs the steps without pausing), so a sliced call answers
-what the unsliced one answers when nothing else runs between its slices; what may run between
-them is another client's request, which sees the call's keys each either before or after the
-call worked on them, as it would see them before or after an unsliced call (what each call
-keeps true between its slices: ``set_control.py`` and ``controller.py``).
+what the unsliced one answers, and leaves the same state, when nothing else runs between its
+slices (but for the recency of a sliced commit's pages: published from the deep end of its
+chain, they are recent in that order); what may run between them is another client's request,
+which sees the call's keys each either before or after the call worked on them, as it would see
+them before or after an unsliced call, and a key's pages of every pool together (what each call
+keeps true between its slices: ``set_control.py`` and ``controller.py``). Still at once: the
+decoding of a request and the encoding of its answer, and an Exists's and a Lease's share of L3
+(the keys to ask the store about or to load).
 
 A client's requests stay in order: while a call of one client (one socket identity) is sliced,
 the later requests of that identity wait here (``hold``) and are handled, in order, once it is

@@ -142,3 +142,11 @@ def test_forget_in_l3_clears_every_committed_pages_mark_at_once():
         e.in_l3 = True
     assert [e.key for e in ix.forget_in_l3(handles=True)] == [e.key for e in marked]
     assert not any(e.in_l3 for e in pages[:30])
+    # one namespace's (a flush of its L3 pages): the other's keep their marks
+    other = [ix.reserve(("other", "kv"), f"k{i}", 256, 256) for i in range(5)]
+    ix.commit_many(other)
+    for e in [*marked, *other]:
+        e.in_l3 = True
+    assert ix.forget_in_l3(ns="nowhere") == []
+    assert [e.key for e in ix.forget_in_l3(handles=True, ns="other")] == [e.key for e in other]
+    assert all(e.in_l3 for e in marked) and not any(e.in_l3 for e in other)
