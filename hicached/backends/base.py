@@ -26,6 +26,11 @@ class L3Backend(ABC):
     """One L3 store. Pages are addressed by (namespace digest, pool, key)."""
 
     name = "abstract"
+    # Closing it stalls the whole process (Mooncake's client holds the GIL for ~1 s, joining
+    # its heartbeat thread): once detached, the daemon keeps it open, unused, for a later
+    # attach with the same options or the daemon's exit (``L3Tier.unpark``), never closing
+    # it while it serves.
+    slow_close = False
     # ``clear_namespace`` works: the store can find one namespace's pages (a flush of one
     # namespace's L3 pages is refused for a backend that cannot)
     clears_namespaces = False

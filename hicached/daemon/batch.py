@@ -53,15 +53,16 @@ class BatchOps(ReserveOps):
 
     # ------------------------------------------------------------ commit
 
-    def commit_many(self: PageIndex, entries: Sequence[Entry]) -> None:
+    def commit_many(self: PageIndex, entries: Sequence[Entry], events: bool = True) -> None:
         """Publish pending entries, in turn, in one pass (a call's pages: the slabs' recency
         once). Every entry must be pending and pinned, each once; the state afterwards is
         exactly that of committing them one by one (``commit``): in particular a call's pages
         are the most recently used in its order, and the policy hears of them in that order
-        (``inserted_many``: what it needs of the state between two of them is given)."""
+        (``inserted_many``: what it needs of the state between two of them is given).
+        ``events`` False: no KV events (a commit in slices tells its pages at its end)."""
         n = len(entries)
         if n < BATCH_MIN:
-            return self._commit_each(entries)
+            return self._commit_each(entries, events)
         ps, gens = handles(entries)
         cols = self.np
         flags = cols["p_flags"][ps]
@@ -70,7 +71,7 @@ class BatchOps(ReserveOps):
         bad |= cols["p_pins"][ps] <= 0
         ps_list = ps.tolist()
         if np.count_nonzero(bad) or len(set(ps_list)) != n:
-            return self._commit_each(entries)  # raises where committing one by one raises
+            return self._commit_each(entries, events)  # raises where one by one raises
         pending = self.pending
         for e in entries:
             pend = pending[e.table]
@@ -112,7 +113,7 @@ class BatchOps(ReserveOps):
         pins[ps] -= 1  # unpinned: a pending page's reservation pin
         self._touch_slabs(offsets // self.alloc.slab_bytes, tick)
         self._count_pinned(offsets[pins[ps] == 0], -1)
-        if self.event_tids:
+        if self.event_tids and events:
             self.kv_events.stored(entries)
         if self.commit_tails():  # (a daemon's idle turns take them: ``reclaim.py``)
             self._evict_pages(self.policy.stale())  # pages no hit can use (``hybrid.py``)
@@ -168,7 +169,7 @@ class BatchOps(ReserveOps):
             touched.append(slab)
         self.alloc.touched(touched)
 
-    def _commit_each(self: PageIndex, entries: Sequence[Entry]) -> None:
+    def _commit_each(self: PageIndex, entries: Sequence[Entry], events: bool = True) -> None:
         """``commit_many`` one page after the other (few pages, or a page not as it should be:
         the AssertionError is raised where committing one by one raises it)."""
         shared, alloc, policy = self.shared, self.alloc, self.policy
@@ -215,7 +216,7 @@ class BatchOps(ReserveOps):
                     shared.set(self._sfp(k), mask_of[k])
         self._tick = tick
         alloc.touched(touched)
-        if self.event_tids:
+        if self.event_tids and events:
             self.kv_events.stored(entries)
         if self.commit_tails():
             self._evict_pages(policy.stale())  # pages no hit can use any more (``hybrid.py``)

@@ -27,6 +27,7 @@ With ``books`` None (tests, tools that drive this object directly) ``later`` run
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -42,8 +43,18 @@ from hicached.daemon.reclaim import Reclaimer
 from hicached.daemon.session_control import SessionControl
 from hicached.daemon.sessions import ParkedExists, ParkedGet, ParkedStore, PoolSpec, Session
 from hicached.daemon.set_control import SetControl
+from hicached.daemon.slicing import (
+    CHEAP_CHUNKS,
+    Slicer,
+    Steps,
+    as_answer,
+    call_keys,
+    drive,
+    fit_chunk,
+    key_chunks,
+)
 from hicached.daemon.store_waits import StoreWaits
-from hicached.errors import PageSizeMismatch, ProtocolError
+from hicached.errors import PageSizeMismatch, ProtocolError, UnknownSession
 from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
 
 log = logging.getLogger(__name__)
@@ -76,6 +87,7 @@ class Controller(SetControl, SessionControl, StoreWaits):
         # L3 that nobody had read yet (L3 hits to the metrics, though in L2 when asked)
         self.first_l3_reads: tuple[object, list[list[int]]] = (None, [])
         self.flusher = L2Flush(tier)  # flushes of L2, in slices of the loop (flushing.py)
+        self.slicer = Slicer()  # huge calls, in slices of the loop (slicing.py)
         self.reclaim = Reclaimer(index, 0.0)  # evicting ahead in idle turns (the daemon's share)
         self.kv_events = NullKVEvents()  # KV events for routers (kv_events.py)
         # bookkeeping queued for after the answer (``later``); None: run at once. The daemon
@@ -162,11 +174,35 @@ class Controller(SetControl, SessionControl, StoreWaits):
         thread (``L3Tier.probe``) while the control loop goes on: the request is then parked
         and answered through ``reply``. A pool must be registered in the namespace, by this
         session or another (a vLLM scheduler asks about the pools its workers register)."""
+        return drive(self.exists_steps(s, msg, reply))
+
+    def exists_steps(self, s: Session, msg: P.Exists, reply: Callable[[P.ExistsResult], None],
+                     chunk: int | None = None) -> Steps:
+        """``exists``, its keys looked up in L2 ``chunk`` at a time (None: all at once),
+        yielding between two (``slicing.py``): each key as L2 holds it when its chunk is looked
+        up, the chunks from the first key on (a commit in slices publishes the deep end of its
+        chain first: a prefix reaches into its pages only once all of them are there). What
+        follows the lookups (the answer, L3's share) runs at once."""
         for pool in (msg.anchor, *(q.pool for q in msg.pools)):
             if (s.ns, pool) not in self.geometry:
                 s.spec(pool)  # UnknownPool
         keys = msg.key_list()
-        masks = self.index.presence(s.ns, keys)  # one lookup a key for every pool
+        if not chunk or len(keys) <= chunk:
+            masks = self.index.presence(s.ns, keys)  # one lookup a key for every pool
+        else:
+            parts, lo, step = [], 0, chunk
+            while lo < len(keys):
+                if lo:
+                    yield
+                    if s.id not in self.sessions:
+                        raise UnknownSession(f"session {s.id} ended while its Exists of "
+                                             f"{len(keys)} keys was worked")
+                hi = min(len(keys), lo + step)
+                t0 = time.perf_counter()
+                parts.append(self.index.presence(s.ns, keys[lo:hi]))
+                step = fit_chunk(chunk * CHEAP_CHUNKS, hi - lo, time.perf_counter() - t0)
+                lo = hi
+            masks = np.concatenate(parts)
         in_l3: dict[str, set[str]] = {}
         if self.tier.attached:
             parked = None
@@ -245,7 +281,7 @@ class Controller(SetControl, SessionControl, StoreWaits):
             if parked.answered:
                 continue
             parked.jobs.discard(id(e))
-            if not parked.jobs or parked.msg.stream:
+            if (not parked.jobs or parked.msg.stream) and not parked.building:
                 self._answer_parked(parked)
 
     # ------------------------------------------------------------ get: lease, release
@@ -254,9 +290,20 @@ class Controller(SetControl, SessionControl, StoreWaits):
               ) -> P.Leased | None:
         """Lease every present page; park the request (answer later via ``reply``) while pages
         only L3 has are loaded, or loads of its keys are in flight."""
+        return drive(self.lease_steps(s, msg, reply))
+
+    def lease_steps(self, s: Session, msg: P.Lease, reply: Callable[[P.Leased], None],
+                    chunk: int | None = None) -> Steps:
+        """``lease``; a call of more than ``chunk`` keys (None: never) looks its keys up a
+        chunk at a time, yielding between two (``slicing.py``): first, when L3 or another
+        client's writes may be waited for, to find what is missing (loads and waits start
+        chunk by chunk; the call parks if any are left), then to lease what is present
+        (``_lease_present_steps``)."""
         for t in msg.transfers:
             s.spec(t.pool)
         parked = ParkedGet(s, msg, reply, self.clock() + self.get_wait_s)
+        if chunk and sum(len(t.keys) for t in msg.transfers) > chunk:
+            return (yield from self._lease_sliced(s, msg, parked, chunk))
         present = False
         found: list[list[Entry | None]] | None = []  # the pages of each transfer, while valid
         for t in msg.transfers:
@@ -278,6 +325,45 @@ class Controller(SetControl, SessionControl, StoreWaits):
             return None
         self._settle(parked)  # answered now: the loads it joined must not answer it again
         return self._lease_present(s, msg, found=found)
+
+    def _lease_sliced(self, s: Session, msg: P.Lease, parked: ParkedGet, chunk: int) -> Steps:
+        """``lease_steps`` of a call of more than ``chunk`` keys. Its loads and waits may end
+        while it looks for more (``parked.building``: none answers it before it parks)."""
+        chunks = key_chunks([t.keys for t in msg.transfers], chunk)
+        if self.tier.attached or (msg.load and any((s.ns, t.pool) in self.index.pending
+                                                   for t in msg.transfers)):
+            present = False
+            parked.building = True
+            try:
+                for n, parts in enumerate(chunks):
+                    if n:
+                        yield
+                        if s.id not in self.sessions:
+                            raise UnknownSession(f"session {s.id} ended while its Lease was "
+                                                 "worked")
+                    for p, at in parts:
+                        t = msg.transfers[p]
+                        table = (s.ns, t.pool)
+                        keys = [t.keys[i] for i in at]
+                        missing = [k for k, e in zip(keys, self.index.get_many(table, keys))
+                                   if e is None]
+                        present = present or len(missing) < len(keys)
+                        if missing and msg.load:
+                            self._wait_for_writers(parked, table, missing)
+                        if missing:
+                            spec = s.spec(t.pool)
+                            parked.jobs |= self.tier.load(table, missing, spec.page_bytes,
+                                                          spec.stride, waiter=parked,
+                                                          start=msg.load)
+            except BaseException:
+                self._settle(parked)  # (what it waits for must not answer it)
+                raise
+            parked.building = False
+            if parked.jobs and not (msg.stream and present):
+                self.parked[id(parked)] = parked
+                return None
+        self._settle(parked)
+        return (yield from self._lease_present_steps(s, msg, chunk=chunk, chunks=chunks))
 
     def _wait_for_writers(self, parked: ParkedGet, table: TableId, keys: list[str]) -> None:
         pend = self.index.pending.get(table)  # live handles
@@ -329,6 +415,69 @@ class Controller(SetControl, SessionControl, StoreWaits):
         self.first_l3_reads = (answer, from_l3)  # for the metrics of this answer
         return answer
 
+    def _lease_present_steps(self, s: Session, msg: P.Lease, final: bool = False,
+                             chunk: int | None = None, chunks: list | None = None) -> Steps:
+        """``_lease_present`` a chunk of keys at a time (``key_chunks``: every transfer's
+        positions of a key in one chunk, so a key's pages of every pool are leased together),
+        yielding between two (None: all at once). Each chunk's pages are pinned, touched and
+        counted as it is looked up, under the lease the answer names (registered from the
+        first chunk that found pages on: the pins go with the session if it ends; renewed at
+        each resume); a page evicted or committed between two chunks is seen as it is when its
+        chunk comes."""
+        if not chunk or sum(len(t.keys) for t in msg.transfers) <= chunk:
+            return self._lease_present(s, msg, final)
+        loading = self.tier.loading if msg.stream and not final else {}
+        offsets = [[P.SLOT_MISS] * len(t.keys) for t in msg.transfers]
+        tags = [[0] * len(t.keys) for t in msg.transfers]
+        from_l3: list[list[int]] = [[] for _ in msg.transfers]
+        partial, misses = False, 0
+        g = None  # the lease, once a chunk found pages
+        for n, parts in enumerate(chunks or key_chunks([t.keys for t in msg.transfers], chunk)):
+            if n:
+                yield
+                if s.id not in self.sessions or (
+                        g is not None and self.leases.leases.get(g.id) is not g):
+                    raise UnknownSession(f"session {s.id} ended while its Lease was worked")
+                if g is not None:
+                    g.deadline = self.clock() + self.leases.lease_ttl_s
+            entries: list[Entry] = []
+            for p, at in parts:
+                t = msg.transfers[p]
+                table = (s.ns, t.pool)
+                keys = [t.keys[i] for i in at]
+                row, tag_row, l3_row = offsets[p], tags[p], from_l3[p]
+                for i, key, e in zip(at, keys, self.index.get_many(table, keys)):
+                    if e is not None:  # (looked up just now: in its slot)
+                        entries.append(e)
+                        row[i] = e._offset
+                        tag_row[i] = e.gen
+                        if e.from_l3:  # prefetched: its first read is an L3 hit
+                            e.from_l3 = False
+                            l3_row.append(i)
+                    elif (table, key) in loading:
+                        row[i] = P.SLOT_LOADING
+                        partial = True
+                    else:
+                        misses += 1
+            if entries:
+                self.index.read_many(entries)  # touched, a hit each, pinned for the lease
+                if g is None:
+                    g = self.leases.new_lease(s.id, entries, self.clock(), pinned=True)
+                else:
+                    g.entries.extend(entries)
+                if self.tier.selective:
+                    self.later(self._on_hits, entries)
+        self.counters["partial_answers"] += partial
+        self.counters["misses"] += misses
+        if g is not None:
+            self.counters["hits"] += len(g.entries)
+            g.deadline = self.clock() + self.leases.lease_ttl_s
+            answer = P.Leased(msg.req_id, g.id, offsets, tags)
+        else:
+            answer = P.Leased(msg.req_id, 0, offsets, tags)
+        self.first_l3_reads = (answer, [sorted(row) for row in from_l3])
+        return answer
+
     def _settle(self, parked: ParkedGet | ParkedExists | ParkedStore) -> None:
         """``parked`` is answered: nothing it waited for may answer it again."""
         parked.answered = True
@@ -352,8 +501,16 @@ class Controller(SetControl, SessionControl, StoreWaits):
                 self._answer_stored(parked, final)
                 return
             self._settle(parked)
-            if parked.session.id in self.sessions:
+            if parked.session.id not in self.sessions:
+                return
+            chunk = self.slicer.chunk(call_keys(parked.msg))
+            if chunk is None:
                 parked.reply(self._lease_present(parked.session, parked.msg, final))
+                return
+            self.slicer.start(self._lease_present_steps(parked.session, parked.msg, final,
+                                                        chunk),
+                              lambda result: parked.reply(as_answer(parked.msg, result)),
+                              what="Lease (its late answer)")
         except Exception as e:
             log.exception("internal error answering a parked %s", type(parked.msg).__name__)
             self._settle(parked)
@@ -398,6 +555,47 @@ class Controller(SetControl, SessionControl, StoreWaits):
         for lid in lease_ids:
             self.leases.release(lid, s.id)
 
+    def release_steps(self, s: Session, lease_ids: list[int], chunk: int | None = None
+                      ) -> Steps:
+        """``release``; a lease of more than ``chunk`` pages (None: never) is taken from the
+        table at once and its pages unpinned a chunk at a time, yielding between two."""
+        if not chunk:
+            return self.release(s, lease_ids)
+        first = True
+        for lid in lease_ids:
+            g = self.leases.take_lease(lid, s.id)
+            if g is None:
+                continue
+            entries, step = g.entries, chunk
+            while entries:  # from the end (the order of unpins does not matter), letting go
+                if not first:  # of each chunk's pages as it goes: no pause at the end
+                    yield
+                first = False
+                t0 = time.perf_counter()
+                self.index.unpin_many(entries[-step:])
+                del entries[-step:]
+                step = fit_chunk(chunk * CHEAP_CHUNKS, step, time.perf_counter() - t0)
+
+    def released_then(self, s: Session, lease_ids: list[int], chunk: int | None,
+                      steps: Steps) -> Steps:
+        """``steps`` after the leases a request carries are released (piggybacked: as a
+        Release sent before it)."""
+        yield from self.release_steps(s, lease_ids, chunk)
+        return (yield from steps)
+
+    def call_size(self, msg) -> int:
+        """What a request costs the loop, in keys (``slicing.Slicer.chunk``): the keys it
+        names, the slots of the reservation a Commit publishes, the pages of the leases it
+        ends."""
+        n = call_keys(msg)
+        if type(msg) is P.Commit:
+            r = self.leases.reservations.get(msg.reservation_id)
+            n = max(n, len(r.slots) if r is not None else 0)
+        for lid in msg.lease_ids if type(msg) is P.Release else getattr(msg, "release", ()):
+            g = self.leases.leases.get(lid)
+            n += len(g.entries) if g is not None else 0
+        return n
+
     def read_unleased(self, s: Session, msg: P.Release) -> list[Entry]:
         """Pages of ``s``'s namespace read without a lease (``Release.touched``, at most
         ``P.MAX_TOUCHED`` pairs) are hits, as leased ones would be; returns those still in L2."""
@@ -420,6 +618,8 @@ class Controller(SetControl, SessionControl, StoreWaits):
                 continue
             parked.jobs |= follow  # the loads a lookup started for it
             parked.jobs.discard(job_id)
+            if parked.building:  # (a sliced get still looking: it answers or parks itself)
+                continue
             if not parked.jobs or (loaded and self._stream_now(parked)):
                 self._answer_parked(parked)
 

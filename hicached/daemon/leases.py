@@ -39,6 +39,7 @@ class Reservation:
     session: int
     deadline: float
     slots: list[tuple[int, int, Entry]] = field(default_factory=list)
+    anchor: int = 0  # the transfer whose keys are the call's chain (set by ``reserve_steps``)
 
 
 @dataclass
@@ -196,6 +197,15 @@ class LeaseTable:
         if not pinned:
             self.index.pin_many(entries)
         self.leases[g.id] = g
+        return g
+
+    def take_lease(self, lease_id: int, session: int) -> LeaseGrant | None:
+        """Remove and return a lease of ``session`` without unpinning its pages (the caller
+        does: a release in slices); None if unknown (expired, foreign or released twice)."""
+        g = self.leases.get(lease_id)
+        if g is None or g.session != session:
+            return None
+        del self.leases[lease_id]
         return g
 
     def release(self, lease_id: int, session: int) -> bool:

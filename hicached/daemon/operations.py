@@ -131,8 +131,10 @@ class DaemonOperations:
             return True
 
         if self.call(begin):
-            try:
-                backend = self._open_backend(name, options)
+            try:  # one detached with these options and kept open (``L3Backend.slow_close``)
+                opts = backend_options(name, self.config, options)
+                backend = (self.call(lambda: self.tier.unpark(name, opts))
+                           or self._open_backend(name, options))
             except BaseException:
                 self.call(lambda: setattr(self, "_attaching", False))
                 raise
@@ -296,6 +298,7 @@ class DaemonOperations:
             "parked_exists": sum(isinstance(p, ParkedExists) for p in c.parked.values()),
             "parked_store_waits": sum(isinstance(p, ParkedStore) for p in c.parked.values()),
             "l2_flush": c.flusher.status(),
+            "sliced": c.slicer.status(),
             "l3_backend": c.tier.backend.name,
             "l3_tier": c.tier.status(),
             "l3": c.tier.backend_stats(),

@@ -277,6 +277,23 @@ class Records(Lookups):
             if self.p_flags[p] & COMMITTED and (nsid == -1 or self.k_ns[self.p_krec[p]] == nsid):
                 yield self.handle(p)
 
+    def forget_in_l3(self, handles: bool = False, ns: str | None = None) -> list[Entry]:
+        """Clear the "in L3" flag of every committed page (of namespace digest ``ns``) at once
+        (an L3 detached, cleared or that may have lost its pages: a few ms for a million
+        pages, where a walk of handles held the control loop for seconds); with ``handles``,
+        those of the pages that had it, in record order (else none)."""
+        top = self._p_top
+        flags = self.np["p_flags"][:top]
+        mine = (flags & (COMMITTED | IN_L3)) == (COMMITTED | IN_L3)
+        if ns is not None:
+            nsid = self._ns_id.get(ns)
+            if nsid is None:
+                return []
+            mine &= self.np["k_ns"][self.np["p_krec"][:top]] == nsid  # (committed: a key's)
+        had = np.flatnonzero(mine)
+        flags[had] &= np.uint8(0xFF ^ IN_L3)
+        return [self.handle(p) for p in had.tolist()] if handles else []
+
     # ------------------------------------------------------------ chains
 
     def link(self, ns: str, keys: Sequence[str], parent: str | None, depth: int) -> None:

@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import zmq
@@ -39,6 +39,8 @@ from hicached.daemon.quotas import make_quotas
 from hicached.daemon.room import allocated_bytes, check_room, read_room
 from hicached.daemon.sessions import Session, namespace_digest
 from hicached.daemon.slabs import SlabAllocator
+from hicached.daemon import slicing
+from hicached.daemon.slicing import Steps, as_answer, drive
 from hicached.errors import (
     BackendError,
     BackendUnavailable,
@@ -59,6 +61,12 @@ SWEEP_INTERVAL_S = 0.5
 MAX_BATCH = 256  # requests handled before the loop looks at I/O completions and timers
 # answered while draining (they finish work in flight); everything else gets ShuttingDown
 _DRAIN_OK = (P.Commit, P.Release, P.Bye, P.ExistsTally)
+
+
+class _Sliced(NamedTuple):
+    """What ``_dispatch`` returns for a call worked in slices (``slicing.py``): its steps."""
+
+    steps: Steps
 
 
 class Daemon(DaemonOperations, Handshakes, DaemonFiles):
@@ -266,7 +274,8 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                     break
                 now = time.monotonic()
                 reclaim = self.controller.reclaim.wanted()
-                if now < busy_until or self.controller.flusher.active or reclaim:
+                sliced = self.controller.slicer.active
+                if now < busy_until or self.controller.flusher.active or reclaim or sliced:
                     timeout_ms = 0
                 else:
                     wake = min(self._next_sweep, self._next_watchdog)
@@ -282,6 +291,11 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                     self._guarded(self.controller.on_io_done)
                 if self._call_r in events:
                     self._run_calls()
+                if self.controller.slicer.active:  # a slice of a huge call (slicing.py)
+                    self._guarded(self.controller.slicer.step)
+                    # the clients waiting for a CPU (a small machine: the loop busy with a huge
+                    # call takes a core) may send their requests before the next slice
+                    os.sched_yield()
                 if self.controller.flusher.active:
                     self._guarded(self.controller.flusher.step)
                 elif reclaim and self.sock not in events:  # an idle turn: evict ahead
@@ -325,7 +339,21 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                     self._send(frames[0].bytes, P.Error(
                         0, ProtocolError.code, f"expected 1 payload frame, got {len(frames) - 1}"))
                 continue
-            self._handle(frames[0].bytes, frames[1])
+            identity = frames[0].bytes
+            if self.controller.slicer.holds(identity):  # behind its call worked in slices
+                self._hold(identity, frames[1])
+                continue
+            self._handle(identity, frames[1])
+
+    def _hold(self, identity: bytes, frame: zmq.Frame) -> None:
+        """Keep a request until the call of its client worked in slices is answered (its
+        requests stay in order); past ``slicing.MAX_HELD`` of them it is refused."""
+        slicer = self.controller.slicer
+        if not slicer.hold(identity, frame):
+            self._send(identity, P.Error(
+                P.salvage_req_id(frame.bytes), ProtocolError.code,
+                f"more than {slicing.MAX_HELD} requests wait behind this client's call of "
+                "many keys: wait for answers before sending more"))
 
     def _send(self, identity: bytes, answer) -> None:
         try:
@@ -359,11 +387,50 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         except Exception as e:  # a bug must cost one request, never the daemon
             log.exception("internal error handling a request")
             answer = P.Error(req_id, "internal", f"{type(e).__name__}: {e}")
+        if type(answer) is _Sliced:  # answered (and counted) when its last slice is done
+            self.controller.slicer.start(
+                answer.steps, lambda result: self._answer_sliced(identity, msg, t0, result),
+                identity, type(msg).__name__)
+            return
         if answer is not None:
             self._send(identity, answer)
         self.metrics.on_request(msg, answer, t0)  # (after the send: no client waits for it)
         if self.controller.books:  # fire and forget, or parked: books kept all the same
             self.controller.keep_books()
+
+    def _answer_sliced(self, identity: bytes, msg, t0: float, result) -> None:
+        """A call worked in slices is done (``result``: its answer, or the exception its
+        steps raised): its answer, then the requests its client sent meanwhile, in order."""
+        answer = as_answer(msg, result)
+        if type(answer) is P.Committed and not msg.reply:
+            answer = None
+        if answer is not None:
+            self._send(identity, answer)
+        self.metrics.on_request(msg, answer, t0)
+        slicer = self.controller.slicer
+        while (frame := slicer.next_held(identity)) is not None:
+            self._handle(identity, frame)
+
+    def _steps(self, s: Session, msg: P.Exists | P.Lease | P.Reserve | P.Commit,
+               make: Callable[[int | None], Steps]):
+        """A call's answer, worked at once (a small call: ``make(None)``'s steps run to their
+        end, after the leases it carries are released), or ``_Sliced`` (a huge one: the
+        releases and ``make(chunk)``'s steps, for the slicer)."""
+        c = self.controller
+        chunk = c.slicer.chunk(c.call_size(msg))
+        release = getattr(msg, "release", None)
+        if chunk is None:
+            if release:
+                c.release(s, release)
+            return drive(make(None))
+        steps = make(chunk)
+        return _Sliced(c.released_then(s, release, chunk, steps) if release else steps)
+
+    def _release_steps(self, s: Session, msg: P.Release, chunk: int) -> Steps:
+        """A Release of many pages, in slices (the pages read with no lease counted after)."""
+        yield from self.controller.release_steps(s, msg.lease_ids, chunk)
+        if msg.touched or msg.shared_gets:
+            self.metrics.on_unleased(msg, self.controller.read_unleased(s, msg))
 
     def _send_parked(self, identity: bytes, msg: P.Lease | P.Exists | P.WaitStored,
                      answer) -> None:
@@ -379,28 +446,26 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         s.active = True
         return s
 
-    def _releasing(self, msg: P.Exists | P.Lease | P.Reserve) -> Session:
-        """The session of ``msg``, after ending the leases it carries (a piggybacked Release)."""
-        s = self._session(msg.session)
-        if msg.release:
-            self.controller.release(s, msg.release)
-        return s
-
     def _dispatch(self, identity: bytes, msg, frame: zmq.Frame):
         c = self.controller
         if self._stop.is_set() and not isinstance(msg, _DRAIN_OK):
             raise ShuttingDown("hicached is shutting down; not accepting new requests")
         match msg:
             case P.Exists():
-                return c.exists(self._releasing(msg), msg,
-                                lambda answer: self._send_parked(identity, msg, answer))
+                s = self._session(msg.session)
+                reply = lambda answer: self._send_parked(identity, msg, answer)  # noqa: E731
+                return self._steps(s, msg, lambda chunk: c.exists_steps(s, msg, reply, chunk))
             case P.Lease():
-                return c.lease(self._releasing(msg), msg,
-                               lambda answer: self._send_parked(identity, msg, answer))
+                s = self._session(msg.session)
+                reply = lambda answer: self._send_parked(identity, msg, answer)  # noqa: E731
+                return self._steps(s, msg, lambda chunk: c.lease_steps(s, msg, reply, chunk))
             case P.Release():
                 s = c.sessions.get(msg.session)
                 if s is not None:
                     s.active = True
+                    chunk = c.slicer.chunk(c.call_size(msg))
+                    if chunk is not None:
+                        return _Sliced(self._release_steps(s, msg, chunk))
                     c.release(s, msg.lease_ids)
                     if msg.touched or msg.shared_gets:
                         self.metrics.on_unleased(msg, c.read_unleased(s, msg))
@@ -411,10 +476,12 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             case P.Reserve():
                 if self._stop.is_set():
                     raise ShuttingDown("daemon is shutting down; not accepting writes")
-                return c.reserve(self._releasing(msg), msg)
+                s = self._session(msg.session)
+                return self._steps(s, msg, lambda chunk: c.reserve_steps(s, msg, chunk))
             case P.Commit():
-                answer = c.commit(self._session(msg.session), msg)
-                return answer if msg.reply else None
+                s = self._session(msg.session)
+                answer = self._steps(s, msg, lambda chunk: c.commit_steps(s, msg, chunk))
+                return answer if msg.reply or type(answer) is _Sliced else None
             case P.Hello():
                 return self._hello(identity, msg, frame)
             case P.RegisterPool():
@@ -478,6 +545,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         for fd in (self.sock, self.workers.wake_r, self._call_r):
             poller.register(fd, zmq.POLLIN)
         while True:
+            self.controller.slicer.finish_now()  # huge calls under way: answered
             self.controller.flusher.finish_now()  # answer flushes while the socket is up
             self.tier.write_back_all()
             c = self.controller
@@ -493,6 +561,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             if self._call_r in events:
                 self._run_calls()
             self._tick(time.monotonic())
+        self.controller.slicer.finish_now()
         self.controller.expire_parked(float("inf"))
         if any(busy):
             log.warning("drain deadline: %d reservations, %d waiting requests, %d L3 jobs "

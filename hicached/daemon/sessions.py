@@ -67,6 +67,7 @@ class ParkedGet:
     jobs: set[int] = field(default_factory=set)
     answered: bool = False
     pending: list[Entry] = field(default_factory=list)  # the uncommitted pages it waits for
+    building: bool = False  # a sliced get still looking for its pages: nothing answers it yet
 
 
 @dataclass
@@ -84,6 +85,7 @@ class ParkedExists:
     probes: list = field(default_factory=list)  # the IOJobs (their results, once finished)
     answered: bool = False
     pending: list[Entry] = field(default_factory=list)  # never any (ParkedGet's shape)
+    building: bool = False  # never (ParkedGet's shape)
 
 
 @dataclass
@@ -102,3 +104,4 @@ class ParkedStore:
     probes: list = field(default_factory=list)  # the exists IOJobs (their results)
     answered: bool = False
     pending: list[Entry] = field(default_factory=list)  # never any (ParkedGet's shape)
+    building: bool = False  # never (ParkedGet's shape)

@@ -11,11 +11,14 @@ one by one where they come, so the state is exactly that of answering every key 
 
 from __future__ import annotations
 
+import time
+
 from hicached import protocol as P
 from hicached.daemon.index import Entry
 from hicached.daemon.leases import Reservation
 from hicached.daemon.sessions import PoolSpec, Session
-from hicached.errors import InvalidTransfer, ProtocolError
+from hicached.daemon.slicing import Steps, drive, fit_chunk
+from hicached.errors import InvalidTransfer, ProtocolError, UnknownSession
 
 
 def _now(fn, *args) -> None:
@@ -24,9 +27,18 @@ def _now(fn, *args) -> None:
 
 
 class SetControl:
-    """``reserve``, ``commit``."""
+    """``reserve``, ``commit`` (and their steps: ``slicing.py``)."""
 
     def reserve(self, s: Session, msg: P.Reserve) -> P.Reserved:
+        return drive(self.reserve_steps(s, msg))
+
+    def reserve_steps(self, s: Session, msg: P.Reserve, chunk: int | None = None) -> Steps:
+        """``reserve`` in chunks of ``chunk`` keys of a transfer, yielding between two (None:
+        all at once, never yielding; ``slicing.py``). Between two chunks the call holds what it
+        holds at once: its reservation (renewed at each resume: no sweep expires a call under
+        way), its set-ahead slots and its parent's pin. Its keys are reserved chunk after chunk
+        as they would be key after key; a session ended meanwhile (its reservation dropped
+        with it) ends the call with ``UnknownSession``."""
         specs = [s.spec(t.pool) for t in msg.transfers]
         for t in msg.transfers:
             if t.keys and max(map(len, t.keys)) > P.MAX_KEY_LEN:
@@ -38,6 +50,8 @@ class SetControl:
             raise ProtocolError("Reserve.ahead names a set-ahead slot twice")
         now = self.clock()
         r = self.leases.new_reservation(s.id, now)
+        if chain is not None:
+            r.anchor = next(p for p, t in enumerate(msg.transfers) if t is chain)
         ahead = self.leases.ahead_of(s.id, now) if msg.want_ahead or msg.ahead else None
         offsets, tags, bound, present = [], [], [], []
         for name in msg.trailing:  # states (a name not of the call says nothing)
@@ -50,8 +64,20 @@ class SetControl:
         try:
             for p, (t, spec) in enumerate(zip(msg.transfers, specs)):
                 claims = msg.ahead[p] if ahead is not None and p < len(msg.ahead) else ()
-                row, tag_row, bound_row = self._reserve_transfer(s, r, p, t, spec, claims, ahead,
-                                                                 present)
+                n = len(t.keys)
+                row, tag_row, bound_row = [0] * n, [0] * n, [False] * n
+                lo, step = 0, max(1, chunk // 4) if chunk else n  # (eviction may be dear)
+                while lo < n:
+                    if chunk and (p or lo):  # (a chunk before this one)
+                        yield
+                        self._resume_reserve(s, r, ahead)
+                    hi = min(n, lo + step)
+                    t0 = time.perf_counter()
+                    self._reserve_transfer(s, r, p, t, spec, claims, ahead, present,
+                                           (row, tag_row, bound_row), lo, hi)
+                    if chunk:  # fewer keys a chunk while each costs more (evicting)
+                        step = fit_chunk(chunk, hi - lo, time.perf_counter() - t0)
+                    lo = hi
                 offsets.append(row)
                 tags.append(tag_row)
                 bound.append(bound_row)
@@ -60,7 +86,14 @@ class SetControl:
         # the links, L3's share and write-back's relief are kept after the answer when nothing
         # else of the call comes after them (set-ahead slots, granted below, may evict)
         after = self.later if ahead is None else _now
-        if chain is not None:  # after the loop: its pending keys are held now
+        if chain is not None and chunk and len(chain.keys) > chunk:  # a chunk at a time
+            for lo in range(0, len(chain.keys), chunk):
+                yield
+                self._resume_reserve(s, r, ahead)
+                self.index.link(s.ns, chain.keys[lo:lo + chunk],
+                                chain.keys[lo - 1] if lo else msg.parent or None,
+                                msg.depth + lo if msg.depth >= 0 else msg.depth)
+        elif chain is not None:  # after the loop: its pending keys are held now
             after(self.index.link, s.ns, chain.keys, msg.parent or None, msg.depth)
         if present:
             after(self.tier.on_present, present)
@@ -77,46 +110,60 @@ class SetControl:
     def _relieve(self, force: bool) -> None:
         self.tier.relieve_pressure(force=force)
 
+    def _resume_reserve(self, s: Session, r: Reservation, ahead) -> None:
+        """A Reserve worked in slices goes on (``reserve_steps``): its session and reservation
+        still there, their deadlines renewed."""
+        if s.id not in self.sessions or self.leases.reservations.get(r.id) is not r:
+            raise UnknownSession(f"session {s.id} ended while its Reserve was worked; "
+                                 f"{len(r.slots)} of its pages had slots, none was stored")
+        now = self.clock()
+        r.deadline = now + self.leases.reservation_ttl_s
+        if ahead is not None:
+            ahead.deadline = r.deadline
+
     def _reserve_transfer(self, s: Session, r: Reservation, p: int, t: P.PoolKeys,
-                          spec: PoolSpec, claims, ahead, present: list[Entry]
-                          ) -> tuple[list[int], list[int], list[bool]]:
-        """Transfer ``p`` of a Reserve: per key its slot offset (or ``SLOT_*``), tag, and
-        whether it took a set-ahead slot. Runs of new keys go to ``_reserve_run`` together,
-        each key between them to ``_reserve_key`` where it comes (see the module docstring)."""
-        table, keys, index = (s.ns, t.pool), t.keys, self.index
-        n = len(keys)
-        row, tag_row, bound_row = [0] * n, [0] * n, [False] * n
+                          spec: PoolSpec, claims, ahead, present: list[Entry],
+                          rows: tuple[list[int], list[int], list[bool]], lo: int, hi: int
+                          ) -> None:
+        """Keys ``lo..hi-1`` of transfer ``p`` of a Reserve: per key, into ``rows``, its slot
+        offset (or ``SLOT_*``), tag, and whether it took a set-ahead slot. Runs of new keys go
+        to ``_reserve_run`` together, each key between them to ``_reserve_key`` where it comes
+        (see the module docstring)."""
+        table, index = (s.ns, t.pool), self.index
+        keys = t.keys if (lo, hi) == (0, len(t.keys)) else t.keys[lo:hi]
+        row, tag_row, bound_row = rows
         got, fps, recs = index.lookup(table, keys)
         known = fps is not None  # the lookup holds until a record comes or goes
         run: list[int] = []  # positions of new keys, reserved when the run ends
         in_run: set[str] = set()  # (a key twice: in flight once the run before it is reserved)
-        for i, (key, e) in enumerate(zip(keys, got)):
+        for i, (key, e) in enumerate(zip(keys, got), lo):
             if (e is None and key not in in_run and (i >= len(claims) or claims[i] < 0)
                     and index.get_pending(table, key) is None):
                 run.append(i)
                 in_run.add(key)
                 continue
             if run:
-                self._reserve_run(s, r, p, table, spec, keys, run, row, tag_row,
-                                  (fps, recs) if known else None)
+                self._reserve_run(s, r, p, table, spec, t.keys, run, row, tag_row,
+                                  (fps, recs, lo) if known else None)
                 run, in_run, known = [], set(), False
             known &= not self._reserve_key(s, r, p, i, table, key, e, spec, claims, ahead,
                                            present, row, tag_row, bound_row)
         if run:
-            self._reserve_run(s, r, p, table, spec, keys, run, row, tag_row,
-                              (fps, recs) if known else None)
-        return row, tag_row, bound_row
+            self._reserve_run(s, r, p, table, spec, t.keys, run, row, tag_row,
+                              (fps, recs, lo) if known else None)
 
     def _reserve_run(self, s: Session, r: Reservation, p: int, table, spec: PoolSpec,
                      keys: list[str], run: list[int], row: list[int], tag_row: list[int],
                      looked_up: tuple | None) -> None:
         """Reserve the new keys at positions ``run`` of ``keys``: those the namespace's quota
         admits without evicting its own pages at once, the rest one by one. ``looked_up``:
-        the transfer's (fps, recs) from ``PageIndex.lookup`` while they still hold."""
+        (fps, recs) from ``PageIndex.lookup`` of the keys from position ``lo`` on, while they
+        still hold, and that ``lo``."""
         admitted = self.quotas.admit_many(s.ns, spec.stride, len(run))
         fps = recs = None
         if looked_up is not None and admitted:
-            at = run[:admitted]
+            lo = looked_up[2]
+            at = [i - lo for i in run[:admitted]] if lo else run[:admitted]
             fps, recs = looked_up[0][at], looked_up[1][at]
         got = self.index.reserve_many(table, [keys[i] for i in run[:admitted]],
                                       spec.page_bytes, spec.stride, s.id, fps, recs)
@@ -214,25 +261,85 @@ class SetControl:
         return out
 
     def commit(self, s: Session, msg: P.Commit) -> P.Committed:
+        return drive(self.commit_steps(s, msg))
+
+    def commit_steps(self, s: Session, msg: P.Commit, chunk: int | None = None) -> Steps:
+        """``commit`` (step 4). A reservation of more than ``chunk`` pages (None: never) is
+        published a chunk of keys at a time, yielding between two (``slicing.py``), in an order
+        that keeps what a reader sees whole:
+
+          every pool's page of a key in one chunk   a reader never sees a key's KV page
+                                                    without its companions of the call
+          the keys from the deep end of the call's  a hit (a prefix of a chain) reaches into
+          chain (its anchor transfer) to its first  the call's pages only once every deeper
+                                                    page of it is published: at the last chunk
+
+        Its pages are recent in that order (the deep end first), and its KV events are told at
+        the end, in the call's order (those of pages still in L2). The call goes on if its
+        session ends meanwhile (its pages are written); the commit is then acknowledged to
+        nobody."""
         stored = [[False] * len(row) for row in msg.ok]
         r = self.leases.take_reservation(msg.reservation_id, s.id)
         if r is None:  # expired (or foreign): nothing published, but read all the same, so the
             self._ack(s, msg)  # client need not go through the socket to read its own writes
             return P.Committed(msg.req_id, stored)
-        done: list[Entry] = []
-        for p, i, e in r.slots:
-            if not msg.abort and p < len(msg.ok) and i < len(msg.ok[p]) and msg.ok[p][i]:
-                stored[p][i] = True
-                done.append(e)
-            else:
-                self.index.abort(e)
-        self.index.commit_many(done)  # all of the call's pages at once (step 4)
-        if self.pending_waiters:
-            for _, _, e in r.slots:
-                self._wake_pending(e)
-        self.tier.on_commit(done)
+        if not chunk or len(r.slots) <= chunk:
+            groups = [r.slots]
+        else:
+            groups = yield from self._deep_first(r, chunk)
+            told = r.slots if self.index.event_tids else None  # (its KV events, at the end)
+            r.slots = []  # each chunk's pages let go once published: no pause at the end
+        for n, group in enumerate(groups):
+            if n:
+                yield
+                groups[n - 1] = None
+            done: list[Entry] = []
+            for p, i, e in group:
+                if not msg.abort and p < len(msg.ok) and i < len(msg.ok[p]) and msg.ok[p][i]:
+                    stored[p][i] = True
+                    done.append(e)
+                else:
+                    self.index.abort(e)
+            # all of the call's pages at once (step 4): in slices, all of a chunk's keys
+            self.index.commit_many(done, events=len(groups) == 1)
+            if self.pending_waiters:
+                for _, _, e in group:
+                    self._wake_pending(e)
+            self.tier.on_commit(done)
+        if len(groups) > 1:
+            if told:
+                self.index.kv_events.stored([e for p, i, e in told
+                                             if stored[p][i] and e.committed])
+            if s.id not in self.sessions:
+                return P.Committed(msg.req_id, stored)  # (its presence word may be another's)
         self._ack(s, msg)
         return P.Committed(msg.req_id, stored)
+
+    @staticmethod
+    def _deep_first(r: Reservation, chunk: int) -> Steps:
+        """``r``'s slots in chunks of at most ``chunk`` keys (``commit_steps``), yielding while
+        it sorts them: each key's slots of every transfer together, the keys ranked by where
+        they come in the anchor transfer (then in the others), the chunk of the last keys
+        first."""
+        slots = r.slots
+        if slots[0][0] == slots[-1][0]:  # one transfer's (a key once: a second is in flight)
+            return [slots[lo:lo + chunk] for lo in range(0, len(slots), chunk)][::-1]
+        rank: dict[str, int] = {}
+        for n, (p, _, e) in enumerate(slots):
+            if p == r.anchor:
+                rank.setdefault(e.key, len(rank))
+            if n % (chunk * 4) == chunk * 4 - 1:
+                yield
+        for n, (_, _, e) in enumerate(slots):
+            rank.setdefault(e.key, len(rank))
+            if n % (chunk * 4) == chunk * 4 - 1:
+                yield
+        groups: list[list[tuple[int, int, Entry]]] = [[] for _ in range(-(-len(rank) // chunk))]
+        for n, slot in enumerate(slots):
+            groups[rank[slot[2].key] // chunk].append(slot)
+            if n % (chunk * 4) == chunk * 4 - 1:
+                yield
+        return groups[::-1]
 
     def _ack(self, s: Session, msg: P.Commit) -> None:
         """Tell the client (its word in the presence table) that its commits up to this one are

@@ -389,8 +389,10 @@ def test_daemon_serves_l2_while_master_is_down_and_recovers(master, make_daemon)
 
 
 def test_attach_detach_attach_at_runtime(master, make_daemon):
-    """The backend can be attached, detached (closed off the loop) and attached again: a second
-    Mooncake client in the same daemon process sets up and registers the arena again."""
+    """The backend can be attached, detached and attached again. A detached Mooncake client is
+    not closed while the daemon serves (its close holds the GIL ~1 s, joining its heartbeat
+    thread): it stays open, idle, and an attach with the same options takes it back (one
+    ``setup`` in all, its pages still there); other options set up a second client."""
     opts = {"master_server_address": master.address, "protocol": "tcp",
             "global_segment_size": "32MiB",
             "local_buffer_size": "4MiB", "local_hostname": "127.0.0.1"}
@@ -399,13 +401,23 @@ def test_attach_detach_attach_at_runtime(master, make_daemon):
         c.register_mem_host_pool_v2(kv_pool(seed=81), "kv")
         for round_ in range(2):
             c.attach_backend("mooncake", opts)
+            assert c.stats()["l3"]["setups"] == 1  # the first round's client, both rounds
             keys = [f"r{round_}-{i}" for i in range(3)]
             assert c.batch_set_v1(keys, pages(0, 3)) == [True] * 3
-            assert wait_until(lambda: c.stats()["l3"].get("puts") == 3)
+            assert wait_until(lambda: c.stats()["l3"].get("puts") == 3 * (round_ + 1))
             c.flush("l2")
             assert c.batch_exists(keys) == 3
             c.detach_backend()
             assert c.stats()["l3_backend"] == "none"
+            # parked once its I/O in flight (the exists' lookups) is collected
+            assert wait_until(lambda: c.stats()["l3_tier"]["parked"] == ["mooncake"])
+        c.attach_backend("mooncake", {**opts, "local_buffer_size": "8MiB"})
+        st = c.stats()
+        assert st["l3"]["setups"] == 1 and st["l3"]["puts"] == 0  # a new client
+        assert st["l3_tier"]["parked"] == ["mooncake"]  # the other one, still idle
+        assert c.batch_exists(["r0-0", "r1-2"]) == 2  # what the first one wrote is in the store
+    assert d.stop() == 0
+    assert "kept open, idle, until the daemon exits" in d.output()
 
 
 def test_sglang_precedence_rdma_default_and_segment_minimum():

@@ -124,3 +124,29 @@ def test_past_the_tables_a_record_can_name_a_new_one_is_refused_clearly(monkeypa
     with pytest.raises(ValueError, match="3 .namespace, pool. pairs"):
         ix.table_id(("ns", "d"))
     assert ix.get(("ns", "a"), "k") is not None and len(ix) == 3  # nothing else changed
+
+
+def test_forget_in_l3_clears_every_committed_pages_mark_at_once():
+    """An L3 detached (or cleared, or that lost its pages): every committed page's "in L3" mark
+    goes in one numpy pass (a walk of handles held the loop 1.7 s at 200k pages); the handles
+    of those that had it, in record order, when asked; pending pages are not the walk's."""
+    ix = make()
+    pages = [ix.reserve(KV, f"k{i}", 256, 256) for i in range(40)]
+    ix.commit_many(pages[:30])
+    marked = pages[:30:3]
+    for e in [*marked, pages[33]]:
+        e.in_l3 = True
+    assert ix.forget_in_l3() == []
+    assert not any(e.in_l3 for e in pages[:30]) and pages[33].in_l3  # (a load under way's)
+    for e in marked:
+        e.in_l3 = True
+    assert [e.key for e in ix.forget_in_l3(handles=True)] == [e.key for e in marked]
+    assert not any(e.in_l3 for e in pages[:30])
+    # one namespace's (a flush of its L3 pages): the other's keep their marks
+    other = [ix.reserve(("other", "kv"), f"k{i}", 256, 256) for i in range(5)]
+    ix.commit_many(other)
+    for e in [*marked, *other]:
+        e.in_l3 = True
+    assert ix.forget_in_l3(ns="nowhere") == []
+    assert [e.key for e in ix.forget_in_l3(handles=True, ns="other")] == [e.key for e in other]
+    assert all(e.in_l3 for e in marked) and not any(e.in_l3 for e in other)

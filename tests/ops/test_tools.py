@@ -278,6 +278,32 @@ def test_bench_pd_moves_only_the_delta_with_the_decode_radix_and_outputs_stay_eq
     assert bad.returncode == 2 and "--decode-l2 needs --nodes 2" in bad.stderr
 
 
+def test_bench_fairness_tiny_run_measures_small_calls_with_and_without_the_huge_caller(capsys):
+    """``bench_fairness.py --small``: the small clients' calls of both kinds of window, side by
+    side, the ratio of their p99, and the huge client's calls (each kind, each cycle)."""
+    r = _run("bench_fairness.py", "--small", timeout=180)
+    assert (r["clients"], r["huge_keys"], r["rounds"]) == (2, 1024, 2)
+    for phase in ("alone", "huge"):
+        for kind in ("all", "exists", "get", "set"):
+            m = r[phase][kind]
+            assert m["count"] > 0 and 0 < m["p50_ms"] <= m["p99_ms"] <= m["max_ms"], (phase, kind)
+        assert r[phase]["all"]["count"] == sum(r[phase][k]["count"]
+                                               for k in ("exists", "get", "set"))
+    assert r["ratio"]["p99_ms"] == r["huge"]["all"]["p99_ms"] / r["alone"]["all"]["p99_ms"]
+    counts = {kind: m["count"] for kind, m in r["huge_calls"].items()}
+    assert set(counts) == {"exists", "set", "get"} and len(set(counts.values())) == 1
+    assert counts["set"] >= 2  # at least one cycle in each of the two windows
+    spec = importlib.util.spec_from_file_location("bench_fairness", TOOLS / "bench_fairness.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.print_report(r)
+    out = capsys.readouterr().out
+    assert "p99 with the huge client / alone:" in out and "huge calls: exists p50" in out
+    bad = subprocess.run([sys.executable, str(TOOLS / "bench_fairness.py"), "--clients", "0"],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--clients: 0 (at least 1)" in bad.stderr
+
+
 def test_ctrl_c_sweep_sorts_each_run_and_finds_nothing_left():
     r = _run("ctrl_c_sweep.py", "--runs", "2", "--first", "0.5", "--last", "0.6",
              "--l2-size", "16MiB")

@@ -38,10 +38,13 @@ and remounts its segment by itself within ~1-2 s (puts answer -200 until then), 
 needs no new client; a client that never got set up (master down at start) is set up by a
 background thread. Two calls hold the GIL, which no helper thread can bound: ``setup`` (~90 s
 against a dead master, minutes against a hung one or a port that is no master) and ``close``
-(7-16 s against a dead master, 1-2.5 s against a live one). So before any ``setup`` in the
-daemon, the master's port is probed, then a child process must get through ``setup`` and
-``health_check`` within ``probe_timeout_s``; a client is closed only when its master answers
-and no transfer runs in it, else left open for Mooncake's own cleanup at process exit.
+(7-16 s against a dead master, 1-2.5 s against a live one: it joins the client's heartbeat
+thread). So before any ``setup`` in the daemon, the master's port is probed, then a child
+process must get through ``setup`` and ``health_check`` within ``probe_timeout_s``; a client is
+closed only when its master answers and no transfer runs in it, else left open for Mooncake's
+own cleanup at process exit. A daemon never closes one while it serves (``slow_close``): a
+detached backend stays open, idle, until the daemon exits or attaches it again with the same
+options (no new ``setup`` then either).
 
 A store that recovers from an outage may have lost its pages (a master restarted empty):
 ``take_evicted`` then answers None once, so the daemon stops counting on pages it knew stored,
@@ -103,6 +106,7 @@ class MooncakeBackend(MooncakeTransfers, L3Backend):
     """
 
     name = "mooncake"
+    slow_close = True  # ``close`` holds the GIL ~1 s against a live master (module docstring)
     clears_namespaces = True  # object keys carry the namespace digest
 
     def __init__(self, env: Mapping[str, str] | None = None, **options: object):

@@ -103,6 +103,7 @@ class L3Tier(TierWrites, TierAudit):
         self._writing_of: dict[int, int] = {}
         self._jobs_of: dict[int, int] = {}  # id(backend) -> jobs in flight
         self._retired: list[L3Backend] = []  # detached, closed when their jobs are collected
+        self._parked: list[L3Backend] = []  # detached ``slow_close`` ones, open and idle
         self._exists_failing = False
         self._writes_failing = False  # the last write job stored nothing it sent
         # (table, key) of pages this daemon stored in or loaded from L3, newest last: a get
@@ -179,19 +180,36 @@ class L3Tier(TierWrites, TierAudit):
         else:
             self.known_in_l3.forget_namespace(ns)
             self.absent_in_l3.forget_namespace(ns)
-        for e in list(self.index.entries()):
-            if ns is None or e.table[0] == ns:
-                self._lost_copy(e, dirty_again)
+        again = dirty_again and self.write_policy == "write_back" and self.attached
+        for e in self.index.forget_in_l3(handles=again, ns=ns):  # (one numpy pass: never a
+            if e not in self.dirty:  # walk of every page on the loop: seconds at 1M pages)
+                self.index.pin(e)
+                self.dirty[e] = None
 
     def _close_idle_retired(self) -> None:
         for b in [b for b in self._retired if not self._jobs_of.get(id(b))]:
             self._retired.remove(b)
             self._jobs_of.pop(id(b), None)
+            if getattr(b, "slow_close", False):  # its close stalls every thread: at the exit
+                self._parked.append(b)
+                log.info("L3 backend %s kept open, idle, until the daemon exits or attaches "
+                         "it again (closing it now would stall the daemon)", b.name)
+                continue
             threading.Thread(target=close_quietly, args=(b,), name="hicached-l3-close",
                              daemon=True).start()
 
+    def unpark(self, name: str, opened_with: dict) -> L3Backend | None:
+        """A detached ``slow_close`` backend of ``name``, open with these options, taken back
+        for an attach (``DaemonOperations.attach_backend``): no new client, no close."""
+        for b in self._parked:
+            if b.name == name and getattr(b, "opened_with", None) == opened_with:
+                self._parked.remove(b)
+                return b
+        return None
+
     def status(self) -> dict[str, Any]:
         return {"backend": self.backend.name, "attached": self.attached,
+                "parked": [b.name for b in self._parked],
                 "write_policy": self.write_policy, "write_through_threshold": self.threshold,
                 "prefetch": self.prefetch_enabled, "dirty_pages": len(self.dirty),
                 "loading_pages": len(self.loading), "jobs_in_flight": self.workers.in_flight,
@@ -450,9 +468,10 @@ class L3Tier(TierWrites, TierAudit):
 
     def close(self) -> None:
         """Detach and close every backend (daemon shutdown, after the workers stopped)."""
-        for b in [*self._retired, self.backend]:
+        for b in [*self._retired, *self._parked, self.backend]:
             close_quietly(b)
         self._retired.clear()
+        self._parked.clear()
         self.backend = NullBackend()
 
 
