@@ -46,7 +46,8 @@ def test_view_bounds(arena):
 
 def test_daemon_side_maps_without_torch(shm_path):
     """The daemon's modules and an arena's creation do not import torch (most of a daemon's
-    start when they did); the tensor view imports it on first use."""
+    start when they did), nor aiohttp without an admin port; the tensor view imports torch on
+    first use."""
     import subprocess
     import sys
 
@@ -57,6 +58,7 @@ def test_daemon_side_maps_without_torch(shm_path):
         f"a = Arena.create({shm_path!r}, 1 << 16)\n"
         "a.view(0, 2)[:] = b'ok'\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert 'aiohttp' not in sys.modules, 'aiohttp imported'\n"
         "assert bytes(a.tensor[:2].tolist()) == b'ok'\n"
         "assert 'torch' in sys.modules\n"
         "a.close()\n"

@@ -29,7 +29,6 @@ from hicached.daemon.quotas import NoQuotas, make_quotas
 from hicached.daemon.server import Daemon
 from hicached.errors import HicachedError
 from hicached.ops import interrupts
-from hicached.ops.admin import check_admin_port, start_admin
 from hicached.ops.config import DaemonConfig
 from hicached.ops.sdnotify import NullNotifier
 
@@ -114,12 +113,16 @@ def serve(config: DaemonConfig, notifier: NullNotifier | None = None,
     ``reload`` resolves the config again for SIGHUP (None: SIGHUP only logs)."""
     notifier = notifier or NullNotifier()
     raise_open_files_limit()  # before the L3 backend sizes its fd table from it
-    check_admin_port(config.admin_host, config.admin_port)  # before the arena and L3
+    admin_api = None
+    if config.admin_port:  # (aiohttp's import is half a daemon's start: only when it is used)
+        from hicached.ops import admin as admin_api
+
+        admin_api.check_admin_port(config.admin_host, config.admin_port)  # before arena and L3
     daemon = Daemon(config)
     admin = None
     reloads: list[threading.Thread] = []
     try:  # (a Ctrl-C before the handlers below are in place still closes the daemon)
-        admin = start_admin(daemon)
+        admin = admin_api.start_admin(daemon) if admin_api is not None else None
         daemon.notifier = notifier
         interrupts.check()  # a Ctrl-C an import swallowed (before the handlers below)
 
