@@ -14,6 +14,9 @@ import zmq
 
 from hicached.arena import Arena
 
+# the session-end check of /dev/shm, and the ``serial`` marker (tests that run alone under xdist)
+pytest_plugins = ["shm_leftovers", "serial_marker"]
+
 # The reference engine's tests run their models here: `HICACHED_TEST_DEVICE=cuda pytest
 # tests/engine/` on a GPU machine (CPU by default; CI has no GPU).
 TEST_DEVICE = os.environ.get("HICACHED_TEST_DEVICE", "cpu")
@@ -71,6 +74,9 @@ class DaemonProc:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hicached", "serve", *self.args],
             stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        from shm_leftovers import spawned  # (a plugin: imported once pytest loaded it)
+
+        spawned(self.proc.pid)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
