@@ -42,6 +42,7 @@ def arena(shm_path):
 # ---------------------------------------------------------------- real daemons
 
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -118,6 +119,21 @@ class DaemonProc:
             except FileNotFoundError:
                 pass
         self.log.close()
+
+
+def age_heartbeat(d: DaemonProc, by_s: float) -> None:
+    """Make the presence table's heartbeat of ``d``, a daemon stopped (SIGSTOP) or killed, so
+    that nothing writes it, ``by_s`` seconds older: what its readers see once that long passed
+    (``presence.STALE_S``), without waiting it out."""
+    from hicached.presence import H_HEARTBEAT
+
+    fd = os.open(d.cfg.arena_path + ".presence", os.O_RDWR)
+    try:
+        at = H_HEARTBEAT * 8
+        beat = struct.unpack("d", os.pread(fd, 8, at))[0]
+        os.pwrite(fd, struct.pack("d", beat - by_s), at)
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture
