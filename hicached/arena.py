@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Callable
 
-import torch
+import numpy as np
 
 from hicached.errors import ArenaError
 
@@ -58,10 +58,10 @@ def _reserve(fd: int, size_bytes: int, path: str, what: str,
             f"(is /dev/shm large enough? see `df -h /dev/shm`): {e}"
         ) from e
     buf = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    pages = torch.frombuffer(buf, dtype=torch.uint8, count=size_bytes)
+    pages = np.frombuffer(buf, dtype=np.uint8, count=size_bytes)
     try:
         for off in range(0, size_bytes, RESERVE_STEP):
-            pages[off:off + RESERVE_STEP:PAGE].zero_()  # the file is new: its bytes are 0
+            pages[off:off + RESERVE_STEP:PAGE] = 0  # the file is new: its bytes are 0
             if progress is not None:
                 progress((size_bytes + min(off + RESERVE_STEP, size_bytes)) // 2, size_bytes)
     except BaseException:
@@ -177,8 +177,20 @@ class Arena:
         self.ident: tuple[int, int] | None = None  # (device, inode) of the file a client mapped
         self.buffer = buffer
         self.owner = owner
-        self.tensor = torch.frombuffer(buffer, dtype=torch.uint8, count=size_bytes)
+        self._tensor = None  # made on first use: the daemon maps arenas without importing torch
         self._closed = False
+
+    @property
+    def tensor(self):
+        """The 1-D ``torch.uint8`` CPU view of the whole arena (None once closed). Made on first
+        use, so that a process that never copies pages through torch (the daemon without a
+        Mooncake backend) does not import it: torch's import is most of a daemon's start."""
+        buffer = self.buffer  # (read once: close() may run on another thread)
+        if self._tensor is None and buffer is not None:
+            import torch
+
+            self._tensor = torch.frombuffer(buffer, dtype=torch.uint8, count=self.size_bytes)
+        return self._tensor
 
     @classmethod
     def create(cls, path: str, size_bytes: int, mode: int = 0o600,
@@ -232,7 +244,7 @@ class Arena:
         if self._closed:
             return
         self._closed = True
-        self.tensor = None
+        self._tensor = None
         self.buffer = None
         if self.owner:
             release_mapped(self.path)

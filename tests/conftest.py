@@ -14,6 +14,9 @@ import zmq
 
 from hicached.arena import Arena
 
+# the session-end check of /dev/shm, and the ``serial`` marker (tests that run alone under xdist)
+pytest_plugins = ["shm_leftovers", "serial_marker"]
+
 # The reference engine's tests run their models here: `HICACHED_TEST_DEVICE=cuda pytest
 # tests/engine/` on a GPU machine (CPU by default; CI has no GPU).
 TEST_DEVICE = os.environ.get("HICACHED_TEST_DEVICE", "cpu")
@@ -39,6 +42,7 @@ def arena(shm_path):
 # ---------------------------------------------------------------- real daemons
 
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -71,6 +75,9 @@ class DaemonProc:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hicached", "serve", *self.args],
             stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        from shm_leftovers import spawned  # (a plugin: imported once pytest loaded it)
+
+        spawned(self.proc.pid)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -112,6 +119,21 @@ class DaemonProc:
             except FileNotFoundError:
                 pass
         self.log.close()
+
+
+def age_heartbeat(d: DaemonProc, by_s: float) -> None:
+    """Make the presence table's heartbeat of ``d``, a daemon stopped (SIGSTOP) or killed, so
+    that nothing writes it, ``by_s`` seconds older: what its readers see once that long passed
+    (``presence.STALE_S``), without waiting it out."""
+    from hicached.presence import H_HEARTBEAT
+
+    fd = os.open(d.cfg.arena_path + ".presence", os.O_RDWR)
+    try:
+        at = H_HEARTBEAT * 8
+        beat = struct.unpack("d", os.pread(fd, 8, at))[0]
+        os.pwrite(fd, struct.pack("d", beat - by_s), at)
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture

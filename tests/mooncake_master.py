@@ -33,31 +33,70 @@ def free_port():
         return s.getsockname()[1]
 
 
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a socket listening on TCP ``port``. A port from
+    ``free_port`` is free only until someone binds it: another run's process may take it
+    first, and a connect would then reach that one (under xdist, or other runs on the node)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()  # sl local_address rem_address st ... inode
+            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                inodes.add(f"socket:[{cols[9]}]")
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 class Master:
     """A ``mooncake_master`` on 127.0.0.1 (RPC and metrics), started and stopped by PID."""
 
     def __init__(self, log_path):
         self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         self.proc = None
+        self._told = False  # whether anyone was given the address (then the port stays)
 
-    def start(self):
+    @property
+    def address(self) -> str:
+        self._told = True
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, tries=5):
+        """Start it and wait until it listens on its port. While nobody was given its address,
+        it takes another port when another process took this one first; after that (a restart,
+        a master started after its clients) the port stays, and a taken one is an error."""
         binary = os.path.join(os.path.dirname(require_mooncake().__file__), "mooncake_master")
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
-                 f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1"],
-                stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return self
-            except OSError:
-                assert self.proc.poll() is None, self.log_path.read_text()[-2000:]
+        for _ in range(tries):
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    [binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
+                     f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1"],
+                    stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                if listens(self.proc.pid, self.port):
+                    return self
                 time.sleep(0.05)
-        raise RuntimeError(f"mooncake_master did not listen on {self.port}")
+            self.stop()  # (it could not bind: another process took the port meanwhile)
+            if self._told:
+                break
+            self.port = free_port()
+        raise RuntimeError(f"mooncake_master did not listen on port {self.port} (taken by another "
+                           "process?); its log ends: " + self.log_path.read_text()[-2000:])
 
     def kill(self):
         os.kill(self.proc.pid, signal.SIGKILL)

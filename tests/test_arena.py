@@ -42,3 +42,29 @@ def test_attach_size_mismatch_and_missing(shm_path):
 def test_view_bounds(arena):
     with pytest.raises(ArenaError, match="outside arena"):
         arena.view(arena.size_bytes - 10, 11)
+
+
+def test_daemon_side_maps_without_torch(shm_path):
+    """The daemon's modules and an arena's creation do not import torch (most of a daemon's
+    start when they did), nor aiohttp without an admin port; the tensor view imports torch on
+    first use."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import hicached.ops.cli, hicached.ops.serve\n"
+        "from hicached.arena import Arena\n"
+        f"a = Arena.create({shm_path!r}, 1 << 16)\n"
+        "a.view(0, 2)[:] = b'ok'\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert 'aiohttp' not in sys.modules, 'aiohttp imported'\n"
+        "assert bytes(a.tensor[:2].tolist()) == b'ok'\n"
+        "assert 'torch' in sys.modules\n"
+        "a.close()\n"
+        "assert a.tensor is None\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert not os.path.exists(shm_path)

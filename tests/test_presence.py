@@ -9,11 +9,12 @@ import time
 import pytest
 import torch
 from admin_helpers import admin_daemon, sample, scrape
-from conftest import RacingWriter, wait_until
+from conftest import RacingWriter, age_heartbeat, wait_until
 from pools import indexer_pool, kv_pool, mamba_pool, pages
 
 from hicached import PoolTransfer
 from hicached.errors import DaemonUnavailable
+from hicached.presence import STALE_S
 
 
 def hexkeys(n, tag=0, width=64):
@@ -168,7 +169,7 @@ def test_daemon_gone_or_restarted_or_table_off(make_daemon):
         c.batch_set_v2([PoolTransfer("kv", pages(0, 8), keys=keys)])
         assert c.batch_exists(keys) == 8
         daemon.stop(signal.SIGKILL)  # no CLOSED flag: the heartbeat goes stale
-        time.sleep(1.2)
+        age_heartbeat(daemon, STALE_S + 0.1)  # (as if that long passed)
         with pytest.raises(DaemonUnavailable):
             c.batch_exists(keys)
         daemon.start()  # a new daemon (new epoch, empty L2) at the same paths

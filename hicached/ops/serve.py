@@ -32,7 +32,6 @@ from hicached.daemon.quotas import NoQuotas, make_quotas
 from hicached.daemon.server import Daemon
 from hicached.errors import HicachedError
 from hicached.ops import interrupts
-from hicached.ops.admin import check_admin_port, start_admin
 from hicached.ops.config import DaemonConfig
 from hicached.ops.phases import Phases
 from hicached.ops.sdnotify import NullNotifier
@@ -121,13 +120,17 @@ def serve(config: DaemonConfig, notifier: NullNotifier | None = None,
     notifier = notifier or NullNotifier()
     phases = phases or Phases()
     raise_open_files_limit()  # before the L3 backend sizes its fd table from it
-    check_admin_port(config.admin_host, config.admin_port)  # before the arena and L3
+    admin_api = None
+    if config.admin_port:  # (aiohttp's import is half a daemon's start: only when it is used)
+        from hicached.ops import admin as admin_api
+
+        admin_api.check_admin_port(config.admin_host, config.admin_port)  # before arena and L3
     interrupts.switch(interrupts.RECORD)  # from here the start makes things it must undo
     daemon = Daemon(config, on_phase=phases.reach)
     admin = None
     reloads: list[threading.Thread] = []
     try:  # (a Ctrl-C before the handlers below are in place still closes the daemon)
-        admin = start_admin(daemon)
+        admin = admin_api.start_admin(daemon) if admin_api is not None else None
         daemon.notifier = notifier
         phases.reach("admin")
 

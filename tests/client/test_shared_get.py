@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from admin_helpers import admin_daemon, sample, scrape
-from conftest import RacingWriter, wait_until
+from conftest import RacingWriter, age_heartbeat, wait_until
 from pools import indexer_pool
 from pools import pages as indexer_tokens
 
@@ -22,6 +22,7 @@ from hicached.errors import ArenaError, DaemonUnavailable
 from hicached.presence import (
     F_OVERFLOW,
     H_TAGS,
+    STALE_S,
     PresenceTable,
     PresenceView,
     fingerprint,
@@ -356,7 +357,7 @@ def test_a_dead_daemons_slots_are_not_read_once_its_heartbeat_is_stale(daemon):
         assert load(c, ["d0"])[0] == [True]
         daemon.proc.send_signal(signal.SIGKILL)
         daemon.proc.wait(10)
-        time.sleep(1.2)  # presence.STALE_S
+        age_heartbeat(daemon, STALE_S + 0.1)  # (dead: nothing beats; as if that long passed)
         assert not c._shared.view.alive()
         with pytest.raises(DaemonUnavailable):
             load(c, ["d0"])

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import wait_until
+from conftest import age_heartbeat, wait_until
 from sglang_env import (
     PAGE,
     SGLangLikePool,
@@ -264,7 +264,7 @@ def test_daemon_down_or_slow_is_a_counted_miss(sg, plugin, make_daemon, tmp_path
     assert b.batch_exists(keys) == 4
     d.proc.send_signal(signal.SIGSTOP)  # alive but not answering: slow = miss
     try:
-        time.sleep(STALE_S + 0.1)  # the shared table's heartbeat is stale: exists ask the socket
+        age_heartbeat(d, STALE_S + 0.1)  # the table's heartbeat is stale: exists ask the socket
         t = time.monotonic()
         assert b.batch_exists(keys) == 0
         assert time.monotonic() - t < 3.0
@@ -276,7 +276,7 @@ def test_daemon_down_or_slow_is_a_counted_miss(sg, plugin, make_daemon, tmp_path
     time.sleep(0.25)
     assert b.batch_exists(keys) == 4
     d.stop(signal.SIGKILL)  # died: its socket file stays behind; calls miss at once
-    time.sleep(STALE_S + 0.1)  # (once its table's heartbeat is stale: exists ask the socket)
+    age_heartbeat(d, STALE_S + 0.1)  # (once its table's heartbeat is stale: exists ask the socket)
     t = time.monotonic()
     for _ in range(3):
         assert b.batch_exists(keys) == 0
