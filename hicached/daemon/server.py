@@ -129,6 +129,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             self.controller.ahead_session_bytes = config.set_ahead_bytes
             self.controller.ahead_total_bytes = config.l2_size // 8  # idle slots: at most 1/8
             self.controller.reclaim.attach(config.evict_ahead, self._request_waits)
+            self.controller.slicer.attach(self._request_waits)
             self.controller.kv_events = make_kv_events(config, self.index, self.tier)
             self.ctx = zmq.Context()
             self.sock = self._bind(config.endpoint)

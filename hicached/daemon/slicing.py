@@ -11,8 +11,9 @@ Lease (and the Release of a lease) are generators ("steps") that yield between c
   a call of at most SLICE_KEYS keys (and released pages)   run to its end at once: no pause
   a larger one                                             a ``SlicedCall``: at most
                                                            ``slice_s`` of it per turn of the
-                                                           loop, the other clients' requests
-                                                           served between two slices
+                                                           loop (one chunk once a request
+                                                           waits), the other clients'
+                                                           requests served between two slices
 
 One code path for both (``drive`` runs the steps without pausing), so a sliced call answers
 what the unsliced one answers, and leaves the same state, when nothing else runs between its
@@ -154,6 +155,12 @@ class Slicer:
         self.held: dict[bytes, deque] = {}  # identity -> requests waiting behind its call
         self.counters = {"sliced_calls": 0, "slices": 0, "held_requests": 0,
                          "refused_requests": 0}
+        self.waiting: Callable[[], bool] = lambda: False  # a request waits (``attach``)
+
+    def attach(self, waiting: Callable[[], bool]) -> None:
+        """A daemon's: a slice ends after the chunk under way once ``waiting()`` (a request
+        waits in the socket), so a request waits for at most one chunk of a huge call."""
+        self.waiting = waiting
 
     @property
     def active(self) -> bool:
@@ -206,17 +213,19 @@ class Slicer:
     # ------------------------------------------------------------ slices
 
     def step(self) -> None:
-        """One slice (at most ``slice_s``, one chunk at least) of the call whose turn it is."""
+        """One slice of the call whose turn it is: one chunk at least, then more until
+        ``slice_s`` has passed or a request waits."""
         if not self.calls:
             return
         call = self.calls.popleft()
         call.slices += 1
         self.counters["slices"] += 1
         deadline = self.clock() + self.slice_s
+        waiting = self.waiting
         try:
             while True:
                 next(call.steps)
-                if self.clock() >= deadline:
+                if self.clock() >= deadline or waiting():
                     break
         except StopIteration as stop:
             self._finish(call, stop.value)
@@ -243,11 +252,12 @@ class Slicer:
     def finish_now(self) -> None:
         """Work every call under way to its end at once (shutdown)."""
         slice_s, self.slice_s = self.slice_s, float("inf")
+        waiting, self.waiting = self.waiting, lambda: False
         try:
             while self.calls:
                 self.step()
         finally:
-            self.slice_s = slice_s
+            self.slice_s, self.waiting = slice_s, waiting
 
     def status(self) -> dict:
         """The calls under way (stats, ``hicached status``) and the counters."""

@@ -99,6 +99,19 @@ def test_calls_take_turns_a_slice_each_and_a_clients_requests_wait_for_its_call(
     assert not s.holds(b"c")
 
 
+def test_a_slice_ends_after_its_chunk_once_a_request_waits():
+    log, waits = [], []
+    s = Slicer(slice_s=60.0)
+    s.attach(lambda: bool(waits))
+    s.start(steps(log, "a", 5), lambda _: None)
+    waits.append(1)  # a request in the socket: one chunk, then the loop reads it
+    s.step()
+    assert log == [("a", 0)]
+    waits.clear()  # none: chunks until the slice's time is over (here: to the end)
+    s.step()
+    assert len(log) == 5 and not s.active
+
+
 def test_requests_past_the_bound_are_refused(monkeypatch):
     monkeypatch.setattr(slicing, "MAX_HELD", 2)
     s = Slicer()
