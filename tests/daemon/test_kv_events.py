@@ -239,10 +239,10 @@ def test_replay_serves_the_batches_after_a_gap(tmp_path):
         r = Router(tmp_path)
         try:
             with client(d) as c:
-                for i in range(3):
+                for i in range(3):  # one batch each: the next set once this one's is out
                     c.batch_set_v2([PoolTransfer("kv", pages(2 * i, 2),
                                                  keys=keys[2 * i:2 * i + 2])])
-                seen = r.batches(lambda s: len(s) >= 3)
+                    seen = r.batches(lambda s, n=i + 1: len(s) >= n)
                 replayed = r.replay(1)  # a router that lost batch 1 on
                 assert r.replay(99) == []
         finally:
