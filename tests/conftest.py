@@ -121,6 +121,32 @@ class DaemonProc:
         self.log.close()
 
 
+def sigstop(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped. The signal alone does not
+    stop it at once: the thread the kernel picks to take it must run first, and on a loaded
+    machine another thread of the process may answer a request meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            return  # (gone)
+        states = []
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # (a thread that ended)
+        if all(st in "TtZX" for st in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} not stopped {timeout_s} s after SIGSTOP: "
+                                 f"thread states {states}")
+        time.sleep(0.001)
+
+
 def age_heartbeat(d: DaemonProc, by_s: float) -> None:
     """Make the presence table's heartbeat of ``d``, a daemon stopped (SIGSTOP) or killed, so
     that nothing writes it, ``by_s`` seconds older: what its readers see once that long passed

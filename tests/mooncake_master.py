@@ -103,7 +103,13 @@ class Master:
         self.proc.wait()
 
     def pause(self, paused=True):
-        os.kill(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+        """Stop it (returns once it is stopped: ``conftest.sigstop``), or let it go on."""
+        from conftest import sigstop
+
+        if paused:
+            sigstop(self.proc.pid)
+        else:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     def stop(self):
         if self.proc is None or self.proc.poll() is not None:

@@ -18,7 +18,7 @@ delays spread evenly from ``--first`` to ``--last`` s, and sorts the ends:
   other         anything else (the status and the last line are shown)
 
 and whether the arena file was left in /dev/shm (it never may be). A run is a fresh process, so
-the delays land in the interpreter's start, the imports (torch's), the arena's reservation and,
+the delays land in the interpreter's start, the imports, the arena's reservation and,
 for late delays and small arenas, after ready.
 
     PYTHONPATH=$PWD python tools/ctrl_c_sweep.py [--runs 40] [--first 0.05] [--last 1.6]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import wait_until
+from conftest import sigstop, wait_until
 
 from hicached import HostPool, LengthMismatch, PoolHitPolicy, PoolTransfer, UnknownPool
 from hicached.client.prefetch import BestEffort, Timeout, WaitComplete, make_policy
@@ -129,7 +129,7 @@ def test_timeout_policy_deadline_with_a_stalled_daemon(daemon):
         assert gate.reached.wait(10)
         assert not op.should_stop(now=op.started_s + deadline - 0.01)
         assert op.should_stop(now=op.started_s + deadline + 0.01)
-        daemon.proc.send_signal(signal.SIGSTOP)  # the next chunk will hang on the daemon
+        sigstop(daemon.proc.pid)  # the next chunk will hang on the daemon
         try:
             gate.opened.set()
             assert wait_until(lambda: op.should_stop(), timeout_s=5)  # real clock
@@ -201,7 +201,7 @@ def test_daemon_gone_mid_prefetch_ends_it_with_the_error(make_daemon):
         gate = Gate(after=1)
         op = c.prefetch(keys, pages(20, 8), policy="timeout", chunk_pages=2, on_progress=gate)
         assert gate.reached.wait(10)
-        d.proc.send_signal(signal.SIGSTOP)
+        sigstop(d.proc.pid)
         try:
             gate.opened.set()
             assert op.wait(10)

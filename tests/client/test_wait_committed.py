@@ -5,6 +5,7 @@ so when it cannot know (a stopped daemon, a dropped socket)."""
 import signal
 
 import pytest
+from conftest import sigstop
 from pools import kv_pool, pages
 
 from hicached import PoolTransfer
@@ -48,7 +49,7 @@ def test_a_stopped_daemon_then_a_dropped_socket_raise(daemon):
     with daemon.client(NS, shared_exists=False, shared_gets=False, timeout_s=1.0) as c:
         c.register_mem_host_pool_v2(kv_pool(seed=1), "kv")
         assert all(c.batch_set_v2([PoolTransfer("kv", pages(0, 2), keys=["a", "b"])])["kv"])
-        daemon.proc.send_signal(signal.SIGSTOP)
+        sigstop(daemon.proc.pid)
         try:
             with pytest.raises(DaemonUnavailable, match="no answer"):
                 c.wait_committed(0.3)

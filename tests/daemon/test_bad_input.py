@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import torch
 import zmq
-from conftest import raw_socket
+from conftest import raw_socket, sigstop
 from pools import kv_pool, mamba_pool, pages
 
 from hicached import HostPool, PoolTransfer
@@ -150,7 +150,7 @@ def test_unreachable_daemon_fails_fast(tmp_path, daemon):
         Client(f"ipc://{tmp_path}/nobody.sock", "ns")
     assert time.monotonic() - t < 1.0
     c = daemon.client(timeout_s=0.5)
-    daemon.proc.send_signal(signal.SIGSTOP)  # alive but not answering
+    sigstop(daemon.proc.pid)  # alive but not answering
     try:
         t = time.monotonic()
         with pytest.raises(DaemonUnavailable, match="within 0.5s"):

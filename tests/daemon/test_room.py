@@ -118,6 +118,7 @@ def _mem_available():
     pytest.skip("no MemAvailable in /proc/meminfo")
 
 
+@pytest.mark.serial  # reads the machine's free memory: no other test may take or free some
 def test_read_room_of_this_machine():
     room = read_room("/dev/shm")
     st = os.statvfs("/dev/shm")
@@ -137,6 +138,7 @@ def test_allocated_bytes_of_an_old_arena(tmp_path):
     assert allocated_bytes(path) == 0
 
 
+@pytest.mark.serial  # reads the machine's free memory: no other test may take or free some
 def test_serve_refuses_more_than_the_machine_has_and_touches_nobody(tmp_path):
     st = os.statvfs("/dev/shm")
     too_much = _mem_available() + st.f_bavail * st.f_frsize + GiB

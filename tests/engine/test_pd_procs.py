@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from conftest import sigstop
 
 from hicached.client.api import Client
 from hicached.engine.config import EngineConfig
@@ -138,7 +139,7 @@ def test_a_killed_decode_leaves_nothing_pinned_after_the_lease_ttl(make_daemon, 
             if admin.stats()["leases"] == 0:
                 time.sleep(0.002)
                 continue
-            os.kill(decode.proc.pid, signal.SIGSTOP)
+            sigstop(decode.proc.pid)
             time.sleep(0.2)  # a release already sent would have reached the daemon
             if admin.stats()["leases"] > 0:
                 break

@@ -10,7 +10,7 @@ import sys
 import time
 
 from admin_helpers import KEY, admin_daemon, free_port
-from conftest import wait_until
+from conftest import sigstop, wait_until
 from pools import kv_pool, pages
 
 from hicached import PoolTransfer
@@ -277,7 +277,7 @@ def test_status_tells_nothing_there_from_a_slow_or_stopped_daemon(make_daemon):
         ctx.term()
 
     d = make_daemon()
-    d.proc.send_signal(signal.SIGSTOP)
+    sigstop(d.proc.pid)
     try:
         start = time.monotonic()
         rc, out, err = cli("status", "--endpoint", d.endpoint)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import age_heartbeat, wait_until
+from conftest import age_heartbeat, sigstop, wait_until
 from sglang_env import (
     PAGE,
     SGLangLikePool,
@@ -262,7 +262,7 @@ def test_daemon_down_or_slow_is_a_counted_miss(sg, plugin, make_daemon, tmp_path
     time.sleep(0.25)  # past retry_interval_s
     assert b.batch_set_v1(keys, idx(0, 4)) == [True] * 4
     assert b.batch_exists(keys) == 4
-    d.proc.send_signal(signal.SIGSTOP)  # alive but not answering: slow = miss
+    sigstop(d.proc.pid)  # alive but not answering: slow = miss
     try:
         age_heartbeat(d, STALE_S + 0.1)  # the table's heartbeat is stale: exists ask the socket
         t = time.monotonic()
