@@ -395,6 +395,11 @@ def trace_file_main(args) -> None:
     if "lru" not in args.policies:
         raise SystemExit(f"--policies: {','.join(args.policies)!r} lacks lru (the ratios are "
                          f"to it)")
+    state_bytes = args.state_pages * mooncake_trace.KV_PAGE_BYTES
+    if not 1 <= args.state_pages <= 256 or args.slab_size % 64 or args.slab_size < state_bytes:
+        raise SystemExit(f"--state-pages must be in 1..256 (got {args.state_pages}) and "
+                         f"--slab-size a multiple of 64 holding a state ({state_bytes} bytes), "
+                         f"got {args.slab_size}")
     if args.speedup < 0 or args.sample_every < 0:
         raise SystemExit(f"--speedup ({args.speedup}) and --sample-every ({args.sample_every}) "
                          f"must be >= 0")
