@@ -135,11 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pressure_prefix: {L2_BYTES >> 20} MiB arena, {SLAB_BYTES >> 20} MiB slabs, "
           f"{CHAINS} chains of {CHAIN_PAGES} KV pages of {KV_PAGE_BYTES >> 10} KiB + a "
           f"{STATE_BYTES:,} B state every {STATE_EVERY}th page; {' '.join(PINNED)}")
-    print("policy     chain  KV pages  states (at pages)          usable prefix  orphan KV")
+    print("policy     chain  KV pages  states (at pages)         usable prefix  orphan KV")
     for policy, ks in out.items():
         for k in ks:
-            print(f"{policy:<10s} {k.chain:5d}  {k.kv_pages:8d}  {len(k.state_pages):2d} "
-                  f"{str(list(k.state_pages))[:24]:<24s}  {k.usable_pages:13d}  "
+            at = k.state_pages
+            pages = ", ".join(map(str, at)) if len(at) <= 3 else f"{at[0]}, {at[1]}, ..., {at[-1]}"
+            print(f"{policy:<10s} {k.chain:5d}  {k.kv_pages:8d}  {len(at):2d} ({pages})"
+                  f"{'':<{max(0, 21 - len(pages))}s}  {k.usable_pages:13d}  "
                   f"{k.orphan_kv_pages:9d}")
     return 0
 

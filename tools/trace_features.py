@@ -15,6 +15,9 @@ the keys it has seen as metadata):
               buckets 0 (none), < 1 s, < 10 s, < 1 min, < 5 min, < 20 min, more
     length    the request's full pages (log2 buckets)
     last      the page is the prompt's last full page
+    new       the pages the request stores, past what was seen (log2 buckets)
+    turns     earlier requests that ended on the chain the new pages extend (a conversation's
+              turns so far; 5 and more in one bucket)
 
 and its label with hindsight: read again by a later request (a hit over it, nothing evicted).
 Per feature the table gives its values' read-again frequencies and the AUC of ranking pages by
@@ -54,7 +57,7 @@ import mooncake_trace
 from hybrid_oracle import _hit, _read, _stored, _uses, simulate
 from hybrid_trace import Trace, parse_budgets, summary
 
-FEATURES = ("depth", "extends", "reads", "gap", "length", "last")
+FEATURES = ("depth", "extends", "reads", "gap", "length", "last", "new", "turns")
 GAPS_S = (1, 10, 60, 300, 1200)
 THETAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7)
 TAUS_S = (10, 30, 60, 300, 1200)
@@ -87,6 +90,8 @@ def _classes(trace: Trace) -> tuple[list[list[tuple]], list[list[bool]]]:
     uses = _uses(trace)
     seen: set[int] = set()
     kids: dict[int, int] = {}
+    ends: set[int] = set()
+    turns: dict[int, int] = {}  # key -> requests that ended on its chain above it, when stored
     reads: dict[int, int] = {}
     last_use: dict[int, float] = {}
     times = trace.times_ms
@@ -99,10 +104,12 @@ def _classes(trace: Trace) -> tuple[list[list[tuple]], list[list[bool]]]:
         at = ids[hit - 1] if hit else -1
         extends = 0 if not hit else (2 if kids.get(at, 0) else 1)
         gap = now - last_use[at] if hit else None
+        turn = turns.get(at, 0) + (at in ends) if hit else 0
         shape = (extends, _log2b(reads.get(at, 0)), _gap(gap), _log2b(n))
         mine, lab = [], []
         for j in range(hit, n):
-            mine.append((_log2b(j), *shape, j == n - 1))
+            turns[ids[j]] = turn
+            mine.append((_log2b(j), *shape, j == n - 1, _log2b(n - hit), min(turn, 5)))
             seq = uses.get(2 * ids[j], ())
             lab.append(bisect.bisect_right(seq, i) < len(seq))
         feats.append(mine)
@@ -115,6 +122,8 @@ def _classes(trace: Trace) -> tuple[list[list[tuple]], list[list[bool]]]:
             seen.add(ids[j])
             if j:
                 kids[ids[j - 1]] = kids.get(ids[j - 1], 0) + 1
+        if n:
+            ends.add(ids[n - 1])
     return feats, labels
 
 
