@@ -451,7 +451,9 @@ def main() -> None:
         ap.set_defaults(requests=120, budgets=[10, 25], slab_size=1 << 20, sample_every=20)
         args = ap.parse_args()
     if args.trace_file is not None:  # a trace file's own defaults; flags given still win
-        ap.set_defaults(budgets=[2, 5, 10, 25], state_pages=6, slab_size=256 << 10,
+        from mooncake_trace import STATE_PAGES
+
+        ap.set_defaults(budgets=[2, 5, 10, 25], state_pages=STATE_PAGES, slab_size=256 << 10,
                         sample_every=0, warmup=0.0)
         args = ap.parse_args()
         return trace_file_main(args)

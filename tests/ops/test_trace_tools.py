@@ -188,6 +188,17 @@ def test_bench_replays_a_trace_file_through_real_daemons(tmp_path):
             assert run["hit_rate"] == pytest.approx(ceiling, abs=1e-12)
             assert run["orphans_max_share"] == 0 and run["set_refused"] == 0
         assert unbounded["oracle"]["lru"] == ceiling
+    for bad, says in ((["--geometry", "mla"], "--geometry: 'mla'"),
+                      (["--policies", "prefix"], "--policies: 'prefix' lacks lru"),
+                      (["--slab-size", "4096"], "holding a state (6144 bytes), got 4096")):
+        out = subprocess.run([sys.executable, str(TOOLS / "bench_hybrid_cache.py"),
+                              "--trace-file", str(f), *bad], check=False, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 1 and says in out.stderr, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, str(TOOLS / "bench_hybrid_cache.py"), "--trace-file",
+                          str(tmp_path / "none.jsonl")], check=False, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and "none.jsonl': no such file" in out.stderr
 
 
 @pytest.mark.skipif(not (REAL / "conversation_trace.jsonl").exists(),
