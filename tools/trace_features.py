@@ -28,6 +28,11 @@ Policies (``simulate``; budgets in bytes as the oracle's):
 
     visible_all   hindsight: LRU, with a page whose class (every feature) was read again less
                   often than theta stored at the LRU end; the best theta of ``THETAS``
+    visible_online  ``visible_all``'s rule with each class's frequency learned online (first
+                  reads so far over pages stored so far): what the hindsight fit is worth
+                  without hindsight; classes of every feature, or of ``SUBSETS``' few; the
+                  best theta reported with all of them (theta 1: every new page at the LRU
+                  end, LRU's insertion policy "LIP", whatever its class)
     atc           online (ATC '25's "KVCache in the Wild" in spirit): each class's reuse
                   probability learned so far (first reads over pages stored, +1/+2 prior), a
                   page's priority log(p) + its last use / tau (exponential decay with trace
@@ -59,7 +64,8 @@ from hybrid_trace import Trace, parse_budgets, summary
 
 FEATURES = ("depth", "extends", "reads", "gap", "length", "last", "new", "turns")
 GAPS_S = (1, 10, 60, 300, 1200)
-THETAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7)
+THETAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)  # 1.0: every new page demoted (LIP)
+SUBSETS = {"all": FEATURES, "new+gap+depth": ("new", "gap", "depth")}  # visible_online's classes
 TAUS_S = (10, 30, 60, 300, 1200)
 
 
@@ -165,17 +171,29 @@ def hindsight(trace: Trace) -> dict:
     return out
 
 
-def _demoted_lru(trace: Trace, budget: int, feats, freq: dict, theta: float) -> float:
+def _demoted_lru(trace: Trace, budget: int, feats, freq: dict | None, theta: float) -> float:
     """LRU in bytes, a stored page whose class reads again less often than ``theta`` at the
-    LRU end (attention-only: KV pages alone)."""
+    LRU end (attention-only: KV pages alone). ``freq``: class -> read-again frequency (with
+    hindsight); None: learned online, each class's first reads so far over its pages stored so
+    far (+1 / +2: a class not seen yet is not demoted)."""
     order: OrderedDict[int, None] = OrderedDict()
     size, used, hit_pages, pages = trace.kv_page_bytes, 0, 0, 0
+    learn = freq is None
+    cls_of: dict[int, tuple] = {}
+    counts: dict[tuple, list[int]] = {}  # class -> [first reads, pages stored]
+    if learn:
+        freq = {}
     for i, req in enumerate(trace.requests):
         hit = _hit(trace, req, order.__contains__)
         hit_pages += hit
         pages += req.prompt_pages
         for item in _read(trace, req, hit):
             order.move_to_end(item)
+            c = cls_of.pop(item, None) if learn else None
+            if c is not None:
+                n = counts[c]
+                n[0] += 1
+                freq[c] = (n[0] + 1) / (n[1] + 2)
         cls = dict(zip((2 * x for x in req.ids[len(req.ids) - len(feats[i]):]), feats[i],
                        strict=True))
         for item in _stored(trace, req, hit):
@@ -185,6 +203,11 @@ def _demoted_lru(trace: Trace, budget: int, feats, freq: dict, theta: float) -> 
             order[item] = None
             used += size
             c = cls.get(item)
+            if learn and c is not None:
+                cls_of[item] = c
+                n = counts.setdefault(c, [0, 0])
+                n[1] += 1
+                freq[c] = (n[0] + 1) / (n[1] + 2)
             if c is not None and freq.get(c, 1.0) < theta:
                 order.move_to_end(item, last=False)
         while used > budget:
@@ -291,6 +314,20 @@ def _fitted(trace: Trace) -> dict:
     return {v: a / t for v, (a, t) in counts.items()}
 
 
+def visible_online(trace: Trace, budget: int) -> dict:
+    """``visible_online``: ``visible_all``'s rule with the frequencies learned as it goes, per
+    class of ``SUBSETS`` (every feature; a few coarse ones, learned sooner)."""
+    feats, _ = classes(trace)
+    out = {}
+    for name, subset in SUBSETS.items():
+        k = [FEATURES.index(f) for f in subset]
+        proj = [[tuple(f[j] for j in k) for f in fs] for fs in feats]
+        rates = {t: _demoted_lru(trace, budget, proj, None, t) for t in THETAS}
+        best = max(rates, key=lambda t: (rates[t], -t))
+        out[name] = {"hit_rate": rates[best], "theta": best, "by_theta": rates}
+    return out
+
+
 def online(trace: Trace, budget: int) -> dict:
     """``atc``, ``leaf_freq`` and ``atc_hindsight`` at every tau of ``TAUS_S``."""
     out = {name: {tau: _scored(trace, budget, tau, name == "leaf_freq") for tau in TAUS_S}
@@ -320,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"budget_pct": pct, **{p: simulate(trace, budget, p, 0, 0)["hit_rate"]
                                      for p in ("lru", "leaf", "admit_store", "belady")}}
         row["visible_all"] = visible_all(trace, budget)
+        row["visible_online"] = visible_online(trace, budget)
         row["online"] = online(trace, budget)
         rows.append(row)
     if args.json:
@@ -333,19 +371,19 @@ def main(argv: list[str] | None = None) -> int:
         vals = "" if f["table"] is None else "  ".join(
             f"{v}: {t['pages']} ({t['read_again']:.2f})" for v, t in f["table"].items())
         print(f"{name:<8s} {f['auc']:.3f}  {vals[:200]}")
-    print("budget   lru     leaf    admit_st belady  visible_all (theta)   atc best (tau s)"
-          "   atc_hindsight best   leaf_freq best (tau s)")
+    print("ratios to LRU; (the best theta or tau, seconds)")
     for row in rows:
         lru = row["lru"]
+        cells = [f"lru {lru:.4f}"] + [f"{p} {row[p] / lru:.3f}x"
+                                      for p in ("leaf", "admit_store", "belady")]
         va = row["visible_all"]
-        cells = []
+        cells.append(f"visible_all {va['hit_rate'] / lru:.3f}x ({va['theta']})")
+        for sub, vo in row["visible_online"].items():
+            cells.append(f"visible_online[{sub}] {vo['hit_rate'] / lru:.3f}x ({vo['theta']})")
         for name in ("atc", "atc_hindsight", "leaf_freq"):
             tau, v = max(row["online"][name].items(), key=lambda kv: kv[1])
-            cells.append(f"{v:.4f} {v / lru:.3f}x ({tau})")
-        print(f"{row['budget_pct']:4g} %  {lru:.4f}  {row['leaf'] / lru:.3f}x  "
-              f"{row['admit_store'] / lru:.3f}x  {row['belady'] / lru:.3f}x  "
-              f"{va['hit_rate']:.4f} {va['hit_rate'] / lru:.3f}x ({va['theta']})  "
-              + "  ".join(cells))
+            cells.append(f"{name} {v / lru:.3f}x ({tau})")
+        print(f"{row['budget_pct']:4g} %: " + ", ".join(cells))
     return 0
 
 

@@ -156,6 +156,13 @@ def test_trace_features_score_what_a_store_sees(tools, tmp_path):
     ws = summary(trace, 0, 0)["working_set_bytes"]
     assert trace_features.visible_all(trace, 2 * ws)["hit_rate"] == summary(
         trace, 0, 0)["ceiling_hit_rate"]
+    vo = trace_features.visible_online(trace, ws // 10)
+    assert set(vo) == set(trace_features.SUBSETS)
+    assert all(set(v["by_theta"]) == set(trace_features.THETAS) for v in vo.values())
+    lru = vo["all"]["by_theta"][0.0]  # theta 0 demotes nothing: LRU itself
+    from hybrid_oracle import simulate
+
+    assert lru == simulate(trace, ws // 10, "lru", 0, 0)["hit_rate"]
     on = trace_features.online(trace, ws // 10)
     assert set(on) == {"atc", "atc_hindsight", "leaf_freq"}
     assert all(0 < v <= 1 for d in on.values() for v in d.values())
