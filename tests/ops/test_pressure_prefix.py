@@ -12,6 +12,7 @@ import pytest
 
 TOOLS = pathlib.Path(__file__).resolve().parent.parent.parent / "tools"
 POLICIES = ("lru", "prefix", "hybrid")
+_RUNS: dict[str, list] = {}  # policy -> what its daemon kept (one daemon per policy and process)
 
 
 @pytest.fixture
@@ -20,6 +21,12 @@ def pressure(monkeypatch):
     import pressure_prefix
 
     return pressure_prefix
+
+
+def _kept(pressure, policy: str) -> list:
+    if policy not in _RUNS:
+        _RUNS[policy] = pressure.run(policy)
+    return _RUNS[policy]
 
 
 def test_usable_prefix_needs_every_page_before_it_and_a_state_at_its_end(pressure):
@@ -35,7 +42,7 @@ def test_usable_prefix_needs_every_page_before_it_and_a_state_at_its_end(pressur
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_newest_chain_is_kept_whole(pressure, policy):
-    chains = pressure.run(policy)
+    chains = _kept(pressure, policy)
     assert [k.chain for k in chains] == [1, 2, 3, 4]
     assert chains[3] == pressure.ChainKept(4, 160, tuple(range(15, 160, 16)), 160, 0)
     used = sum(k.kv_pages for k in chains) * pressure.KV_PAGE_BYTES + sum(
@@ -46,6 +53,6 @@ def test_the_newest_chain_is_kept_whole(pressure, policy):
 @pytest.mark.xfail(strict=True, reason="issue 48: no policy keeps a usable prefix yet")
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_third_chain_keeps_a_usable_hybrid_prefix(pressure, policy):
-    third = pressure.run(policy)[2]
+    third = _kept(pressure, policy)[2]
     assert third.usable_pages >= 32, third
     assert {15, 31} <= set(third.state_pages), third
