@@ -63,20 +63,24 @@ def tokens(seed: int, n: int) -> list[int]:
 
 class Engine:
     """One vLLM engine process; ``generate`` / ``reset`` talk to it over a pipe. ``start=False``
-    leaves the waiting for its start to ``ready()``, so that several engines start at once."""
+    leaves the waiting for its start to ``ready()``, so that several engines start at once.
+    ``in_process=False``: vLLM's default processes (an engine core and workers of their own,
+    spawned, each importing vLLM), as ``vllm serve`` runs; for timings that must match it."""
 
     def __init__(self, tmp, name: str, model: str, endpoint: str | None = None,
                  dtype: str = "bfloat16", extra: dict | None = None,
                  kv_transfer_config: dict | None = None, max_model_len: int = 4096,
-                 llm_args: dict | None = None, env: dict | None = None, start: bool = True):
+                 llm_args: dict | None = None, env: dict | None = None, start: bool = True,
+                 in_process: bool = True):
         self.name = name
         self.log_path = os.path.join(str(tmp), f"vllm-{name}.log")
+        own = {"distributed_executor_backend": "uni"} if in_process else {}
         cfg = {"model": model, "dtype": dtype, "endpoint": endpoint,
                "extra": {"model_name": "tiny", **(extra or {})},
                "kv_transfer_config": kv_transfer_config, "max_model_len": max_model_len,
-               "llm": {"distributed_executor_backend": "uni", **(llm_args or {})}}
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               **(env or {}),
+               "llm": {**own, **(llm_args or {})}}
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1", **(env or {}),
                "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH"))
                                              if p)}
         ctx = _context()
@@ -179,18 +183,26 @@ def start_all(*engines: Engine) -> tuple[Engine, ...]:
     return engines
 
 
+MODELS = {"llama": ("llama", {}), "llama_other": ("llama", {"rms_norm_eps": 1e-3}),
+          "qwen3_next": ("qwen3_next", {}), "granite": ("granitemoehybrid", {})}
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """Tiny local models: "llama", "llama_other" (same shapes, another rms_norm_eps: only the
     config tells them apart), "qwen3_next" (hybrid: gated delta net + attention), "granite"
-    (Granite-4 hybrid: Mamba2 + attention)."""
-    sys.path.insert(0, HERE)
+    (Granite-4 hybrid: Mamba2 + attention). Built in a process forked from the engines'
+    forkserver, where torch and transformers are imported already."""
     import tiny_models
 
     root = tmp_path_factory.mktemp("models")
-    out = {"llama": tiny_models.build(str(root / "llama"), "llama"),
-           "llama_other": tiny_models.build(str(root / "llama_other"), "llama",
-                                            rms_norm_eps=1e-3),
-           "qwen3_next": tiny_models.build(str(root / "qwen3_next"), "qwen3_next"),
-           "granite": tiny_models.build(str(root / "granite"), "granitemoehybrid")}
+    out = {name: str(root / name) for name in MODELS}
+    proc = _context().Process(target=tiny_models.build_all,
+                              args=({out[name]: spec for name, spec in MODELS.items()},))
+    proc.start()
+    proc.join(START_TIMEOUT_S)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+    assert proc.exitcode == 0, f"building the tiny models failed ({proc.exitcode}): see above"
     return out
