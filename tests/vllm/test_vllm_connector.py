@@ -56,9 +56,23 @@ def daemon(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ref(models, tmp_path_factory):
-    """Outputs of every prompt in an engine without a connector."""
-    base = Engine(tmp_path_factory.mktemp("base"), "base", models["llama"])
+def started(models, daemon, tmp_path_factory):
+    """The module's engines, started together: a reference without a connector, A and B."""
+    tmp = tmp_path_factory.mktemp("engines")
+    trio = start_all(
+        Engine(tmp, "base", models["llama"], start=False),
+        Engine(tmp, "a", models["llama"], daemon.endpoint,
+               extra={"load_async": False, "copy_path": "device"}, start=False),
+        Engine(tmp, "b", models["llama"], daemon.endpoint, start=False))
+    yield trio
+    for e in trio:
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def ref(started):
+    """Outputs of every prompt in an engine without a connector (closed after)."""
+    base = started[0]
     try:
         got = base.generate(PROMPTS)
     finally:
@@ -67,15 +81,9 @@ def ref(models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(models, daemon, ref, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("engines")
-    a, b = start_all(
-        Engine(tmp, "a", models["llama"], daemon.endpoint,
-               extra={"load_async": False, "copy_path": "device"}, start=False),
-        Engine(tmp, "b", models["llama"], daemon.endpoint, start=False))
-    yield a, b
-    a.close()
-    b.close()
+def engines(started, ref):
+    """A and B, once the reference outputs are known."""
+    return started[1], started[2]
 
 
 def test_cached_output_equals_uncached(engines, ref):
