@@ -15,6 +15,7 @@ rank): there the connector's metadata crosses processes as in ``vllm serve``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import multiprocessing
 import os
@@ -41,18 +42,15 @@ PRELOAD = ["engine_proc", "vllm.entrypoints.llm", "vllm.v1.engine.core",
            "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker",
            "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.models.llama",
            "hicached.plugin.vllm"]
-_ctx = None
 
 
+@functools.cache
 def _context():
     """The forkserver context, its preload set on first use (the server starts on the first
-    engine and ends with the test session)."""
-    global _ctx
-    if _ctx is None:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        _ctx = ctx
-    return _ctx
+    process started from it and ends with the test session)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def tokens(seed: int, n: int) -> list[int]:
