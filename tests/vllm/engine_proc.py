@@ -83,6 +83,12 @@ def child(cfg: dict, conn, log_path: str, env: dict[str, str]) -> None:
     os.dup2(fd, 2)
     os.close(fd)
     os.environ.update(env)
+    import torch
+
+    # one compute thread, as vLLM sets for serving on CPU: in its in-process mode it cannot
+    # (its OpenMP setup is the multiprocess executor's), and two threads spinning on a loaded
+    # 2-core machine make a step 10-20x slower
+    torch.set_num_threads(1)
 
     def recv():
         try:
