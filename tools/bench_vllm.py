@@ -122,7 +122,7 @@ def run_mode(mode: str, model: str, tmp: str, prefix: list[int], full: list[int]
     """Times of one mode (see the module docstring)."""
     length = len(full) + 256
     if mode == "none":
-        e = Engine(tmp, f"{mode}", model, max_model_len=length)
+        e = Engine(tmp, f"{mode}", model, max_model_len=length, in_process=False)
         try:
             e.one(tokens(900, 300), max_tokens=1)
             ttft = e.one(full, max_tokens=1)["s"]
@@ -140,13 +140,13 @@ def run_mode(mode: str, model: str, tmp: str, prefix: list[int], full: list[int]
         else:
             server = LMCacheServer(tmp)
             kw = {"kv_transfer_config": server.config()}
-        w = Engine(tmp, f"{mode}-writer", model, max_model_len=length, **kw)
+        w = Engine(tmp, f"{mode}-writer", model, max_model_len=length, in_process=False, **kw)
         try:
             w.one(tokens(901, 300), max_tokens=1)
             wrote = min(w.one(p, max_tokens=1)["s"] for p in (prefix, alone[0]))
         finally:
             w.close()
-        r = Engine(tmp, f"{mode}-reader", model, max_model_len=length, **kw)
+        r = Engine(tmp, f"{mode}-reader", model, max_model_len=length, in_process=False, **kw)
         try:
             r.one(tokens(902, 300), max_tokens=1)
             got = r.one(full, max_tokens=1)

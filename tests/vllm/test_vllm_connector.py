@@ -2,7 +2,7 @@
 
 Engines A and B are separate vLLM processes on one daemon, alive at the same time; the reference
 outputs come from a third engine with no connector at all. The tiny models are built in the test
-(``tiny_models.py``). Every engine start costs 20-40 s and about 3 GB here, so the engines are
+(``tiny_models.py``). Every engine start costs 5-15 s and a few GB here, so the engines are
 shared by the tests of a module and at most four run at once. A loads synchronously
 (``"load_async": false``) and copies through the device path (``"copy_path": "device"``, what a
 KV cache on a GPU uses, here on CPU tensors); B loads asynchronously and copies with
@@ -18,7 +18,8 @@ import signal
 import pytest
 
 from conftest import DaemonProc, wait_until
-from vllm_harness import HAVE_VLLM, Engine, models, tokens  # noqa: F401 - models: a fixture
+from vllm_harness import (  # noqa: F401 - models: a fixture
+    HAVE_VLLM, Engine, models, start_all, tokens)
 
 pytestmark = [pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (docs/vllm.md)"),
               pytest.mark.timeout(900)]
@@ -55,9 +56,23 @@ def daemon(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ref(models, tmp_path_factory):
-    """Outputs of every prompt in an engine without a connector."""
-    base = Engine(tmp_path_factory.mktemp("base"), "base", models["llama"])
+def started(models, daemon, tmp_path_factory):
+    """The module's engines, started together: a reference without a connector, A and B."""
+    tmp = tmp_path_factory.mktemp("engines")
+    trio = start_all(
+        Engine(tmp, "base", models["llama"], start=False),
+        Engine(tmp, "a", models["llama"], daemon.endpoint,
+               extra={"load_async": False, "copy_path": "device"}, start=False),
+        Engine(tmp, "b", models["llama"], daemon.endpoint, start=False))
+    yield trio
+    for e in trio:
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def ref(started):
+    """Outputs of every prompt in an engine without a connector (closed after)."""
+    base = started[0]
     try:
         got = base.generate(PROMPTS)
     finally:
@@ -66,18 +81,9 @@ def ref(models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(models, daemon, ref, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("engines")
-    a = Engine(tmp, "a", models["llama"], daemon.endpoint,
-               extra={"load_async": False, "copy_path": "device"})
-    try:
-        b = Engine(tmp, "b", models["llama"], daemon.endpoint)
-    except BaseException:
-        a.close()
-        raise
-    yield a, b
-    a.close()
-    b.close()
+def engines(started, ref):
+    """A and B, once the reference outputs are known."""
+    return started[1], started[2]
 
 
 def test_cached_output_equals_uncached(engines, ref):

@@ -12,7 +12,8 @@ import re
 import pytest
 
 from conftest import DaemonProc, wait_until
-from vllm_harness import HAVE_VLLM, Engine, models, tokens  # noqa: F401 - models: a fixture
+from vllm_harness import (  # noqa: F401 - models: a fixture
+    HAVE_VLLM, Engine, models, start_all, tokens)
 
 pytestmark = [pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (docs/vllm.md)"),
               pytest.mark.timeout(900)]
@@ -39,52 +40,61 @@ def _block_size(engine) -> int:
     return int(found.group(1)) if found else BLOCK
 
 
-def test_hybrid_cached_output_equals_uncached(models, tmp_path):
-    base = Engine(tmp_path, "base", models["qwen3_next"])
+@pytest.fixture(scope="module")
+def qwen_ref(models, tmp_path_factory):
+    """The block size vLLM chose for Qwen3-Next and the outputs of the module's prompts in an
+    engine without a connector (started once for the module's tests; the first test's prompts
+    only where that engine is its reference: blocks of ``BLOCK`` tokens)."""
+    base = Engine(tmp_path_factory.mktemp("qwen-base"), "base", models["qwen3_next"])
     try:
         block = _block_size(base)  # (logged before the engine said it was ready)
-        want = base.generate([P2, OTHER, MID, H2]) if block == BLOCK else None
+        prompts = QWEN_PROMPTS if block == BLOCK else [C_LONG, C_MID]
+        got = base.generate(prompts)
     finally:
         base.close()
+    return block, {tuple(p): g["out"] for p, g in zip(prompts, got, strict=True)}
+
+
+def test_hybrid_cached_output_equals_uncached(models, qwen_ref, tmp_path):
+    block, ref = qwen_ref
     args = {}
-    if block != BLOCK:
-        # vLLM raised its blocks to fit an fp32 state (384 tokens) but would still chunk
-        # prefills on 128: run every engine as docs/vllm.md tells operators to, with
-        # ``--block-size`` the groups' size. The reference is such an engine with a connector
-        # and nothing to hit (no daemon there): with an fp32 state, vLLM computes MID's third
-        # token otherwise with any KV connector configured than with none (a connector whose
-        # every call does nothing gives the same tokens as ours), so only an engine with one
-        # tells what a hit changes
-        args = {"block_size": block}
-        base = Engine(tmp_path, "base-aligned", models["qwen3_next"],
-                      f"ipc://{tmp_path}/no-daemon.sock", llm_args=args)
-        try:
-            want = base.generate([P2, OTHER, MID, H2])
-        finally:
-            base.close()
     d = DaemonProc(tmp_path, l2_size="512MiB", slab_size="8MiB").start()
-    a = b = None
+    base = a = b = None
     try:
-        a = Engine(tmp_path, "a", models["qwen3_next"], d.endpoint, llm_args=args)
+        if block != BLOCK:
+            # vLLM raised its blocks to fit an fp32 state (384 tokens) but would still chunk
+            # prefills on 128: run every engine as docs/vllm.md tells operators to, with
+            # ``--block-size`` the groups' size. The reference is such an engine with a
+            # connector and nothing to hit (no daemon there): with an fp32 state, vLLM computes
+            # MID's third token otherwise with any KV connector configured than with none (a
+            # connector whose every call does nothing gives the same tokens as ours), so only an
+            # engine with one tells what a hit changes
+            args = {"block_size": block}
+            base = Engine(tmp_path, "base-aligned", models["qwen3_next"],
+                          f"ipc://{tmp_path}/no-daemon.sock", llm_args=args, start=False)
+        a = Engine(tmp_path, "a", models["qwen3_next"], d.endpoint, llm_args=args, start=False)
+        b = Engine(tmp_path, "b", models["qwen3_next"], d.endpoint, llm_args=args, start=False)
+        start_all(*(e for e in (base, a, b) if e is not None))
+        if base is not None:
+            want = [g["out"] for g in base.generate([P2, OTHER, MID, H2])]
+            base.close()
+        else:
+            want = [ref[tuple(p)] for p in (P2, OTHER, MID, H2)]
         assert a.one(P1)["cached"] == 0
-        b = Engine(tmp_path, "b", models["qwen3_next"], d.endpoint, llm_args=args)
         got = b.one(P2)
         assert got["cached"] >= 0.9 * (len(P1) // block * block), (got, block, b.tail())
-        assert got["out"] == want[0]["out"]
+        assert got["out"] == want[0]
         # a prompt that shares nothing: no hit, same outputs
         none = b.one(OTHER)
-        assert none["cached"] == 0 and none["out"] == want[1]["out"]
-        # a third process, a prompt leaving P1's chain at block 2 (block 1 at 384 tokens): vLLM
-        # keeps a state only where a scheduled chunk ended (P1 was one chunk, cut at its last
-        # block end), so there is none there to restore and no hit, rather than one restoring
-        # the wrong state
-        c = Engine(tmp_path, "c", models["qwen3_next"], d.endpoint, llm_args=args)
-        try:
-            mid = c.one(MID)
-        finally:
-            c.close()
+        assert none["cached"] == 0 and none["out"] == want[1]
+        # a prompt leaving P1's chain at block 2 (block 1 at 384 tokens), from B with its own
+        # prefix cache emptied: vLLM keeps a state only where a scheduled chunk ended (P1 was
+        # one chunk, cut at its last block end), so there is none there to restore and no hit,
+        # rather than one restoring the wrong state
+        assert b.reset()
+        mid = b.one(MID)
         assert mid["cached"] == 0, mid
-        assert mid["out"] == want[2]["out"]
+        assert mid["out"] == want[2]
         # a load that fails with two KV-cache groups (L3 copies corrupted on disk): vLLM maps
         # no block id back to a request then, so the request is a failed receive and is
         # recomputed whole, with the same output; the engine goes on
@@ -101,12 +111,12 @@ def test_hybrid_cached_output_equals_uncached(models, tmp_path):
             cl.flush("l2")
             failures = cl.stats()["l3"]["integrity_failures"]
         got = b.one(H2)
-        assert got["out"] == want[3]["out"], (got, b.tail())
+        assert got["out"] == want[3], (got, b.tail())
         with d.client() as cl:
             assert cl.stats()["l3"]["integrity_failures"] > failures, b.tail()
-        assert b.one(OTHER)["out"] == want[1]["out"]  # still serving
+        assert b.one(OTHER)["out"] == want[1]  # still serving
     finally:
-        for e in (a, b):
+        for e in (base, a, b):
             if e is not None:
                 e.close()
         d.cleanup()
@@ -123,32 +133,30 @@ def test_hybrid_cached_output_equals_uncached(models, tmp_path):
 C1 = tokens(31, 1700)
 C_LONG = C1 + tokens(32, 50)  # a hit at 1536, where a chunk ended on a block end
 C_MID = C1[:1300] + tokens(33, 50)  # leaves C1 inside block 4 (256) or 3 (384)
+QWEN_PROMPTS = [P2, OTHER, MID, H2, C_LONG, C_MID]
 
 
-def test_a_state_is_stored_only_at_a_block_where_a_chunk_ended(models, tmp_path):
+def test_a_state_is_stored_only_at_a_block_where_a_chunk_ended(models, qwen_ref, tmp_path):
     """vLLM rotates a request's state slots, and a slot holds the state after the step's last
     token: stored at a block that step did not end on, it would be restored as that block's
     state (a hit at 1152 with another position's state gave other outputs, before the fix)."""
-    base = Engine(tmp_path, "base", models["qwen3_next"])
-    try:
-        want = base.generate([C_LONG, C_MID])
-    finally:
-        base.close()
-    block = _block_size(base)
+    block, ref = qwen_ref
+    want = [ref[tuple(p)] for p in (C_LONG, C_MID)]
     d = DaemonProc(tmp_path, l2_size="512MiB", slab_size="8MiB").start()
     a = b = None
     try:
         a = Engine(tmp_path, "a", models["qwen3_next"], d.endpoint,
                    llm_args={"max_num_batched_tokens": block + 128,
-                             "enable_chunked_prefill": True})
+                             "enable_chunked_prefill": True}, start=False)
+        b = Engine(tmp_path, "b", models["qwen3_next"], d.endpoint, start=False)
+        start_all(a, b)
         a.one(C1)
         a.close()  # (its log is whole once it is closed)
         with open(a.log_path, "rb") as f:
             core = re.search(rb"aligns prefill chunks to (\d+)-token blocks", f.read())
         a = None
-        b = Engine(tmp_path, "b", models["qwen3_next"], d.endpoint)
         mid = b.one(C_MID)
-        assert mid["out"] == want[1]["out"], (mid, block, b.tail())
+        assert mid["out"] == want[1], (mid, block, b.tail())
         if core:  # the engine core chunked on 128 tokens: states only where a chunk ended
             ends = range(block + 128, len(C_MID), block + 128)
             assert mid["cached"] in {0, *(e for e in ends if e % block == 0)}, (mid, block)
@@ -156,7 +164,7 @@ def test_a_state_is_stored_only_at_a_block_where_a_chunk_ended(models, tmp_path)
             assert mid["cached"] == 1300 // block * block, (mid, block)
         assert b.reset()  # vLLM's own prefix cache: the next hit comes from hicached
         long = b.one(C_LONG)
-        assert long["out"] == want[0]["out"], (long, block, b.tail())
+        assert long["out"] == want[0], (long, block, b.tail())
         assert long["cached"] >= 1536, (long, block, b.tail())
     finally:
         for e in (a, b):
@@ -184,17 +192,18 @@ G_MID = G1[:300] + tokens(23, 40)  # leaves G1's chain in block 2: a state at bl
 
 
 def test_granite_hybrid_cached_output_equals_uncached(models, tmp_path):
-    base = Engine(tmp_path, "gbase", models["granite"], llm_args=GRANITE_ARGS)
-    try:
-        want = base.generate([G2, G_MID])
-    finally:
-        base.close()
     d = DaemonProc(tmp_path, l2_size="512MiB", slab_size="8MiB").start()
-    a = b = None
+    base = a = b = None
     try:
-        a = Engine(tmp_path, "ga", models["granite"], d.endpoint, llm_args=GRANITE_ARGS)
+        base = Engine(tmp_path, "gbase", models["granite"], llm_args=GRANITE_ARGS, start=False)
+        a = Engine(tmp_path, "ga", models["granite"], d.endpoint, llm_args=GRANITE_ARGS,
+                   start=False)
+        b = Engine(tmp_path, "gb", models["granite"], d.endpoint, llm_args=GRANITE_ARGS,
+                   start=False)
+        start_all(base, a, b)
+        want = base.generate([G2, G_MID])
+        base.close()
         assert a.one(G1)["cached"] == 0
-        b = Engine(tmp_path, "gb", models["granite"], d.endpoint, llm_args=GRANITE_ARGS)
         got = b.one(G2)
         assert got["cached"] >= 0.9 * (len(G1) // GRANITE_BLOCK * GRANITE_BLOCK), (got, b.tail())
         assert got["out"] == want[0]["out"]
@@ -203,7 +212,7 @@ def test_granite_hybrid_cached_output_equals_uncached(models, tmp_path):
         assert mid["cached"] == 2 * GRANITE_BLOCK, (mid, b.tail())
         assert mid["out"] == want[1]["out"]
     finally:
-        for e in (a, b):
+        for e in (base, a, b):
             if e is not None:
                 e.close()
         d.cleanup()

@@ -5,10 +5,11 @@ block under its own namespace (``tp=0of2``, ``tp=1of2``); the scheduler asks ran
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
-from conftest import DaemonProc
+from conftest import DaemonProc, wait_until
 from vllm_harness import HAVE_VLLM, Engine, models, tokens  # noqa: F401 - models: a fixture
 
 pytestmark = [pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (docs/vllm.md)"),
@@ -22,22 +23,29 @@ BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (vLLM refuses o
 
 
 def test_two_ranks_store_and_load_their_halves(models, tmp_path):
+    """One engine (its two worker processes start in 30-60 s, vLLM spawns them): it computes and
+    stores P, then, its own prefix cache emptied, loads P back; each rank's connector then
+    reports its five pages read and hit at shutdown."""
     d = DaemonProc(tmp_path, l2_size="256MiB", slab_size="4MiB").start()
-    a = b = None
+    e = None
     try:
-        a = Engine(tmp_path, "tp-a", models["llama"], d.endpoint, llm_args=TP2, env=BIND)
-        first = a.one(P)  # nothing stored yet: computed, then stored by both ranks
+        e = Engine(tmp_path, "tp", models["llama"], d.endpoint, llm_args=TP2, env=BIND)
+        first = e.one(P)  # nothing stored yet: computed, then stored by both ranks
         assert first["cached"] == 0
-        a.close()
-        a = None
         with d.client() as c:  # 5 blocks, each rank's half a page of its own namespace
+            assert wait_until(lambda: c.stats()["l2_pages"] >= 2 * (len(P) // BLOCK), 30)
             assert c.stats()["l2_pages"] == 2 * (len(P) // BLOCK), c.stats()
-        b = Engine(tmp_path, "tp-b", models["llama"], d.endpoint, llm_args=TP2, env=BIND)
-        got = b.one(P)  # another process, its own prefix cache empty: both ranks load
-        assert got["cached"] == (len(P) - 1) // BLOCK * BLOCK, (got, b.tail())
+        assert e.reset()  # vLLM's own prefix cache: the hit comes from hicached, both ranks load
+        got = e.one(P)
+        assert got["cached"] == (len(P) - 1) // BLOCK * BLOCK, (got, e.tail())
         assert got["out"] == first["out"]
+        e.close()
+        with open(e.log_path, errors="replace") as f:
+            summaries = [ln for ln in f if "hicached-vllm worker: saved" in ln]
+        hits = [re.search(r"'read_hit_pages': (\d+)", ln) for ln in summaries]
+        assert [int(h.group(1)) if h else None for h in hits] == [(len(P) - 1) // BLOCK] * 2, \
+            summaries
     finally:
-        for e in (a, b):
-            if e is not None:
-                e.close()
+        if e is not None:
+            e.close()
         d.cleanup()

@@ -60,3 +60,9 @@ def build(out: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     model.save_pretrained(out)
     return out
+
+
+def build_all(specs: dict[str, tuple[str, dict]]) -> None:
+    """``build(out, arch, **overrides)`` for each ``out: (arch, overrides)``."""
+    for out, (arch, overrides) in specs.items():
+        build(out, arch, **overrides)
