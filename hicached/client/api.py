@@ -41,7 +41,8 @@ from hicached.client.args import check_client_args
 from hicached.client.calls import InFlight
 from hicached.client.exists import KV, ExistsCalls
 from hicached.client.get import GetCalls
-from hicached.client.hostpool import PageIO, make_page_io
+from hicached.client.hostpool import make_page_io
+from hicached.kernels.pageio import PageIO
 from hicached.client.overlap import PageRecall, SetAhead
 from hicached.client.piggyback import PendingReleases
 from hicached.client.sets import SetCalls

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hicached.client.hostpool import PageIO
+from hicached.kernels.pageio import PageIO
 from hicached.kernels.cpu import check_arena, check_disjoint, check_slots
 
 

@@ -16,7 +16,7 @@ import torch
 
 from hicached import protocol as P
 from hicached.client.exists import KV
-from hicached.client.hostpool import PageIO
+from hicached.kernels.pageio import PageIO
 from hicached.client.leaseless import read_known, still_there
 from hicached.errors import DaemonUnavailable, InvalidTransfer
 from hicached.types import PoolTransfer, key_list

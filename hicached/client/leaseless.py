@@ -36,7 +36,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from hicached.client.hostpool import PageIO
+from hicached.kernels.pageio import PageIO
 from hicached.client.overlap import PageRecall
 from hicached.presence import PresenceView
 

@@ -15,7 +15,7 @@ from hicached.client.args import NO_CHAIN, Chain, check_chain
 from hicached.client.calls import token_starts
 from hicached.client.exists import KV
 from hicached.client.flatpages import TensorPages
-from hicached.client.hostpool import PageIO
+from hicached.kernels.pageio import PageIO
 from hicached.errors import DaemonUnavailable, InvalidTransfer, LengthMismatch
 from hicached.types import PoolHitPolicy, PoolTransfer, key_list, pool_value
 
