@@ -82,7 +82,7 @@ def test_the_walk_sees_the_sides():
     sides = {side(m) for m in MODULES}
     assert {"client", "daemon", "contract", None} <= sides
     assert "hicached.daemon.server" in MODULES and "hicached.client.api" in MODULES
-    assert "hicached.protocol" in imports(MODULES["hicached.client.api"])
+    assert "hicached.protocol" in imports(MODULES["hicached.client.connection"])
     assert "hicached.daemon.l3.tier" in imports(MODULES["hicached.daemon.server"])
 
 

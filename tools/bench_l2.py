@@ -127,7 +127,7 @@ class SameBytes:
         flat = host.view(torch.uint8).reshape(-1)
         if offsets != list(range(offsets[0], offsets[0] + flat.numel(), flat.numel() // len(keys))):
             raise SystemExit("the pages' slots are not in a row: no single copy to compare with")
-        self.slots = client._view[1].tensor[offsets[0]:offsets[0] + flat.numel()]
+        self.slots = client._conn.view[1].tensor[offsets[0]:offsets[0] + flat.numel()]
         self.host, self.mem, self.times = flat, mem, []
 
     def run(self, rotating: bool) -> float:  # (``rotating`` unused: get's memory is fixed)
@@ -205,7 +205,7 @@ def bench_exists(endpoint: str, samples: int, shared: bool = True) -> dict:
                 lat.append(dt * 1e3)
                 ping.append(dp * 1e3)
         assert r.kv_hit_pages == n and r.restorable_prefix_pages == [n], r
-        from_table = shared and c._shared is not None  # False: no table (or not asked)
+        from_table = shared and c._conn.shared is not None  # False: no table (or not asked)
         lat.sort()
         return {"p50_ms": lat[len(lat) // 2], "p99_ms": lat[int(len(lat) * 0.99) - 1],
                 "best_ms": lat[0], "ping_p50_ms": statistics.median(ping),

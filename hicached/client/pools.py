@@ -1,0 +1,94 @@
+"""The pools a client registered, and the plan of a call over them.
+
+A *plan* is what a set or get call copies, one row per pool named in the call:
+
+    (pool name, its PageIO, the keys, the token start of each key's host page)
+
+``PoolTable.plan`` turns SGLang's ``PoolTransfer`` list into one (checking every transfer: a
+registered pool, named once, one page of host indices per key, page starts inside the pool);
+``PoolTable.pages_plan`` turns SGLang's flat page tensors (v0) into one. Both the set and the get
+calls (``sets.py``, ``get.py``) read their plans here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from hicached.client.calls import token_starts
+from hicached.client.flatpages import TensorPages
+from hicached.errors import InvalidTransfer, LengthMismatch, UnknownPool
+from hicached.kernels.pageio import PageIO
+from hicached.types import key_list, pool_value
+
+Plan = list[tuple[str, PageIO, list[str], list[int]]]  # (pool, io, keys, token starts) per pool
+
+
+class PoolTable:
+    """The registered pools of one client: name -> (``PageIO``, KV-event settings).
+
+    Owns the table; mutated only by ``add`` (``Client.register_mem_host_pool_v2``, after the
+    daemon accepted the pool). The connection reads ``items()`` to register them again with a
+    restarted daemon and ``release_all()`` at close. Reads are safe from any thread (a dict
+    replaced key by key)."""
+
+    def __init__(self):
+        self._pools: dict[str, PageIO] = {}
+        self._events: dict[str, tuple[str, int]] = {}  # pool -> (event_hash, tokens_per_page)
+
+    def add(self, name: str, io: PageIO, events: tuple[str, int]) -> None:
+        """Record pool ``name`` (registering a name again replaces its page path)."""
+        self._pools[name], self._events[name] = io, events
+
+    def io(self, name: str) -> PageIO:
+        """The page path of pool ``name``; ``UnknownPool`` (naming the registered ones) if none."""
+        try:
+            return self._pools[name]
+        except KeyError:
+            raise UnknownPool(f"pool {name!r} is not registered (registered: "
+                              f"{sorted(self._pools)})") from None
+
+    def items(self) -> Iterator[tuple[str, PageIO, tuple[str, int]]]:
+        """(name, io, (event_hash, tokens_per_page)) of every registered pool."""
+        for name, io in list(self._pools.items()):
+            yield name, io, self._events[name]
+
+    def release_all(self) -> None:
+        """Let every page path drop what it holds of the arena (CUDA registrations of
+        ``kernels/cuda.DevicePageIO``) before the client unmaps it."""
+        for io in self._pools.values():
+            release = getattr(io, "release_arena", None)
+            if release is not None:
+                release()
+
+    def plan(self, transfers: Sequence[Any]) -> Plan:
+        """The plan of ``transfers`` (``PoolTransfer``-shaped: name, keys, host_indices).
+        Raises ``UnknownPool``, ``InvalidTransfer`` (a pool named twice, bad indices) or
+        ``LengthMismatch`` (host indices that are not one page per key)."""
+        plan = []
+        for t in transfers:
+            name = pool_value(t.name)
+            if any(name == p[0] for p in plan):  # results are per pool: one would be lost
+                raise InvalidTransfer(f"pool {name!r} is named twice in one call: put its "
+                                      "keys in one transfer")
+            keys = key_list(t.keys or (), f"pool {name!r}: keys")
+            io = self.io(name)
+            plan.append((name, io, keys, token_starts(t.host_indices, len(keys),
+                                                       io.page_size, name, io.capacity_tokens)))
+        return plan
+
+    def pages_plan(self, pool_name: Any, keys: Sequence[str], pages: Sequence[torch.Tensor]
+                   ) -> tuple[str, Plan]:
+        """(pool name, the plan of one pool) copying ``pages[i]`` (flat tensors of the pool's
+        page size) for ``keys[i]``. Raises ``LengthMismatch`` or ``InvalidTransfer``."""
+        name = pool_value(pool_name)
+        keys = key_list(keys)
+        if len(keys) != len(pages):
+            raise LengthMismatch(f"pool {name!r}: {len(keys)} keys but {len(pages)} pages")
+        try:
+            io = TensorPages(pages, self.io(name).page_bytes)
+        except ValueError as e:
+            raise InvalidTransfer(f"pool {name!r}: {e}") from None
+        return name, [(name, io, keys, list(range(len(keys))))]
