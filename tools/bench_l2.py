@@ -10,7 +10,7 @@ and measures side by side in one run:
              copy between two other buffers stays in cache and is no baseline for the get)
   set      batch_set_v2 of 64 pages of 1 MiB (reserve -> copy into the arena -> commit)
   get      batch_get_v2 of the same 64 pages (pages this client set: read with no lease,
-           checked by the daemon's slot tags, shared_get.py)
+           checked by the daemon's slot tags, client/leaseless.py)
   exists   batch_exists_v2 of 1024 keys over 3 pools (kv, mamba trailing, indexer), p50 / p99:
            answered by the client from the daemon's shared presence table (presence.py), and
            beside it the same call through the socket (a client with shared_exists=False) and

@@ -2,7 +2,7 @@
 
 Both sides of it import this module: the client's host-pool paths (``client/hostpool.py``:
 native, pointer, flat; ``client/flatpages.py``; ``plugin/pools.py``) and the device path
-(``kernels/cuda.py``) implement it, and the client's calls (``client/gets.py``, ``sets.py``) use
+(``kernels/cuda.py``) implement it, and the client's calls (``client/get.py``, ``sets.py``) use
 it. It lives here, under the kernels, so that ``kernels/`` never imports ``client/``
 (``tests/test_layout.py`` holds that).
 """

@@ -1,4 +1,4 @@
-"""Lease releases piggybacked on the client's next request (``hicached/piggyback.py``)."""
+"""Lease releases piggybacked on the client's next request (``hicached/client/piggyback.py``)."""
 
 import threading
 import time

@@ -3,7 +3,7 @@ is on its way, and keeps a copy only when the answer names the same (offset, tag
 
 Real daemons on ipc:// sockets; slots are made to change hands (flush, other writers, a daemon
 restart) so every stale guess must be caught by its tag. The daemons publish no slot tags
-(``--no-shared-gets``): with them, known pages are read with no lease at all (test_shared_get.py)
+(``--no-shared-gets``): with them, known pages are read with no lease at all (test_leaseless.py)
 and speculation is not used."""
 
 import pytest

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import wait_until
 from pools import pages
-from test_presence import answered_shared, hexkeys, hybrid_client, queries, with_socket_calls
+from test_table_exists import answered_shared, hexkeys, hybrid_client, queries, with_socket_calls
 
 from hicached import PoolTransfer
 

@@ -1,4 +1,4 @@
-"""Gets with no lease (shared_get.py): known pages are copied from their slots and checked by the
+"""Gets with no lease (``client/leaseless.py``): known pages are copied from their slots and checked by the
 slot tags the daemon publishes (presence.py); every other page is leased.
 
 Real daemons on ipc:// sockets. Slots are made to change hands under the reader (a flush and a
@@ -367,7 +367,7 @@ WRITER = """
 import os, sys, time, torch
 sys.path.insert(0, %r)  # tests/, and tests/client/ where this module lives
 sys.path.insert(0, os.path.join(sys.path[0], "client"))
-from test_shared_get import pool, tokens
+from test_leaseless import pool, tokens
 from hicached import Client, PoolTransfer
 """ + RacingWriter.KEEP_UP + """
 c = Client(sys.argv[1], "model-a")

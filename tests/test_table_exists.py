@@ -1,4 +1,4 @@
-"""Exists answered from the shared presence table through real daemons (shared_exists.py)."""
+"""Exists answered from the shared presence table through real daemons (client/table_exists.py)."""
 
 import os
 import random
