@@ -142,7 +142,7 @@ class Client:
 
     @property
     def arena(self) -> Arena | None:
-        """The mapped arena of the daemon (None once closed before any join)."""
+        """The daemon's arena as this client maps it (a new mapping after a daemon restart)."""
         return self._conn.arena
 
     @property

@@ -27,7 +27,6 @@ import zmq
 
 from hicached import protocol as P
 from hicached.arena import Arena
-from hicached.client.calls import InFlight
 from hicached.client.overlap import PageRecall, SetAhead
 from hicached.client.piggyback import PendingReleases
 from hicached.client.pools import PoolTable
@@ -70,6 +69,30 @@ def next_spin(spin_s: float, spin: float, waited_s: float) -> float:
     if waited_s <= spin_s:
         return spin_s
     return spin / 2 if spin > spin_s / 64 else 0.0
+
+
+class InFlight:
+    """Sets and gets running in this client's threads: ``Client.close`` lets them end (their
+    commits go out, their leased copies finish) before its ``Bye`` frees their slots."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._count = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            self._count += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._count -= 1
+            if not self._count:
+                self._cond.notify_all()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until none runs (True) or ``timeout_s`` passed (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._count, timeout_s)
 
 
 class Connection:
@@ -186,7 +209,7 @@ class Connection:
 
     def _registered(self, name: str, answer: P.Registered) -> None:
         if self.shared is not None:
-            self.shared.bits[name] = answer.bit
+            self.shared.learn_bit(name, answer.bit)
 
     # ------------------------------------------------------------ requests
 
