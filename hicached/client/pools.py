@@ -13,7 +13,7 @@ calls (``sets.py``, ``get.py``) read their plans here.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -63,34 +63,33 @@ class PoolTable:
 
     Owns the table; mutated only by ``add`` (``Client.register_mem_host_pool_v2``, after the
     daemon accepted the pool). The connection reads ``items()`` to register them again with a
-    restarted daemon and ``release_all()`` at close. Reads are safe from any thread (a dict
-    replaced key by key)."""
+    restarted daemon and ``release_all()`` at close. Reads are safe from any thread (each
+    pool's entry is replaced whole)."""
 
     def __init__(self):
-        self._pools: dict[str, PageIO] = {}
-        self._events: dict[str, tuple[str, int]] = {}  # pool -> (event_hash, tokens_per_page)
+        # pool -> (its page path, (event_hash, tokens_per_page)), one entry replaced at once
+        self._pools: dict[str, tuple[PageIO, tuple[str, int]]] = {}
 
     def add(self, name: str, io: PageIO, events: tuple[str, int]) -> None:
         """Record pool ``name`` (registering a name again replaces its page path)."""
-        self._pools[name], self._events[name] = io, events
+        self._pools[name] = (io, events)
 
     def io(self, name: str) -> PageIO:
         """The page path of pool ``name``; ``UnknownPool`` (naming the registered ones) if none."""
         try:
-            return self._pools[name]
+            return self._pools[name][0]
         except KeyError:
             raise UnknownPool(f"pool {name!r} is not registered (registered: "
                               f"{sorted(self._pools)})") from None
 
-    def items(self) -> Iterator[tuple[str, PageIO, tuple[str, int]]]:
+    def items(self) -> list[tuple[str, PageIO, tuple[str, int]]]:
         """(name, io, (event_hash, tokens_per_page)) of every registered pool."""
-        for name, io in list(self._pools.items()):
-            yield name, io, self._events[name]
+        return [(name, io, events) for name, (io, events) in list(self._pools.items())]
 
     def release_all(self) -> None:
         """Let every page path drop what it holds of the arena (CUDA registrations of
         ``kernels/cuda.DevicePageIO``) before the client unmaps it."""
-        for io in self._pools.values():
+        for io, _ in list(self._pools.values()):
             release = getattr(io, "release_arena", None)
             if release is not None:
                 release()
