@@ -1,5 +1,5 @@
-"""Gets with no lease (``client/leaseless.py``): known pages are copied from their slots and checked by the
-slot tags the daemon publishes (presence.py); every other page is leased.
+"""Gets with no lease (``client/leaseless.py``): known pages are copied from their slots and
+checked by the slot tags the daemon publishes (presence.py); every other page is leased.
 
 Real daemons on ipc:// sockets. Slots are made to change hands under the reader (a flush and a
 new writer in the middle of its copy, an evicting writer process) and every page a get calls a hit
