@@ -20,7 +20,7 @@ and removal. Clients map it read-only.
             Written at commit, zeroed *before* the slot is freed, for slots of at least a grain
             (two such slots never start in one span). Tags are never reused, so a page read
             from (offset, tag) while ``tag`` was there before and after the copy is that page's
-            committed bytes, unchanged: the client's lease-free get (``shared_get.py``).
+            committed bytes, unchanged: the client's lease-free get (``client/leaseless.py``).
 
 The daemon is the only writer (the control loop); readers take no lock. A reader that races a
 write may see a key a moment early or late, or miss one being moved by a deletion: exactly the

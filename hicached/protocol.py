@@ -17,7 +17,7 @@ Requests (client -> daemon)             answer
                                          store_timeout, no_l3)
   Release      end of get leases         (none: fire and forget)
                  (usually piggybacked instead: ``release`` of the next Exists/Reserve/Lease)
-                 and pages read without any lease, counted (``shared_get.py``)
+                 and pages read without any lease, counted (``client/leaseless.py``)
   Bye          end of session            (none: fire and forget)
   Flush        empty L2 (and/or L3)      Ok
                  (of the node, or of one namespace)
@@ -249,7 +249,7 @@ class Release(_Msg, tag="release"):
     """End get leases. A client sends it alone only when no request of its own carried the ids
     (``release`` of Exists / Reserve / Lease) within its ``release_delay_s``.
 
-    It also reports the pages the client read without a lease (``shared_get.py``): ``touched``
+    It also reports the pages the client read without a lease (``client/leaseless.py``): ``touched``
     holds (offset, tag) pairs, flat; each page still in its slot counts as a hit, as a leased
     one would. ``shared_gets``: the get calls that needed no request at all."""
 

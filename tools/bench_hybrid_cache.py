@@ -180,7 +180,7 @@ def policy_args(policy: str) -> list[str]:
 
 class Orphans:
     """Orphan bytes counted by the client from the daemon's shared presence table (which
-    says, per key, which pools L2 holds it in). Reads client internals (``Client._shared``),
+    says, per key, which pools L2 holds it in). Reads client internals (``Client._conn.shared``),
     as bench_index does: a cross-check of the daemon's own figure."""
 
     def __init__(self, trace: Trace, state_bytes: int):
@@ -193,7 +193,7 @@ class Orphans:
         """Bytes of the first ``upto`` keys' pages no hit can use, or None (no usable table).
         ``orphan``: KV pages whose chain lost an ancestor, and states whose KV prefix is not
         whole; ``dead_kv``: KV pages of whole chains with no state at or below them."""
-        shared = client._shared
+        shared = client._conn.shared
         if shared is None or shared.view.usable() is None:
             return None
         # the daemon may be evicting in its idle turns while this reads: a slot changing under

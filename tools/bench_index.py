@@ -215,7 +215,7 @@ def exists_side_by_side(points: dict, samples: int, rng: random.Random,
                     lat[name][path].append(dt * 1e3)
     out = {}
     for name, (table_c, _, _) in points.items():
-        shared = table_c._shared  # (client internals: was the table there and usable?)
+        shared = table_c._conn.shared  # (client internals: was the table there and usable?)
         out[name] = {path: {"p50_ms": pct(v, 0.5), "p99_ms": pct(v, 0.99)}
                      for path, v in lat[name].items()}
         out[name]["from_table"] = shared is not None and shared.view.usable() is not None

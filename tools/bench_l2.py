@@ -10,7 +10,7 @@ and measures side by side in one run:
              copy between two other buffers stays in cache and is no baseline for the get)
   set      batch_set_v2 of 64 pages of 1 MiB (reserve -> copy into the arena -> commit)
   get      batch_get_v2 of the same 64 pages (pages this client set: read with no lease,
-           checked by the daemon's slot tags, shared_get.py)
+           checked by the daemon's slot tags, client/leaseless.py)
   exists   batch_exists_v2 of 1024 keys over 3 pools (kv, mamba trailing, indexer), p50 / p99:
            answered by the client from the daemon's shared presence table (presence.py), and
            beside it the same call through the socket (a client with shared_exists=False) and
@@ -127,7 +127,7 @@ class SameBytes:
         flat = host.view(torch.uint8).reshape(-1)
         if offsets != list(range(offsets[0], offsets[0] + flat.numel(), flat.numel() // len(keys))):
             raise SystemExit("the pages' slots are not in a row: no single copy to compare with")
-        self.slots = client._view[1].tensor[offsets[0]:offsets[0] + flat.numel()]
+        self.slots = client._conn.view[1].tensor[offsets[0]:offsets[0] + flat.numel()]
         self.host, self.mem, self.times = flat, mem, []
 
     def run(self, rotating: bool) -> float:  # (``rotating`` unused: get's memory is fixed)
@@ -205,7 +205,7 @@ def bench_exists(endpoint: str, samples: int, shared: bool = True) -> dict:
                 lat.append(dt * 1e3)
                 ping.append(dp * 1e3)
         assert r.kv_hit_pages == n and r.restorable_prefix_pages == [n], r
-        from_table = shared and c._shared is not None  # False: no table (or not asked)
+        from_table = shared and c._conn.shared is not None  # False: no table (or not asked)
         lat.sort()
         return {"p50_ms": lat[len(lat) // 2], "p99_ms": lat[int(len(lat) * 0.99) - 1],
                 "best_ms": lat[0], "ping_p50_ms": statistics.median(ping),

@@ -119,7 +119,7 @@ class Worker:
     def _armed(self, pool: str, direction: str):
         """Make the next copy of ``pool`` in ``direction`` die by SIGKILL (after copying, half
         the time): a set dies between its reserve and its commit, a get holding a lease."""
-        io = self.c._io(pool)
+        io = self.c.pool_io(pool)
         real = getattr(io, direction)
 
         def die(*a, **k):

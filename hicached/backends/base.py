@@ -78,7 +78,7 @@ class L3Backend(ABC):
         last call, so the daemon stops counting on them; None when it lost track (the daemon
         then forgets every page it knew to be stored). Called on the daemon's control loop
         after each write; a store that evicts on its own without telling answers [] (the tier's
-        audit, ``tier_audit.py``, then finds the copies it lost)."""
+        audit, ``daemon/l3/audit.py``, then finds the copies it lost)."""
         return []
 
     def stats(self) -> dict:

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from hicached.client.hostpool import PageIO
 from hicached.kernels.cpu import check_arena, check_disjoint, check_slots
+from hicached.kernels.pageio import PageIO
 
 
 class TensorPages(PageIO):

@@ -1,8 +1,5 @@
 """The client's get calls: pages it saw before are read with no lease, checked by the daemon's slot
 tags (``leaseless.py``); the others are leased, copied out of the arena and released.
-
-Mixed into ``hicached.client.api.Client`` (its ``_call``, ``_plan``, ``_pages_plan``, ``_view``,
-``_recall``, ``_releases``, ``_epoch``, ``lease_ttl_s``, ``timeout_s``).
 """
 
 from __future__ import annotations
@@ -15,39 +12,53 @@ from typing import Any
 import torch
 
 from hicached import protocol as P
+from hicached.client.connection import Connection
 from hicached.client.exists import KV
-from hicached.client.hostpool import PageIO
 from hicached.client.leaseless import read_known, still_there
-from hicached.errors import DaemonUnavailable, InvalidTransfer
+from hicached.client.overlap import PageRecall
+from hicached.client.pools import Plan, PoolTable
+from hicached.errors import InvalidTransfer
 from hicached.types import PoolTransfer, key_list
 
 log = logging.getLogger(__name__)
 
 
 class GetCalls:
-    """``batch_get_v2``, ``batch_get_pages`` (SGLang's v0 page tensors) and ``batch_get_v1``."""
+    """``batch_get_v2``, ``batch_get_pages`` (SGLang's v0 page tensors) and ``batch_get_v1`` of
+    ``Client``.
+
+    Owns nothing but ``shared_gets`` (whether to read known pages with no lease). Mutates the
+    caller's host pools (the pages it loads), ``recall`` (where pages were found) and the
+    connection's pending releases; reads its plans from ``pools``. A call blocks for one lease
+    round trip per batch of pages still loading from L3, at most ``timeout_s`` in all."""
+
+    def __init__(self, conn: Connection, pools: PoolTable, recall: PageRecall,
+                 shared_gets: bool):
+        self._conn = conn
+        self._pools = pools
+        self._recall = recall
+        self.shared_gets = shared_gets  # read known pages checked by their slot tags
 
     def batch_get_v2(self, transfers: Sequence[Any], extra_info: Any = None
                      ) -> dict[str, list[bool]]:
         """Load every pool's pages into their host pools; one bool per key."""
-        return self._load(self._plan(transfers))
+        return self.load(self._pools.plan(transfers))
 
     def batch_get_pages(self, pool_name: Any, keys: Sequence[str],
                         pages: Sequence[torch.Tensor]) -> list[bool]:
         """Fill contiguous flat page tensors (SGLang's generic v0 path): ``pages[i]`` gets the
         bytes of ``keys[i]`` of pool ``pool_name``; one bool per key (False: left untouched)."""
-        name, plan = self._pages_plan(pool_name, keys, pages)
-        return self._load(plan)[name]
+        name, plan = self._pools.pages_plan(pool_name, keys, pages)
+        return self.load(plan)[name]
 
-    def _load(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
-              ) -> dict[str, list[bool]]:
-        with self._inflight:  # (see Client._store)
-            if self._closed:
-                raise DaemonUnavailable("client is closed")
+    def load(self, plan: Plan) -> dict[str, list[bool]]:
+        """Load the pages of ``plan``; one bool per key of each pool (``_load_now``)."""
+        conn = self._conn
+        with conn.inflight:  # (see SetCalls.store)
+            conn.check_open()
             return self._load_now(plan)
 
-    def _load_now(self, plan: list[tuple[str, PageIO, list[str], list[int]]]
-                  ) -> dict[str, list[bool]]:
+    def _load_now(self, plan: Plan) -> dict[str, list[bool]]:
         """Lease, copy out, release. Streamed: when pages must come from L3 the daemon answers
         as soon as the first ones are in the arena (the rest ``SLOT_LOADING``); they are copied
         while the others load, then the loading ones are asked for again (joining the loads in
@@ -71,9 +82,10 @@ class GetCalls:
         todo = [(name, io, list(range(len(keys)))) for name, io, keys, _ in plan]
         keys_of = {name: keys for name, _, keys, _ in plan}
         starts_of = {name: starts for name, _, _, starts in plan}
-        epoch, arena, shared = self._view  # one daemon's arena and tags, never a mix
+        conn = self._conn
+        epoch, arena, shared = conn.view  # one daemon's arena and tags, never a mix
         read: dict = {}  # pages read with no lease (``read_known``)
-        if shared is not None and self._shared_gets and shared.view.grain:
+        if shared is not None and self.shared_gets and shared.view.grain:
             guesses, copy = {}, None  # (pages that fail the tags are stale guesses)
             read, touched = read_known(self._recall, shared.view, todo, keys_of, starts_of,
                                        arena)
@@ -84,14 +96,14 @@ class GetCalls:
                     out[name][j] = True
             todo = [t for t in todo if t[2]]
             if touched:
-                self._releases.add_reads(touched, 0 if todo else 1)
+                conn.releases.add_reads(touched, 0 if todo else 1)
         else:
             guesses, copy = self._recall.guess(todo, keys_of, starts_of, arena)
         first = True
         while todo:
             req = [P.PoolKeys(name, [keys_of[name][i] for i in idx]) for name, _, idx in todo]
             load = first
-            res, (now, arena, _) = self._call(
+            res, (now, arena, _) = conn.call(
                 lambda s, r, req=req, load=load: P.Lease(r, s, req, stream=True, load=load),
                 while_waiting=copy if first else None, view=True)
             if first and now != epoch:
@@ -114,7 +126,7 @@ class GetCalls:
                     for j, off in enumerate(row):
                         if off >= 0:
                             out[name][idx[j]] = True
-                    if new and tags and now == self._epoch:  # (a guess that held: known)
+                    if new and tags and now == conn.epoch:  # (a guess that held: known)
                         self._recall.learn(name, io, [keys_of[name][idx[j]] for j in new],
                                            [row[j] for j in new], [tags[j] for j in new])
                     wait = [idx[j] for j, off in enumerate(row) if off == P.SLOT_LOADING]
@@ -122,12 +134,12 @@ class GetCalls:
                         again.append((name, io, wait))
             finally:
                 if res.lease_id:
-                    self._releases.add(res.lease_id)
+                    conn.releases.add(res.lease_id)
             first = False
-            if time.monotonic() - sent > self.lease_ttl_s / 2:
+            if time.monotonic() - sent > conn.lease_ttl_s / 2:
                 log.warning("get took longer than half the lease TTL: results discarded")
                 return {name: [False] * len(row) for name, row in out.items()}
-            if again and time.monotonic() - sent > self.timeout_s:
+            if again and time.monotonic() - sent > conn.timeout_s:
                 break  # what is still loading is a miss for this call
             todo = again
         if read and (not first or len(read) > 1):  # hits of one instant (``leaseless.py``)

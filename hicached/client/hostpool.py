@@ -3,7 +3,7 @@
 ``HostPool`` wraps plain CPU tensors in SGLang's host-pool geometries (MHA, MLA, Mamba, DSA
 indexer; layouts in ``kernels/reference.py``) and speaks SGLang's host-pool surface, so tests and
 the reference engine can stand it in for SGLang's pools. ``make_page_io(pool)`` turns any pool
-into a ``PageIO``, picking the fastest path the object offers:
+into a ``PageIO`` (``kernels/pageio.py``), picking the fastest path the object offers:
 
     1. HostPool                    -> NativePageIO   torch copies over page-major views (cpu.py)
     2. has get_page_buffer_meta    -> PointerPageIO  memmove of (ptr, size) segments (pointers.py)
@@ -15,7 +15,6 @@ written through one path reads back correctly through any other.
 
 from __future__ import annotations
 
-import abc
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -32,9 +31,13 @@ from hicached.kernels.cpu import (
     check_slots,
     page_major_parts,
 )
+from hicached.kernels.pageio import PageIO
 from hicached.kernels.pointers import SegmentPlan, segment_order
 
 log = logging.getLogger(__name__)
+
+__all__ = ["PATHS", "FlatPageIO", "HostPool", "NativePageIO", "PageIO", "PointerPageIO",
+           "make_page_io"]
 
 PATHS = ("native", "pointer", "flat")
 _FLAT_METHODS = ("get_data_page", "set_from_flat_data_page", "get_dummy_flat_data_page")
@@ -272,60 +275,6 @@ class HostPool:
         if self.kind == "mha":
             return [self.k_buffer, self.v_buffer]
         return [b for b in self.buffers if b.numel() > 0]
-
-
-class PageIO(abc.ABC):
-    """One registered host pool as the client copies it.
-
-    ``page_size``: tokens per page, the granularity of ``token_starts`` (1 for Mamba).
-    ``page_bytes``: bytes of one page in the arena (its parts back to back, in part order).
-    ``capacity_tokens``: tokens the pool holds (None when the pool does not say).
-    Calls on disjoint pages may run concurrently (no shared scratch state).
-    """
-
-    page_size: int
-    page_bytes: int
-    capacity_tokens: int | None = None
-    path: str = ""  # "native" | "pointer" | "flat", for logs and metrics
-
-    @abc.abstractmethod
-    def to_arena(self, token_starts: Sequence[int], arena: torch.Tensor,
-                 offsets: Sequence[int]) -> None:
-        """Copy the page starting at token ``token_starts[i]`` into
-        ``arena[offsets[i] : offsets[i] + page_bytes]`` (``arena``: 1-D uint8 CPU tensor).
-
-        Raises ValueError (numbers in the message) on length mismatch, a token start that is not
-        a page start of the pool, a slot outside the arena, or two overlapping slots.
-        """
-
-    @abc.abstractmethod
-    def from_arena(self, token_starts: Sequence[int], arena: torch.Tensor,
-                   offsets: Sequence[int]) -> None:
-        """Copy ``arena[offsets[i] : offsets[i] + page_bytes]`` into the page at token
-        ``token_starts[i]``. Same checks as ``to_arena`` (slots may repeat: reads only); two items
-        naming the same host page leave either one's bytes there."""
-
-    def _check(self, token_starts: Any, offsets: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Validated (token_starts, offsets) as int64 arrays; raises ValueError with the numbers."""
-        starts = as_index_array(token_starts, "token_starts")
-        offs = as_index_array(offsets, "offsets")
-        if starts.size != offs.size:
-            raise ValueError(f"{starts.size} token starts but {offs.size} arena offsets")
-        bad = np.flatnonzero(starts % self.page_size != 0)
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"token start {int(starts[i])} (item {i}) is not a multiple of "
-                             f"page_size {self.page_size}")
-        limit = self.capacity_tokens
-        outside = starts < 0
-        if limit is not None:
-            outside |= starts > limit - self.page_size
-        bad = np.flatnonzero(outside)
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"token start {int(starts[i])} (item {i}) is outside the pool of "
-                             f"{limit} tokens (page_size {self.page_size})")
-        return starts, offs
 
 
 class NativePageIO(PageIO):

@@ -36,8 +36,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from hicached.client.hostpool import PageIO
 from hicached.client.overlap import PageRecall
+from hicached.kernels.pageio import PageIO
 from hicached.presence import PresenceView
 
 log = logging.getLogger(__name__)

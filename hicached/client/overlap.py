@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hicached.client.flatpages import TensorPages
-from hicached.client.hostpool import PageIO
+from hicached.kernels.pageio import PageIO
 
 log = logging.getLogger(__name__)
 

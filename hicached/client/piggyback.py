@@ -9,7 +9,7 @@ background thread (started on first use) sends a plain ``Release`` for ids still
 ``delay_s`` after the first of them was added. ``delay_s == 0`` sends every release at once,
 from the caller's thread.
 
-The same ``Release`` reports the pages the client read with no lease at all (``shared_get.py``:
+The same ``Release`` reports the pages the client read with no lease at all (``leaseless.py``:
 (offset, tag) pairs, and how many get calls needed no request), so that the daemon counts them as
 hits. Those are never piggybacked: they wait for the thread (or ``close``), one message per
 ``delay_s`` at most however many gets read pages without asking.

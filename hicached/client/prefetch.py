@@ -159,7 +159,7 @@ class PrefetchOperation:
             raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
         self.client = client
         self.keys = key_list(keys)
-        self.page_size = client._io(KV).page_size
+        self.page_size = client.pool_io(KV).page_size
         self.num_tokens = len(self.keys) * self.page_size
         n = len(host_indices) if host_indices is not None else 0
         if n != self.num_tokens:
@@ -171,7 +171,7 @@ class PrefetchOperation:
         for t in sidecars:
             name = pool_value(t.name)
             key_list(t.keys or (), f"pool {name!r}: keys")  # (only their number is used)
-            client._io(name)  # UnknownPool now rather than on the thread
+            client.pool_io(name)  # UnknownPool now rather than on the thread
             policy_name = policy_value(t.hit_policy)
             (self.all_pages if policy_name == PoolHitPolicy.ALL_PAGES.value
              else self.trailing).append(t)
@@ -261,7 +261,7 @@ class PrefetchOperation:
             transfers = [PoolTransfer(KV, self.host_indices[start * self.page_size:
                                                             end * self.page_size], keys=keys)]
             for t in self.all_pages:
-                p = self.client._io(pool_value(t.name)).page_size
+                p = self.client.pool_io(pool_value(t.name)).page_size
                 transfers.append(PoolTransfer(t.name, t.host_indices[start * p:end * p],
                                               keys=keys))
             got = self.client.batch_get_v2(transfers)
@@ -280,7 +280,7 @@ class PrefetchOperation:
         for t in self.trailing:
             window = max(1, len(t.keys or ()))
             keys = self.keys[max(0, hit - window):hit]
-            p = self.client._io(pool_value(t.name)).page_size
+            p = self.client.pool_io(pool_value(t.name)).page_size
             transfers.append(PoolTransfer(t.name, t.host_indices[:len(keys) * p], keys=keys,
                                           hit_policy=t.hit_policy))
         self.sidecar_results = self.client.batch_get_v2(transfers)

@@ -41,7 +41,8 @@ LOOKUP_TRIES = 3  # reads of the table before a slot changing under them sends t
 
 
 class SharedExists:
-    """Exists answers from a ``PresenceView``; ``bits``: pool name -> its bit (``Registered``)."""
+    """Exists answers from a ``PresenceView``; ``bits``: pool name -> its bit (``Registered``),
+    learnt through ``learn_bit``."""
 
     def __init__(self, view: PresenceView):
         self.view = view
@@ -52,6 +53,10 @@ class SharedExists:
         self._tallied = time.monotonic()
         self._count_lock = threading.Lock()  # calls from several threads count them all
         self._skip, self._backoff = 0, 1  # calls to leave to the daemon, and the next such run
+
+    def learn_bit(self, pool: str, bit: int) -> None:
+        """Pool ``pool`` is marked by ``bit`` in the table (the daemon's ``Registered``)."""
+        self.bits[pool] = bit
 
     @classmethod
     def open(cls, welcome: P.Welcome) -> SharedExists | None:

@@ -7,8 +7,7 @@ on this client's own socket. Another client of the same daemon sees the pages on
 has read the commit; a client of another daemon (the PD decode on another node) only once they
 are in the shared L3, which no write policy promises at any given time.
 
-Mixed into ``hicached.client.api.Client``, whose ``_call`` (one round trip with a deadline,
-re-joining a restarted daemon), lock and commit counters they use.
+The commit counters they read are the connection's (``Connection.sync_commits``).
 """
 
 from __future__ import annotations
@@ -17,12 +16,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from hicached import protocol as P
-from hicached.errors import DaemonUnavailable, InvalidTransfer, ProtocolError
+from hicached.client.connection import Connection
+from hicached.errors import InvalidTransfer, ProtocolError
 from hicached.types import key_list, pool_value
 
 
 class WaitCalls:
-    """``wait_committed`` and ``wait_stored`` of ``Client``."""
+    """``wait_committed`` and ``wait_stored`` of ``Client``.
+
+    Owns nothing; mutates nothing but the connection's known-commit counter. Both block, up to
+    their deadline, for one round trip (``wait_committed``: none when the presence table
+    already acknowledges the commits)."""
+
+    def __init__(self, conn: Connection):
+        self._conn = conn
 
     def wait_committed(self, timeout_s: float | None = None) -> None:
         """Block until the daemon has read every commit this client sent (``batch_set_v2``
@@ -32,24 +39,7 @@ class WaitCalls:
         reads a socket in order. Raises ``DaemonUnavailable`` when the daemon does not answer
         within ``timeout_s`` (default: the client's), or when the last commit may be lost
         (its socket was dropped before the daemon was known to have read it)."""
-        with self._lock:
-            sent, known = self._commits
-            if sent and sent <= self._commits_lost:
-                raise DaemonUnavailable(f"commit {sent} may be lost: its socket to "
-                                        f"{self.endpoint} was dropped")
-            if sent == known:
-                return
-            shared = self._shared
-            if shared is not None and shared.view.read_up_to(sent):
-                self._commits[1] = max(self._commits[1], sent)
-                return
-            if self._sock is None:  # the socket that carried them is gone
-                self._commits_lost = sent
-                raise DaemonUnavailable(f"commit {sent} may be lost: its socket to "
-                                        f"{self.endpoint} was dropped")
-            self._call(lambda s, r: P.Ping(r), timeout_s)
-            if self._commits[1] < sent:
-                raise DaemonUnavailable(f"commit {sent} was not acknowledged by {self.endpoint}")
+        self._conn.sync_commits(timeout_s)
 
     def wait_stored(self, transfers: Sequence[Any], timeout_s: float | None = None) -> None:
         """Block until the named pages are stored in the daemon's L3, so that every daemon
@@ -78,13 +68,14 @@ class WaitCalls:
                 wanted.append(P.PoolKeys(name, keys))
         if not wanted:
             return
-        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        conn = self._conn
+        wait_s = conn.timeout_s if timeout_s is None else timeout_s
         if not 0 < wait_s <= 3600:
             raise InvalidTransfer(f"wait_stored: timeout_s must be in (0, 3600], got {wait_s}")
         try:  # the daemon answers at its deadline: give the answer the client's own to arrive
-            self._call(lambda s, r: P.WaitStored(r, s, wanted, wait_s), wait_s + self.timeout_s)
+            conn.call(lambda s, r: P.WaitStored(r, s, wanted, wait_s), wait_s + conn.timeout_s)
         except ProtocolError as e:
             if "wait_stored" not in str(e):
                 raise
-            raise ProtocolError(f"hicached at {self.endpoint} does not know WaitStored (a "
+            raise ProtocolError(f"hicached at {conn.endpoint} does not know WaitStored (a "
                                 f"daemon older than this client?): {e}") from None

@@ -1,7 +1,7 @@
 """The one place the engine calls hicached (L2 = the daemon's arena, L3 = its backends).
 
 It goes through the SGLang plugin (``hicached/plugin/sglang.py``), the same path an SGLang
-deployment uses, and ``hicached/prefetch.py`` for the stop policies. Everything else in the
+deployment uses, and ``hicached/client/prefetch.py`` for the stop policies. Everything else in the
 engine speaks two methods:
 
     prefetch(keys, usable_pages, kv_pages_have, reserve)   exists + get of the longest prefix

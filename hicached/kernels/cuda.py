@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicached.client.hostpool import PageIO
 from hicached.errors import ArenaError
 from hicached.kernels import reference
 from hicached.kernels.cpu import (
@@ -41,6 +40,7 @@ from hicached.kernels.cpu import (
     check_slots,
     page_major_parts,
 )
+from hicached.kernels.pageio import PageIO
 
 
 class HostRegistration:

@@ -45,8 +45,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicached.client.hostpool import HostPool, PageIO
+from hicached.client.hostpool import HostPool
 from hicached.kernels.cpu import check_arena, check_slots
+from hicached.kernels.pageio import PageIO
 
 # Host-pool classes (any class in the pool's MRO, nearest first) whose pages are the same on
 # every TP rank of a rank-replicated model, and classes whose pages are not. A class in neither

@@ -169,7 +169,7 @@ class HicachedStorage(_Base):
 
     def _sample(self, client: Client, kind: str, wire: str, pages: int, t0: float) -> None:
         if self._health.record_metrics and pages:
-            nbytes = pages * client._io(wire).page_bytes
+            nbytes = pages * client.pool_io(wire).page_bytes
             self._health.sample(kind, pages, nbytes, time.perf_counter() - t0)
 
     # ------------------------------------------------------------ exists

@@ -1,4 +1,4 @@
-"""The audit of L3 copies (``tier_audit.py``) with a real daemon on a real ``mooncake_master``:
+"""The audit of L3 copies (``daemon/l3/audit.py``) with a real daemon on a real ``mooncake_master``:
 Mooncake evicts without telling anyone; here another client of the store removes the pages."""
 
 import json
@@ -15,7 +15,7 @@ from hicached.daemon.sessions import namespace_digest
 def test_a_daemon_writes_again_what_the_store_lost_behind_its_back(master, make_daemon,
                                                                    make_backend):
     """Mooncake evicts without telling anyone, first the copies of pages L2 serves (never read
-    there). The daemon's audit (``tier_audit.py``) finds them gone and writes them again, so
+    there). The daemon's audit (``daemon/l3/audit.py``) finds them gone and writes them again, so
     they survive L2 letting them go. Here another client of the store removes them."""
     opts = {"master_server_address": master.address, "protocol": "tcp",
             "global_segment_size": "32MiB", "local_buffer_size": "4MiB",

@@ -11,11 +11,11 @@ from hicached.client.hostpool import (
     FlatPageIO,
     HostPool,
     NativePageIO,
-    PageIO,
     PointerPageIO,
     make_page_io,
 )
 from hicached.kernels import reference
+from hicached.kernels.pageio import PageIO
 
 NUM_PAGES = 10
 POOL_CASES = (

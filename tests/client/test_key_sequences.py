@@ -39,12 +39,12 @@ def client(tmp_path):
 def sent(client):
     """Every request the client sends from now on (its type names)."""
     out = []
-    original = client._roundtrip
+    original = client._conn.roundtrip
 
     def roundtrip(msg, *a, **kw):
         out.append(type(msg).__name__)
         return original(msg, *a, **kw)
-    client._roundtrip = roundtrip
+    client._conn.roundtrip = roundtrip
     return out
 
 

@@ -1,4 +1,4 @@
-"""Lease releases piggybacked on the client's next request (``hicached/piggyback.py``)."""
+"""Lease releases piggybacked on the client's next request (``hicached/client/piggyback.py``)."""
 
 import threading
 import time
@@ -168,7 +168,7 @@ def test_each_carrier_request_ends_the_pending_lease(pair):
     assert leases(obs) == 1
     assert all(c.batch_set_v1(["q0"], pages(8, 1)))  # Reserve carries it
     assert leases(obs) == 0
-    assert c._releases.sent_alone == 0
+    assert c._conn.releases.sent_alone == 0
 
 
 def test_other_requests_send_the_release_first(pair):
@@ -186,7 +186,7 @@ def test_an_idle_client_releases_after_its_delay(daemon):
         assert all(c.batch_set_v1(["a", "b"], pages(0, 2)))
         assert all(c.batch_get_v1(["a", "b"], pages(2, 2)))
         assert wait_until(lambda: leases(obs) == 0, 5)
-        assert c._releases.sent_alone == 1
+        assert c._conn.releases.sent_alone == 1
 
 
 def test_closing_a_client_ends_its_pending_lease(pair):
@@ -206,7 +206,7 @@ def test_a_pending_release_of_a_restarted_daemon_is_dropped(make_daemon):
         d.stop()
         d.start()
         assert c.batch_exists(["a"]) in (0, 1)  # joins the new daemon; the old id is dropped
-        assert c._releases.take() == []
+        assert c._conn.releases.take() == []
         assert c.stats()["leases"] == 0
 
 
@@ -221,7 +221,7 @@ def test_a_client_dropped_without_close_is_still_collected(daemon):
     c.register_mem_host_pool_v2(kv_pool(seed=3), "kv")
     assert all(c.batch_set_v1(["a"], pages(0, 1)))
     assert all(c.batch_get_v1(["a"], pages(1, 1)))  # a release waits; the thread runs
-    thread = c._releases._thread
+    thread = c._conn.releases._thread
     assert thread is not None and thread.is_alive()
     ref = weakref.ref(c)
     del c

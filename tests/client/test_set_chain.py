@@ -26,13 +26,13 @@ def client(tmp_path):
 def sent_reserves(client):
     """Every Reserve the client sends from now on."""
     sent = []
-    original = client._roundtrip
+    original = client._conn.roundtrip
 
     def roundtrip(msg, *a, **kw):
         if isinstance(msg, P.Reserve):
             sent.append(msg)
         return original(msg, *a, **kw)
-    client._roundtrip = roundtrip
+    client._conn.roundtrip = roundtrip
     return sent
 
 

@@ -171,14 +171,14 @@ def daemon(make_daemon):
 def record(client):
     """Capture every Reserved answer the client gets."""
     answers = []
-    original = client._roundtrip
+    original = client._conn.roundtrip
 
     def roundtrip(msg, *a, **kw):
         res = original(msg, *a, **kw)
         if isinstance(res, P.Reserved):
             answers.append((msg, res))
         return res
-    client._roundtrip = roundtrip
+    client._conn.roundtrip = roundtrip
     return answers
 
 
@@ -270,20 +270,20 @@ def test_a_request_cannot_bind_slots_it_was_not_granted(daemon):
         put(owner, src, ["o0", "o1"])
         stolen = owner._ahead.slots["kv"][0]
         thief.register_mem_host_pool_v2(pool(), "kv")
-        res = thief._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["t0", "t1"])],
+        res = thief._conn.call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["t0", "t1"])],
                                                  [stolen], [0]))
         assert not res.bound and all(off not in stolen for off in res.offsets[0])
-        thief._abort(res.reservation_id)
+        thief._sets.abort(res.reservation_id)
         # naming slots without saying how many to hold keeps the rest
         mine = owner._ahead.slots["kv"][0]
-        res = owner._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["n0"])], [mine[:1]]))
+        res = owner._conn.call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["n0"])], [mine[:1]]))
         assert res.bound == [[True]] and res.ahead == [mine[1:]]
-        owner._abort(res.reservation_id)
+        owner._sets.abort(res.reservation_id)
         owner._ahead.slots["kv"] = (mine[1:], *owner._ahead.slots["kv"][1:])
         # one slot named for two keys: refused whole (neither page would be intact)
         mine = owner._ahead.slots["kv"][0]
         with pytest.raises(ProtocolError, match="twice"):
-            owner._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["d0", "d1"])],
+            owner._conn.call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["d0", "d1"])],
                                                [[mine[0], mine[0]]], [2]))
         # the owner's next set still uses the slot it holds (one left of two)
         answers = record(owner)

@@ -3,7 +3,7 @@ is on its way, and keeps a copy only when the answer names the same (offset, tag
 
 Real daemons on ipc:// sockets; slots are made to change hands (flush, other writers, a daemon
 restart) so every stale guess must be caught by its tag. The daemons publish no slot tags
-(``--no-shared-gets``): with them, known pages are read with no lease at all (test_shared_get.py)
+(``--no-shared-gets``): with them, known pages are read with no lease at all (test_leaseless.py)
 and speculation is not used."""
 
 import pytest
@@ -157,7 +157,7 @@ def test_same_offset_with_another_tag_is_copied_again(daemon):
         off, tag = c._recall.seen("kv", "T")
         dst = pool()
         c.register_mem_host_pool_v2(dst, "kv")
-        copied = count_copies(c._pools["kv"])
+        copied = count_copies(c._pools.io("kv"))
         keys = ["T"]
         assert c.batch_get_v2([PoolTransfer("kv", tokens(0), keys=keys)])["kv"] == [True]
         assert copied == [[off]]  # right guess: one copy, made while the lease was on its way
@@ -189,7 +189,7 @@ def test_a_flush_through_the_client_voids_its_guesses(make_daemon, tmp_path):
         assert wait_until(lambda: c.stats()["l3_writes"] == 8)
         c.flush("l2")
         assert len(c._recall) == 0
-        copied = count_copies(c._pools["kv"])
+        copied = count_copies(c._pools.io("kv"))
         dst.kv_buffer.zero_()
         assert c.batch_get_v2([PoolTransfer("kv", tokens(0, 8), keys=keys)])["kv"] == [True] * 8
         assert len(copied) == 1 and len(copied[0]) == 8  # one copy each, from the new slots

@@ -5,7 +5,7 @@ answer that came within ``spin_s``."""
 
 import pytest
 
-from hicached.client.api import next_spin
+from hicached.client.connection import next_spin
 
 
 def test_answers_within_the_spin_keep_it_whole():

@@ -18,13 +18,13 @@ NS = "model-a"
 def pings(client):
     """Every Ping the client sends from now on."""
     sent = []
-    original = client._roundtrip
+    original = client._conn.roundtrip
 
     def roundtrip(msg, *a, **kw):
         if isinstance(msg, P.Ping):
             sent.append(msg)
         return original(msg, *a, **kw)
-    client._roundtrip = roundtrip
+    client._conn.roundtrip = roundtrip
     return sent
 
 

@@ -138,9 +138,9 @@ def test_namespace_quota_enforced_with_metrics(make_daemon):
         assert a.batch_exists(keys[:8]) == 4 and a.batch_exists(keys[8:]) == 4
         assert b.batch_exists([f"b{i}" for i in range(20)]) == 20
         mine = keys[:4] + keys[8:]
-        held = a._call(lambda s, r: P.Lease(r, s, [P.PoolKeys("kv", mine)]))  # pin all
+        held = a._conn.call(lambda s, r: P.Lease(r, s, [P.PoolKeys("kv", mine)]))  # pin all
         assert a.batch_set_v1(["a12"], pages(0, 1)) == [False]  # quota full of pinned pages
-        a._send_only(P.Release(0, a.session, [held.lease_id]))
+        a._conn.send_only(P.Release(0, a.session, [held.lease_id]))
         m = scrape(url)
         assert sample(m, "hicached_namespace_l2_bytes", namespace="tenant-a") == 8 * 1024
         assert sample(m, "hicached_namespace_l2_quota_bytes", namespace="tenant-a") == 8 * 1024

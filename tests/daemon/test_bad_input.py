@@ -37,11 +37,11 @@ def test_bad_input_gets_typed_errors(daemon):
                                       dtype=torch.float32), "kv")
         from hicached import protocol as P
         with pytest.raises(UnknownPool):
-            c._call(lambda s, r: P.Exists(r, s, ["a"], [P.PoolQuery("mamba", "all_pages")]))
+            c._conn.call(lambda s, r: P.Exists(r, s, ["a"], [P.PoolQuery("mamba", "all_pages")]))
         c.register_mem_host_pool_v2(mamba_pool(), "mamba")
         from hicached.errors import ProtocolError
         with pytest.raises(ProtocolError, match="hit policy"):
-            c._call(lambda s, r: P.Exists(r, s, ["a"], [P.PoolQuery("mamba", "sometimes")]))
+            c._conn.call(lambda s, r: P.Exists(r, s, ["a"], [P.PoolQuery("mamba", "sometimes")]))
         assert c.batch_set_v1(["ok"], pages(0, 1)) == [True]  # still serving
 
 

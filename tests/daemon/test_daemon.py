@@ -98,12 +98,12 @@ def test_exists_packed_keys_and_pool_limit(daemon):
         c.register_mem_host_pool_v2(kv_pool(seed=8), "kv")
         c.batch_set_v2([PoolTransfer("kv", pages(0, 3), keys=keys[:3])])
         # a client sending the keys NUL-joined in ``packed`` is answered the same
-        packed = c._call(lambda s, r: P.Exists(r, s, [], packed=P.pack_keys(keys)))
+        packed = c._conn.call(lambda s, r: P.Exists(r, s, [], packed=P.pack_keys(keys)))
         assert packed.kv_hit_pages == c.batch_exists(keys) == 3
         for name in [f"p{i}" for i in range(MAX_POOLS - 1)]:  # "kv" has this namespace's bit 0
-            c._call(lambda s, r, name=name: P.RegisterPool(r, s, name, 4096))
+            c._conn.call(lambda s, r, name=name: P.RegisterPool(r, s, name, 4096))
         with pytest.raises(ProtocolError, match="at most 63 pools"):
-            c._call(lambda s, r: P.RegisterPool(r, s, "one-too-many", 4096))
+            c._conn.call(lambda s, r: P.RegisterPool(r, s, "one-too-many", 4096))
         assert c.batch_exists(keys) == 3
 
 
@@ -152,7 +152,7 @@ from hicached import protocol as P
 c = Client(sys.argv[1], 'model-a')
 c.register_mem_host_pool_v2(kv_pool(), 'kv')
 c.register_mem_host_pool_v2(mamba_pool(), 'mamba')
-res = c._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys('kv', ['h0', 'h1']),
+res = c._conn.call(lambda s, r: P.Reserve(r, s, [P.PoolKeys('kv', ['h0', 'h1']),
                                              P.PoolKeys('mamba', ['h1'])]))
 print(json.dumps(res.offsets), flush=True)
 import time; time.sleep(600)
@@ -228,7 +228,7 @@ from hicached import protocol as P
 c = Client(sys.argv[1], 'model-a')
 c.register_mem_host_pool_v2(kv_pool(seed=1), 'kv')
 c.batch_set_v1(['l0'], pages(0, 1))
-res = c._call(lambda s, r: P.Lease(r, s, [P.PoolKeys('kv', ['l0'])]))
+res = c._conn.call(lambda s, r: P.Lease(r, s, [P.PoolKeys('kv', ['l0'])]))
 print(json.dumps(res.lease_id), flush=True)
 import time; time.sleep(600)
 """)
@@ -262,10 +262,10 @@ def test_full_arena_answers_no_space_and_corrupts_nothing(make_daemon):
         from hicached import protocol as P
         keys = [f"f{i}" for i in range(64)]
         assert c.batch_set_v1(keys, pages(0, 64)) == [True] * 64
-        lease = c._call(lambda s, r: P.Lease(r, s, [P.PoolKeys("kv", keys)]))  # pin them all
+        lease = c._conn.call(lambda s, r: P.Lease(r, s, [P.PoolKeys("kv", keys)]))  # pin them all
         assert c.batch_set_v1(["more0", "more1"], pages(100, 2)) == [False, False]
         assert c.stats()["no_space"] == 2
-        c._send_only(P.Release(0, c.session, [lease.lease_id]))
+        c._conn.send_only(P.Release(0, c.session, [lease.lease_id]))
         dst = kv_pool(num_pages=300)
         c.register_mem_host_pool_v2(dst, "kv")
         assert c.batch_get_v1(keys, pages(0, 64)) == [True] * 64
@@ -329,7 +329,7 @@ def test_close_lets_other_threads_finish_their_sets(daemon):
     c = daemon.client()
     src = kv_pool(seed=31)
     c.register_mem_host_pool_v2(src, "kv")
-    io = c._pools["kv"]
+    io = c._pools.io("kv")
     copying, real = threading.Event(), io.to_arena
 
     def slow_to_arena(*args):
@@ -362,16 +362,16 @@ def test_commit_answers_and_expired_reservation(daemon):
     with daemon.client() as c:
         c.register_mem_host_pool_v2(kv_pool(), "kv")
         c.register_mem_host_pool_v2(mamba_pool(), "mamba")
-        res = c._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["c0", "c1"]),
+        res = c._conn.call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["c0", "c1"]),
                                                      P.PoolKeys("mamba", ["c1"])]))
         assert c.batch_exists(["c0"]) == 0
         ok = [[True, False], [True]]  # the copy of kv page c1 "failed": only it is aborted
-        done = c._call(lambda s, r: P.Commit(r, s, res.reservation_id, ok))
+        done = c._conn.call(lambda s, r: P.Commit(r, s, res.reservation_id, ok))
         assert done.stored == ok
         assert c.batch_exists(["c0", "c1"]) == 1
         st = c.stats()
         assert st["reservations"] == 0 and st["l2_pages_by_pool"] == {"kv": 1, "mamba": 1}
-        again = c._call(lambda s, r: P.Commit(r, s, res.reservation_id, ok))
+        again = c._conn.call(lambda s, r: P.Commit(r, s, res.reservation_id, ok))
         assert again.stored == [[False, False], [False]]  # gone: nothing published twice
 
 

@@ -163,10 +163,10 @@ def test_a_new_handshake_of_a_live_client_ends_its_old_session(daemon):
     with daemon.client() as c:
         c.register_mem_host_pool_v2(kv_pool(seed=2), "kv")
         assert c.batch_set_v1(["k0"], pages(0, 1)) == [True]
-        c._call(lambda s, r: P.Lease(r, s, [P.PoolKeys("kv", ["k0"])]))
+        c._conn.call(lambda s, r: P.Lease(r, s, [P.PoolKeys("kv", ["k0"])]))
         old = c.session
-        with c._lock:
-            c._handshake()
+        with c._conn.lock:
+            c._conn.handshake()
         assert c.session != old
         st = c.stats()
         assert st["sessions"] == 1 and st["leases"] == 1  # a thread may still be reading

@@ -379,13 +379,13 @@ def test_a_page_waited_for_while_another_client_wrote_it_is_no_l3_hit(make_daemo
     with d.client() as writer, d.client(release_delay_s=0) as reader:
         writer.register_mem_host_pool_v2(kv_pool(seed=5), "kv")
         reader.register_mem_host_pool_v2(kv_pool(), "kv")
-        res = writer._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["w0"])]))
+        res = writer._conn.call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["w0"])]))
         assert res.offsets[0][0] >= 0  # reserved, not committed: the reader's get waits
         got = []
         t = threading.Thread(target=lambda: got.append(reader.batch_get_v1(["w0"], pages(0, 1))))
         t.start()
         assert wait_until(lambda: sample(scrape(url), "hicached_parked_gets") == 1)
-        writer._call(lambda s, r: P.Commit(r, s, res.reservation_id, [[True]]))
+        writer._conn.call(lambda s, r: P.Commit(r, s, res.reservation_id, [[True]]))
         t.join(10)
         assert got == [[True]]
     m = scrape(url)

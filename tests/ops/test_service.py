@@ -108,7 +108,7 @@ def test_watchdog_only_when_asked(make_daemon, tmp_path):
 
 
 def _backend_status(c):
-    return c._call(lambda s, r: P.GetBackend(r)).status
+    return c._conn.call(lambda s, r: P.GetBackend(r)).status
 
 
 def test_sighup_reloads_policy_keys(make_daemon, tmp_path):
@@ -159,7 +159,7 @@ def test_sigterm_drains_work_in_flight(make_daemon):
     writer, other = d.client(), d.client()
     try:
         writer.register_mem_host_pool_v2(kv_pool(seed=4), "kv")
-        res = writer._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", keys)]))
+        res = writer._conn.call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", keys)]))
         assert all(off >= 0 for off in res.offsets[0])
         d.proc.send_signal(signal.SIGTERM)
         assert wait_until(lambda: "draining" in d.output())
@@ -169,7 +169,7 @@ def test_sigterm_drains_work_in_flight(make_daemon):
         with pytest.raises(ShuttingDown):
             other.batch_exists(keys)
         assert d.proc.poll() is None  # still draining: a reservation is open
-        done = writer._call(lambda s, r: P.Commit(r, s, res.reservation_id, [[True, True]]))
+        done = writer._conn.call(lambda s, r: P.Commit(r, s, res.reservation_id, [[True, True]]))
         assert done.stored == [[True, True]]  # work in flight finishes
         assert d.proc.wait(20) == 0
     finally:
@@ -187,7 +187,7 @@ def test_drain_deadline_bounds_a_stalled_client(make_daemon):
     d = make_daemon(extra=["--drain-timeout-s", "1"])
     with d.client() as c:
         c.register_mem_host_pool_v2(kv_pool(), "kv")
-        c._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["stall"])]))  # never committed
+        c._conn.call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["stall"])]))  # never committed
         t = time.monotonic()
         assert d.stop() == 0
         assert time.monotonic() - t < 8

@@ -115,7 +115,7 @@ def test_each_thread_has_a_session_closed_after_the_thread_ends(sg, plugin, daem
     late = threading.Thread(target=work, args=(False,))  # closes the ended threads' sessions
     late.start()
     late.join()
-    assert b._sessions.sessions == 2 and all(c._closed for c in ended)
+    assert b._sessions.sessions == 2 and all(c._conn.closed for c in ended)
     b.close()
-    assert b._sessions.sessions == 0 and main._closed and seen[-1][1]._closed
+    assert b._sessions.sessions == 0 and main._conn.closed and seen[-1][1]._conn.closed
     assert b.batch_exists(keys) == 0  # closed: a miss

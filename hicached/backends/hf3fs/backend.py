@@ -128,7 +128,7 @@ class Hf3fsBackend(Hf3fsTransfers, L3Backend):
                 file_mode = int(file_mode.removeprefix("0o"), 8)
             except ValueError:
                 raise ConfigError(f"hf3fs: file_mode {file_mode!r} is not octal") from None
-        if max_open_files == "auto":  # a share of RLIMIT_NOFILE (hf3fs_fds.py)
+        if max_open_files == "auto":  # a share of RLIMIT_NOFILE (fds.py)
             max_open_files = fd_budget()
         for key, v in (("batch_entries", batch_entries), ("max_open_files", max_open_files),
                        ("file_mode", file_mode)):

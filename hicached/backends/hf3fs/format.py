@@ -1,7 +1,7 @@
 """On-disk format of the 3FS backend: paths, key hashes and the fixed-size records it writes.
 
-Everything here is pure (no I/O): the backend (``hf3fs.py``) and its slot space
-(``hf3fs_space.py``) build and check these records. All integers are little-endian; every record
+Everything here is pure (no I/O): the backend (``backend.py``) and its slot space
+(``space.py``) build and check these records. All integers are little-endian; every record
 ends with a CRC-32 of its other bytes, so a record that is torn, zeroed (a sparse hole) or of
 another format never decodes.
 

@@ -15,7 +15,7 @@ region (stamps). Each op is one file range split into parts, e.g. a read of one 
 
 Two lanes ("get", "put") each own a scratch region and (USRBIO) a read and a write ring, so the
 daemon's reader and writer threads never share a ring (a ring is single-producer).
-Which segment files are open (and registered) is ``hf3fs_fds.FdTable``'s business.
+Which segment files are open (and registered) is ``fds.FdTable``'s business.
 """
 
 from __future__ import annotations

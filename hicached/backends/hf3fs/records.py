@@ -1,7 +1,7 @@
 """Small files of a 3FS root: pointer records (``index/``), the format marker, and how a small
 file is replaced so that a crash leaves the old or the new one whole (``write_file_atomic``).
-Small POSIX I/O; format in ``hf3fs_format.py``, node files in ``hf3fs_node.py``, slots in
-``hf3fs_space.py``."""
+Small POSIX I/O; format in ``format.py``, node files in ``node.py``, slots in
+``space.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A 3FS node's restart: the in-memory records of its segments and slots, rebuilt from the
 segment directories (``SpaceRestart._load``) and cut down to the configured capacity when that
 is smaller than what the node holds (``SpaceRestart._shrink``). A mixin of
-``hf3fs_space.NodeSpace`` (its root, dir, fds, clock, grace_s, capacity, segments, live, lru,
+``space.NodeSpace`` (its root, dir, fds, clock, grace_s, capacity, segments, live, lru,
 free, used_bytes and eviction)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The slot protocol of the 3FS backend: how a batch of slots is written and read back.
 
-A slot on disk (``hf3fs_format``):  [ .. | head stamp | page bytes | trail stamp | .. ]
+A slot on disk (``format.py``):  [ .. | head stamp | page bytes | trail stamp | .. ]
 
 Write, two phases, each one batch on the "put" lane, the second only after the first returned:
     1. every head stamp (new generation): from now on the slot no longer verifies as its old

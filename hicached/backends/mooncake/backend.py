@@ -99,7 +99,7 @@ def import_store_class() -> type:
 class MooncakeBackend(MooncakeTransfers, L3Backend):
     """Mooncake Store as L3. Thread-safe for the control loop plus the two I/O workers.
 
-    ``MooncakeBackend(env=None, **options)``: options as in ``mooncake_options``; ``env`` is
+    ``MooncakeBackend(env=None, **options)``: options as in ``options.py``; ``env`` is
     where unset options are looked up: SGLang's ``MOONCAKE_*`` variables, which the daemon's
     config captures from the environment at its edge (``DaemonConfig.store_env``) and
     ``backend_options`` passes here. None: no environment.

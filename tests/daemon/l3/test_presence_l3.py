@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import wait_until
 from pools import pages
-from test_presence import answered_shared, hexkeys, hybrid_client, queries, with_socket_calls
+from test_table_exists import answered_shared, hexkeys, hybrid_client, queries, with_socket_calls
 
 from hicached import PoolTransfer
 
@@ -22,15 +22,15 @@ def test_with_l3_attached_keys_l2_lacks_are_asked_of_the_daemon(daemon):
         assert answered_shared(c, lambda: c.batch_exists(keys)) == 8
         c.flush("l2")
         lookups = []
-        real = c._shared.view.lookup
-        c._shared.view.lookup = lambda k: lookups.append(1) or real(k)
+        real = c._conn.shared.view.lookup
+        c._conn.shared.view.lookup = lambda k: lookups.append(1) or real(k)
         assert with_socket_calls(c, lambda: c.batch_exists(keys)) == (8, 1)  # L3 has them
         assert len(lookups) == 1
         # L2 alone could not answer: the next call goes to the daemon without hashing the keys
         c.flush("l2")
         assert with_socket_calls(c, lambda: c.batch_exists(keys)) == (8, 1)
         assert len(lookups) == 1
-        del c._shared.view.lookup
+        del c._conn.shared.view.lookup
         # that exists pulled them into L2 (prefetch): then the table answers again
         assert wait_until(lambda: with_socket_calls(c, lambda: c.batch_exists(keys)) == (8, 0))
 
@@ -61,9 +61,9 @@ def test_with_l3_attached_a_whole_l2_hit_with_mamba_holes_is_answered_from_the_t
 def test_l3_flag_follows_the_backend(daemon):
     from hicached.presence import F_L3
     with hybrid_client(daemon) as c:  # the embedded default: file L3 attached
-        assert c._shared.view.usable() & F_L3
+        assert c._conn.shared.view.usable() & F_L3
         c.detach_backend()
-        assert wait_until(lambda: not c._shared.view.usable() & F_L3)
+        assert wait_until(lambda: not c._conn.shared.view.usable() & F_L3)
         from hicached.errors import ProtocolError
         start = time.monotonic()  # keys of the wrong type: the daemon's typed error, at once
         with pytest.raises(ProtocolError, match="malformed request"):

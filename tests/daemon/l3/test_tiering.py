@@ -440,7 +440,7 @@ def test_get_waits_for_a_page_another_client_is_writing(daemon):
     with daemon.client() as w, daemon.client() as r:
         w.register_mem_host_pool_v2(src, "kv")
         r.register_mem_host_pool_v2(dst, "kv")
-        res = w._call(lambda s, q: P.Reserve(q, s, [P.PoolKeys("kv", ["x"])]))
+        res = w._conn.call(lambda s, q: P.Reserve(q, s, [P.PoolKeys("kv", ["x"])]))
         off = res.offsets[0][0]
         page = kv_tokens(src, 0, 1).contiguous().view(torch.uint8).reshape(-1)
         w.arena.tensor[off:off + page.numel()].copy_(page)  # page_first: one contiguous page
@@ -451,12 +451,12 @@ def test_get_waits_for_a_page_another_client_is_writing(daemon):
         time.sleep(0.3)  # the reader is parked on the uncommitted page
         assert t.is_alive()
         committed_at = time.monotonic()
-        w._call(lambda s, q: P.Commit(q, s, res.reservation_id, [[True]]))
+        w._conn.call(lambda s, q: P.Commit(q, s, res.reservation_id, [[True]]))
         t.join(10)
         assert got["ok"] == [True] and got["t"] >= committed_at
         assert torch.equal(kv_tokens(dst, 5, 1), kv_tokens(src, 0, 1))
         # an uncommitted page that is never committed: the get answers a miss at get_wait_s
-        res = w._call(lambda s, q: P.Reserve(q, s, [P.PoolKeys("kv", ["y"])]))
+        res = w._conn.call(lambda s, q: P.Reserve(q, s, [P.PoolKeys("kv", ["y"])]))
         t0 = time.monotonic()
         assert r.batch_get_v1(["y"], pages(6, 1)) == [False]
         assert 1.5 < time.monotonic() - t0 < 4.5  # get_wait_s = 2 s
@@ -469,9 +469,9 @@ def test_a_client_never_waits_for_its_own_uncommitted_page(daemon):
 
     with daemon.client() as c:
         c.register_mem_host_pool_v2(kv_pool(seed=64), "kv")
-        res = c._call(lambda s, q: P.Reserve(q, s, [P.PoolKeys("kv", ["own"])]))
+        res = c._conn.call(lambda s, q: P.Reserve(q, s, [P.PoolKeys("kv", ["own"])]))
         t0 = time.monotonic()
         assert c.batch_get_v1(["own"], pages(3, 1)) == [False]
         assert time.monotonic() - t0 < 1.0  # a miss at once, not after get_wait_s
-        c._call(lambda s, q: P.Commit(q, s, res.reservation_id, [[True]]))
+        c._conn.call(lambda s, q: P.Commit(q, s, res.reservation_id, [[True]]))
         assert c.batch_get_v1(["own"], pages(3, 1)) == [True]

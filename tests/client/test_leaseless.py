@@ -1,5 +1,5 @@
-"""Gets with no lease (shared_get.py): known pages are copied from their slots and checked by the
-slot tags the daemon publishes (presence.py); every other page is leased.
+"""Gets with no lease (``client/leaseless.py``): known pages are copied from their slots and
+checked by the slot tags the daemon publishes (presence.py); every other page is leased.
 
 Real daemons on ipc:// sockets. Slots are made to change hands under the reader (a flush and a
 new writer in the middle of its copy, an evicting writer process) and every page a get calls a hit
@@ -59,18 +59,18 @@ def page_values(p, n):
 def with_requests(c, fn):
     """(``fn()``'s result, the requests it sent through the socket, pool registrations aside)."""
     calls = []
-    real = c._call
+    real = c._conn.call
 
     def call(build, *a, **k):
         msg = build(c.session, 0)
         if type(msg).__name__ != "RegisterPool":
             calls.append(msg)
         return real(build, *a, **k)
-    c._call = call
+    c._conn.call = call
     try:
         return fn(), calls
     finally:
-        del c._call
+        del c._conn.call
 
 
 def names(sent):
@@ -184,7 +184,7 @@ def test_a_slot_reused_during_the_copy_is_caught_by_its_tag(daemon):
         off, _ = a._recall.seen("kv", "old")
         dst = pool(1)
         a.register_mem_host_pool_v2(dst, "kv")
-        io = a._pools["kv"]
+        io = a._pools.io("kv")
         real = io.from_arena
         seen = []
 
@@ -236,15 +236,15 @@ def test_reported_reads_count_only_pages_of_the_senders_namespace(daemon):
         store(a, ["t0"], 1.0)
         off, tag = a._recall.seen("kv", "t0")
         hits = a.stats()["hits"]
-        b._send_release([], [off, tag, off], 0)  # another namespace's page (and an odd int)
+        b._conn.send_release([], [off, tag, off], 0)  # another namespace's page (and an odd int)
         b.ping()
         assert a.stats()["hits"] == hits
         stale = [off, tag + 1] * (MAX_TOUCHED - 1) + [-5, tag]
-        a._send_release([], stale + [off, tag], 1)  # past what one Release may report: unread
+        a._conn.send_release([], stale + [off, tag], 1)  # past what one Release may report: unread
         a.ping()
         st = a.stats()
         assert st["hits"] == hits and st["shared_gets"] == 1
-        a._send_release([], [off, tag], 0)
+        a._conn.send_release([], [off, tag], 0)
         a.ping()
         assert a.stats()["hits"] == hits + 1
 
@@ -273,7 +273,7 @@ def test_small_pages_and_daemons_without_tags_lease(make_daemon):
         assert res == [True] and names(sent) == ["Lease"] and page_values(dst, 1) == [5.0]
     off = make_daemon(name="off", extra=["--l3-backend", "none", "--no-shared-gets"])
     with off.client() as c:
-        assert c._shared is not None and c._shared.view.grain == 0
+        assert c._conn.shared is not None and c._conn.shared.view.grain == 0
         store(c, ["o0"], 6.0)
         (res, dst), sent = with_requests(c, lambda: load(c, ["o0"]))
         assert res == [True] and names(sent) == ["Lease"] and page_values(dst, 1) == [6.0]
@@ -303,13 +303,13 @@ def get_both(c, keys):
 def before_each_lease(c, fn):
     """Run ``fn()`` whenever ``c`` is about to send a ``Lease`` (between its unleased reads and
     its lease request)."""
-    real = c._call
+    real = c._conn.call
 
     def call(build, *a, **k):
         if type(build(c.session, 0)).__name__ == "Lease":
             fn()
         return real(build, *a, **k)
-    c._call = call
+    c._conn.call = call
 
 
 def test_a_key_gone_between_its_unleased_page_and_the_lease_is_a_miss_in_every_pool(daemon):
@@ -358,7 +358,7 @@ def test_a_dead_daemons_slots_are_not_read_once_its_heartbeat_is_stale(daemon):
         daemon.proc.send_signal(signal.SIGKILL)
         daemon.proc.wait(10)
         age_heartbeat(daemon, STALE_S + 0.1)  # (dead: nothing beats; as if that long passed)
-        assert not c._shared.view.alive()
+        assert not c._conn.shared.view.alive()
         with pytest.raises(DaemonUnavailable):
             load(c, ["d0"])
 
@@ -367,7 +367,7 @@ WRITER = """
 import os, sys, time, torch
 sys.path.insert(0, %r)  # tests/, and tests/client/ where this module lives
 sys.path.insert(0, os.path.join(sys.path[0], "client"))
-from test_shared_get import pool, tokens
+from test_leaseless import pool, tokens
 from hicached import Client, PoolTransfer
 """ + RacingWriter.KEEP_UP + """
 c = Client(sys.argv[1], "model-a")

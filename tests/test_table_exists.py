@@ -1,4 +1,4 @@
-"""Exists answered from the shared presence table through real daemons (shared_exists.py)."""
+"""Exists answered from the shared presence table through real daemons (client/table_exists.py)."""
 
 import os
 import random
@@ -40,12 +40,12 @@ def queries(keys, window=1):
 def with_socket_calls(c, fn):
     """(``fn()``'s result, how many round trips it made)."""
     calls = []
-    real = c._call
-    c._call = lambda *a, **k: calls.append(a) or real(*a, **k)
+    real = c._conn.call
+    c._conn.call = lambda *a, **k: calls.append(a) or real(*a, **k)
     try:
         return fn(), len(calls)
     finally:
-        del c._call
+        del c._conn.call
 
 
 def answered_shared(c, fn):
@@ -59,7 +59,7 @@ def test_shared_answers_equal_the_daemons_over_random_holes(make_daemon):
     daemon = make_daemon(extra=["--l3-backend", "none"])
     rng = random.Random(5)
     with hybrid_client(daemon) as c, hybrid_client(daemon, shared_exists=False) as sock:
-        assert c._shared is not None and not sock._shared_exists
+        assert c._conn.shared is not None and not sock._exists.shared_exists
         for rnd in range(12):
             keys = hexkeys(24, tag=rnd)
             kv_n = rng.randrange(0, 25)
@@ -95,7 +95,7 @@ def test_own_writes_are_seen_and_other_namespaces_are_not(make_daemon):
         # once the daemon acknowledged the commit in the table, no round trip is needed
         keys = hexkeys(8, tag=200)
         c.batch_set_v2([PoolTransfer("kv", pages(0, 8), keys=keys)])
-        assert wait_until(lambda: c._shared.view.read_up_to(c._commits[0]))
+        assert wait_until(lambda: c._conn.shared.view.read_up_to(c._conn.commits[0]))
         assert answered_shared(c, lambda: c.batch_exists(keys)) == 8
         keys = hexkeys(8, tag=100)
         assert answered_shared(c, lambda: c.batch_exists(keys)) == 8
@@ -111,12 +111,12 @@ def test_a_commit_after_its_reservation_expired_is_still_acknowledged(make_daemo
     daemon = make_daemon(extra=["--l3-backend", "none", "--reservation-ttl-s", "0.5"])
     with hybrid_client(daemon) as c:
         keys = hexkeys(2, tag=300)
-        res = c._call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", keys)]))
+        res = c._conn.call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", keys)]))
         assert wait_until(lambda: c.stats()["expired_reservations"] == 1)
-        c._commits[0] += 1
-        c._send_only(P.Commit(0, c.session, res.reservation_id, [[True, True]], reply=False,
-                              seq=c._commits[0]))
-        assert wait_until(lambda: c._shared.view.read_up_to(c._commits[0]))
+        c._conn.commits[0] += 1
+        c._conn.send_only(P.Commit(0, c.session, res.reservation_id, [[True, True]], reply=False,
+                              seq=c._conn.commits[0]))
+        assert wait_until(lambda: c._conn.shared.view.read_up_to(c._conn.commits[0]))
         assert answered_shared(c, lambda: c.batch_exists(keys)) == 0  # nothing published
         assert c.stats()["l2_pages"] == 0
 
@@ -152,8 +152,8 @@ def test_tally_of_pools_never_registered_is_refused(make_daemon):
                 (c.session, {"kv": 1}, {"other": 5}, UnknownPool),
                 (c.session ^ 1, {"kv": 1}, {"kv": 1}, UnknownSession)):
             with pytest.raises(error):  # fire and forget normally: asked here to see the error
-                c._call(lambda s, r: P.ExistsTally(r, session, 7, keys, hits))
-        c._send_only(P.ExistsTally(0, c.session, 2, {"kv": 4}, {"kv": 3}))  # a real one counts
+                c._conn.call(lambda s, r: P.ExistsTally(r, session, 7, keys, hits))
+        c._conn.send_only(P.ExistsTally(0, c.session, 2, {"kv": 4}, {"kv": 3}))  # a real one counts
         c.ping()
         m = scrape(url)
         assert sample(m, "hicached_requests_total", op="exists", outcome="shared") == 2
@@ -182,7 +182,7 @@ def test_daemon_gone_or_restarted_or_table_off(make_daemon):
         c.close()
     off = make_daemon(name="off", extra=["--l3-backend", "none", "--no-shared-exists"])
     with hybrid_client(off) as c:
-        assert c._shared is None
+        assert c._conn.shared is None
         c.batch_set_v2([PoolTransfer("kv", pages(0, 8), keys=keys)])
         assert c.batch_exists(keys) == 8
     assert not os.path.exists(off.cfg.arena_path + ".presence")
@@ -194,7 +194,7 @@ def test_full_table_falls_back_to_the_socket_until_the_keys_fit(make_daemon):
     with hybrid_client(daemon) as c:
         c.batch_set_v2([PoolTransfer("kv", pages(0, 24), keys=keys)])  # 24 > 16 * MAX_LOAD
         c.ping()
-        assert c._shared.view.usable() is None
+        assert c._conn.shared.view.usable() is None
         assert with_socket_calls(c, lambda: c.batch_exists(keys)) == (24, 1)
         assert c.stats()["presence"] == {"slots": 16, "keys": 9, "full": True, "sessions": 1,
                                           "tag_grain": 65536}
@@ -219,20 +219,20 @@ def test_tally_never_waits_for_another_threads_request(make_daemon):
         held, done = threading.Event(), threading.Event()
 
         def hold():  # another thread in the middle of a long request holds the client's lock
-            with c._lock:
+            with c._conn.lock:
                 held.set()
                 done.wait(10)
         t = threading.Thread(target=hold)
         t.start()
         held.wait(5)
-        c._shared._tallied = 0.0  # a tally is due
+        c._conn.shared._tallied = 0.0  # a tally is due
         start = time.monotonic()
         assert c.batch_exists(keys) == 8
-        assert time.monotonic() - start < 1.0 and c._shared.tally_due()  # kept for later
+        assert time.monotonic() - start < 1.0 and c._conn.shared.tally_due()  # kept for later
         done.set()
         t.join()
         c.batch_exists(keys)
-        assert not c._shared.tally_due()  # sent now
+        assert not c._conn.shared.tally_due()  # sent now
 
 
 WRITER_LOOP = """
