@@ -31,8 +31,9 @@ from hicached.errors import (
     ProtocolError,
     ShuttingDown,
 )
-from hicached.ops.config import WRITE_POLICIES, DaemonConfig
-from hicached.ops.metrics import stats_json
+from hicached.daemon.config import DaemonConfig
+from hicached.settings import WRITE_POLICIES
+from hicached.daemon.metrics import stats_json
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from hicached import protocol as P
 from hicached.arena import Arena, arena_progress, release_if_made
 from hicached.backends.base import L3Backend, create_backend
 from hicached.daemon.auth import make_auth
-from hicached.daemon.collector import tune_for_the_loop
+from hicached.daemon.loop_gc import tune_for_the_loop
 from hicached.daemon.controller import Controller
 from hicached.daemon.files import DaemonFiles
 from hicached.daemon.handshake import Handshakes
@@ -50,9 +50,9 @@ from hicached.errors import (
     UnknownSession,
 )
 from hicached.liveness import own_pid_ns
-from hicached.ops.config import DaemonConfig
-from hicached.ops.metrics import make_metrics
-from hicached.ops.sdnotify import NullNotifier
+from hicached.daemon.config import DaemonConfig
+from hicached.daemon.metrics import make_metrics
+from hicached.daemon.notifier import NullNotifier
 from hicached.presence import TAG_GRAIN, PresenceTable, default_slots, table_bytes
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         busy_until = 0.0  # spin (non-blocking polls) until then: see busy_poll_ms in the config
         busy_s = self.config.busy_poll_ms / 1000
         self._loop_thread = threading.get_ident()
-        tune_for_the_loop()  # (collector.py)
+        tune_for_the_loop()  # (loop_gc.py)
         try:
             while not self._stop.is_set():
                 if self._stop_asked:  # a signal: set the event here, outside any handler

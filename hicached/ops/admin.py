@@ -50,8 +50,9 @@ from hicached.errors import (
     ProtocolError,
     ShuttingDown,
 )
-from hicached.ops.config import WRITE_POLICIES, parse_options
-from hicached.ops.metrics import stats_json
+from hicached.daemon.config import parse_options
+from hicached.settings import WRITE_POLICIES
+from hicached.daemon.metrics import stats_json
 from hicached.ops.status import Sampler, StatusRing, status_page
 
 log = logging.getLogger(__name__)

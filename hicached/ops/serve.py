@@ -32,9 +32,9 @@ from hicached.daemon.quotas import NoQuotas, make_quotas
 from hicached.daemon.server import Daemon
 from hicached.errors import HicachedError
 from hicached.ops import interrupts
-from hicached.ops.config import DaemonConfig
+from hicached.daemon.config import DaemonConfig
 from hicached.ops.phases import Phases
-from hicached.ops.sdnotify import NullNotifier
+from hicached.daemon.notifier import NullNotifier
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from importlib import resources
 from typing import NamedTuple
 
 from hicached.errors import HicachedError, ShuttingDown
-from hicached.ops.metrics import stats_json
+from hicached.daemon.metrics import stats_json
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from hicached import Client, HostPool, PoolTransfer
 from hicached import protocol as P
 from hicached.daemon.kv_events import KVEventBatch, ZmqPublisher
 from hicached.errors import ConfigError, ProtocolError
-from hicached.ops.config import load_config
-from hicached.ops.metrics import make_metrics
+from hicached.daemon.config import load_config
+from hicached.daemon.metrics import make_metrics
 
 NS = "model-a|tp0of1"
 

@@ -34,7 +34,7 @@ the arena (L2) and the backend (L3).
     prefetch                  an exists that finds pages only in L3 starts the same loads with
                               nobody waiting; a get that follows joins the loads in flight
     audit                     the store is asked now and then whether it still holds the copies
-                              of the pages L2 evicts next (``tier_audit.py``)
+                              of the pages L2 evicts next (``l3/audit.py``)
 
 Attach / detach swap the backend while clients run: jobs carry the backend they were queued
 for, so in-flight writes finish against the old one (and do not mark pages as stored in the new
@@ -60,7 +60,7 @@ from hicached.daemon.l3.keymemory import KeyMemory
 from hicached.daemon.l3.workers import IOJob, IOWorkers
 from hicached.daemon.l3.writes import TierWrites
 from hicached.errors import HicachedError, ProtocolError
-from hicached.ops.config import WRITE_POLICIES
+from hicached.settings import WRITE_POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class L3Tier(TierWrites, TierAudit):
                  load_chunk_bytes: int = 64 << 20, audit_s: float | None = None):
         self.index = index
         if audit_s is not None:
-            self.audit_s = audit_s  # (tier_audit.py)
+            self.audit_s = audit_s  # (audit.py)
         self.workers = workers
         self.backend: L3Backend = backend or NullBackend()
         self.set_policies(write_policy, threshold, prefetch)

@@ -1,4 +1,4 @@
-"""The audit of L3 copies (``tier_audit.py``): a store that evicts pages without telling the
+"""The audit of L3 copies (``daemon/l3/audit.py``): a store that evicts pages without telling the
 daemon (Mooncake, another 3FS node) must not make the daemon lose the pages L2 evicts next.
 Here the store is the real file backend with room for 2 pages and its ``take_evicted`` silenced;
 ``test_mooncake.py`` has a real daemon on a real ``mooncake_master`` whose pages another client
