@@ -62,7 +62,7 @@ class NullMetrics:
             p["pages"] += n
             p["bytes"] += n * d.controller.geometry.get((ns, pool), 0)
         return {
-            "stats": d.loop_stats(orphans),
+            "stats": d.operations.loop_stats(orphans),
             "pools": pools,
             "arena_bytes": d.arena.size_bytes,
             "l3_bytes": {"l2_to_l3": d.workers.bytes_done["put"],

@@ -126,12 +126,11 @@ def serve(config: DaemonConfig, notifier: NullNotifier | None = None,
 
         admin_api.check_admin_port(config.admin_host, config.admin_port)  # before arena and L3
     interrupts.switch(interrupts.RECORD)  # from here the start makes things it must undo
-    daemon = Daemon(config, on_phase=phases.reach)
+    daemon = Daemon(config, on_phase=phases.reach, notifier=notifier)
     admin = None
     reloads: list[threading.Thread] = []
     try:  # (a Ctrl-C before the handlers below are in place still closes the daemon)
         admin = admin_api.start_admin(daemon) if admin_api is not None else None
-        daemon.notifier = notifier
         phases.reach("admin")
 
         def on_hup(*_) -> None:
@@ -156,7 +155,7 @@ def serve(config: DaemonConfig, notifier: NullNotifier | None = None,
             admin.close()
         daemon.close()
         raise
-    where = daemon.describe() + (f"; admin API {admin.url}" if admin else "")
+    where = daemon.operations.describe() + (f"; admin API {admin.url}" if admin else "")
     print(where, flush=True)
     notifier.ready(status="serving")
     if ready is not None:

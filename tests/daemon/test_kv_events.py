@@ -224,7 +224,7 @@ def test_eviction_and_flushes_are_removals(tmp_path):
         assert sorted(flushed(router.seen)) == sorted(map(h, held))
         c.flush("all")
         router.events(lambda ev: type(ev[-1]) is AllBlocksCleared)
-        stats = d.daemon.call(d.daemon.loop_stats)["kv_events"]
+        stats = d.daemon.call(d.daemon.operations.loop_stats)["kv_events"]
         text = make_metrics(d.daemon, True).render().decode()
     seqs = [seq for _, seq, _, _ in router.seen]
     assert seqs == list(range(len(seqs)))

@@ -155,7 +155,7 @@ class L3Tier(TierWrites, TierAudit):
             return False
         old = self.backend
         self.backend = NullBackend()
-        if self.dirty:  # (DaemonOperations.detach_backend writes them first, within a bound)
+        if self.dirty:  # (Operations.detach_backend writes them first, within a bound)
             log.warning("L3 backend %s detached with %d write-back pages it never got: they "
                         "stay in L2 only", old.name, len(self.dirty))
             self.counters["l3_dirty_dropped"] += len(self.dirty)
@@ -200,7 +200,7 @@ class L3Tier(TierWrites, TierAudit):
 
     def unpark(self, name: str, opened_with: dict) -> L3Backend | None:
         """A detached ``slow_close`` backend of ``name``, open with these options, taken back
-        for an attach (``DaemonOperations.attach_backend``): no new client, no close."""
+        for an attach (``Operations.attach_backend``): no new client, no close."""
         for b in self._parked:
             if b.name == name and getattr(b, "opened_with", None) == opened_with:
                 self._parked.remove(b)
