@@ -53,7 +53,7 @@ class Handshakes:
         self.auth.check_hello(identity, msg)
         process = identify(self._peer(frame), msg.pid, msg.start_ticks, msg.pid_ns,
                            self.pid_ns)
-        old = c.sessions.get(msg.replaces) if msg.replaces else None
+        old = c.get(msg.replaces) if msg.replaces else None
         if old is not None and old.namespace != msg.namespace:
             old = None  # only the client's own session (same namespace) is replaced
         if old is not None:

@@ -16,6 +16,7 @@ nothing a client sends can stop the loop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -49,8 +50,9 @@ from hicached.daemon.quotas import make_quotas
 from hicached.daemon.room import allocated_bytes, check_room, read_room
 from hicached.daemon.sessions import Session, namespace_digest
 from hicached.daemon.slabs import SlabAllocator
+from hicached.daemon.reclaim import Reclaimer
 from hicached.daemon import slicing
-from hicached.daemon.slicing import Steps, as_answer, drive
+from hicached.daemon.slicing import Slicer, Steps, as_answer, drive
 from hicached.errors import (
     HicachedError,
     ProtocolError,
@@ -132,15 +134,16 @@ class Daemon:
             on_phase("l3")
             if self.presence is not None:  # before any client reads it (a restart with L3)
                 self.presence.beat(time.monotonic(), self.tier.attached)
-            self.controller = Controller(self.index, self.leases, self.tier, time.monotonic,
-                                         config.get_wait_s)
-            self.controller.books = []  # answer first, keep the books after (controller.py)
-            self.controller.quotas = make_quotas(self.index, config.namespace_quotas)
-            self.controller.ahead_session_bytes = config.set_ahead_bytes
-            self.controller.ahead_total_bytes = config.l2_size // 8  # idle slots: at most 1/8
-            self.controller.reclaim.attach(config.evict_ahead, self._request_waits)
-            self.controller.slicer.attach(self._request_waits)
-            self.controller.kv_events = make_kv_events(config, self.index, self.tier)
+            reclaim = Reclaimer(self.index, 0.0)  # evicting ahead in idle turns
+            reclaim.attach(config.evict_ahead, self._request_waits)
+            self.controller = Controller(
+                self.index, self.leases, self.tier, time.monotonic, config.get_wait_s,
+                quotas=make_quotas(self.index, config.namespace_quotas),
+                ahead_session_bytes=config.set_ahead_bytes,
+                ahead_total_bytes=config.l2_size // 8,  # idle set-ahead slots: at most 1/8
+                kv_events=make_kv_events(config, self.index, self.tier),
+                books=[],  # answer first, keep the books after (controller.py)
+                slicer=Slicer(waiting=self._request_waits), reclaim=reclaim)
             self.ctx = zmq.Context()
             self.sock = self.files.bind(self.ctx, config.endpoint)
             on_phase("socket")
@@ -166,7 +169,7 @@ class Daemon:
         self._closed = False
         self.calls = LoopCalls(self._keep_books)
         self.auth = make_auth(config.client_token)
-        self.handshakes = Handshakes(config, self.controller, self.auth, self.arena,
+        self.handshakes = Handshakes(config, self.controller.sessions, self.auth, self.arena,
                                      self.presence, self.index)
         self.operations = Operations(config, self.calls, self.controller, self.tier, self.arena,
                                      self.presence, self._stop.is_set, lambda: self.draining,
@@ -214,6 +217,15 @@ class Daemon:
                 "ready": self.operations.readiness(),
                 "stats": stats_json(self.metrics.snapshot())}
 
+    def reload(self, new: DaemonConfig, keys: tuple[str, ...]) -> None:
+        """SIGHUP, on the loop (``ops/serve.py``, which reloads the tier's and the controller's
+        policies through their own methods): the eviction's (evicting ahead, the hybrid's
+        alpha), and the config's ``keys`` taken from ``new``."""
+        self.controller.reclaim.ahead = new.evict_ahead
+        if self.index.policy.name == "hybrid":
+            self.index.policy.alpha = new.eviction_alpha
+        self.config = dataclasses.replace(self.config, **{k: getattr(new, k) for k in keys})
+
     def _keep_books(self) -> None:
         """After each step of the loop: what the answers did not wait for (controller.py)."""
         if self.controller.books:
@@ -249,8 +261,8 @@ class Daemon:
         if now >= self._next_sweep:
             self.leases.sweep(now)
             self.index.republish()
-            self.controller.reap_dead_sessions()
-            self.controller.reap_idle_unchecked(now, self.config.unchecked_idle_s)
+            self.controller.sessions.reap_dead_sessions()
+            self.controller.sessions.reap_idle_unchecked(now, self.config.unchecked_idle_s)
             self.auth.prune(self.controller.sessions)
             self.tier.relieve_pressure()
             self.tier.audit(now)
@@ -303,7 +315,7 @@ class Daemon:
                 now = time.monotonic()
                 if self.presence is not None:
                     self.presence.beat(now, self.tier.attached)
-                if self.controller.parked:
+                if self.controller.parking:
                     self._guarded(self.controller.expire_parked, now)
                 self._guarded(self._tick, now)
             self._drain_for_shutdown()
@@ -471,16 +483,16 @@ class Daemon:
                         self.metrics.on_unleased(msg, c.read_unleased(s, msg))
                 return None
             case P.WaitStored():
-                return c.wait_stored(self._session(msg.session), msg,
+                return c.store_waits.wait_stored(self._session(msg.session), msg,
                                      lambda answer: self._send_parked(identity, msg, answer))
             case P.Reserve():
                 if self._stop.is_set():
                     raise ShuttingDown("daemon is shutting down; not accepting writes")
                 s = self._session(msg.session)
-                return self._steps(s, msg, lambda chunk: c.reserve_steps(s, msg, chunk))
+                return self._steps(s, msg, lambda chunk: c.sets.reserve_steps(s, msg, chunk))
             case P.Commit():
                 s = self._session(msg.session)
-                answer = self._steps(s, msg, lambda chunk: c.commit_steps(s, msg, chunk))
+                answer = self._steps(s, msg, lambda chunk: c.sets.commit_steps(s, msg, chunk))
                 return answer if msg.reply or type(answer) is _Sliced else None
             case P.Hello():
                 return self.handshakes.hello(identity, msg, frame)
@@ -494,7 +506,7 @@ class Daemon:
                     s.spec(pool)
                 return None
             case P.Bye():
-                c.close_session(msg.session)
+                c.sessions.close_session(msg.session)
                 return None
             case P.Flush():  # (namespace "": the whole node, as from an older client)
                 if msg.tier == "l2":  # answered when the walk of the arena ends
@@ -550,7 +562,7 @@ class Daemon:
             self.controller.flusher.finish_now()  # answer flushes while the socket is up
             self.tier.write_back_all()
             c = self.controller
-            busy = (len(self.leases.reservations), len(c.parked), self.workers.in_flight)
+            busy = (len(self.leases.reservations), len(c.parking), self.workers.in_flight)
             now = time.monotonic()
             if not any(busy) or now >= deadline:
                 break

@@ -28,7 +28,6 @@ import signal
 import threading
 from collections.abc import Callable
 
-from hicached.daemon.quotas import NoQuotas, make_quotas
 from hicached.daemon.server import Daemon
 from hicached.errors import HicachedError
 from hicached.ops import interrupts
@@ -52,17 +51,9 @@ def reload_policies(daemon: Daemon, new: DaemonConfig) -> dict[str, object]:
 
     def apply() -> None:
         daemon.tier.set_policies(new.write_policy, new.write_through_threshold, new.prefetch)
-        daemon.controller.get_wait_s = new.get_wait_s
-        daemon.controller.ahead_session_bytes = new.set_ahead_bytes  # applied at each next set
-        if type(daemon.controller.quotas) is NoQuotas:
-            daemon.controller.quotas = make_quotas(daemon.index, new.namespace_quotas)
-        else:
-            daemon.controller.quotas.set_quotas(new.namespace_quotas)
+        daemon.controller.reload(new.get_wait_s, new.namespace_quotas, new.set_ahead_bytes)
         logging.getLogger().setLevel(new.log_level.upper())
-        daemon.controller.reclaim.ahead = new.evict_ahead
-        if daemon.index.policy.name == "hybrid":
-            daemon.index.policy.alpha = new.eviction_alpha
-        daemon.config = dataclasses.replace(old, **{k: getattr(new, k) for k in RELOADABLE})
+        daemon.reload(new, RELOADABLE)  # the eviction's, and the daemon's config
 
     daemon.call(apply)
     log.info("reloaded: %s", ", ".join(f"{k}={v!r}" for k, v in changed.items())
