@@ -125,10 +125,11 @@ class Daemon:
             self.presence = self._presence_table(config)
             self.index.shared = self.presence
             self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
+            self.kv_events = make_kv_events(config, self.index)  # KV events for routers
             self.workers = IOWorkers(config.io_queue_depth)
             self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
                                config.write_through_threshold, config.prefetch,
-                               config.l3_load_chunk, config.l3_audit_s)
+                               config.l3_load_chunk, config.l3_audit_s, self.kv_events)
             if config.l3_backend != "none":
                 self.tier.attach(open_backend(config.l3_backend, config, self.arena, None))
             on_phase("l3")
@@ -141,15 +142,15 @@ class Daemon:
                 quotas=make_quotas(self.index, config.namespace_quotas),
                 ahead_session_bytes=config.set_ahead_bytes,
                 ahead_total_bytes=config.l2_size // 8,  # idle set-ahead slots: at most 1/8
-                kv_events=make_kv_events(config, self.index, self.tier),
+                kv_events=self.kv_events,
                 books=[],  # answer first, keep the books after (controller.py)
                 slicer=Slicer(waiting=self._request_waits), reclaim=reclaim)
             self.ctx = zmq.Context()
             self.sock = self.files.bind(self.ctx, config.endpoint)
             on_phase("socket")
         except BaseException:
-            if hasattr(self, "controller"):
-                self.controller.kv_events.close()
+            if hasattr(self, "kv_events"):
+                self.kv_events.close()
             if hasattr(self, "workers"):
                 self.workers.close()
             if getattr(self, "tier", None) is not None:
@@ -252,7 +253,7 @@ class Daemon:
         """Every ``SWEEP_INTERVAL_S``: expire reservations and leases, drop dead clients, relieve
         write-back pressure, audit L3 copies when due; and feed the systemd watchdog (only a
         running loop does). Every turn: hand the turn's KV events to their publisher."""
-        self.controller.kv_events.send()
+        self.kv_events.send()
         if now >= self._next_watchdog:
             interval = self.notifier.watchdog_interval_s
             if interval:
@@ -587,7 +588,7 @@ class Daemon:
             return
         self._closed = True
         self.calls.refuse()
-        self.controller.kv_events.close()  # the events of the last turns, then its sockets
+        self.kv_events.close()  # the events of the last turns, then its sockets
         if self.workers.close():
             self.tier.close()
         else:  # a transfer still runs in the backend: closing it underneath could crash

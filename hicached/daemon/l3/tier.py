@@ -84,7 +84,9 @@ class L3Tier(TierWrites, TierAudit):
 
     def __init__(self, index: PageIndex, workers: IOWorkers, backend: L3Backend | None = None,
                  write_policy: str = "write_through", threshold: int = 2, prefetch: bool = True,
-                 load_chunk_bytes: int = 64 << 20, audit_s: float | None = None):
+                 load_chunk_bytes: int = 64 << 20, audit_s: float | None = None,
+                 kv_events: NullKVEvents | None = None):
+        """``kv_events``: told of pages stored in and removed from L3 (``kv_events.py``)."""
         self.index = index
         if audit_s is not None:
             self.audit_s = audit_s  # (audit.py)
@@ -113,7 +115,7 @@ class L3Tier(TierWrites, TierAudit):
         # (table, key) the store said it lacks -> until when (monotonic) that answer stands
         self.absent_in_l3 = KeyMemory(ABSENT_IN_L3)
         self.clock = time.monotonic
-        self.kv_events = NullKVEvents()  # stored / removed in L3 (kv_events.py)
+        self.kv_events = kv_events or NullKVEvents()  # stored / removed in L3
         self.counters = {"l3_loads": 0, "l3_load_failures": 0, "l3_writes": 0,
                          "l3_write_failures": 0, "l3_writes_dropped": 0, "l3_errors": 0,
                          "prefetched_pages": 0, "write_backs": 0, "l3_probes_dropped": 0,
