@@ -266,7 +266,7 @@ class Daemon:
             self.controller.sessions.reap_idle_unchecked(now, self.config.unchecked_idle_s)
             self.auth.prune(self.controller.sessions)
             self.tier.relieve_pressure()
-            self.tier.audit(now)
+            self.tier.auditor.audit(now)
             self._next_sweep = now + SWEEP_INTERVAL_S
 
     def serve_forever(self) -> None:

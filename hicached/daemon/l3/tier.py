@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 from hicached.backends.base import L3Backend, NullBackend
 from hicached.daemon.index import Entry, PageIndex, TableId
 from hicached.daemon.kv_events import NullKVEvents, l3_medium
-from hicached.daemon.l3.audit import TierAudit
+from hicached.daemon.l3.audit import AUDIT_S, L3Audit
 from hicached.daemon.l3.keymemory import KeyMemory
 from hicached.daemon.l3.workers import IOJob, IOWorkers
 from hicached.daemon.l3.writes import TierWrites
@@ -79,7 +79,7 @@ class Woken(NamedTuple):
     follow: set[int]
 
 
-class L3Tier(TierWrites, TierAudit):
+class L3Tier(TierWrites):
     """See the module docstring."""
 
     def __init__(self, index: PageIndex, workers: IOWorkers, backend: L3Backend | None = None,
@@ -88,8 +88,8 @@ class L3Tier(TierWrites, TierAudit):
                  kv_events: NullKVEvents | None = None):
         """``kv_events``: told of pages stored in and removed from L3 (``kv_events.py``)."""
         self.index = index
-        if audit_s is not None:
-            self.audit_s = audit_s  # (audit.py)
+        # the audit of the L3 copies L2 evicts next (audit.py)
+        self.auditor = L3Audit(self, index, AUDIT_S if audit_s is None else audit_s)
         self.workers = workers
         self.backend: L3Backend = backend or NullBackend()
         self.set_policies(write_policy, threshold, prefetch)
@@ -265,7 +265,7 @@ class L3Tier(TierWrites, TierAudit):
         ns, pool = table
         job = IOJob("exists", ns, pool, list(keys), [], 0, [], waiters=[waiter],
                     backend=self.backend)
-        if not self._submit(job):
+        if not self.submit_job(job):
             self.counters["l3_probes_dropped"] += 1
             return None
         return job
@@ -289,11 +289,12 @@ class L3Tier(TierWrites, TierAudit):
         absent, until = self.absent_in_l3, self.clock() + ABSENT_TTL_S
         for key, have in zip(job.keys, job.result):
             if have:
-                self._remember(table, key)
+                self.remember(table, key)
             elif not job.error:  # a store that raised said nothing: not remembered
                 absent[(table, key)] = until
 
-    def _submit(self, job: IOJob) -> bool:
+    def submit_job(self, job: IOJob) -> bool:
+        """Queue ``job`` for the I/O workers (False: their queue is full)."""
         if not self.workers.submit(job):
             return False
         self._jobs_of[id(job.backend)] = self._jobs_of.get(id(job.backend), 0) + 1
@@ -331,7 +332,7 @@ class L3Tier(TierWrites, TierAudit):
             if ask:
                 find = IOJob("find", ns, pool, ask, [], page_bytes, [], waiters=list(waiters),
                              backend=self.backend, stride=stride)
-                if self._submit(find):
+                if self.submit_job(find):
                     for k in ask:
                         self.loading[(table, k)] = find
                     self.finding.add(id(find))
@@ -361,7 +362,7 @@ class L3Tier(TierWrites, TierAudit):
             chunk = new[i:i + per_job]
             job = IOJob("get", ns, pool, [e.key for e in chunk], [e.offset for e in chunk],
                         page_bytes, chunk, waiters=list(waiters), backend=self.backend)
-            if not self._submit(job):
+            if not self.submit_job(job):
                 for e in new[i:]:
                     self.index.abort(e)
                 break
@@ -386,7 +387,7 @@ class L3Tier(TierWrites, TierAudit):
             except Exception:  # a backend's bug must not stop the loop
                 log.exception("L3 %s: take_evicted failed", self.backend.name)
                 gone = []
-            self._forget_evicted(gone)
+            self.forget_evicted(gone)
         for job in jobs:
             self._jobs_of[id(job.backend)] = self._jobs_of.get(id(job.backend), 1) - 1
             current = job.backend is self.backend
@@ -398,7 +399,7 @@ class L3Tier(TierWrites, TierAudit):
                 woken.extend(Woken(w, id(job), False, set()) for w in job.waiters)
                 continue
             if job.kind == "audit":
-                self._audit_done(job, current)
+                self.auditor.done(job, current)
                 continue
             if job.kind in ("exists", "find"):
                 self._probe_done(job, current)
@@ -454,7 +455,7 @@ class L3Tier(TierWrites, TierAudit):
             done(0)
             return
         job = IOJob("clear", ns or "", "", [], [], 0, [], backend=self.backend, done=done)
-        if not self._submit(job):
+        if not self.submit_job(job):
             done(HicachedError("L3 writer queue is full; try the clear again"))
 
     def _clear_done(self, job: IOJob) -> None:
