@@ -41,6 +41,8 @@ from typing import NamedTuple
 from aiohttp import web
 
 from hicached.backends.guard import StoreUnavailable
+from hicached.daemon.config import parse_options
+from hicached.daemon.metrics import stats_json
 from hicached.errors import (
     BackendConflict,
     BackendError,
@@ -50,10 +52,8 @@ from hicached.errors import (
     ProtocolError,
     ShuttingDown,
 )
-from hicached.daemon.config import parse_options
-from hicached.settings import WRITE_POLICIES
-from hicached.daemon.metrics import stats_json
 from hicached.ops.status import Sampler, StatusRing, status_page
+from hicached.settings import WRITE_POLICIES
 
 log = logging.getLogger(__name__)
 

@@ -28,12 +28,12 @@ import signal
 import threading
 from collections.abc import Callable
 
+from hicached.daemon.config import DaemonConfig
+from hicached.daemon.notifier import NullNotifier
 from hicached.daemon.server import Daemon
 from hicached.errors import HicachedError
 from hicached.ops import interrupts
-from hicached.daemon.config import DaemonConfig
 from hicached.ops.phases import Phases
-from hicached.daemon.notifier import NullNotifier
 
 log = logging.getLogger(__name__)
 

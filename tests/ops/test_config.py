@@ -73,7 +73,7 @@ def test_shipped_config_file_loads(tmp_path):
 
 
 def test_store_environment_is_captured_at_the_edge(tmp_path):
-    from hicached.daemon.server import backend_options
+    from hicached.daemon.operations import backend_options
 
     env = {"MOONCAKE_MASTER": "10.0.0.1:50051", "LOCAL_HOSTNAME": "node-7", "HOME": "/root"}
     cfg = load_config(None, env, {"state_dir": str(tmp_path)})
