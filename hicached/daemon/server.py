@@ -316,7 +316,7 @@ class Daemon:
                 now = time.monotonic()
                 if self.presence is not None:
                     self.presence.beat(now, self.tier.attached)
-                if self.controller.parking:
+                if self.controller.parking.parked:
                     self._guarded(self.controller.expire_parked, now)
                 self._guarded(self._tick, now)
             self._drain_for_shutdown()

@@ -32,9 +32,8 @@ class SessionControl:
         self.clock = clock
         self.sessions: dict[int, Session] = {}
         self.ns_names: dict[str, str] = {}  # namespace digest -> name (``_remember_namespace``)
-
-    def get(self, sid: int) -> Session | None:
-        return self.sessions.get(sid)
+        # ``get(sid)``: the session, or None (the dict's own method: every request asks)
+        self.get: Callable[[int], Session | None] = self.sessions.get
 
     def __contains__(self, sid: int) -> bool:
         return sid in self.sessions
