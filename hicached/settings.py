@@ -1,8 +1,9 @@
 """Config helpers every side reads the same way: byte sizes (``4GiB``, ``512MiB``, ``1e9``), the
 default endpoint, and the default directories of a daemon's socket and state (XDG variables).
 
-The daemon's config (``hicached.ops.config``), the L3 backends' options and the SGLang plugin's
-settings all parse sizes here, so "4gb" means the same bytes everywhere.
+The daemon's config (``hicached.daemon.config``), the L3 backends' options and the SGLang plugin's
+settings all parse sizes here, so "4gb" means the same bytes everywhere; the daemon and the engine
+read the one ``WRITE_POLICIES``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import re
 from collections.abc import Mapping
 
 from hicached.errors import ConfigError
+
+# how committed pages reach L3: the daemon's ``write_policy`` and the engine's
+# ``--hicache-write-policy`` (``daemon/l3/tier.py`` says what each does). The one definition.
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,

@@ -49,7 +49,7 @@ import time
 
 from hicached.client.api import Client
 from hicached.errors import DaemonUnavailable
-from hicached.ops.config import load_config
+from hicached.daemon.config import load_config
 
 
 class DaemonProc:

@@ -9,10 +9,10 @@ import gc
 import os
 import threading
 
-from hicached.daemon.collector import freeze_survivors
+from hicached.daemon.loop_gc import freeze_survivors
 from hicached.daemon.server import Daemon
 from hicached.daemon.sessions import namespace_digest
-from hicached.ops.config import load_config
+from hicached.daemon.config import load_config
 
 
 class InprocDaemon:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from hicached.ops.config import load_config
+from hicached.daemon.config import load_config
 from hicached.presence import (
     F_CLOSED,
     H_FLAGS,

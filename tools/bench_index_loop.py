@@ -86,9 +86,9 @@ class Loop:
     def set(self, keys: list[str]) -> int:
         """Reserve and commit ``keys``; the pages stored."""
         self.req += 1
-        r = self.ctl.reserve(self.s, P.Reserve(self.req, 1, [P.PoolKeys("kv", keys)]))
+        r = self.ctl.sets.reserve(self.s, P.Reserve(self.req, 1, [P.PoolKeys("kv", keys)]))
         ok = [[off >= 0 for off in row] for row in r.offsets]
-        self.ctl.commit(self.s, P.Commit(self.req, 1, r.reservation_id, ok, seq=self.req))
+        self.ctl.sets.commit(self.s, P.Commit(self.req, 1, r.reservation_id, ok, seq=self.req))
         return sum(map(sum, ok))
 
     def get(self, keys: list[str]) -> int:

@@ -3,15 +3,21 @@
 Steps of the life of a page it owns (docs/life-of-a-page.md):
   2. ``reserve``  slots for every pool of a set call (or "present" / "in flight" / "no space")
   4. ``commit``   publishes all pools' pages of the call at once, then hands them to L3 (5.)
-                  (both in ``set_control.py``, a mixin of this class, as ``session_control.py``)
+                  (both ``SetControl``, in ``set_control.py``: the controller's ``sets``)
   6. ``exists``   hit semantics over L2 then L3 (``hits.py``); keys L2 lacks and L3 is not known
                   to hold are looked up on the prober thread while the request is parked.
                   (Clients answer what L2 alone can from the presence table: ``presence.py``)
   7. ``lease``    pins slots for a get; pages only L3 has are loaded into the arena first by the
                   I/O workers while the request waits (parked), the control loop keeps serving
   8. eviction happens inside ``PageIndex.reserve`` (``reserve_many``) when a class is full
-     ``wait_stored`` answers once named pages are in L3 (``store_waits.py``: the PD prefill's
-                  "ready" to another node)
+     ``wait_stored`` answers once named pages are in L3 (``StoreWaits``, ``store_waits.py``:
+                  the PD prefill's "ready" to another node; the controller's ``store_waits``)
+
+The controller is built with its parts, each an object of its own module: the sessions
+(``SessionControl``), the set path (``SetControl``), the store waits (``StoreWaits``), the
+parked requests (``Parking``), the L2 flush (``L2Flush``), the slicer of huge calls
+(``Slicer``) and the reclaimer (``Reclaimer``). It owns the get and exists paths, the pools'
+geometry, the counters and the books; it answers parked requests when their L3 jobs are done.
 
 Only the control loop calls into this object (single thread); the I/O workers only run backend
 calls and hand finished jobs back through ``IOWorkers.collect``.
@@ -38,7 +44,7 @@ from hicached.daemon.index import Entry, PageIndex, TableId
 from hicached.daemon.kv_events import NullKVEvents, check_event_hash
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.leases import LeaseTable
-from hicached.daemon.quotas import NoQuotas
+from hicached.daemon.parking import Parking
 from hicached.daemon.reclaim import Reclaimer
 from hicached.daemon.session_control import SessionControl
 from hicached.daemon.sessions import ParkedExists, ParkedGet, ParkedStore, PoolSpec, Session
@@ -60,39 +66,53 @@ from hicached.hits import TRAILING, intersect_endpoints_array, leading_run_array
 log = logging.getLogger(__name__)
 
 
-class Controller(SetControl, SessionControl, StoreWaits):
-    """L2 bookkeeping; L3 through the ``L3Tier``. See the module docstring."""
+class Controller:
+    """L2 bookkeeping; L3 through the ``L3Tier``. See the module docstring.
+
+    ``quotas``, ``ahead_session_bytes``, ``ahead_total_bytes``: the set path's bounds
+    (``SetControl``); ``kv_events``: where pools declare their events (``kv_events.py``);
+    ``books``: a list to keep the books after each answer (the daemon's), None to keep them at
+    once (tests, tools); ``slicer``, ``reclaim``: the daemon's (None: ones of its own that never
+    yield to waiting requests)."""
 
     def __init__(self, index: PageIndex, leases: LeaseTable, tier: L3Tier,
-                 clock: Callable[[], float], get_wait_s: float = 5.0):
+                 clock: Callable[[], float], get_wait_s: float = 5.0, *, quotas=None,
+                 ahead_session_bytes: int = 0, ahead_total_bytes: int = 0,
+                 kv_events: NullKVEvents | None = None,
+                 books: list[tuple[Callable[..., None], tuple]] | None = None,
+                 slicer: Slicer | None = None, reclaim: Reclaimer | None = None):
         self.index = index
         self.leases = leases
         self.tier = tier
         self.clock = clock
         self.get_wait_s = get_wait_s
-        self.sessions: dict[int, Session] = {}
-        self.ns_names: dict[str, str] = {}  # namespace digest -> name (session_control.py)
         self.geometry: dict[TableId, int] = {}  # (ns, pool) -> page_bytes, fixed once seen
-        # id -> request waiting for L3 (loads, lookups, writes: ``store_waits.py``)
-        self.parked: dict[int, ParkedGet | ParkedExists | ParkedStore] = {}
-        self.pending_waiters: dict[Entry, list[ParkedGet]] = {}  # uncommitted page -> its gets
         self.counters = {"hits": 0, "misses": 0, "no_space": 0, "get_wait_timeouts": 0,
                          "exists_wait_timeouts": 0, "partial_answers": 0, "shared_gets": 0,
                          "store_waits": 0, "store_wait_timeouts": 0}
-        self.quotas = NoQuotas()  # per-namespace L2 quotas (quotas.py); the daemon installs them
-        # set-ahead slots (leases.AheadSlots): bytes one session / all sessions may hold
-        self.ahead_session_bytes = 0
-        self.ahead_total_bytes = 0
         # the last Leased answer and, per transfer, the rows it served from pages loaded from
         # L3 that nobody had read yet (L3 hits to the metrics, though in L2 when asked)
         self.first_l3_reads: tuple[object, list[list[int]]] = (None, [])
-        self.flusher = L2Flush(tier)  # flushes of L2, in slices of the loop (flushing.py)
-        self.slicer = Slicer()  # huge calls, in slices of the loop (slicing.py)
-        self.reclaim = Reclaimer(index, 0.0)  # evicting ahead in idle turns (the daemon's share)
-        self.kv_events = NullKVEvents()  # KV events for routers (kv_events.py)
         # bookkeeping queued for after the answer (``later``); None: run at once. The daemon
-        # makes it a list and calls ``keep_books`` after every answer and loop step
-        self.books: list[tuple[Callable[..., None], tuple]] | None = None
+        # gives a list and calls ``keep_books`` after every answer and loop step
+        self.books = books
+        self.kv_events = kv_events or NullKVEvents()  # KV events for routers (kv_events.py)
+        self.sessions = SessionControl(index, leases, clock)
+        self.parking = Parking()  # requests waiting for L3 or for another client's commit
+        self.sets = SetControl(index, leases, tier, self.sessions, self.parking, self.counters,
+                               clock, self.later, self._wake_pending, quotas,
+                               ahead_session_bytes, ahead_total_bytes)
+        self.store_waits = StoreWaits(index, tier, self.parking, self.sessions, self.geometry,
+                                      self.counters, clock)
+        self.flusher = L2Flush(tier)  # flushes of L2, in slices of the loop (flushing.py)
+        self.slicer = slicer or Slicer()  # huge calls, in slices of the loop (slicing.py)
+        # evicting ahead in idle turns (the daemon's share)
+        self.reclaim = reclaim or Reclaimer(index, 0.0)
+
+    def reload(self, get_wait_s: float, namespace_quotas: dict, set_ahead_bytes: int) -> None:
+        """SIGHUP: the get wait, the namespaces' quotas and the set-ahead bound per session."""
+        self.get_wait_s = get_wait_s
+        self.sets.reload(namespace_quotas, set_ahead_bytes)
 
     # ------------------------------------------------------------ answer first, books after
 
@@ -119,7 +139,26 @@ class Controller(SetControl, SessionControl, StoreWaits):
                               getattr(fn, "__name__", fn))
         books.clear()
 
-    # ------------------------------------------------------------ sessions and pools
+    # ------------------------------------------------------------ namespaces and pools
+
+    def namespaces(self) -> list[dict]:
+        """Each namespace that holds L2 bytes, has a client or a quota: its name, L2 bytes,
+        sessions, and quota (None: none) with the quota's own evictions and rejections."""
+        quotas = {q["digest"]: q for q in self.sets.quotas.snapshot()}
+        sessions: dict[str, int] = {}
+        for s in self.sessions.values():
+            sessions[s.ns] = sessions.get(s.ns, 0) + 1
+        held = {d for d, n in self.index.ns_bytes.items() if n > 0}
+        out = []
+        for d in held | set(sessions) | set(quotas):
+            q = quotas.get(d, {})
+            name = q.get("namespace") or self.sessions.ns_names.get(d, f"<{d}>")
+            out.append({"namespace": name,
+                        "used_bytes": self.index.ns_bytes.get(d, 0),
+                        "sessions": sessions.get(d, 0), "quota_bytes": q.get("quota_bytes"),
+                        "evictions": q.get("evictions", 0), "rejections": q.get("rejections", 0)})
+        return sorted(out, key=lambda n: n["namespace"])
+
 
     def register_pool(self, s: Session, pool: str, page_bytes: int, event_hash: str = "",
                       tokens_per_page: int = 0) -> int:
@@ -218,7 +257,7 @@ class Controller(SetControl, SessionControl, StoreWaits):
                         parked.probes.append(job)
                         parked.jobs.add(id(job))
             if parked is not None and parked.jobs:
-                self.parked[id(parked)] = parked
+                self.parking.park(parked)
                 return None
         return self._exists_answer(s, msg, keys, masks, in_l3)
 
@@ -246,7 +285,7 @@ class Controller(SetControl, SessionControl, StoreWaits):
 
     def _answer_exists(self, parked: ParkedExists) -> None:
         """A parked Exists: the answer with what the prober said (L2 as it is now)."""
-        self._settle(parked)
+        self.parking.settle(parked)
         s, msg = parked.session, parked.msg
         if s.id not in self.sessions:
             return
@@ -277,7 +316,7 @@ class Controller(SetControl, SessionControl, StoreWaits):
 
     def _wake_pending(self, e: Entry) -> None:
         """``e`` was committed or aborted: the gets that waited for it may be answered."""
-        for parked in self.pending_waiters.pop(e, ()):
+        for parked in self.parking.waiting_on(e):
             if parked.answered:
                 continue
             parked.jobs.discard(id(e))
@@ -321,9 +360,9 @@ class Controller(SetControl, SessionControl, StoreWaits):
                                               spec.stride, waiter=parked,
                                               start=msg.load)
         if parked.jobs and not (msg.stream and present):
-            self.parked[id(parked)] = parked
+            self.parking.park(parked)
             return None
-        self._settle(parked)  # answered now: the loads it joined must not answer it again
+        self.parking.settle(parked)  # answered now: the loads it joined must not answer it again
         return self._lease_present(s, msg, found=found)
 
     def _lease_sliced(self, s: Session, msg: P.Lease, parked: ParkedGet, chunk: int) -> Steps:
@@ -356,13 +395,13 @@ class Controller(SetControl, SessionControl, StoreWaits):
                                                           spec.stride, waiter=parked,
                                                           start=msg.load)
             except BaseException:
-                self._settle(parked)  # (what it waits for must not answer it)
+                self.parking.settle(parked)  # (what it waits for must not answer it)
                 raise
             parked.building = False
             if parked.jobs and not (msg.stream and present):
-                self.parked[id(parked)] = parked
+                self.parking.park(parked)
                 return None
-        self._settle(parked)
+        self.parking.settle(parked)
         return (yield from self._lease_present_steps(s, msg, chunk=chunk, chunks=chunks))
 
     def _wait_for_writers(self, parked: ParkedGet, table: TableId, keys: list[str]) -> None:
@@ -375,9 +414,7 @@ class Controller(SetControl, SessionControl, StoreWaits):
             # and a client holds its lock while it waits for an answer)
             if (e is not None and e.owner != parked.session.id
                     and (table, key) not in self.tier.loading):
-                self.pending_waiters.setdefault(e, []).append(parked)
-                parked.pending.append(e)
-                parked.jobs.add(id(e))
+                self.parking.wait_for_commit(e, parked)
 
     def _lease_present(self, s: Session, msg: P.Lease, final: bool = False,
                        found: list[list[Entry | None]] | None = None) -> P.Leased:
@@ -478,17 +515,6 @@ class Controller(SetControl, SessionControl, StoreWaits):
         self.first_l3_reads = (answer, [sorted(row) for row in from_l3])
         return answer
 
-    def _settle(self, parked: ParkedGet | ParkedExists | ParkedStore) -> None:
-        """``parked`` is answered: nothing it waited for may answer it again."""
-        parked.answered = True
-        self.parked.pop(id(parked), None)
-        for e in parked.pending:  # e.g. pages whose reservation expired uncommitted
-            waiting = self.pending_waiters.get(e)
-            if waiting is not None:
-                waiting[:] = [p for p in waiting if p is not parked]
-                if not waiting:
-                    del self.pending_waiters[e]
-
     def _answer_parked(self, parked: ParkedGet | ParkedExists | ParkedStore,
                        final: bool = False) -> None:
         """Answer a parked request; a bug in building its answer costs this request only, and
@@ -498,9 +524,9 @@ class Controller(SetControl, SessionControl, StoreWaits):
                 self._answer_exists(parked)
                 return
             if isinstance(parked, ParkedStore):
-                self._answer_stored(parked, final)
+                self.store_waits.answer(parked, final)
                 return
-            self._settle(parked)
+            self.parking.settle(parked)
             if parked.session.id not in self.sessions:
                 return
             chunk = self.slicer.chunk(call_keys(parked.msg))
@@ -513,20 +539,20 @@ class Controller(SetControl, SessionControl, StoreWaits):
                               what="Lease (its late answer)")
         except Exception as e:
             log.exception("internal error answering a parked %s", type(parked.msg).__name__)
-            self._settle(parked)
+            self.parking.settle(parked)
             parked.reply(P.Error(parked.msg.req_id, "internal", f"{type(e).__name__}: {e}"))
 
     def expire_parked(self, now: float) -> None:
         """Answer requests that waited ``get_wait_s`` for L3: what is loaded now is served (a
         get), keys the store has not answered for are absent (an exists)."""
-        for parked in [p for p in self.parked.values() if p.deadline <= now]:
+        for parked in self.parking.due(now):
             if not isinstance(parked, ParkedStore):  # (counted when answered StoreTimeout)
                 self.counters["get_wait_timeouts" if isinstance(parked, ParkedGet)
                               else "exists_wait_timeouts"] += 1
             self._answer_parked(parked, final=True)
 
     def next_parked_deadline(self) -> float | None:
-        return min((p.deadline for p in self.parked.values()), default=None)
+        return self.parking.next_deadline()
 
     def _grant(self, s: Session, req_id: int, entries: list[Entry], offsets: list[list[int]],
                tags: list[list[int]]) -> P.Leased:

@@ -1,5 +1,11 @@
-"""The daemon's files on the node: the lock of its state dir and its listening socket (which
-refuses to take over another daemon's). A mixin of ``server.Daemon`` (its config, ctx)."""
+"""The daemon's files on the node: the lock of its state dir (which also records the arena it
+made) and its listening socket (which refuses to take over another daemon's).
+
+``DaemonFiles(config)`` takes the state dir's lock when it is made (another daemon holding it:
+``HicachedError``) and owns that descriptor until ``close``; it binds the ROUTER socket on a zmq
+context it is given, and removes the socket's file at the end. It mutates nothing but these files
+and calls nothing of the daemon's.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,14 @@ from hicached.sockpath import refusal
 
 
 class DaemonFiles:
-    """``_take_state_lock``, ``_bind`` (the ROUTER socket), ``_set_group``."""
+    """The state dir's lock, the arena's record in it, the socket's file (see the module
+    docstring). Its ``config`` is read, never changed."""
+
+    def __init__(self, config) -> None:
+        """Take the lock of ``config.state_dir`` (``ConfigError``: the dir cannot be used;
+        ``HicachedError``: another daemon holds it)."""
+        self.config = config
+        self.lock_fd = self._take_state_lock(config.state_dir)
 
     @staticmethod
     def _take_state_lock(state_dir: str) -> int:
@@ -33,40 +46,39 @@ class DaemonFiles:
                 f"another hicached daemon already uses state dir {state_dir}") from None
         return fd
 
-    @staticmethod
-    def _recorded_arena(lock_fd: int, arena_path: str) -> None:
+    def recorded_arena(self, arena_path: str) -> None:
         """Before the arena is made: the path the state dir's last daemon recorded in its lock
-        file (``_record_arena``) may be replaced: its files, left by a crash
+        file (``record_arena``) may be replaced: its files, left by a crash
         (``arena.made_before``)."""
         try:
-            if os.pread(lock_fd, 4096, 0).decode(errors="replace").strip() == arena_path:
+            if os.pread(self.lock_fd, 4096, 0).decode(errors="replace").strip() == arena_path:
                 made_before(arena_path, arena_path + ".presence")
         except OSError:  # a record is a convenience: without it only hicached-* is replaced
             pass
 
-    @staticmethod
-    def _record_arena(lock_fd: int, arena_path: str = "") -> None:
+    def record_arena(self, arena_path: str = "") -> None:
         """Record the arena this daemon made; "" once its files are gone (a clean exit), or a
         file someone makes at that path later would be replaced by the next start."""
         try:
-            os.ftruncate(lock_fd, 0)
+            os.ftruncate(self.lock_fd, 0)
             if arena_path:
-                os.pwrite(lock_fd, arena_path.encode() + b"\n", 0)
+                os.pwrite(self.lock_fd, arena_path.encode() + b"\n", 0)
         except OSError:
             pass
 
     @staticmethod
-    def _check_endpoint(endpoint: str) -> None:
+    def check_endpoint(endpoint: str) -> None:
         """ConfigError when another process listens on the ipc socket: checked first, so a
-        second daemon says so before it reserves an arena or opens an L3 backend (``_bind``
+        second daemon says so before it reserves an arena or opens an L3 backend (``bind``
         checks again, as the socket may be taken in between)."""
         path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else ""
         if path and os.path.exists(path) and refusal(path) is None:
             raise ConfigError(f"endpoint: {endpoint} is in use by a running process (another "
                               "hicached daemon?): give this one another endpoint")
 
-    def _bind(self, endpoint: str) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.ROUTER)
+    def bind(self, ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+        """The daemon's ROUTER socket on ``endpoint`` (``ConfigError``: it cannot listen)."""
+        sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -98,13 +110,27 @@ class DaemonFiles:
                 sock.bind(endpoint)
             finally:
                 os.umask(old)
-            self._set_group(path)
+            self.set_group(path)
         else:
             sock.bind(endpoint)
 
-    def _set_group(self, path: str) -> None:
+    def set_group(self, path: str) -> None:
         """``socket_group``: hand ``path`` to the group, mode 0660 (clients of other users)."""
         gid = self.config.socket_gid
         if gid is not None:
             os.chown(path, -1, gid)
             os.chmod(path, self.config.access_mode)
+
+    def remove_socket_file(self) -> None:
+        """Remove the ipc socket's file (its socket closed: zmq leaves it)."""
+        ep = self.config.endpoint
+        if ep.startswith("ipc://"):
+            try:
+                os.unlink(ep[len("ipc://"):])
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """The arena's record cleared and the lock let go (once the arena's files are gone)."""
+        self.record_arena()
+        os.close(self.lock_fd)

@@ -1,6 +1,11 @@
 """The daemon's side of a client's handshake (``Hello`` -> ``Welcome``): version and token, which
 process the client is (``liveness.py``), the session it replaces, its word in the presence table.
-A mixin of ``server.Daemon`` (its config, controller, auth, arena, presence table, index)."""
+
+``Handshakes`` owns nothing but the daemon's pid namespace (read once); per ``Hello`` it checks
+the token (``auth``), opens the session and closes the one it replaces (``sessions``: the
+``SessionControl``), binds the socket identity to it (``auth``) and takes the session's word in
+the presence table. It reads the config, the arena's path and size and the index's seed.
+Control loop only."""
 
 from __future__ import annotations
 
@@ -11,13 +16,22 @@ import zmq
 
 from hicached import protocol as P
 from hicached.errors import VersionMismatch
-from hicached.liveness import identify, peer_pid
+from hicached.liveness import identify, own_pid_ns, peer_pid
 
 log = logging.getLogger("hicached.daemon.server")
 
 
 class Handshakes:
-    """``_hello``: answer a ``Hello``."""
+    """``hello``: answer a ``Hello`` (see the module docstring)."""
+
+    def __init__(self, config, sessions, auth, arena, presence, index) -> None:
+        self.config = config
+        self.sessions = sessions  # SessionControl: open_session, close_session, sessions
+        self.auth = auth
+        self.arena = arena
+        self.presence = presence  # PresenceTable or None
+        self.index = index
+        self.pid_ns = own_pid_ns()  # clients in it may be checked by the pid they state
 
     def _peer(self, frame: zmq.Frame) -> int:
         """The pid of the process that sent ``frame``, in this daemon's pid namespace, from the
@@ -29,15 +43,17 @@ class Handshakes:
         except zmq.ZMQError:
             return 0
 
-    def _hello(self, identity: bytes, msg: P.Hello, frame: zmq.Frame) -> P.Welcome:
-        c = self.controller
+    def hello(self, identity: bytes, msg: P.Hello, frame: zmq.Frame) -> P.Welcome:
+        """The ``Welcome`` of a new session (``VersionMismatch``, ``Unauthorized``,
+        ``ProtocolError`` raised for a hello refused)."""
+        c = self.sessions
         if msg.version != P.PROTOCOL_VERSION:
             raise VersionMismatch(
                 f"client speaks protocol {msg.version}, daemon {P.PROTOCOL_VERSION}")
         self.auth.check_hello(identity, msg)
         process = identify(self._peer(frame), msg.pid, msg.start_ticks, msg.pid_ns,
-                           self._pid_ns)
-        old = c.sessions.get(msg.replaces) if msg.replaces else None
+                           self.pid_ns)
+        old = c.get(msg.replaces) if msg.replaces else None
         if old is not None and old.namespace != msg.namespace:
             old = None  # only the client's own session (same namespace) is replaced
         if old is not None:

@@ -377,12 +377,11 @@ class KVEvents(NullKVEvents):
         self.publisher.close()
 
 
-def make_kv_events(config, index, tier) -> NullKVEvents:
+def make_kv_events(config, index) -> NullKVEvents:
     """The daemon's events: ``KVEvents`` publishing at ``config.kv_events_endpoint``, or a
-    ``NullKVEvents`` when it is "". Installs the hooks in ``index`` and ``tier``."""
+    ``NullKVEvents`` when it is "". Installs its hooks in ``index``; the daemon hands it to the
+    L3 tier and the controller as they are built."""
     if not config.kv_events_endpoint:
         return NullKVEvents()
-    events = KVEvents(index, ZmqPublisher(config.kv_events_endpoint,
-                                          config.kv_events_replay_endpoint))
-    tier.kv_events = events
-    return events
+    return KVEvents(index, ZmqPublisher(config.kv_events_endpoint,
+                                        config.kv_events_replay_endpoint))

@@ -1,17 +1,19 @@
 """What other threads ask of a running daemon: attach / detach an L3 backend, flush, stats.
 
-Mixed into ``hicached.daemon.server.Daemon``. Every method here is thread-safe: the bookkeeping runs on
-the control loop through ``call`` (``call_soon`` queues a function and wakes the loop through a
-pipe; the loop runs it in ``_run_calls``), and slow work (connecting a backend, clearing a large
-L3) runs in the caller's thread or on the L3 writer thread, never on the loop. The admin HTTP
-API and the ``Attach`` / ``Detach`` / ``Flush`` protocol messages both come here.
+``Operations`` owns no state of its own but whether a backend is being attached; it acts on the
+L3 tier (attach, detach, policies, clear), the controller (the L2 flush, KV events of a full
+flush) and reads both, the presence table and the arena for stats. Every public method is
+thread-safe: the bookkeeping runs on the control loop through ``calls`` (``loop_calls.py``),
+and slow work (connecting a backend, clearing a large L3) runs in the caller's thread or on the
+L3 writer thread, never on the loop. The admin HTTP API (``daemon.operations``) and the
+``Attach`` / ``Detach`` / ``Flush`` protocol messages (``server.py``) both come here.
+A new admin endpoint is a method here, called from ``ops/admin.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -20,19 +22,22 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from hicached import protocol as P
-from hicached.backends.base import BACKENDS, is_backend_name
+from hicached.arena import Arena
+from hicached.backends.base import BACKENDS, L3Backend, create_backend, is_backend_name
+from hicached.daemon.config import DaemonConfig
 from hicached.daemon.l3.tier import close_quietly
+from hicached.daemon.loop_calls import LoopCalls
 from hicached.daemon.orphans import orphans
 from hicached.daemon.sessions import ParkedExists, ParkedGet, ParkedStore, namespace_digest
 from hicached.errors import (
     BackendConflict,
     BackendError,
+    BackendUnavailable,
     HicachedError,
     ProtocolError,
     ShuttingDown,
 )
-from hicached.ops.config import WRITE_POLICIES, DaemonConfig
-from hicached.ops.metrics import stats_json
+from hicached.settings import WRITE_POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -51,54 +56,54 @@ def backend_options(name: str, config: DaemonConfig, options: dict | None = None
     return opts
 
 
-class DaemonOperations:
-    """Attach / detach / flush / stats for other threads (see the module docstring)."""
+def open_backend(name: str, config: DaemonConfig, arena: Arena, options: dict | None
+                 ) -> L3Backend:
+    """Create and open backend ``name`` on ``arena`` (blocking: never on the control loop once
+    it runs); ``BackendError`` / ``BackendUnavailable`` name what failed."""
+    opts = backend_options(name, config, options)
+    try:
+        backend = create_backend(name, **opts)
+    except HicachedError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise BackendError(f"L3 backend {name!r}: {e}") from None
+    except OSError as e:  # its directory / device cannot be made or opened
+        raise BackendUnavailable(f"L3 backend {name!r}: {e}") from None
+    try:
+        backend.open(arena)
+    except Exception as e:
+        close_quietly(backend)
+        if isinstance(e, HicachedError):
+            raise
+        raise BackendUnavailable(f"L3 backend {name!r} failed to open: "
+                                 f"{type(e).__name__}: {e}") from None
+    backend.opened_with = opts  # a re-attach with other options is refused (``_same_options``)
+    return backend
 
-    # ------------------------------------------------------------ calls from other threads
 
-    def call_soon(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn()`` on the control loop; thread-safe. The future holds its result."""
-        fut: Future = Future()
-        if self._closed:
-            fut.set_exception(ShuttingDown("daemon is stopped"))
-            return fut
-        self._calls.put((fn, fut))
-        try:
-            os.write(self._call_w, b"x")
-        except OSError:
-            pass
-        return fut
+class Operations:
+    """Attach / detach / flush / stats for other threads (see the module docstring).
+
+    ``stopped()``: whether the loop is stopping (no attach starts); ``draining()``: whether the
+    daemon refuses new work (also from a signal the loop has not seen yet); ``frames_read()``:
+    the requests the socket read (for ``loop_stats``)."""
+
+    def __init__(self, config: DaemonConfig, calls: LoopCalls, controller, tier, arena: Arena,
+                 presence, stopped: Callable[[], bool], draining: Callable[[], bool],
+                 frames_read: Callable[[], int]) -> None:
+        self.config = config
+        self.calls = calls
+        self.controller = controller
+        self.tier = tier
+        self.arena = arena
+        self.presence = presence  # PresenceTable or None
+        self.stopped = stopped
+        self.draining = draining
+        self.frames_read = frames_read
+        self.attaching = False  # a backend is being connected (loop thread only)
 
     def call(self, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-        """``fn()`` run on the control loop, its result returned (or its exception raised)."""
-        if threading.get_ident() == self._loop_thread:
-            return fn()
-        try:
-            return self.call_soon(fn).result(timeout_s)
-        except FutureTimeout:
-            raise HicachedError(f"daemon control loop did not answer within {timeout_s} s") from None
-
-    def _run_calls(self, error: Exception | None = None) -> None:
-        try:
-            os.read(self._call_r, 65536)
-        except (BlockingIOError, OSError):
-            pass
-        while True:
-            try:
-                fn, fut = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            if not fut.set_running_or_notify_cancel():
-                continue
-            if error is not None:
-                fut.set_exception(error)
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
-            if self.controller.books:  # (as after every step of the loop: server.py)
-                self.controller.keep_books()
+        return self.calls.call(fn, timeout_s)
 
     # ------------------------------------------------------------ operations
 
@@ -110,7 +115,7 @@ class DaemonOperations:
         given change. Another one attached (or attaching): ``BackendConflict``."""
 
         def begin() -> bool:
-            if self._stop.is_set():
+            if self.stopped():
                 raise ShuttingDown("daemon is shutting down")
             if write_policy and write_policy not in WRITE_POLICIES:
                 raise ProtocolError(f"unknown write policy {write_policy!r}; "
@@ -123,24 +128,24 @@ class DaemonOperations:
                 self._same_options(t.backend, options)
                 t.set_policies(write_policy, threshold, prefetch)
                 return False
-            if t.attached or self._attaching:
+            if t.attached or self.attaching:
                 busy = t.backend.name if t.attached else "another backend"
                 raise BackendConflict(f"L3 backend {busy!r} is attached (or attaching); "
                                       f"detach it before attaching {name!r}")
-            self._attaching = True
+            self.attaching = True
             return True
 
         if self.call(begin):
             try:  # one detached with these options and kept open (``L3Backend.slow_close``)
                 opts = backend_options(name, self.config, options)
                 backend = (self.call(lambda: self.tier.unpark(name, opts))
-                           or self._open_backend(name, options))
+                           or open_backend(name, self.config, self.arena, options))
             except BaseException:
-                self.call(lambda: setattr(self, "_attaching", False))
+                self.call(lambda: setattr(self, "attaching", False))
                 raise
 
             def install() -> None:
-                self._attaching = False
+                self.attaching = False
                 self.tier.set_policies(write_policy, threshold, prefetch)
                 self.tier.attach(backend)
 
@@ -212,7 +217,7 @@ class DaemonOperations:
         if tier in ("l2", "all"):
             walk: Future = Future()
             self.call(lambda: self.controller.flush_l2(walk.set_result, ns))
-            if threading.get_ident() == self._loop_thread:  # nobody else would walk it
+            if self.calls.on_loop():  # nobody else would walk it
                 self.controller.flusher.finish_now()
             try:
                 n = walk.result(timeout_s)
@@ -256,17 +261,11 @@ class DaemonOperations:
         """The admin API's ``/ready`` body (loop thread): ready unless draining or the L3 backend
         is failing."""
         tier = self.tier.status()
-        reasons = [r for r, bad in (("draining", self.draining),
+        reasons = [r for r, bad in (("draining", self.draining()),
                                     ("L3 backend failing", tier["degraded"])) if bad]
         return {"ready": not reasons, "arena": self.arena.path,
                 "arena_bytes": self.arena.size_bytes, "l3_backend": tier["backend"],
                 "l3_attached": tier["attached"], "reasons": reasons}
-
-    def status_view(self) -> dict:
-        """What ``hicached status`` shows, in one answer over the socket (loop thread): the
-        admin API's ``/health``, ``/ready`` and ``/stats`` bodies."""
-        return {"health": {"status": "draining" if self.draining else "ok"},
-                "ready": self.readiness(), "stats": stats_json(self.metrics.snapshot())}
 
     def loop_stats(self, orphans: bool = True) -> dict:
         """The controller's state and counters, frames read and the presence table (loop thread
@@ -294,9 +293,9 @@ class DaemonOperations:
             "set_ahead_bytes": c.leases.ahead_bytes,
             "fenced_bytes": c.leases.fenced_bytes,
             "sessions": len(c.sessions),
-            "parked_gets": sum(isinstance(p, ParkedGet) for p in c.parked.values()),
-            "parked_exists": sum(isinstance(p, ParkedExists) for p in c.parked.values()),
-            "parked_store_waits": sum(isinstance(p, ParkedStore) for p in c.parked.values()),
+            "parked_gets": sum(isinstance(p, ParkedGet) for p in c.parking.values()),
+            "parked_exists": sum(isinstance(p, ParkedExists) for p in c.parking.values()),
+            "parked_store_waits": sum(isinstance(p, ParkedStore) for p in c.parking.values()),
             "l2_flush": c.flusher.status(),
             "sliced": c.slicer.status(),
             "l3_backend": c.tier.backend.name,
@@ -306,7 +305,7 @@ class DaemonOperations:
                           "dropped": c.kv_events.publisher.dropped},
             **c.counters,
             **c.tier.counters,
-            "requests": self.requests,
+            "requests": self.frames_read(),
             "presence": table.stats() if table is not None else None,
         }
 
@@ -318,18 +317,21 @@ class DaemonOperations:
                         leaving=self.controller.reclaim.leaving())
         return None if found is None else found[1]
 
-    def _attach_for(self, identity: bytes, msg: P.Attach) -> None:
-        """A client's Attach: connect off the loop, answer from the loop."""
-        self._off_loop(
-            identity, msg.req_id,
+    def attach_for(self, msg: P.Attach, reply: Callable[[Any], None]) -> None:
+        """A client's Attach: connect off the loop, answer (``reply``) from the loop."""
+        self.off_loop(
+            reply, msg.req_id,
             lambda: self.attach_backend(msg.backend, msg.options,
                                         write_policy=msg.write_policy or None,
                                         prefetch=msg.prefetch),
             lambda status: P.BackendStatus(msg.req_id, status))
 
-    def _off_loop(self, identity: bytes, req_id: int, work: Callable[[], Any],
-                  answer: Callable[[Any], Any]) -> None:
-        """Run a slow request (attach, L3 flush) on its own thread; answer from the loop."""
+    def off_loop(self, reply: Callable[[Any], None], req_id: int, work: Callable[[], Any],
+                 answer: Callable[[Any], Any]) -> None:
+        """Run a slow request (attach, L3 flush) on its own thread; ``reply(answer(result))``
+        (or its ``Error``) from the loop."""
+
+        send = reply
 
         def run() -> None:
             try:
@@ -339,7 +341,7 @@ class DaemonOperations:
             except Exception as e:  # a bug costs this request only
                 log.exception("request failed")
                 reply = P.Error(req_id, "internal", f"{type(e).__name__}: {e}")
-            self.call_soon(lambda: self._send(identity, reply))
+            self.calls.call_soon(lambda: send(reply))
 
         threading.Thread(target=run, name="hicached-slow-request", daemon=True).start()
 

@@ -1,5 +1,13 @@
 """The daemon: one object owning the socket, the arena, the index, the controller and the L3 tier.
 
+``Daemon.__init__`` builds the object graph, in one place (``docs/development.md`` draws it):
+its files (``DaemonFiles``: the state lock, the socket file), the arena, the index and the
+presence table, the leases, the L3 tier and its I/O workers, the controller, the calls from
+other threads (``LoopCalls``), the handshakes, the admin operations (``Operations``), the auth
+and the metrics. Each gets its collaborators in its constructor; nothing is assigned into
+another object afterwards, and a reload goes through a method of the object that owns what it
+changes (``reload``).
+
 The control loop is single-threaded. It polls the ROUTER socket and the I/O workers' wake pipe,
 answers each request, and between batches sweeps expired reservations / leases and clients whose
 process is gone. A request that cannot be decoded or is invalid gets a typed ``Error`` answer;
@@ -8,9 +16,9 @@ nothing a client sends can stop the loop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import queue
 import secrets
 import threading
 import time
@@ -22,9 +30,8 @@ import zmq
 
 from hicached import protocol as P
 from hicached.arena import Arena, arena_progress, release_if_made
-from hicached.backends.base import L3Backend, create_backend
 from hicached.daemon.auth import make_auth
-from hicached.daemon.collector import tune_for_the_loop
+from hicached.daemon.config import DaemonConfig
 from hicached.daemon.controller import Controller
 from hicached.daemon.files import DaemonFiles
 from hicached.daemon.handshake import Handshakes
@@ -34,25 +41,24 @@ from hicached.daemon.kv_events import make_kv_events
 from hicached.daemon.l3.tier import L3Tier, close_quietly
 from hicached.daemon.l3.workers import IOWorkers
 from hicached.daemon.leases import LeaseTable
-from hicached.daemon.operations import DaemonOperations, backend_options
+from hicached.daemon.loop_calls import LoopCalls
+from hicached.daemon.loop_gc import tune_for_the_loop
+from hicached.daemon.metrics import make_metrics, stats_json
+from hicached.daemon.notifier import NullNotifier
+from hicached.daemon.operations import Operations, open_backend
 from hicached.daemon.quotas import make_quotas
 from hicached.daemon.room import allocated_bytes, check_room, read_room
 from hicached.daemon.sessions import Session, namespace_digest
 from hicached.daemon.slabs import SlabAllocator
+from hicached.daemon.reclaim import Reclaimer
 from hicached.daemon import slicing
-from hicached.daemon.slicing import Steps, as_answer, drive
+from hicached.daemon.slicing import Slicer, Steps, as_answer, drive
 from hicached.errors import (
-    BackendError,
-    BackendUnavailable,
     HicachedError,
     ProtocolError,
     ShuttingDown,
     UnknownSession,
 )
-from hicached.liveness import own_pid_ns
-from hicached.ops.config import DaemonConfig
-from hicached.ops.metrics import make_metrics
-from hicached.ops.sdnotify import NullNotifier
 from hicached.presence import TAG_GRAIN, PresenceTable, default_slots, table_bytes
 
 log = logging.getLogger(__name__)
@@ -69,16 +75,23 @@ class _Sliced(NamedTuple):
     steps: Steps
 
 
-class Daemon(DaemonOperations, Handshakes, DaemonFiles):
-    """``Daemon(config).serve_forever()`` runs until ``stop()`` (or SIGTERM/SIGINT via ``run``)."""
+class Daemon:
+    """``Daemon(config).serve_forever()`` runs until ``stop()`` (or SIGTERM/SIGINT via ``run``).
+
+    Owns the ROUTER socket and the control loop; reads requests, dispatches them to the
+    controller (the data path), the handshakes and the operations (attach, detach, flush,
+    stats), sends the answers, and runs the periodic sweep (``_tick``)."""
 
     def __init__(self, config: DaemonConfig,
-                 on_phase: Callable[[str], None] | None = None):
+                 on_phase: Callable[[str], None] | None = None,
+                 notifier: NullNotifier | None = None):
         """Make the daemon: state lock, arena, index, L3 backend, socket. ``on_phase(name)`` is
         called as the start reaches "lock", "arena" (after each step of the reservation), "l3"
         and "socket" (``ops/phases.py``); whatever it raises abandons the start, which undoes
-        what it made (lock, arena file, backend, socket) and lets the exception go on."""
+        what it made (lock, arena file, backend, socket) and lets the exception go on.
+        ``notifier``: what the service manager is told (``notifier.py``; None: nothing)."""
         self.config = config
+        self.notifier = notifier or NullNotifier()
         self._stop = threading.Event()
         self._stop_asked = False  # set by a signal handler (stop_on_signal)
         on_phase = on_phase or (lambda name: None)
@@ -88,23 +101,22 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             log_progress(done, total)
             on_phase("arena")
 
-        self._lock_fd = self._take_state_lock(config.state_dir)
+        self.files = DaemonFiles(config)  # the state dir's lock, taken
         try:
             on_phase("lock")
-            self._check_endpoint(config.endpoint)  # taken: say so before the arena and L3
-            self._recorded_arena(self._lock_fd, config.arena_path)
+            self.files.check_endpoint(config.endpoint)  # taken: say so before the arena and L3
+            self.files.recorded_arena(config.arena_path)
             self._check_room(config)  # an arena the node cannot back: refused before it is made
             log.info("reserving the arena: %.1f GiB of shared memory at %s (about a second "
                      "per GiB)", config.l2_size / (1 << 30), config.arena_path)
             self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.access_mode,
                                       progress=progress)
-            self._record_arena(self._lock_fd, config.arena_path)
-            self._set_group(config.arena_path)
+            self.files.record_arena(config.arena_path)
+            self.files.set_group(config.arena_path)
         except BaseException:
             if hasattr(self, "arena"):
                 self.arena.close()
-                self._record_arena(self._lock_fd)
-            os.close(self._lock_fd)
+            self.files.close()
             raise
         try:
             self.allocator = SlabAllocator(config.l2_size, config.slab_size)
@@ -113,81 +125,59 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             self.presence = self._presence_table(config)
             self.index.shared = self.presence
             self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
+            self.kv_events = make_kv_events(config, self.index)  # KV events for routers
             self.workers = IOWorkers(config.io_queue_depth)
             self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
                                config.write_through_threshold, config.prefetch,
-                               config.l3_load_chunk, config.l3_audit_s)
+                               config.l3_load_chunk, config.l3_audit_s, self.kv_events)
             if config.l3_backend != "none":
-                self.tier.attach(self._open_backend(config.l3_backend, None))
+                self.tier.attach(open_backend(config.l3_backend, config, self.arena, None))
             on_phase("l3")
             if self.presence is not None:  # before any client reads it (a restart with L3)
                 self.presence.beat(time.monotonic(), self.tier.attached)
-            self.controller = Controller(self.index, self.leases, self.tier, time.monotonic,
-                                         config.get_wait_s)
-            self.controller.books = []  # answer first, keep the books after (controller.py)
-            self.controller.quotas = make_quotas(self.index, config.namespace_quotas)
-            self.controller.ahead_session_bytes = config.set_ahead_bytes
-            self.controller.ahead_total_bytes = config.l2_size // 8  # idle slots: at most 1/8
-            self.controller.reclaim.attach(config.evict_ahead, self._request_waits)
-            self.controller.slicer.attach(self._request_waits)
-            self.controller.kv_events = make_kv_events(config, self.index, self.tier)
+            reclaim = Reclaimer(self.index, 0.0)  # evicting ahead in idle turns
+            reclaim.attach(config.evict_ahead, self._request_waits)
+            self.controller = Controller(
+                self.index, self.leases, self.tier, time.monotonic, config.get_wait_s,
+                quotas=make_quotas(self.index, config.namespace_quotas),
+                ahead_session_bytes=config.set_ahead_bytes,
+                ahead_total_bytes=config.l2_size // 8,  # idle set-ahead slots: at most 1/8
+                kv_events=self.kv_events,
+                books=[],  # answer first, keep the books after (controller.py)
+                slicer=Slicer(waiting=self._request_waits), reclaim=reclaim)
             self.ctx = zmq.Context()
-            self.sock = self._bind(config.endpoint)
+            self.sock = self.files.bind(self.ctx, config.endpoint)
             on_phase("socket")
         except BaseException:
-            if hasattr(self, "controller"):
-                self.controller.kv_events.close()
+            if hasattr(self, "kv_events"):
+                self.kv_events.close()
             if hasattr(self, "workers"):
                 self.workers.close()
             if getattr(self, "tier", None) is not None:
                 self.tier.close()
             if hasattr(self, "sock"):  # (ctx.term waits for every socket to be closed)
                 self.sock.close(linger=0)
-                self._remove_socket_file()
+                self.files.remove_socket_file()
             if hasattr(self, "ctx"):
                 self.ctx.term()
             if getattr(self, "presence", None) is not None:
                 self.presence.close()
             release_if_made(config.arena_path + ".presence")  # interrupted while made
             self.arena.close()
-            self._record_arena(self._lock_fd)
-            os.close(self._lock_fd)
+            self.files.close()
             raise
         self.requests = 0
-        self._pid_ns = own_pid_ns()  # clients in it may be checked by the pid they state
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (fn, Future) for the loop
-        self._call_r, self._call_w = os.pipe()
-        os.set_blocking(self._call_r, False)
-        self._attaching = False
         self._closed = False
-        self._loop_thread: int | None = None
+        self.calls = LoopCalls(self._keep_books)
         self.auth = make_auth(config.client_token)
+        self.handshakes = Handshakes(config, self.controller.sessions, self.auth, self.arena,
+                                     self.presence, self.index)
+        self.operations = Operations(config, self.calls, self.controller, self.tier, self.arena,
+                                     self.presence, self._stop.is_set, lambda: self.draining,
+                                     lambda: self.requests)
         self.metrics = make_metrics(self, enabled=bool(config.admin_port))
-        self.notifier = NullNotifier()  # systemd: set by service.serve before serve_forever
 
     # ------------------------------------------------------------ setup
-
-    def _open_backend(self, name: str, options: dict | None) -> L3Backend:
-        """Create and open a backend (blocking: never on the control loop once it runs)."""
-        opts = backend_options(name, self.config, options)
-        try:
-            backend = create_backend(name, **opts)
-        except HicachedError:
-            raise
-        except (ValueError, TypeError) as e:
-            raise BackendError(f"L3 backend {name!r}: {e}") from None
-        except OSError as e:  # its directory / device cannot be made or opened
-            raise BackendUnavailable(f"L3 backend {name!r}: {e}") from None
-        try:
-            backend.open(self.arena)
-        except Exception as e:
-            close_quietly(backend)
-            if isinstance(e, HicachedError):
-                raise
-            raise BackendUnavailable(f"L3 backend {name!r} failed to open: "
-                                     f"{type(e).__name__}: {e}") from None
-        backend.opened_with = opts  # a re-attach with other options is refused (operations.py)
-        return backend
 
     @staticmethod
     @staticmethod
@@ -215,10 +205,32 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         possibly inside ``Event.set`` of an earlier signal, and a lock taken twice by one
         thread never returns); the loop sees the flag at its next turn, woken by the pipe."""
         self._stop_asked = True
-        try:
-            os.write(self._call_w, b"x")
-        except OSError:
-            pass
+        self.calls.wake()
+
+    def call(self, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+        """``fn()`` run on the control loop (thread-safe; ``LoopCalls.call``)."""
+        return self.calls.call(fn, timeout_s)
+
+    def status_view(self) -> dict:
+        """What ``hicached status`` shows, in one answer over the socket (loop thread): the
+        admin API's ``/health``, ``/ready`` and ``/stats`` bodies."""
+        return {"health": {"status": "draining" if self.draining else "ok"},
+                "ready": self.operations.readiness(),
+                "stats": stats_json(self.metrics.snapshot())}
+
+    def reload(self, new: DaemonConfig, keys: tuple[str, ...]) -> None:
+        """SIGHUP, on the loop (``ops/serve.py``, which reloads the tier's and the controller's
+        policies through their own methods): the eviction's (evicting ahead, the hybrid's
+        alpha), and the config's ``keys`` taken from ``new``."""
+        self.controller.reclaim.ahead = new.evict_ahead
+        if self.index.policy.name == "hybrid":
+            self.index.policy.alpha = new.eviction_alpha
+        self.config = dataclasses.replace(self.config, **{k: getattr(new, k) for k in keys})
+
+    def _keep_books(self) -> None:
+        """After each step of the loop: what the answers did not wait for (controller.py)."""
+        if self.controller.books:
+            self.controller.keep_books()
 
     @property
     def draining(self) -> bool:
@@ -234,14 +246,14 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                               secrets.randbits(63), mode=config.access_mode,
                               arena_bytes=self.arena.size_bytes,
                               grain=TAG_GRAIN if config.shared_gets else 0)
-        self._set_group(table.path)
+        self.files.set_group(table.path)
         return table
 
     def _tick(self, now: float) -> None:
         """Every ``SWEEP_INTERVAL_S``: expire reservations and leases, drop dead clients, relieve
         write-back pressure, audit L3 copies when due; and feed the systemd watchdog (only a
         running loop does). Every turn: hand the turn's KV events to their publisher."""
-        self.controller.kv_events.send()
+        self.kv_events.send()
         if now >= self._next_watchdog:
             interval = self.notifier.watchdog_interval_s
             if interval:
@@ -250,24 +262,24 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         if now >= self._next_sweep:
             self.leases.sweep(now)
             self.index.republish()
-            self.controller.reap_dead_sessions()
-            self.controller.reap_idle_unchecked(now, self.config.unchecked_idle_s)
+            self.controller.sessions.reap_dead_sessions()
+            self.controller.sessions.reap_idle_unchecked(now, self.config.unchecked_idle_s)
             self.auth.prune(self.controller.sessions)
             self.tier.relieve_pressure()
-            self.tier.audit(now)
+            self.tier.auditor.audit(now)
             self._next_sweep = now + SWEEP_INTERVAL_S
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.workers.wake_r, zmq.POLLIN)
-        poller.register(self._call_r, zmq.POLLIN)
+        poller.register(self.calls.wake_fd, zmq.POLLIN)
         self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
         self._next_watchdog = 0.0
         busy_until = 0.0  # spin (non-blocking polls) until then: see busy_poll_ms in the config
         busy_s = self.config.busy_poll_ms / 1000
-        self._loop_thread = threading.get_ident()
-        tune_for_the_loop()  # (collector.py)
+        self.calls.enter()
+        tune_for_the_loop()  # (loop_gc.py)
         try:
             while not self._stop.is_set():
                 if self._stop_asked:  # a signal: set the event here, outside any handler
@@ -290,8 +302,8 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                     busy_until = time.monotonic() + busy_s
                 if self.workers.wake_r in events:
                     self._guarded(self.controller.on_io_done)
-                if self._call_r in events:
-                    self._run_calls()
+                if self.calls.wake_fd in events:
+                    self.calls.run()
                 if self.controller.slicer.active:  # a slice of a huge call (slicing.py)
                     self._guarded(self.controller.slicer.step)
                     # the clients waiting for a CPU (a small machine: the loop busy with a huge
@@ -304,7 +316,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                 now = time.monotonic()
                 if self.presence is not None:
                     self.presence.beat(now, self.tier.attached)
-                if self.controller.parked:
+                if self.controller.parking.parked:
                     self._guarded(self.controller.expire_parked, now)
                 self._guarded(self._tick, now)
             self._drain_for_shutdown()
@@ -448,7 +460,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         return s
 
     def _dispatch(self, identity: bytes, msg, frame: zmq.Frame):
-        c = self.controller
+        c, ops = self.controller, self.operations
         if self._stop.is_set() and not isinstance(msg, _DRAIN_OK):
             raise ShuttingDown("hicached is shutting down; not accepting new requests")
         match msg:
@@ -472,19 +484,19 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                         self.metrics.on_unleased(msg, c.read_unleased(s, msg))
                 return None
             case P.WaitStored():
-                return c.wait_stored(self._session(msg.session), msg,
+                return c.store_waits.wait_stored(self._session(msg.session), msg,
                                      lambda answer: self._send_parked(identity, msg, answer))
             case P.Reserve():
                 if self._stop.is_set():
                     raise ShuttingDown("daemon is shutting down; not accepting writes")
                 s = self._session(msg.session)
-                return self._steps(s, msg, lambda chunk: c.reserve_steps(s, msg, chunk))
+                return self._steps(s, msg, lambda chunk: c.sets.reserve_steps(s, msg, chunk))
             case P.Commit():
                 s = self._session(msg.session)
-                answer = self._steps(s, msg, lambda chunk: c.commit_steps(s, msg, chunk))
+                answer = self._steps(s, msg, lambda chunk: c.sets.commit_steps(s, msg, chunk))
                 return answer if msg.reply or type(answer) is _Sliced else None
             case P.Hello():
-                return self._hello(identity, msg, frame)
+                return self.handshakes.hello(identity, msg, frame)
             case P.RegisterPool():
                 return P.Registered(msg.req_id, c.register_pool(
                     self._session(msg.session), msg.pool, msg.page_bytes, msg.event_hash,
@@ -495,23 +507,24 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                     s.spec(pool)
                 return None
             case P.Bye():
-                c.close_session(msg.session)
+                c.sessions.close_session(msg.session)
                 return None
             case P.Flush():  # (namespace "": the whole node, as from an older client)
                 if msg.tier == "l2":  # answered when the walk of the arena ends
                     c.flush_l2(lambda n: self._send(identity, P.Ok(msg.req_id)),
                                namespace_digest(msg.namespace) if msg.namespace else None)
                     return None
-                self._off_loop(identity, msg.req_id,
-                               lambda: self.flush(msg.tier, namespace=msg.namespace),
-                               lambda n: P.Ok(msg.req_id))
+                ops.off_loop(lambda answer: self._send(identity, answer), msg.req_id,
+                             lambda: ops.flush(msg.tier, namespace=msg.namespace),
+                             lambda n: P.Ok(msg.req_id))
                 return None
             case P.Attach():
-                self._attach_for(identity, msg)
+                ops.attach_for(msg, lambda answer: self._send(identity, answer))
                 return None
             case P.Detach():  # dirty write-back pages are written first: off the loop
-                self._off_loop(identity, msg.req_id, self.detach_backend,
-                               lambda status: P.BackendStatus(msg.req_id, status))
+                ops.off_loop(lambda answer: self._send(identity, answer), msg.req_id,
+                             ops.detach_backend,
+                             lambda status: P.BackendStatus(msg.req_id, status))
                 return None
             case P.GetBackend():
                 return P.BackendStatus(msg.req_id, {**self.tier.status(),
@@ -521,7 +534,7 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                     return P.Stats(msg.req_id, self.status_view())
                 if msg.view:
                     raise ProtocolError(f"GetStats.view: no view {msg.view!r} (\"\" or status)")
-                return P.Stats(msg.req_id, self.loop_stats())
+                return P.Stats(msg.req_id, ops.loop_stats())
             case P.Ping():
                 return P.Ok(msg.req_id)
         raise ProtocolError(f"unhandled message {type(msg).__name__}")
@@ -543,14 +556,14 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
         deadline = time.monotonic() + timeout_s
         log.info("draining (at most %.1f s)", timeout_s)
         poller = zmq.Poller()
-        for fd in (self.sock, self.workers.wake_r, self._call_r):
+        for fd in (self.sock, self.workers.wake_r, self.calls.wake_fd):
             poller.register(fd, zmq.POLLIN)
         while True:
             self.controller.slicer.finish_now()  # huge calls under way: answered
             self.controller.flusher.finish_now()  # answer flushes while the socket is up
             self.tier.write_back_all()
             c = self.controller
-            busy = (len(self.leases.reservations), len(c.parked), self.workers.in_flight)
+            busy = (len(self.leases.reservations), len(c.parking), self.workers.in_flight)
             now = time.monotonic()
             if not any(busy) or now >= deadline:
                 break
@@ -559,31 +572,23 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                 self._drain_socket()
             if self.workers.wake_r in events:
                 c.on_io_done()
-            if self._call_r in events:
-                self._run_calls()
+            if self.calls.wake_fd in events:
+                self.calls.run()
             self._tick(time.monotonic())
         self.controller.slicer.finish_now()
         self.controller.expire_parked(float("inf"))
         if any(busy):
             log.warning("drain deadline: %d reservations, %d waiting requests, %d L3 jobs "
                         "unfinished", *busy)
-        self._run_calls(ShuttingDown("daemon is shutting down"))
-
-    def _remove_socket_file(self) -> None:
-        """Remove the ipc socket's file (its socket closed: zmq leaves it)."""
-        ep = self.config.endpoint
-        if ep.startswith("ipc://"):
-            try:
-                os.unlink(ep[len("ipc://"):])
-            except FileNotFoundError:
-                pass
+        self.calls.run(ShuttingDown("daemon is shutting down"))
 
     def close(self) -> None:
         """Release everything the daemon owns. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        self.controller.kv_events.close()  # the events of the last turns, then its sockets
+        self.calls.refuse()
+        self.kv_events.close()  # the events of the last turns, then its sockets
         if self.workers.close():
             self.tier.close()
         else:  # a transfer still runs in the backend: closing it underneath could crash
@@ -591,11 +596,9 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
                         "process exit to reclaim")
         self.sock.close(linger=0)
         self.ctx.term()
-        self._remove_socket_file()
+        self.files.remove_socket_file()
         if self.presence is not None:
             self.presence.close()
         self.arena.close()
-        self._record_arena(self._lock_fd)
-        os.close(self._call_r)
-        os.close(self._call_w)
-        os.close(self._lock_fd)
+        self.calls.close()
+        self.files.close()

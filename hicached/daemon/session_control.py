@@ -1,11 +1,16 @@
-"""The controller's sessions: opened at a handshake, ended by a Bye, a new handshake, the death of
+"""The daemon's sessions: opened at a handshake, ended by a Bye, a new handshake, the death of
 the client's process (``liveness.py``) or, for a process the daemon cannot check, idleness.
-A mixin of ``controller.Controller`` (its sessions, leases, index, clock)."""
+
+``SessionControl`` owns the sessions (id -> ``Session``; it reads as a mapping: ``get``, ``in``,
+``len``, ``values``) and the names of the namespaces they named. Ending a session drops its
+reservations and leases (``leases``) and frees its word in the presence table (the index's
+``shared`` table). It reads the index's bytes per namespace. Control loop only."""
 
 from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
 
 from hicached import protocol as P
 from hicached.daemon.sessions import Session, namespace_digest
@@ -18,7 +23,30 @@ MAX_NAMED = 4096  # namespace names kept for /stats beyond those holding pages o
 
 
 class SessionControl:
-    """``open_session``, ``close_session``, ``reap_dead_sessions``, ``reap_idle_unchecked``."""
+    """``open_session``, ``close_session``, ``reap_dead_sessions``, ``reap_idle_unchecked`` (see
+    the module docstring)."""
+
+    def __init__(self, index, leases, clock: Callable[[], float]) -> None:
+        self.index = index
+        self.leases = leases
+        self.clock = clock
+        self.sessions: dict[int, Session] = {}
+        self.ns_names: dict[str, str] = {}  # namespace digest -> name (``_remember_namespace``)
+        # ``get(sid)``: the session, or None (the dict's own method: every request asks)
+        self.get: Callable[[int], Session | None] = self.sessions.get
+
+    def __contains__(self, sid: int) -> bool:
+        return sid in self.sessions
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def values(self):
+        return self.sessions.values()
+
+    def __setitem__(self, sid: int, s: Session) -> None:
+        """Keep a session made elsewhere (tests and tools that drive a controller directly)."""
+        self.sessions[sid] = s
 
     def open_session(self, hello: P.Hello, process: ProcessRef | None = None) -> Session:
         """A new session for ``hello``; ``process``: how to tell the client died
@@ -43,23 +71,6 @@ class SessionControl:
             live = {s.ns for s in self.sessions.values()}
             for d in [d for d in names if d not in live and not self.index.ns_bytes.get(d)]:
                 del names[d]
-
-    def namespaces(self) -> list[dict]:
-        """Each namespace that holds L2 bytes, has a client or a quota: its name, L2 bytes,
-        sessions, and quota (None: none) with the quota's own evictions and rejections."""
-        quotas = {q["digest"]: q for q in self.quotas.snapshot()}
-        sessions: dict[str, int] = {}
-        for s in self.sessions.values():
-            sessions[s.ns] = sessions.get(s.ns, 0) + 1
-        held = {d for d, n in self.index.ns_bytes.items() if n > 0}
-        out = []
-        for d in held | set(sessions) | set(quotas):
-            q = quotas.get(d, {})
-            out.append({"namespace": q.get("namespace") or self.ns_names.get(d, f"<{d}>"),
-                        "used_bytes": self.index.ns_bytes.get(d, 0),
-                        "sessions": sessions.get(d, 0), "quota_bytes": q.get("quota_bytes"),
-                        "evictions": q.get("evictions", 0), "rejections": q.get("rejections", 0)})
-        return sorted(out, key=lambda n: n["namespace"])
 
     def close_session(self, sid: int, how: str = "bye") -> None:
         """End session ``sid``: its process is ``dead``, it said ``bye``, or a new handshake of

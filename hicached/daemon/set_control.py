@@ -1,7 +1,13 @@
-"""The controller's set path: step 2, ``reserve`` (slots for every pool of a Reserve, or
-"present" / "in flight" / "no space"), and step 4, ``commit`` (all pools' pages of the call
-published at once, then handed to L3). A mixin of ``controller.Controller`` (its index, leases,
-tier, quotas, counters and clock).
+"""The set path: step 2, ``reserve`` (slots for every pool of a Reserve, or "present" / "in
+flight" / "no space"), and step 4, ``commit`` (all pools' pages of the call published at once,
+then handed to L3).
+
+``SetControl`` owns the namespaces' L2 quotas (``quotas.py``) and the bounds of set-ahead slots;
+it mutates the index (reserve, bind, commit, abort, link), the reservations and set-ahead slots
+(``leases``) and the tier's write queues (``on_commit``, ``on_present``, write-back relief), and
+counts ``no_space``. After a page is committed or aborted it calls ``wake(entry)`` (the
+controller answers the gets that waited for it, ``parking``); what an answer does not wait for
+goes to ``later`` (the controller's books). Control loop only; ``reload`` changes its bounds.
 
 A Reserve's new keys (neither in L2 nor pending, no set-ahead slot named) are reserved a run at
 a time (``PageIndex.reserve_many``: one numpy pass for the pages that get a slot without
@@ -12,10 +18,12 @@ one by one where they come, so the state is exactly that of answering every key 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from hicached import protocol as P
 from hicached.daemon.index import Entry
 from hicached.daemon.leases import Reservation
+from hicached.daemon.quotas import NoQuotas, make_quotas
 from hicached.daemon.sessions import PoolSpec, Session
 from hicached.daemon.slicing import Steps, drive, fit_chunk
 from hicached.errors import InvalidTransfer, ProtocolError, UnknownSession
@@ -27,7 +35,33 @@ def _now(fn, *args) -> None:
 
 
 class SetControl:
-    """``reserve``, ``commit`` (and their steps: ``slicing.py``)."""
+    """``reserve``, ``commit`` (and their steps: ``slicing.py``); see the module docstring."""
+
+    def __init__(self, index, leases, tier, sessions, parking, counters: dict,
+                 clock: Callable[[], float], later: Callable[..., None],
+                 wake: Callable[[Entry], None], quotas=None, ahead_session_bytes: int = 0,
+                 ahead_total_bytes: int = 0) -> None:
+        self.index = index
+        self.leases = leases
+        self.tier = tier
+        self.sessions = sessions
+        self.parking = parking
+        self.counters = counters
+        self.clock = clock
+        self.later = later
+        self.wake = wake
+        self.quotas = quotas if quotas is not None else NoQuotas()  # per-namespace (quotas.py)
+        # set-ahead slots (leases.AheadSlots): bytes one session / all sessions may hold
+        self.ahead_session_bytes = ahead_session_bytes
+        self.ahead_total_bytes = ahead_total_bytes
+
+    def reload(self, namespace_quotas: dict, ahead_session_bytes: int) -> None:
+        """SIGHUP: new quotas (applied at once) and set-ahead bound (at each next set)."""
+        self.ahead_session_bytes = ahead_session_bytes
+        if type(self.quotas) is NoQuotas:
+            self.quotas = make_quotas(self.index, namespace_quotas)
+        else:
+            self.quotas.set_quotas(namespace_quotas)
 
     def reserve(self, s: Session, msg: P.Reserve) -> P.Reserved:
         return drive(self.reserve_steps(s, msg))
@@ -302,9 +336,9 @@ class SetControl:
                     self.index.abort(e)
             # all of the call's pages at once (step 4): in slices, all of a chunk's keys
             self.index.commit_many(done, events=len(groups) == 1)
-            if self.pending_waiters:
+            if self.parking.pending_waiters:
                 for _, _, e in group:
-                    self._wake_pending(e)
+                    self.wake(e)
             self.tier.on_commit(done)
         if len(groups) > 1:
             if told:

@@ -142,7 +142,10 @@ class Slicer:
     calls it; ``Daemon.serve_forever`` calls ``step`` while ``active``."""
 
     def __init__(self, slice_s: float = SLICE_S, slice_keys: int = SLICE_KEYS,
-                 chunk_keys: int = CHUNK_KEYS, clock: Callable[[], float] = time.perf_counter):
+                 chunk_keys: int = CHUNK_KEYS, clock: Callable[[], float] = time.perf_counter,
+                 waiting: Callable[[], bool] = lambda: False):
+        """``waiting()``: a request waits in the socket (the daemon's): a slice ends after the
+        chunk under way then, so a request waits for at most one chunk of a huge call."""
         if chunk_keys < 1 or slice_keys < chunk_keys:
             raise ValueError(f"chunk_keys {chunk_keys} must be >= 1 and <= slice_keys "
                              f"{slice_keys}")
@@ -155,11 +158,6 @@ class Slicer:
         self.held: dict[bytes, deque] = {}  # identity -> requests waiting behind its call
         self.counters = {"sliced_calls": 0, "slices": 0, "held_requests": 0,
                          "refused_requests": 0}
-        self.waiting: Callable[[], bool] = lambda: False  # a request waits (``attach``)
-
-    def attach(self, waiting: Callable[[], bool]) -> None:
-        """A daemon's: a slice ends after the chunk under way once ``waiting()`` (a request
-        waits in the socket), so a request waits for at most one chunk of a huge call."""
         self.waiting = waiting
 
     @property

@@ -19,7 +19,11 @@ Per named page (``wait_stored``), on the control loop, never blocking it:
 The request is parked (``ParkedStore``) until its jobs are done (``on_io_done`` of the
 controller), then answered ``Ok``, or ``NotStored`` naming the pages whose write failed or
 that are nowhere; at its deadline ``StoreTimeout``. No L3 attached: ``NoL3`` at once (also
-when it was detached while the request waited). A mixin of ``controller.Controller``.
+when it was detached while the request waited).
+
+``StoreWaits`` owns nothing but its counters (``store_waits``, ``store_wait_timeouts`` in the
+controller's ``counters``); it parks requests in ``parking``, starts writes and lookups on the
+tier, and reads the index, the pools' geometry and the sessions. Control loop only.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hicached import protocol as P
+from hicached.daemon.parking import Parking
 from hicached.daemon.sessions import ParkedStore, Session
 from hicached.errors import HicachedError, InvalidTransfer, NoL3, NotStored, StoreTimeout
 
@@ -34,7 +39,17 @@ SHOWN_KEYS = 3  # keys an error message names (of how many)
 
 
 class StoreWaits:
-    """``wait_stored`` and its late answer."""
+    """``wait_stored`` and its late answer (``answer``; see the module docstring)."""
+
+    def __init__(self, index, tier, parking: Parking, sessions, geometry: dict,
+                 counters: dict, clock: Callable[[], float]) -> None:
+        self.index = index
+        self.tier = tier
+        self.parking = parking
+        self.sessions = sessions
+        self.geometry = geometry  # (ns, pool) -> page_bytes (the controller's, read only)
+        self.counters = counters
+        self.clock = clock
 
     def wait_stored(self, s: Session, msg: P.WaitStored,
                     reply: Callable[[P.Ok | P.Error], None]) -> P.Ok | None:
@@ -77,18 +92,18 @@ class StoreWaits:
             parked.jobs.update(id(job) for job in parked.writes)
             unqueued += sum(not e.in_l3 and not e.writing for e in write)
         if unqueued:  # the prober's or writer's queue is full: no use waiting
-            self._settle(parked)
+            self.parking.settle(parked)
             raise NotStored(f"{unqueued} of {len(parked.pages)} pages could not be queued for "
                             "L3 (its worker queues are full); try again")
         if parked.jobs:
-            self.parked[id(parked)] = parked
+            self.parking.park(parked)
             return None
-        self._settle(parked)
+        self.parking.settle(parked)
         return P.Ok(msg.req_id)
 
-    def _answer_stored(self, parked: ParkedStore, final: bool) -> None:
+    def answer(self, parked: ParkedStore, final: bool) -> None:
         """A parked ``WaitStored``: ``Ok`` when every page is stored now, else the error."""
-        self._settle(parked)
+        self.parking.settle(parked)
         if parked.session.id not in self.sessions:
             return
         try:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from hicached.settings import WRITE_POLICIES
+
 STORAGE_BACKENDS = ("hicached", "none")
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("wait_complete", "timeout", "best_effort")  # hicached.client.prefetch
 
 

@@ -41,6 +41,8 @@ from typing import NamedTuple
 from aiohttp import web
 
 from hicached.backends.guard import StoreUnavailable
+from hicached.daemon.config import parse_options
+from hicached.daemon.metrics import stats_json
 from hicached.errors import (
     BackendConflict,
     BackendError,
@@ -50,9 +52,8 @@ from hicached.errors import (
     ProtocolError,
     ShuttingDown,
 )
-from hicached.ops.config import WRITE_POLICIES, parse_options
-from hicached.ops.metrics import stats_json
 from hicached.ops.status import Sampler, StatusRing, status_page
+from hicached.settings import WRITE_POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ class AdminServer:
 
     async def ready(self, request: web.Request) -> web.Response:
         try:
-            body = await self._blocking(self.daemon.call, self.daemon.readiness, 5.0)
+            body = await self._blocking(self.daemon.call, self.daemon.operations.readiness, 5.0)
         except HicachedError as e:
             return _json({"ready": False, "reason": str(e)}, 503)
         return _json(body, 200 if body["ready"] else 503)
@@ -332,7 +333,7 @@ class AdminServer:
         req = attach_request(body)
         log.info("admin: attach L3 backend %s (write policy %s) from %s", req.backend,
                  req.write_policy or "unchanged", request.remote)
-        tier = await self._blocking(self.daemon.attach_backend, req.backend, req.options,
+        tier = await self._blocking(self.daemon.operations.attach_backend, req.backend, req.options,
                                     write_policy=req.write_policy, timeout_s=ATTACH_TIMEOUT_S)
         if req.options or not tier.get("reattached"):  # (a re-attach keeps its options)
             self._record["hicache_storage_backend_extra_config"] = req.extra_config_json
@@ -344,7 +345,7 @@ class AdminServer:
 
     async def detach(self, request: web.Request) -> web.Response:
         log.info("admin: detach L3 backend from %s", request.remote)
-        tier = await self._blocking(self.daemon.detach_backend)
+        tier = await self._blocking(self.daemon.operations.detach_backend)
         message = ("HiCache storage backend detached." if tier.pop("detached")
                    else "No HiCache storage backend was attached.")
         if tier.get("dirty_dropped"):
@@ -353,7 +354,7 @@ class AdminServer:
         return _json({"success": True, "message": message, **self._status(tier)})
 
     async def backend_status(self, request: web.Request) -> web.Response:
-        return _json(self._status(await self._blocking(self.daemon.backend_status)))
+        return _json(self._status(await self._blocking(self.daemon.operations.backend_status)))
 
     async def clear(self, request: web.Request) -> web.Response:
         return await self._flush(request, "l3")
@@ -365,13 +366,13 @@ class AdminServer:
     async def _flush(self, request: web.Request, tier: str, namespace: str = ""
                      ) -> web.Response:
         d = self.daemon
-        if tier in ("l3", "all") and not (await self._blocking(d.backend_status))["attached"]:
+        if tier in ("l3", "all") and not (await self._blocking(d.operations.backend_status))["attached"]:
             if tier == "l3":
                 raise BackendError("no L3 backend attached: nothing to clear")
             tier = "l2"
         log.info("admin: flush %s%s from %s", tier,
                  f" of namespace {namespace!r}" if namespace else "", request.remote)
-        pages = await self._blocking(d.flush, tier, namespace=namespace)
+        pages = await self._blocking(d.operations.flush, tier, namespace=namespace)
         what = {"l2": "L2", "l3": "L3", "all": "L2 and L3"}[tier]
         of = f" of namespace {namespace!r}" if namespace else ""
         # (the answer names the namespace: a client can tell a daemon that read it)

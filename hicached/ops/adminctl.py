@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 from hicached.errors import ConfigError, HicachedError
-from hicached.ops.config import absolute_ipc, parse_options, read_config_table
+from hicached.daemon.config import absolute_ipc, parse_options, read_config_table
 from hicached.settings import UNIT_ENDPOINT, default_endpoint
 from hicached.sockpath import refusal
 

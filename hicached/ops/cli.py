@@ -146,7 +146,7 @@ def serve_defaults(env: Mapping[str, str]) -> dict[str, str]:
     """The default of every ``serve`` option as ``--help`` shows it (paths as resolved here)."""
     import dataclasses
 
-    from hicached.ops.config import DaemonConfig
+    from hicached.daemon.config import DaemonConfig
     from hicached.settings import default_endpoint, default_state_dir
 
     out = {}
@@ -242,7 +242,7 @@ def _main(argv: list[str] | None, env: Mapping[str, str], phases: Phases) -> int
         if args.command == "serve":
             import logging
 
-            from hicached.ops.config import load_config
+            from hicached.daemon.config import load_config
 
             overrides = {k: getattr(args, k) for k in OPTION_KEYS}
             cfg = load_config(args.config, env, overrides)

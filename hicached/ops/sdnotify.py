@@ -10,7 +10,8 @@ What the daemon says, and when (the unit file is ``configs/hicached.service``):
     STATUS=...    one human line shown by ``systemctl status``
 
 ``NOTIFY_SOCKET`` is a filesystem path or, starting with ``@``, an abstract socket. Without it
-(not started by systemd) the notifier is a ``NullNotifier``. Sending never raises: a lost
+(not started by systemd) the notifier is a ``NullNotifier`` (``daemon/notifier.py``: what the
+daemon calls; this module only implements it). Sending never raises: a lost
 notification must not take the daemon down (it is logged once).
 """
 
@@ -22,32 +23,9 @@ import socket
 import time
 from collections.abc import Mapping
 
+from hicached.daemon.notifier import NullNotifier
+
 log = logging.getLogger(__name__)
-
-
-class NullNotifier:
-    """Not under systemd: every notification is dropped."""
-
-    watchdog_interval_s: float | None = None
-
-    def notify(self, *states: str) -> bool:
-        return False
-
-    def ready(self, status: str = "") -> bool:
-        return self.notify("READY=1", *([f"STATUS={status}"] if status else []))
-
-    def reloading(self) -> bool:
-        monotonic_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-        return self.notify("RELOADING=1", f"MONOTONIC_USEC={monotonic_usec}")
-
-    def stopping(self, status: str = "draining") -> bool:
-        return self.notify("STOPPING=1", f"STATUS={status}")
-
-    def watchdog(self) -> bool:
-        return self.notify("WATCHDOG=1")
-
-    def close(self) -> None:
-        pass
 
 
 class SystemdNotifier(NullNotifier):

@@ -28,13 +28,12 @@ import signal
 import threading
 from collections.abc import Callable
 
-from hicached.daemon.quotas import NoQuotas, make_quotas
+from hicached.daemon.config import DaemonConfig
+from hicached.daemon.notifier import NullNotifier
 from hicached.daemon.server import Daemon
 from hicached.errors import HicachedError
 from hicached.ops import interrupts
-from hicached.ops.config import DaemonConfig
 from hicached.ops.phases import Phases
-from hicached.ops.sdnotify import NullNotifier
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +51,9 @@ def reload_policies(daemon: Daemon, new: DaemonConfig) -> dict[str, object]:
 
     def apply() -> None:
         daemon.tier.set_policies(new.write_policy, new.write_through_threshold, new.prefetch)
-        daemon.controller.get_wait_s = new.get_wait_s
-        daemon.controller.ahead_session_bytes = new.set_ahead_bytes  # applied at each next set
-        if type(daemon.controller.quotas) is NoQuotas:
-            daemon.controller.quotas = make_quotas(daemon.index, new.namespace_quotas)
-        else:
-            daemon.controller.quotas.set_quotas(new.namespace_quotas)
+        daemon.controller.reload(new.get_wait_s, new.namespace_quotas, new.set_ahead_bytes)
         logging.getLogger().setLevel(new.log_level.upper())
-        daemon.controller.reclaim.ahead = new.evict_ahead
-        if daemon.index.policy.name == "hybrid":
-            daemon.index.policy.alpha = new.eviction_alpha
-        daemon.config = dataclasses.replace(old, **{k: getattr(new, k) for k in RELOADABLE})
+        daemon.reload(new, RELOADABLE)  # the eviction's, and the daemon's config
 
     daemon.call(apply)
     log.info("reloaded: %s", ", ".join(f"{k}={v!r}" for k, v in changed.items())
@@ -126,12 +117,11 @@ def serve(config: DaemonConfig, notifier: NullNotifier | None = None,
 
         admin_api.check_admin_port(config.admin_host, config.admin_port)  # before arena and L3
     interrupts.switch(interrupts.RECORD)  # from here the start makes things it must undo
-    daemon = Daemon(config, on_phase=phases.reach)
+    daemon = Daemon(config, on_phase=phases.reach, notifier=notifier)
     admin = None
     reloads: list[threading.Thread] = []
     try:  # (a Ctrl-C before the handlers below are in place still closes the daemon)
         admin = admin_api.start_admin(daemon) if admin_api is not None else None
-        daemon.notifier = notifier
         phases.reach("admin")
 
         def on_hup(*_) -> None:
@@ -156,7 +146,7 @@ def serve(config: DaemonConfig, notifier: NullNotifier | None = None,
             admin.close()
         daemon.close()
         raise
-    where = daemon.describe() + (f"; admin API {admin.url}" if admin else "")
+    where = daemon.operations.describe() + (f"; admin API {admin.url}" if admin else "")
     print(where, flush=True)
     notifier.ready(status="serving")
     if ready is not None:

@@ -34,8 +34,8 @@ from collections import deque
 from importlib import resources
 from typing import NamedTuple
 
+from hicached.daemon.metrics import stats_json
 from hicached.errors import HicachedError, ShuttingDown
-from hicached.ops.metrics import stats_json
 
 log = logging.getLogger(__name__)
 

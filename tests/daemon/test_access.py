@@ -161,7 +161,7 @@ def test_namespace_quota_enforced_with_metrics(make_daemon):
 
 def test_operations_config_keys_and_errors(tmp_path):
     from hicached.errors import ConfigError
-    from hicached.ops.config import load_config
+    from hicached.daemon.config import load_config
 
     base = {"state_dir": str(tmp_path)}
     cfg = load_config(None, {"HICACHED_NAMESPACE_QUOTAS": '{"tenant-a": "2GiB"}',

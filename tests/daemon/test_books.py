@@ -33,10 +33,9 @@ def books_run(tmp_path, deferred: bool, policy: str) -> tuple[list, list]:
     shared = PresenceTable(str(tmp_path / f"b{deferred}{policy}"), 2048, 1)
     ix.shared = shared
     workers = IOWorkers()
-    ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0)
-    ctl.ahead_session_bytes, ctl.ahead_total_bytes = 8 * 256, 1 << 20
-    if deferred:
-        ctl.books = []
+    ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0,
+                     ahead_session_bytes=8 * 256, ahead_total_bytes=1 << 20,
+                     books=[] if deferred else None)
     sessions = [Session(i + 1, name, namespace_digest(name), 1, name)
                 for i, name in enumerate(("a", "b"))]
     for s in sessions:
@@ -81,10 +80,10 @@ def books_run(tmp_path, deferred: bool, policy: str) -> tuple[list, list]:
         msg = P.Reserve(step, s.id, transfers, want_ahead=rng.choice([[], [], [2]]),
                         trailing=["mamba"], parent=parent, depth=rng.randrange(1, 9) if parent
                         else -1)
-        r = ctl.reserve(s, msg)
+        r = ctl.sets.reserve(s, msg)
         done((r.reservation_id != 0, r.offsets, r.tags, r.ahead))
         ok = [[off >= 0 for off in row] for row in r.offsets]
-        c = ctl.commit(s, P.Commit(0, s.id, r.reservation_id, ok))
+        c = ctl.sets.commit(s, P.Commit(0, s.id, r.reservation_id, ok))
         done(c.stored)
         stored += keys
     assert ix.evictions
@@ -108,11 +107,12 @@ def test_books_kept_after_the_answer_leave_the_state_of_books_kept_at_once(tmp_p
 
 def test_later_runs_at_once_without_books_and_in_order_with_them(tmp_path):
     ix = PageIndex(SlabAllocator(4 * 4096, 4096))
-    ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, IOWorkers()), lambda: 0.0)
+    at_once = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, IOWorkers()), lambda: 0.0)
     seen = []
-    ctl.later(seen.append, 1)
+    at_once.later(seen.append, 1)
     assert seen == [1]
-    ctl.books = []
+    ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, IOWorkers()), lambda: 0.0,
+                     books=[])
     ctl.later(seen.append, 2)
     ctl.later(lambda: ctl.later(seen.append, 4))  # a step that queues another
     ctl.later(seen.append, 3)
@@ -123,8 +123,9 @@ def test_later_runs_at_once_without_books_and_in_order_with_them(tmp_path):
 
 def test_a_failing_step_is_logged_and_the_others_run(tmp_path, caplog):
     ix = PageIndex(SlabAllocator(4 * 4096, 4096))
-    ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, IOWorkers()), lambda: 0.0)
-    ctl.books, seen = [], []
+    ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, IOWorkers()), lambda: 0.0,
+                     books=[])
+    seen = []
     ctl.later(lambda: 1 / 0)
     ctl.later(seen.append, 2)
     ctl.keep_books()

@@ -9,7 +9,7 @@ from pools import kv_pool, mamba_pool, pages
 from hicached import Client, PoolTransfer
 from hicached.daemon.sessions import namespace_digest
 from hicached.errors import ConfigError
-from hicached.ops.config import load_config
+from hicached.daemon.config import load_config
 
 NS = "model-a"
 

@@ -173,7 +173,7 @@ def test_entries_that_survive_a_full_collection_are_frozen_out_of_later_ones():
     permanent generation, so later full passes do not walk every page again."""
     import gc
 
-    from hicached.daemon.collector import freeze_survivors
+    from hicached.daemon.loop_gc import freeze_survivors
 
     ix = make()
     for i in range(8):

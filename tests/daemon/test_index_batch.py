@@ -314,9 +314,9 @@ def controller_run(monkeypatch, tmp_path, batched: bool, policy: str) -> tuple[l
     shared = PresenceTable(str(tmp_path / f"c{batched}"), 2048, 1)
     ix.shared = shared
     workers = IOWorkers()
-    ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0)
-    ctl.quotas = NamespaceQuotas(ix, {"b": 90 * 256})
-    ctl.ahead_session_bytes, ctl.ahead_total_bytes = 8 * 256, 1 << 20
+    ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0,
+                     quotas=NamespaceQuotas(ix, {"b": 90 * 256}),
+                     ahead_session_bytes=8 * 256, ahead_total_bytes=1 << 20)
     sessions = [Session(i + 1, name, namespace_digest(name), 1, name)
                 for i, name in enumerate(("a", "b"))]
     for s in sessions:
@@ -345,7 +345,7 @@ def controller_run(monkeypatch, tmp_path, batched: bool, policy: str) -> tuple[l
             ahead = [[slots.pop() if slots and rng.random() < 0.2 else -1 for _ in keys]]
         msg = P.Reserve(step, s.id, transfers, ahead=ahead, want_ahead=[rng.choice([0, 4])],
                         trailing=["mamba"], parent="", depth=0 if rng.random() < 0.5 else -1)
-        r = ctl.reserve(s, msg)
+        r = ctl.sets.reserve(s, msg)
         answers.append((r.reservation_id != 0, r.offsets, r.tags, r.ahead, r.bound))
         stored += keys
         if r.reservation_id:
@@ -353,7 +353,7 @@ def controller_run(monkeypatch, tmp_path, batched: bool, policy: str) -> tuple[l
         while open_ and (len(open_) > 2 or rng.random() < 0.6):  # commit, some pages failed
             s2, r2 = open_.pop(rng.randrange(len(open_)))
             ok = [[off >= 0 and rng.random() < 0.95 for off in row] for row in r2.offsets]
-            c = ctl.commit(s2, P.Commit(0, s2.id, r2.reservation_id, ok))
+            c = ctl.sets.commit(s2, P.Commit(0, s2.id, r2.reservation_id, ok))
             answers.append(c.stored)
     state = snapshot(ix, shared)
     state["counters"] = dict(ctl.counters)

@@ -18,8 +18,8 @@ from hicached import Client, HostPool, PoolTransfer
 from hicached import protocol as P
 from hicached.daemon.kv_events import KVEventBatch, ZmqPublisher
 from hicached.errors import ConfigError, ProtocolError
-from hicached.ops.config import load_config
-from hicached.ops.metrics import make_metrics
+from hicached.daemon.config import load_config
+from hicached.daemon.metrics import make_metrics
 
 NS = "model-a|tp0of1"
 
@@ -224,7 +224,7 @@ def test_eviction_and_flushes_are_removals(tmp_path):
         assert sorted(flushed(router.seen)) == sorted(map(h, held))
         c.flush("all")
         router.events(lambda ev: type(ev[-1]) is AllBlocksCleared)
-        stats = d.daemon.call(d.daemon.loop_stats)["kv_events"]
+        stats = d.daemon.call(d.daemon.operations.loop_stats)["kv_events"]
         text = make_metrics(d.daemon, True).render().decode()
     seqs = [seq for _, seq, _, _ in router.seen]
     assert seqs == list(range(len(seqs)))

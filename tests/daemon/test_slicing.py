@@ -101,8 +101,7 @@ def test_calls_take_turns_a_slice_each_and_a_clients_requests_wait_for_its_call(
 
 def test_a_slice_ends_after_its_chunk_once_a_request_waits():
     log, waits = [], []
-    s = Slicer(slice_s=60.0)
-    s.attach(lambda: bool(waits))
+    s = Slicer(slice_s=60.0, waiting=lambda: bool(waits))
     s.start(steps(log, "a", 5), lambda _: None)
     waits.append(1)  # a request in the socket: one chunk, then the loop reads it
     s.step()
@@ -146,8 +145,8 @@ def sliced_run(tmp_path, chunk, policy, commits_sliced=False, capacity=48):
     shared = PresenceTable(str(tmp_path / f"s{chunk}{policy}{commits_sliced}"), 2048, 1)
     ix.shared = shared
     workers = IOWorkers()
-    ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0)
-    ctl.ahead_session_bytes, ctl.ahead_total_bytes = 8 * 256, 1 << 20
+    ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0,
+                     ahead_session_bytes=8 * 256, ahead_total_bytes=1 << 20)
     s = Session(1, "a", namespace_digest("a"), 1, "a")
     ctl.sessions[s.id] = s
     ctl.register_pool(s, "kv", 256)
@@ -186,11 +185,11 @@ def sliced_run(tmp_path, chunk, policy, commits_sliced=False, capacity=48):
         msg = P.Reserve(step, s.id, transfers, want_ahead=rng.choice([[], [2]]),
                         trailing=["mamba"], parent=parent,
                         depth=rng.randrange(1, 9) if parent else -1)
-        r = drive(ctl.reserve_steps(s, msg, chunk))
+        r = drive(ctl.sets.reserve_steps(s, msg, chunk))
         done((r.reservation_id, r.offsets, r.tags, r.ahead))
         ok = [[off >= 0 for off in row] for row in r.offsets]
-        c = drive(ctl.commit_steps(s, P.Commit(0, s.id, r.reservation_id, ok),
-                                   chunk if commits_sliced else None))
+        c = drive(ctl.sets.commit_steps(s, P.Commit(0, s.id, r.reservation_id, ok),
+                                        chunk if commits_sliced else None))
         done(c.stored)
         fresh = [k for k, off in zip(keys, r.offsets[0]) if off >= 0]  # the call's new pages
         recency.append([ix.get((s.ns, "kv"), k).last_used for k in fresh])

@@ -3,7 +3,7 @@
 import pytest
 
 from hicached.errors import ConfigError
-from hicached.ops.config import DaemonConfig, load_config
+from hicached.daemon.config import DaemonConfig, load_config
 from hicached.settings import parse_size
 
 
@@ -73,7 +73,7 @@ def test_shipped_config_file_loads(tmp_path):
 
 
 def test_store_environment_is_captured_at_the_edge(tmp_path):
-    from hicached.daemon.server import backend_options
+    from hicached.daemon.operations import backend_options
 
     env = {"MOONCAKE_MASTER": "10.0.0.1:50051", "LOCAL_HOSTNAME": "node-7", "HOME": "/root"}
     cfg = load_config(None, env, {"state_dir": str(tmp_path)})
@@ -92,7 +92,7 @@ def test_log_level_socket_mode_and_env_typos(tmp_path, caplog, monkeypatch):
     # chmod's spelling in the environment, as 0o600 is TOML's
     cfg = load_config(None, {"HICACHED_SOCKET_MODE": "0660"}, {"state_dir": str(tmp_path)})
     assert cfg.socket_mode == 0o660
-    with caplog.at_level("WARNING", logger="hicached.ops.config"):
+    with caplog.at_level("WARNING", logger="hicached.daemon.config"):
         cfg = load_config(None, {"HICACHED_L2SIZE": "1GiB", "HICACHED_CLIENT_TOKEN": "t"},
                           {"state_dir": str(tmp_path)})
     assert cfg.l2_size == DaemonConfig.l2_size
@@ -129,7 +129,7 @@ def test_a_relative_ipc_path_is_made_absolute_when_read(tmp_path, monkeypatch):
     assert cfg.endpoint == f"ipc://{tmp_path}/rel.sock"
     assert cfg.kv_events_endpoint == f"ipc://{tmp_path}/ev/pub.sock"
     assert cfg.kv_events_replay_endpoint == "ipc://@abstract"  # Linux's abstract namespace
-    from hicached.ops.config import absolute_ipc
+    from hicached.daemon.config import absolute_ipc
 
     for kept in ("ipc:///abs/x.sock", "tcp://127.0.0.1:5555", "tcp://*:5557", "ipc://", ""):
         assert absolute_ipc(kept) == kept

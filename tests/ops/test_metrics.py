@@ -1,10 +1,10 @@
-"""ops.metrics.Metrics on its own (no daemon): what it keeps of requests parked for L3."""
+"""daemon.metrics.Metrics on its own (no daemon): what it keeps of requests parked for L3."""
 
 import time
 from types import SimpleNamespace
 
 from hicached import protocol as P
-from hicached.ops import metrics as M
+from hicached.daemon import metrics as M
 
 
 def test_a_parked_request_keeps_only_its_start_and_is_timed_when_answered(monkeypatch):

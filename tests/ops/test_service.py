@@ -16,7 +16,7 @@ from pools import kv_pool, pages
 
 from hicached import protocol as P
 from hicached.errors import ShuttingDown
-from hicached.ops.config import load_config
+from hicached.daemon.config import load_config
 from hicached.ops.sdnotify import NullNotifier, SystemdNotifier
 
 UNIT = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "hicached.service")

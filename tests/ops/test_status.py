@@ -14,8 +14,8 @@ from pools import kv_pool, pages
 from hicached import PoolTransfer
 from hicached.errors import ConfigError
 from hicached.ops import status as S
-from hicached.ops.config import load_config
-from hicached.ops.metrics import OPS
+from hicached.daemon.config import load_config
+from hicached.daemon.metrics import OPS
 
 
 def made_stats(hits=0, misses=0, moved=0, used=0, orphans=0, namespaces=(), degraded=False):

@@ -16,7 +16,10 @@ write_through it is written again now (under selective writes, once its hits rea
 threshold), under write_back it is dirty again (written when L2 needs its room).
 A store that cannot answer changes nothing. Counted in ``l3_copies_lost``.
 
-A mixin of ``L3Tier`` (its index, backend, workers, counters, write policy, ``write`` ...).
+``L3Audit`` owns the audit's schedule (``audit_s``, the next one due, those in flight). The
+tier builds it with itself: it reads the tier's backend and write policy and the index's
+eviction order, submits its jobs through the tier (``submit_job``), and hands what a finished
+audit found to the tier (``remember``, ``forget_evicted``, ``write``). Control loop only.
 """
 
 from __future__ import annotations
@@ -36,16 +39,20 @@ AUDIT_PAGES = 512  # pages asked about per slot class and audit
 AUDIT_WINDOW = 4 * AUDIT_PAGES
 
 
-class TierAudit:
-    """``audit`` and its completion; see the module docstring."""
+class L3Audit:
+    """``audit`` and its completion (``done``); see the module docstring."""
 
-    audit_s = AUDIT_S
-    _next_audit = 0.0
-    _audits_in_flight = 0
+    def __init__(self, tier, index, audit_s: float = AUDIT_S) -> None:
+        self.tier = tier
+        self.index = index
+        self.audit_s = audit_s  # 0: never
+        self._next_audit = 0.0
+        self._audits_in_flight = 0
 
     def audit(self, now: float) -> int:
         """Start an audit when one is due and none is running; returns the pages asked about."""
-        if (not self.audit_s or not self.attached or self._audits_in_flight
+        tier = self.tier
+        if (not self.audit_s or not tier.attached or self._audits_in_flight
                 or now < self._next_audit):
             return 0
         self._next_audit = now + self.audit_s
@@ -61,32 +68,34 @@ class TierAudit:
         asked = 0
         for (ns, pool), entries in by_table.items():
             job = IOJob("audit", ns, pool, [e.key for e in entries], [], 0, entries,
-                        backend=self.backend)
-            if not self._submit(job):
-                self.counters["l3_probes_dropped"] += 1
+                        backend=tier.backend)
+            if not tier.submit_job(job):
+                tier.counters["l3_probes_dropped"] += 1
                 break
             self._audits_in_flight += 1
             asked += len(entries)
         return asked
 
-    def _audit_done(self, job: IOJob, current: bool) -> None:
+    def done(self, job: IOJob, current: bool) -> None:
+        """A finished audit job (``current``: of the attached backend)."""
+        tier = self.tier
         self._audits_in_flight -= 1
         if job.error or not current:  # a store that cannot answer says nothing
             return
         lost = []
         for e, have in zip(job.entries, job.result):
             if have:
-                self._remember(e.table, e.key)
+                tier.remember(e.table, e.key)
             elif e.in_l3 and self.index.get(e.table, e.key) == e:
                 lost.append(e)
         if not lost:
             return
-        self._forget_evicted([(*e.table, e.key) for e in lost])
-        self.counters["l3_copies_lost"] += len(lost)
+        tier.forget_evicted([(*e.table, e.key) for e in lost])
+        tier.counters["l3_copies_lost"] += len(lost)
         log.info("L3 %s no longer holds %d pages L2 will evict next (the store evicted them); "
                  "%s", job.backend.name, len(lost),
-                 "dirty again" if self.write_policy == "write_back" else "writing them again")
-        if self.write_policy == "write_through":
-            self.write(lost)
-        elif self.write_policy == "write_through_selective":
-            self.write([e for e in lost if e.hits >= self.threshold])
+                 "dirty again" if tier.write_policy == "write_back" else "writing them again")
+        if tier.write_policy == "write_through":
+            tier.write(lost)
+        elif tier.write_policy == "write_through_selective":
+            tier.write([e for e in lost if e.hits >= tier.threshold])

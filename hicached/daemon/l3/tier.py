@@ -34,7 +34,7 @@ the arena (L2) and the backend (L3).
     prefetch                  an exists that finds pages only in L3 starts the same loads with
                               nobody waiting; a get that follows joins the loads in flight
     audit                     the store is asked now and then whether it still holds the copies
-                              of the pages L2 evicts next (``tier_audit.py``)
+                              of the pages L2 evicts next (``l3/audit.py``)
 
 Attach / detach swap the backend while clients run: jobs carry the backend they were queued
 for, so in-flight writes finish against the old one (and do not mark pages as stored in the new
@@ -55,12 +55,12 @@ from typing import Any, NamedTuple
 from hicached.backends.base import L3Backend, NullBackend
 from hicached.daemon.index import Entry, PageIndex, TableId
 from hicached.daemon.kv_events import NullKVEvents, l3_medium
-from hicached.daemon.l3.audit import TierAudit
+from hicached.daemon.l3.audit import AUDIT_S, L3Audit
 from hicached.daemon.l3.keymemory import KeyMemory
 from hicached.daemon.l3.workers import IOJob, IOWorkers
 from hicached.daemon.l3.writes import TierWrites
 from hicached.errors import HicachedError, ProtocolError
-from hicached.ops.config import WRITE_POLICIES
+from hicached.settings import WRITE_POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +79,17 @@ class Woken(NamedTuple):
     follow: set[int]
 
 
-class L3Tier(TierWrites, TierAudit):
+class L3Tier(TierWrites):
     """See the module docstring."""
 
     def __init__(self, index: PageIndex, workers: IOWorkers, backend: L3Backend | None = None,
                  write_policy: str = "write_through", threshold: int = 2, prefetch: bool = True,
-                 load_chunk_bytes: int = 64 << 20, audit_s: float | None = None):
+                 load_chunk_bytes: int = 64 << 20, audit_s: float | None = None,
+                 kv_events: NullKVEvents | None = None):
+        """``kv_events``: told of pages stored in and removed from L3 (``kv_events.py``)."""
         self.index = index
-        if audit_s is not None:
-            self.audit_s = audit_s  # (tier_audit.py)
+        # the audit of the L3 copies L2 evicts next (audit.py)
+        self.auditor = L3Audit(self, index, AUDIT_S if audit_s is None else audit_s)
         self.workers = workers
         self.backend: L3Backend = backend or NullBackend()
         self.set_policies(write_policy, threshold, prefetch)
@@ -113,7 +115,7 @@ class L3Tier(TierWrites, TierAudit):
         # (table, key) the store said it lacks -> until when (monotonic) that answer stands
         self.absent_in_l3 = KeyMemory(ABSENT_IN_L3)
         self.clock = time.monotonic
-        self.kv_events = NullKVEvents()  # stored / removed in L3 (kv_events.py)
+        self.kv_events = kv_events or NullKVEvents()  # stored / removed in L3
         self.counters = {"l3_loads": 0, "l3_load_failures": 0, "l3_writes": 0,
                          "l3_write_failures": 0, "l3_writes_dropped": 0, "l3_errors": 0,
                          "prefetched_pages": 0, "write_backs": 0, "l3_probes_dropped": 0,
@@ -155,7 +157,7 @@ class L3Tier(TierWrites, TierAudit):
             return False
         old = self.backend
         self.backend = NullBackend()
-        if self.dirty:  # (DaemonOperations.detach_backend writes them first, within a bound)
+        if self.dirty:  # (Operations.detach_backend writes them first, within a bound)
             log.warning("L3 backend %s detached with %d write-back pages it never got: they "
                         "stay in L2 only", old.name, len(self.dirty))
             self.counters["l3_dirty_dropped"] += len(self.dirty)
@@ -200,7 +202,7 @@ class L3Tier(TierWrites, TierAudit):
 
     def unpark(self, name: str, opened_with: dict) -> L3Backend | None:
         """A detached ``slow_close`` backend of ``name``, open with these options, taken back
-        for an attach (``DaemonOperations.attach_backend``): no new client, no close."""
+        for an attach (``Operations.attach_backend``): no new client, no close."""
         for b in self._parked:
             if b.name == name and getattr(b, "opened_with", None) == opened_with:
                 self._parked.remove(b)
@@ -263,7 +265,7 @@ class L3Tier(TierWrites, TierAudit):
         ns, pool = table
         job = IOJob("exists", ns, pool, list(keys), [], 0, [], waiters=[waiter],
                     backend=self.backend)
-        if not self._submit(job):
+        if not self.submit_job(job):
             self.counters["l3_probes_dropped"] += 1
             return None
         return job
@@ -287,11 +289,12 @@ class L3Tier(TierWrites, TierAudit):
         absent, until = self.absent_in_l3, self.clock() + ABSENT_TTL_S
         for key, have in zip(job.keys, job.result):
             if have:
-                self._remember(table, key)
+                self.remember(table, key)
             elif not job.error:  # a store that raised said nothing: not remembered
                 absent[(table, key)] = until
 
-    def _submit(self, job: IOJob) -> bool:
+    def submit_job(self, job: IOJob) -> bool:
+        """Queue ``job`` for the I/O workers (False: their queue is full)."""
         if not self.workers.submit(job):
             return False
         self._jobs_of[id(job.backend)] = self._jobs_of.get(id(job.backend), 0) + 1
@@ -329,7 +332,7 @@ class L3Tier(TierWrites, TierAudit):
             if ask:
                 find = IOJob("find", ns, pool, ask, [], page_bytes, [], waiters=list(waiters),
                              backend=self.backend, stride=stride)
-                if self._submit(find):
+                if self.submit_job(find):
                     for k in ask:
                         self.loading[(table, k)] = find
                     self.finding.add(id(find))
@@ -359,7 +362,7 @@ class L3Tier(TierWrites, TierAudit):
             chunk = new[i:i + per_job]
             job = IOJob("get", ns, pool, [e.key for e in chunk], [e.offset for e in chunk],
                         page_bytes, chunk, waiters=list(waiters), backend=self.backend)
-            if not self._submit(job):
+            if not self.submit_job(job):
                 for e in new[i:]:
                     self.index.abort(e)
                 break
@@ -384,7 +387,7 @@ class L3Tier(TierWrites, TierAudit):
             except Exception:  # a backend's bug must not stop the loop
                 log.exception("L3 %s: take_evicted failed", self.backend.name)
                 gone = []
-            self._forget_evicted(gone)
+            self.forget_evicted(gone)
         for job in jobs:
             self._jobs_of[id(job.backend)] = self._jobs_of.get(id(job.backend), 1) - 1
             current = job.backend is self.backend
@@ -396,7 +399,7 @@ class L3Tier(TierWrites, TierAudit):
                 woken.extend(Woken(w, id(job), False, set()) for w in job.waiters)
                 continue
             if job.kind == "audit":
-                self._audit_done(job, current)
+                self.auditor.done(job, current)
                 continue
             if job.kind in ("exists", "find"):
                 self._probe_done(job, current)
@@ -452,7 +455,7 @@ class L3Tier(TierWrites, TierAudit):
             done(0)
             return
         job = IOJob("clear", ns or "", "", [], [], 0, [], backend=self.backend, done=done)
-        if not self._submit(job):
+        if not self.submit_job(job):
             done(HicachedError("L3 writer queue is full; try the clear again"))
 
     def _clear_done(self, job: IOJob) -> None:

@@ -27,7 +27,7 @@ class IOJob:
     """One batched backend call. ``result`` (one bool per key) is filled by the worker."""
 
     kind: str  # "put" | "get" | "clear" | "exists" | "find" (exists, then the tier loads) |
-    # "audit" (exists of pages known stored: tier_audit.py)
+    # "audit" (exists of pages known stored: audit.py)
     ns: str
     pool: str
     keys: list[str]

@@ -136,7 +136,7 @@ class TierWrites:
             job = IOJob("put", ns, pool, [e.key for e in todo], [e.offset for e in todo],
                         todo[0].page_bytes, todo, backend=self.backend)
             if (not force and nbytes and self.writing_bytes
-                    and self.writing_bytes + nbytes > room) or not self._submit(job):
+                    and self.writing_bytes + nbytes > room) or not self.submit_job(job):
                 self.counters["l3_writes_dropped"] += len(todo)
                 continue
             for e in todo:
@@ -174,9 +174,10 @@ class TierWrites:
         return list(jobs.values())
 
     def _known(self, e: Entry) -> None:
-        self._remember(e.table, e.key)
+        self.remember(e.table, e.key)
 
-    def _remember(self, table: TableId, key: str) -> None:
+    def remember(self, table: TableId, key: str) -> None:
+        """The store holds ``key`` of ``table`` (written or found there)."""
         self.known_in_l3[(table, key)] = None
         self.absent_in_l3.pop((table, key))
 
@@ -188,7 +189,7 @@ class TierWrites:
             self.index.unpin(e)
         self._maybe_drop(e)
 
-    def _forget_evicted(self, gone: list[tuple[str, str, str]] | None) -> None:
+    def forget_evicted(self, gone: list[tuple[str, str, str]] | None) -> None:
         """The store deleted these pages to make room: exists no longer counts on them, and
         pages L2 still holds are no longer clean (under write_back they are dirty again: L2
         holds their only copy)."""

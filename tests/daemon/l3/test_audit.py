@@ -38,7 +38,7 @@ def silent(tmp_path, arena):
 
 
 def run_audit(tier, workers, now):
-    asked = tier.audit(now)
+    asked = tier.auditor.audit(now)
     wait_jobs(workers, tier)
     return asked
 
@@ -89,7 +89,7 @@ def test_an_audit_runs_only_when_due_and_a_failing_store_changes_nothing(silent,
         e.in_l3 = True
     assert run_audit(tier, workers, 106.0) == 2
     assert all(e.in_l3 for e in pages) and tier.counters["l3_copies_lost"] == 0
-    tier.audit_s = 0  # off
+    tier.auditor.audit_s = 0  # off
     assert run_audit(tier, workers, 1000.0) == 0
 
 
