@@ -153,8 +153,6 @@ def test_kernels_never_import_client():
     assert [b for b in upward_imports() if b.startswith("hicached.kernels")] == []
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="daemon offenders being removed by the core-index/core-control branches")
 def test_daemon_never_imports_ops():
     bad = [b for b in upward_imports() if b.startswith("hicached.daemon")]
     assert not bad, f"{len(bad)} imports of ops/ from daemon/:\n" + "\n".join(bad)
@@ -319,8 +317,6 @@ def _existing() -> set[str]:
     return {p.name for d in ("hicached", "tests", "tools") for p in (REPO / d).rglob("*.py")}
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="daemon offenders being removed by the core-index/core-control branches")
 def test_every_module_named_in_the_text_exists():
     bad = missing_files(text_files(), _existing())
     assert not bad, f"{len(bad)} names of modules that do not exist:\n" + "\n".join(bad)
