@@ -125,6 +125,7 @@ class SameBytes:
                 raise SystemExit(f"the client does not know where page {k!r} is")
             offsets.append(seen[0])
         flat = host.view(torch.uint8).reshape(-1)
+        offsets.sort()  # a class hands its slots out from the top down: a row either way
         if offsets != list(range(offsets[0], offsets[0] + flat.numel(), flat.numel() // len(keys))):
             raise SystemExit("the pages' slots are not in a row: no single copy to compare with")
         self.slots = client._conn.view[1].tensor[offsets[0]:offsets[0] + flat.numel()]
