@@ -48,7 +48,7 @@ from hicached.daemon.slabs import SlabAllocator
 from hicached.presence import PresenceTable, default_slots
 
 try:
-    from hicached.daemon.hybrid import make_policy
+    from hicached.daemon.eviction.registry import make_policy
 except ImportError:  # a tree from before the eviction policies (issue 25): LRU only
     make_policy = None
 

@@ -91,7 +91,7 @@ class BatchOps(ReserveOps):
                 self._tcount[tid] += int(count)
         self.committed_count += n
         krecs = cols["p_krec"][ps]
-        bits = np.asarray(self._tbit, np.int64)[tids]
+        bits = np.asarray(self.t_bit, np.int64)[tids]
         masks = cols["k_mask"]
         mask_before = masks[krecs]
         if len(set(krecs.tolist())) == n:
@@ -116,7 +116,7 @@ class BatchOps(ReserveOps):
         if self.event_tids and events:
             self.kv_events.stored(entries)
         if self.commit_tails():  # (a daemon's idle turns take them: ``reclaim.py``)
-            self._evict_pages(self.policy.stale())  # pages no hit can use (``hybrid.py``)
+            self.evict_pages(self.policy.stale())  # pages no hit can use (``hybrid.py``)
 
     def _publish(self: PageIndex, entries: Sequence[Entry], ps: np.ndarray, krecs: np.ndarray,
                  mask_before: np.ndarray, firsts: np.ndarray | None) -> None:
@@ -195,7 +195,7 @@ class BatchOps(ReserveOps):
             self.committed_count += 1
             k = self.p_krec[p]
             masks_before.setdefault(k, mask_of[k])
-            mask_of[k] |= self._tbit[tid]
+            mask_of[k] |= self.t_bit[tid]
             if shared is not None:
                 shared.publish_tag(e._offset, e.stride, e.gen)
             tick += 1
@@ -219,7 +219,7 @@ class BatchOps(ReserveOps):
         if self.event_tids and events:
             self.kv_events.stored(entries)
         if self.commit_tails():
-            self._evict_pages(policy.stale())  # pages no hit can use any more (``hybrid.py``)
+            self.evict_pages(policy.stale())  # pages no hit can use any more (``hybrid.py``)
 
     # ------------------------------------------------------------ recency, pins, hits
     # (one loop a call: at a get's 16-64 random pages the numpy calls and the slab counts by

@@ -30,7 +30,7 @@ uncommitted and unpinned. Handles compare equal when they name the same page (re
 generation). A fingerprint collision costs a miss, never wrong bytes: a page is served only after
 its key's bytes compared equal.
 
-Eviction asks one policy object which pages go next (``policy.py``): ``_make_room`` when a size
+Eviction asks one policy object which pages go next (``eviction/``): ``_make_room`` when a size
 class has no free slot, slab reclaim, quotas, the L3 audit.
 
 A call's pages go through the per-call twins of the calls here (``batch.py``, ``reserving.py``:
@@ -43,7 +43,7 @@ for all its pools. With ``shared`` set, every change of a mask is also published
 shared-memory presence table (``presence.py``), from which clients answer exists without asking,
 and so is every committed large page's slot tag (its generation, from ``commit`` until
 ``_unpublish`` frees the slot), with which clients read pages without a lease. A key's mask is
-written there once per call that changes it (a commit, ``_evict_pages``), never with some of the
+written there once per call that changes it (a commit, ``evict_pages``), never with some of the
 call's pools of the key and not the others: clients read the table while the loop writes it.
 """
 
@@ -53,7 +53,8 @@ from array import array
 from collections.abc import Callable, Sequence
 
 from hicached.daemon.batch import BatchOps
-from hicached.daemon.policy import LruPolicy
+from hicached.daemon.eviction.interface import EvictionPolicy
+from hicached.daemon.eviction.lru import LruPolicy
 from hicached.daemon.records import (  # noqa: F401 - names the daemon imports from here
     _TOP,
     COMMITTED,
@@ -82,7 +83,7 @@ class PageIndex(BatchOps, Records):
     """
 
     def __init__(self, allocator: SlabAllocator, on_evict: Callable[[Entry], None] | None = None,
-                 policy: LruPolicy | None = None):
+                 policy: EvictionPolicy | None = None):
         self.on_evict = on_evict
         self.event_tids: dict = {}  # KV events (kv_events.py): table id -> its EventPool
         self.kv_events = None  # ... and the recorder of their events
@@ -304,13 +305,13 @@ class PageIndex(BatchOps, Records):
         slot for a state does not also evict the hundred KV pages only that state made
         useful."""
         if self.defer is None or len(victims) <= SPLIT_MIN or not self.policy.split_ok:
-            return self._evict_pages(victims)
+            return self.evict_pages(victims)
         krec, n, i, end = self.p_krec, 0, 0, len(victims)
         while i < end:
             k, j = krec[victims[i]], i
             while i < end and krec[victims[i]] == k:  # (a key's pages are together: states
                 i += 1  # first, ``KeyTree._pages``)
-            n += self._evict_pages(victims[j:i])
+            n += self.evict_pages(victims[j:i])
             if self.alloc.free_slots(stride) >= need:
                 break
         if i < end:
@@ -319,9 +320,9 @@ class PageIndex(BatchOps, Records):
 
     def _evict_page(self, p: int) -> int:
         """Evict page record ``p`` if it is committed and unpinned (1), else 0."""
-        return self._evict_pages((p,))
+        return self.evict_pages((p,))
 
-    def _evict_pages(self, pages: Sequence[int], evicting: bool = True) -> int:
+    def evict_pages(self, pages: Sequence[int], evicting: bool = True) -> int:
         """Evict (``evicting`` False: drop, as a flush does: not counted, no ``on_evict``)
         those of page records ``pages`` that are committed and unpinned, in order; how many
         went. Each key's mask in the shared presence table is written once, before its first
@@ -338,7 +339,7 @@ class PageIndex(BatchOps, Records):
             going: dict[int, int] = {}  # key record -> the bits of its pools going
             for p in live:
                 k = self.p_krec[p]
-                going[k] = going.get(k, 0) | self._tbit[self.p_tid[p]]
+                going[k] = going.get(k, 0) | self.t_bit[self.p_tid[p]]
             for k, bits in going.items():
                 left = self.k_mask[k] & ~bits
                 if left:
@@ -361,7 +362,7 @@ class PageIndex(BatchOps, Records):
         """Remove a committed, unpinned entry from L2 and free its slot, with the pages the
         policy says depend on it (before it: ``policy.doomed``); returns the pages evicted."""
         assert entry.committed and entry.pins == 0, entry
-        return self._evict_pages(self.policy.doomed(entry.rec))
+        return self.evict_pages(self.policy.doomed(entry.rec))
 
     def drop(self, entries: Sequence[Entry]) -> int:
         """Remove committed, unpinned entries (and their dependants); returns how many pages
@@ -372,7 +373,7 @@ class PageIndex(BatchOps, Records):
         """Remove ``entry`` if it is committed and unpinned (flush), with its dependants as
         ``evict``; the pages dropped (0: ``entry`` stays)."""
         if entry.committed and entry.pins == 0:
-            return self._evict_pages(self.policy.doomed(entry.rec), evicting=False)
+            return self.evict_pages(self.policy.doomed(entry.rec), evicting=False)
         return 0
 
     def _rec_at(self, offset: int) -> int:
@@ -414,13 +415,13 @@ class PageIndex(BatchOps, Records):
         return self.handle(p)
 
     def _unpublish(self, p: int) -> None:
-        """Page record ``p`` leaves L2 (its slot freed; the caller, ``_evict_pages``, wrote
+        """Page record ``p`` leaves L2 (its slot freed; the caller, ``evict_pages``, wrote
         its key's mask in the shared presence table before)."""
         tid, k = self.p_tid[p], self.p_krec[p]
         self.policy.removed(p)
         self._tcount[tid] -= 1
         self.committed_count -= 1
-        left = self.k_mask[k] & ~self._tbit[tid]
+        left = self.k_mask[k] & ~self.t_bit[tid]
         self.k_mask[k] = left
         if tid in self.event_tids:  # before its key record may go
             self.kv_events.removed_l2(self.event_tids[tid], self._key_of(k))

@@ -28,7 +28,7 @@ from hicached.daemon.collector import tune_for_the_loop
 from hicached.daemon.controller import Controller
 from hicached.daemon.files import DaemonFiles
 from hicached.daemon.handshake import Handshakes
-from hicached.daemon.hybrid import make_policy
+from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.index import PageIndex
 from hicached.daemon.kv_events import make_kv_events
 from hicached.daemon.l3.tier import L3Tier, close_quietly

@@ -60,8 +60,7 @@ def reload_policies(daemon: Daemon, new: DaemonConfig) -> dict[str, object]:
             daemon.controller.quotas.set_quotas(new.namespace_quotas)
         logging.getLogger().setLevel(new.log_level.upper())
         daemon.controller.reclaim.ahead = new.evict_ahead
-        if daemon.index.policy.name == "hybrid":
-            daemon.index.policy.alpha = new.eviction_alpha
+        daemon.index.policy.set_alpha(new.eviction_alpha)
         daemon.config = dataclasses.replace(old, **{k: getattr(new, k) for k in RELOADABLE})
 
     daemon.call(apply)

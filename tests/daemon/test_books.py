@@ -12,7 +12,7 @@ import pytest
 from hicached import protocol as P
 from hicached.daemon.columns import MAPPED_MIN, grown, zeros
 from hicached.daemon.controller import Controller
-from hicached.daemon.hybrid import make_policy
+from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.index import PageIndex
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.l3.workers import IOWorkers

@@ -317,7 +317,7 @@ def test_the_shared_table_never_shows_a_key_with_part_of_a_calls_pools(tmp_path)
     once, with both pools; an eviction (the hybrid policy takes a key's pages together) and a
     flush's drop write it once too, without both: never a key with a KV page and no INDEXER
     page the same call stored (issue 45)."""
-    from hicached.daemon.hybrid import make_policy
+    from hicached.daemon.eviction.registry import make_policy
     from hicached.presence import fingerprint
 
     ix = PageIndex(SlabAllocator(16 * 1024, 1024), policy=make_policy("hybrid"))

@@ -14,8 +14,9 @@ from hicached import protocol as P
 from hicached.daemon import batch, reserving
 from hicached.daemon.batch import BATCH_MIN
 from hicached.daemon.controller import Controller
+from hicached.daemon.eviction.hybrid import GRACE_TICKS
+from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.fptable import FpTable
-from hicached.daemon.hybrid import GRACE_TICKS, make_policy
 from hicached.daemon.index import KEY_BYTES, PageIndex
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.l3.workers import IOWorkers
@@ -65,8 +66,8 @@ def live_tails(ix: PageIndex) -> list[int]:
     the call's final state: the entries that differ are ones ``stale`` skips, or duplicates.)"""
     pol = ix.policy
     return sorted({k for _, k in pol._tails if ix.k_len[k] and not pol._kid[k]
-                   and ix._ns_trail[ix.k_ns[k]]
-                   and not pol._has_state(k, ix._ns_trail[ix.k_ns[k]])})
+                   and ix.ns_trail[ix.k_ns[k]]
+                   and not pol._has_state(k, ix.ns_trail[ix.k_ns[k]])})
 
 
 def odd_key(rng: random.Random, i: int) -> str:

@@ -17,7 +17,7 @@ from hicached import Client, PoolTransfer
 from hicached import protocol as P
 from hicached.daemon import slicing
 from hicached.daemon.controller import Controller
-from hicached.daemon.hybrid import make_policy
+from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.index import PageIndex
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.l3.workers import IOWorkers
