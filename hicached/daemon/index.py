@@ -33,9 +33,11 @@ its key's bytes compared equal.
 Eviction asks one policy object which pages go next (``eviction/``): ``_make_room`` when a size
 class has no free slot, slab reclaim, quotas, the L3 audit.
 
-A call's pages go through the per-call twins of the calls here (``batch.py``, ``reserving.py``:
-``reserve_many``, ``commit_many``, ``touch_many``, ...), which leave exactly the state of these called page by
-page, in a few numpy passes where the call is large enough to pay for them.
+One path per operation: ``reserve``, ``commit`` and ``touch`` are the ``reserve_many``,
+``commit_many`` and ``touch_many`` of one page (``batch.py``, ``reserving.py``). Inside, a call
+goes page by page (``_reserve_one``, ``_commit_each``: a numpy call costs ~1-2 us, a page ~3-5)
+or in a few numpy passes where it is large enough to pay for them (``_reserve_run``), and both
+leave exactly the state of its pages done one by one in turn.
 
 Presence (``presence``): a key record's mask is the OR of ``pool_bit`` of the pools holding the
 key committed, kept by ``commit`` and ``_unpublish``, so an exists query looks every key up once
@@ -71,6 +73,7 @@ from hicached.daemon.records import (  # noqa: F401 - names the daemon imports f
     TableId,
 )
 from hicached.daemon.slabs import SlabAllocator
+from hicached.presence import PresenceTable
 
 SPLIT_MIN = 8  # pages of a leaf segment below which it goes whole (``_evict_victims``)
 
@@ -83,7 +86,7 @@ class PageIndex(BatchOps, Records):
     """
 
     def __init__(self, allocator: SlabAllocator, on_evict: Callable[[Entry], None] | None = None,
-                 policy: EvictionPolicy | None = None):
+                 policy: EvictionPolicy | None = None, presence: PresenceTable | None = None):
         self.on_evict = on_evict
         self.event_tids: dict = {}  # KV events (kv_events.py): table id -> its EventPool
         self.kv_events = None  # ... and the recorder of their events
@@ -96,7 +99,7 @@ class PageIndex(BatchOps, Records):
         self.defer: Callable[[list[int]], None] | None = None
         # (stride, need) -> pages evicted: the deferred pages of that class go first
         self.take_deferred: Callable[[int, int], int] | None = None
-        super().__init__(allocator)
+        super().__init__(allocator, presence)
 
     # ------------------------------------------------------------ reserve / commit / abort
 
@@ -119,11 +122,18 @@ class PageIndex(BatchOps, Records):
 
     def reserve(self, table: TableId, key: str, page_bytes: int, stride: int) -> Entry | None:
         """A pending, pinned entry with a fresh slot, or None when nothing can be evicted (or,
-        a 2^-64 event, another key of the namespace has this key's fingerprint).
+        a 2^-64 event, another key of the namespace has this key's fingerprint): the
+        ``reserve_many`` of one key.
 
         The caller checks first that the key is neither committed nor pending. ValueError (from
         ``pool_bit``) when the table would be the namespace's pool past ``MAX_POOLS``.
         """
+        return self.reserve_many(table, (key,), page_bytes, stride)[0]
+
+    def _reserve_one(self, table: TableId, key: str, page_bytes: int, stride: int
+                     ) -> Entry | None:
+        """``reserve`` of one key, record by record: the path of a call's keys that do not
+        go as a run (``reserving.py``: few keys, or keys the run cannot take)."""
         tid = self._tid.get(table)
         if tid is None:
             tid = self.table_id(table)  # its pool bit given now, so that commit cannot fail
@@ -174,8 +184,8 @@ class PageIndex(BatchOps, Records):
         slots[(offset - slab.offset) // stride] = p
         self.ns_bytes[ns] = self.ns_bytes.get(ns, 0) + stride
         entry = Entry.__new__(Entry)
-        entry._ix, entry.rec, entry.table, entry.key = self, p, table, key
-        entry._offset, entry.stride, entry.gen = offset, stride, gen
+        entry.ix, entry.rec, entry.table, entry.key = self, p, table, key
+        entry.slot_offset, entry.stride, entry.gen = offset, stride, gen
         pend = self.pending.get(table)
         if pend is None:
             pend = self.pending[table] = {}
@@ -252,7 +262,7 @@ class PageIndex(BatchOps, Records):
         p = entry.rec
         assert self.p_gen[p] == entry.gen, entry
         if self.p_pins[p] == 0:
-            self.alloc.slab_of(entry._offset).pinned += 1
+            self.alloc.slab_of(entry.slot_offset).pinned += 1
         self.p_pins[p] += 1
 
     def unpin(self, entry: Entry) -> None:
@@ -260,18 +270,11 @@ class PageIndex(BatchOps, Records):
         assert self.p_gen[p] == entry.gen and self.p_pins[p] > 0, entry
         self.p_pins[p] -= 1
         if self.p_pins[p] == 0:
-            self.alloc.slab_of(entry._offset).pinned -= 1
+            self.alloc.slab_of(entry.slot_offset).pinned -= 1
 
     def touch(self, entry: Entry) -> None:
-        """Mark ``entry`` most recently used."""
-        p = entry.rec
-        if self.p_gen[p] != entry.gen:
-            return
-        self._tick += 1
-        self.p_used[p] = self._tick
-        self.alloc.touch(entry.offset, self._tick)
-        if self.p_flags[p] & COMMITTED:
-            self.policy.touched(p)
+        """Mark ``entry`` most recently used: the ``touch_many`` of one."""
+        self.touch_many((entry,))
 
     # ------------------------------------------------------------ eviction
 

@@ -79,7 +79,7 @@ class Lookups:
                 out.append(None)
                 continue
             e = new(Entry)
-            e._ix, e.rec, e.table, e.key, e._offset, e.stride, e.gen = (
+            e.ix, e.rec, e.table, e.key, e.slot_offset, e.stride, e.gen = (
                 self, p, table, key, p_off[p], p_stride[p], p_gen[p])
             out.append(e)
         return out
@@ -137,7 +137,7 @@ class Lookups:
                                           cols["p_stride"][pages].tolist(),
                                           cols["p_gen"][pages].tolist()):
             e = out[i] = new(Entry)
-            e._ix, e.rec, e.table, e.key, e._offset, e.stride, e.gen = (
+            e.ix, e.rec, e.table, e.key, e.slot_offset, e.stride, e.gen = (
                 self, p, table, keys[i], off, stride, gen)
         return out, fps, recs
 

@@ -47,7 +47,7 @@ class Records(Lookups):
     """Page and key records, and the lookups over them (``Lookups``; see ``index.py``). Not
     thread-safe."""
 
-    def __init__(self, allocator: SlabAllocator):
+    def __init__(self, allocator: SlabAllocator, presence: PresenceTable | None = None):
         self.alloc = allocator
         # page and key records: numpy columns, each in a mapping of its own (``columns.py``:
         # zeroed lazily by the kernel, so capacity not yet used costs no memory; ``np`` gives
@@ -102,7 +102,7 @@ class Records(Lookups):
         self.committed_count = 0
         self.ns_bytes: dict[str, int] = {}  # namespace digest -> slot bytes held (quotas.py)
         self._bits: dict[str, dict[str, int]] = {}  # ns -> pool -> its bit in the masks
-        self.shared: PresenceTable | None = None  # those masks, published for clients
+        self.shared = presence  # those masks, published for clients (None: not published)
         self._seeds: dict[str, int] = {}  # ns -> its fingerprint seed in ``shared``
 
     # ------------------------------------------------------------ the policies' read view

@@ -108,10 +108,10 @@ class Daemon(DaemonOperations, Handshakes, DaemonFiles):
             raise
         try:
             self.allocator = SlabAllocator(config.l2_size, config.slab_size)
-            self.index = PageIndex(self.allocator,
-                                   policy=make_policy(config.eviction, config.eviction_alpha))
             self.presence = self._presence_table(config)
-            self.index.shared = self.presence
+            self.index = PageIndex(self.allocator,
+                                   policy=make_policy(config.eviction, config.eviction_alpha),
+                                   presence=self.presence)
             self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
             self.workers = IOWorkers(config.io_queue_depth)
             self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
