@@ -73,13 +73,15 @@ def test_the_registry_names_every_policy_and_loads_one_from_outside():
 
 def fill(c, start=0, stop=ROUNDS):
     """Set chains ``start`` to ``stop`` of ``CHAIN`` pages each (chain r: pool pages r * CHAIN
-    on, keys ``c<r>-<i>``); every set must get room for all its pages."""
+    on, keys ``c<r>-<i>``); every set must get room for all its pages. Returns once the
+    daemon has read every commit."""
     keys = []
     for r in range(start, stop):
         chain = [f"c{r}-{i}" for i in range(CHAIN)]
         got = c.batch_set_v2([PoolTransfer("kv", pages(r * CHAIN, CHAIN), keys=chain)], depth=0)
         assert got["kv"] == [True] * CHAIN, (r, got)
         keys += chain
+    c.wait_committed()  # (a set sends its commit without waiting): read in process after it
     return keys
 
 
