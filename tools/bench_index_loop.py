@@ -47,10 +47,7 @@ from hicached.daemon.sessions import Session
 from hicached.daemon.slabs import SlabAllocator
 from hicached.presence import PresenceTable, default_slots
 
-try:
-    from hicached.daemon.hybrid import make_policy
-except ImportError:  # a tree from before the eviction policies (issue 25): LRU only
-    make_policy = None
+from hicached.daemon.eviction.registry import make_policy
 
 PAGE_BYTES = 4096
 SLAB_BYTES = 64 << 20
@@ -69,11 +66,9 @@ class Loop:
     def __init__(self, pages: int, policy: str, tmp: str, presence_slots: int = 0):
         slabs = -(-int(pages * PAGE_BYTES * HEADROOM) // SLAB_BYTES)
         self.alloc = SlabAllocator(slabs * SLAB_BYTES, SLAB_BYTES)
-        self.index = (PageIndex(self.alloc, policy=make_policy(policy)) if make_policy
-                      else PageIndex(self.alloc))
         self.presence = PresenceTable(os.path.join(tmp, f"presence-{policy}"),
                                       presence_slots or default_slots(slabs * SLAB_BYTES), 1)
-        self.index.shared = self.presence
+        self.index = PageIndex(self.alloc, policy=make_policy(policy), presence=self.presence)
         self.leases = LeaseTable(self.index, 60.0, 60.0)
         self.workers = IOWorkers()
         self.tier = L3Tier(self.index, self.workers)
@@ -176,8 +171,7 @@ def main() -> None:
     gc.set_threshold(20_000, 20, 20)  # the daemon's
     with tempfile.TemporaryDirectory(prefix="hicached-bench-loop-", dir="/dev/shm"
                                      if os.path.isdir("/dev/shm") else None) as tmp:
-        results = [run(p, args, tmp) for p in args.policies.split(",")
-                   if make_policy is not None or p == "lru"]
+        results = [run(p, args, tmp) for p in args.policies.split(",")]
     if args.json:
         json.dump({"results": results}, sys.stdout)
         return

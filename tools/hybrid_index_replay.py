@@ -42,7 +42,7 @@ from hybrid_trace import (
     summary,
 )
 
-from hicached.daemon.hybrid import make_policy
+from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.index import PageIndex
 from hicached.daemon.orphans import orphans
 from hicached.daemon.reclaim import Reclaimer

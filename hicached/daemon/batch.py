@@ -8,8 +8,9 @@ written once per call by fancy assignment, slots come off a slab's free stack a 
 (``SlabAllocator.alloc_many``), and the eviction policy hears of the call's pages at once
 (``inserted_many`` / ``touched_many``).
 
-What must stay true: every call here leaves exactly the state of its scalar twin in
-``index.py`` called for each page in turn (records, slots, generations, ticks, recency lists,
+What must stay true: every call here leaves exactly the state of its pages done one by one in
+turn (the page-by-page paths: ``reserve``, ``_commit_each``, ``touch``) (records, slots,
+generations, ticks, recency lists,
 slab ages, the presence table's bytes). So a call takes the vectorised path only where the
 order of its pages cannot matter (a call that must evict for its slots takes the slots each
 victim frees together: ``reserving.py``); everything else (a fingerprint collision, keys the
@@ -91,7 +92,7 @@ class BatchOps(ReserveOps):
                 self._tcount[tid] += int(count)
         self.committed_count += n
         krecs = cols["p_krec"][ps]
-        bits = np.asarray(self._tbit, np.int64)[tids]
+        bits = np.asarray(self.t_bit, np.int64)[tids]
         masks = cols["k_mask"]
         mask_before = masks[krecs]
         if len(set(krecs.tolist())) == n:
@@ -116,7 +117,7 @@ class BatchOps(ReserveOps):
         if self.event_tids and events:
             self.kv_events.stored(entries)
         if self.commit_tails():  # (a daemon's idle turns take them: ``reclaim.py``)
-            self._evict_pages(self.policy.stale())  # pages no hit can use (``hybrid.py``)
+            self.evict_pages(self.policy.stale())  # pages no hit can use (``hybrid.py``)
 
     def _publish(self: PageIndex, entries: Sequence[Entry], ps: np.ndarray, krecs: np.ndarray,
                  mask_before: np.ndarray, firsts: np.ndarray | None) -> None:
@@ -146,7 +147,7 @@ class BatchOps(ReserveOps):
         shared.set_many(sfps, new)
         if shared.tag_count and np.count_nonzero(cols["p_stride"][ps] >= shared.grain):
             for e in entries:
-                shared.publish_tag(e._offset, e.stride, e.gen)
+                shared.publish_tag(e.slot_offset, e.stride, e.gen)
 
     def _touch_slabs(self: PageIndex, slab_ids: np.ndarray, tick: int) -> None:
         """The pages in slabs ``slab_ids`` were used at ticks ``tick + 1``, ``tick + 2``, ...
@@ -195,13 +196,13 @@ class BatchOps(ReserveOps):
             self.committed_count += 1
             k = self.p_krec[p]
             masks_before.setdefault(k, mask_of[k])
-            mask_of[k] |= self._tbit[tid]
+            mask_of[k] |= self.t_bit[tid]
             if shared is not None:
-                shared.publish_tag(e._offset, e.stride, e.gen)
+                shared.publish_tag(e.slot_offset, e.stride, e.gen)
             tick += 1
             used[p] = tick
             policy.inserted(p)
-            slab = slabs[e._offset // slab_bytes]
+            slab = slabs[e.slot_offset // slab_bytes]
             slab.last_used = tick
             touched.pop(slab, None)
             touched[slab] = None
@@ -219,7 +220,7 @@ class BatchOps(ReserveOps):
         if self.event_tids and events:
             self.kv_events.stored(entries)
         if self.commit_tails():
-            self._evict_pages(policy.stale())  # pages no hit can use any more (``hybrid.py``)
+            self.evict_pages(policy.stale())  # pages no hit can use any more (``hybrid.py``)
 
     # ------------------------------------------------------------ recency, pins, hits
     # (one loop a call: at a get's 16-64 random pages the numpy calls and the slab counts by
@@ -238,7 +239,7 @@ class BatchOps(ReserveOps):
                 continue
             tick += 1
             used[p] = tick
-            slab = slabs[e._offset // slab_bytes]
+            slab = slabs[e.slot_offset // slab_bytes]
             slab.last_used = tick
             touched.pop(slab, None)
             touched[slab] = None
@@ -266,7 +267,7 @@ class BatchOps(ReserveOps):
             assert gen[p] == e.gen, e
             tick += 1
             used[p] = tick
-            slab = slabs[e._offset // slab_bytes]
+            slab = slabs[e.slot_offset // slab_bytes]
             slab.last_used = tick
             touched.pop(slab, None)
             touched[slab] = None
@@ -292,7 +293,7 @@ class BatchOps(ReserveOps):
             p = e.rec
             assert gen[p] == e.gen, e
             if pins[p] == 0:
-                slabs[e._offset // slab_bytes].pinned += 1
+                slabs[e.slot_offset // slab_bytes].pinned += 1
             pins[p] += 1
 
     def unpin_many(self: PageIndex, entries: Sequence[Entry]) -> None:
@@ -304,7 +305,7 @@ class BatchOps(ReserveOps):
             assert gen[p] == e.gen and pins[p] > 0, e
             pins[p] -= 1
             if pins[p] == 0:
-                slabs[e._offset // slab_bytes].pinned -= 1
+                slabs[e.slot_offset // slab_bytes].pinned -= 1
 
     def count_hits(self: PageIndex, entries: Sequence[Entry]) -> None:
         """One more hit for each of ``entries`` (those still in their slot)."""

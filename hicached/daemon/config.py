@@ -120,10 +120,11 @@ class DaemonConfig:
             raise ConfigError(f"get_wait_s: must be > 0, got {self.get_wait_s}")
         if self.set_ahead_bytes < 0:
             raise ConfigError(f"set_ahead_bytes: must be >= 0, got {self.set_ahead_bytes}")
-        from hicached.daemon.hybrid import EVICTIONS
+        from hicached.daemon.eviction.registry import EVICTIONS, is_policy_name
 
-        if self.eviction not in EVICTIONS:
-            raise ConfigError(f"eviction: unknown {self.eviction!r}; valid: {list(EVICTIONS)}")
+        if not is_policy_name(self.eviction):
+            raise ConfigError(f"eviction: unknown {self.eviction!r}; valid: {list(EVICTIONS)} "
+                              "or 'package.module:Class'")
         if not 0 <= self.eviction_alpha < 1e6:
             raise ConfigError(f"eviction_alpha: must be >= 0, got {self.eviction_alpha}")
         if not 0 <= self.evict_ahead <= 0.5:

@@ -434,7 +434,7 @@ class Controller:
             for i, (key, e) in enumerate(zip(t.keys, got)):
                 if e is not None:  # (looked up just now: in its slot)
                     entries.append(e)
-                    row.append(e._offset)
+                    row.append(e.slot_offset)
                     tag_row[i] = e.gen
                     if e.from_l3:  # prefetched: its first read is an L3 hit
                         e.from_l3 = False
@@ -486,7 +486,7 @@ class Controller:
                 for i, key, e in zip(at, keys, self.index.get_many(table, keys)):
                     if e is not None:  # (looked up just now: in its slot)
                         entries.append(e)
-                        row[i] = e._offset
+                        row[i] = e.slot_offset
                         tag_row[i] = e.gen
                         if e.from_l3:  # prefetched: its first read is an L3 hit
                             e.from_l3 = False

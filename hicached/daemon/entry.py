@@ -32,26 +32,30 @@ def key_fps(keys: Sequence[str]) -> np.ndarray:
 
 
 class Entry:
-    """A handle on one page record (see the module docstring)."""
+    """A handle on one page record (see the module docstring): ``ix`` (the index whose record
+    it names), ``rec``, ``table``, ``key``, ``slot_offset`` (its slot as it was made: the
+    index's own calls read it; others read ``offset``, -1 once the page is gone), ``stride``
+    and ``gen`` are fixed; everything else reads through to the records. The index alone
+    makes and fills handles."""
 
-    __slots__ = ("_ix", "_offset", "gen", "key", "rec", "stride", "table")
+    __slots__ = ("ix", "slot_offset", "gen", "key", "rec", "stride", "table")
 
     def __init__(self, ix: Records, rec: int, table: TableId, key: str):
-        self._ix = ix
+        self.ix = ix
         self.rec = rec
         self.table = table
         self.key = key
-        self._offset = ix.p_off[rec]
+        self.slot_offset = ix.p_off[rec]
         self.stride = ix.p_stride[rec]
         self.gen = ix.p_gen[rec]
 
     @property
     def page_bytes(self) -> int:
-        return self._ix.p_pbytes[self.rec]
+        return self.ix.p_pbytes[self.rec]
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Entry) and self.gen == other.gen and self.rec == other.rec
-                and self._ix is other._ix)
+                and self.ix is other.ix)
 
     def __hash__(self) -> int:
         return hash(self.gen)
@@ -59,23 +63,23 @@ class Entry:
     @property
     def alive(self) -> bool:
         """Its page still holds its slot (committed, pending or unbound)."""
-        return self._ix.p_gen[self.rec] == self.gen
+        return self.ix.p_gen[self.rec] == self.gen
 
     @property
     def offset(self) -> int:
         """Its slot in the arena; -1 once its page is gone."""
-        return self._offset if self._ix.p_gen[self.rec] == self.gen else -1
+        return self.slot_offset if self.ix.p_gen[self.rec] == self.gen else -1
 
     # each read checks the generation: a handle of a page that is gone reads as gone
     @property
     def committed(self) -> bool:
-        ix, r = self._ix, self.rec
+        ix, r = self.ix, self.rec
         return ix.p_gen[r] == self.gen and ix.p_flags[r] & COMMITTED != 0
 
     @property
     def in_l3(self) -> bool:
         """A copy is known to be in the L3 backend."""
-        ix, r = self._ix, self.rec
+        ix, r = self.ix, self.rec
         return ix.p_gen[r] == self.gen and ix.p_flags[r] & IN_L3 != 0
 
     @in_l3.setter
@@ -85,7 +89,7 @@ class Entry:
     @property
     def writing(self) -> bool:
         """An L3 write of this page is in flight."""
-        ix, r = self._ix, self.rec
+        ix, r = self.ix, self.rec
         return ix.p_gen[r] == self.gen and ix.p_flags[r] & WRITING != 0
 
     @writing.setter
@@ -95,7 +99,7 @@ class Entry:
     @property
     def from_l3(self) -> bool:
         """Loaded from L3 and not read since (its first read is an L3 hit)."""
-        ix, r = self._ix, self.rec
+        ix, r = self.ix, self.rec
         return ix.p_gen[r] == self.gen and ix.p_flags[r] & FROM_L3 != 0
 
     @from_l3.setter
@@ -103,40 +107,40 @@ class Entry:
         self._set_flag(FROM_L3, on)
 
     def _set_flag(self, flag: int, on: bool) -> None:
-        ix, r = self._ix, self.rec
+        ix, r = self.ix, self.rec
         if ix.p_gen[r] == self.gen:
             ix.p_flags[r] = ix.p_flags[r] | flag if on else ix.p_flags[r] & ~flag
 
     @property
     def pins(self) -> int:
-        ix, r = self._ix, self.rec
+        ix, r = self.ix, self.rec
         return ix.p_pins[r] if ix.p_gen[r] == self.gen else 0
 
     @property
     def last_used(self) -> int:
-        ix, r = self._ix, self.rec
+        ix, r = self.ix, self.rec
         return ix.p_used[r] if ix.p_gen[r] == self.gen else 0
 
     @property
     def hits(self) -> int:
-        ix, r = self._ix, self.rec
+        ix, r = self.ix, self.rec
         return ix.p_hits[r] if ix.p_gen[r] == self.gen else 0
 
     @hits.setter
     def hits(self, n: int) -> None:
-        ix, r = self._ix, self.rec
+        ix, r = self.ix, self.rec
         if ix.p_gen[r] == self.gen:
             ix.p_hits[r] = min(n, 0x7FFFFFFF)
 
     @property
     def owner(self) -> int:
         """Pending: the session that reserved it (0: the daemon, an L3 load)."""
-        ix, r = self._ix, self.rec
+        ix, r = self.ix, self.rec
         return ix.owners.get(r, 0) if ix.p_gen[r] == self.gen else 0
 
     @owner.setter
     def owner(self, sid: int) -> None:
-        ix, r = self._ix, self.rec
+        ix, r = self.ix, self.rec
         if ix.p_gen[r] == self.gen:
             ix.owners[r] = sid
 

@@ -79,7 +79,7 @@ class Lookups:
                 out.append(None)
                 continue
             e = new(Entry)
-            e._ix, e.rec, e.table, e.key, e._offset, e.stride, e.gen = (
+            e.ix, e.rec, e.table, e.key, e.slot_offset, e.stride, e.gen = (
                 self, p, table, key, p_off[p], p_stride[p], p_gen[p])
             out.append(e)
         return out
@@ -137,7 +137,7 @@ class Lookups:
                                           cols["p_stride"][pages].tolist(),
                                           cols["p_gen"][pages].tolist()):
             e = out[i] = new(Entry)
-            e._ix, e.rec, e.table, e.key, e._offset, e.stride, e.gen = (
+            e.ix, e.rec, e.table, e.key, e.slot_offset, e.stride, e.gen = (
                 self, p, table, keys[i], off, stride, gen)
         return out, fps, recs
 
@@ -153,7 +153,7 @@ class Lookups:
         if len(keys) < VECTOR_MIN:  # a few: one by one is cheaper than the vectorised calls
             return np.fromiter((e is not None for e in self.get_many(table, keys)), bool,
                                len(keys))
-        return (self.presence(table[0], keys, verify=True) & self._tbit[tid]) != 0
+        return (self.presence(table[0], keys, verify=True) & self.t_bit[tid]) != 0
 
     def presence(self: Records, ns: str, keys: Sequence[str], verify: bool = False) -> np.ndarray:
         """Per key (int64): the OR of ``pool_bit`` of every pool of ``ns`` holding it committed.

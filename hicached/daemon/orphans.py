@@ -1,16 +1,17 @@
 """How much of L2 no hit can use: the orphan count of ``/stats`` (``tiers.l2.orphan_bytes``).
 
 Whatever the eviction policy (``lru`` makes orphans, ``prefix`` and ``hybrid`` do not: see
-``hybrid.py``), from the chains the set calls named (``Records.link``: each key record's parent
-fingerprint) and the namespaces' trailing pools. Vectorised over the key records.
+``eviction/hybrid.py``), from the chains the set calls named (``Records.link``: each key
+record's parent fingerprint) and the namespaces' trailing pools. Vectorised over the key
+records. Reads the index through its public columns and read view (``IndexView``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from hicached.daemon.hybrid import GRACE_TICKS
-from hicached.daemon.policy import COMMITTED
+from hicached.daemon.entry import COMMITTED
+from hicached.daemon.eviction.hybrid import GRACE_TICKS
 
 ORPHANS_MAX_KEYS = 1 << 18  # ``orphans`` is not counted in an index with more key records
 
@@ -25,14 +26,14 @@ def orphans(ix, l3: bool = False, grace_ticks: int = GRACE_TICKS, leaving=()
     holds a state and none of its pages was used in the last ``grace_ticks``. ``leaving``:
     page records being evicted now (a victim set evicted page by page: ``reclaim.py``), not
     counted."""
-    top = ix._k_top
+    top = ix.key_top
     if top > ORPHANS_MAX_KEYS:
         return None
     if not top:
         return 0, 0
     bad = orphan_keys(ix, l3, grace_ticks)
     col = ix.np
-    committed = np.flatnonzero(col["p_flags"][:ix._p_top] & COMMITTED)
+    committed = np.flatnonzero(col["p_flags"][:ix.page_top] & COMMITTED)
     hit = bad[col["p_krec"][committed]]
     if len(leaving):
         hit &= ~np.isin(committed, np.asarray(leaving, np.int64))
@@ -41,7 +42,7 @@ def orphans(ix, l3: bool = False, grace_ticks: int = GRACE_TICKS, leaving=()
 
 def orphan_keys(ix, l3: bool, grace_ticks: int) -> np.ndarray:
     """Per key record (up to ``_k_top``): whether its pages are orphans (``orphans``)."""
-    top = ix._k_top
+    top = ix.key_top
     col = ix.np
     live = col["k_len"][:top] != 0
     mask = col["k_mask"][:top]
@@ -49,15 +50,15 @@ def orphan_keys(ix, l3: bool, grace_ticks: int) -> np.ndarray:
     pfp = col["k_parent"][:top]
     prec = np.full(top, -1, np.int64)
     broken = np.zeros(top, bool)
-    for i, keys in enumerate(ix._keys):
+    for i in range(ix.namespace_count):
         sel = np.flatnonzero(live & (ns == i) & (pfp != 0))
         if len(sel):
-            got = keys.table.get_many(pfp[sel]).astype(np.int64)
+            got = ix.key_records(i, pfp[sel])
             got[got >= 0] = np.where(live[got[got >= 0]], got[got >= 0], -1)
             prec[sel] = got
             if not l3:
                 broken[sel[got < 0]] = True
-    trail = np.asarray(ix._ns_trail + [0], np.int64)[ns]
+    trail = np.asarray(ix.ns_trail + [0], np.int64)[ns]
     has_state = live & ((mask & trail) != 0)
     if not l3:
         broken |= has_state & ((mask & ~trail) == 0)
@@ -71,9 +72,9 @@ def orphan_keys(ix, l3: bool, grace_ticks: int) -> np.ndarray:
         depth[up] += depth[a]
         anc[up] = anc[a]
     bad = broken & live
-    if any(ix._ns_trail):
+    if any(ix.ns_trail):
         below = has_state.copy()  # a state at or below the key
-        committed = np.flatnonzero(col["p_flags"][:ix._p_top] & COMMITTED)
+        committed = np.flatnonzero(col["p_flags"][:ix.page_top] & COMMITTED)
         newest = np.zeros(top, np.int64)  # the newest use at or below the key
         np.maximum.at(newest, col["p_krec"][committed], col["p_used"][committed])
         order = np.argsort(-depth, kind="stable")
@@ -82,5 +83,5 @@ def orphan_keys(ix, l3: bool, grace_ticks: int) -> np.ndarray:
         for chunk in np.split(order, levels):  # deepest first: a key tells its parent
             np.logical_or.at(below, prec[chunk], below[chunk])
             np.maximum.at(newest, prec[chunk], newest[chunk])
-        bad |= live & (trail != 0) & ~below & (newest <= ix._tick - grace_ticks)
+        bad |= live & (trail != 0) & ~below & (newest <= ix.tick - grace_ticks)
     return bad

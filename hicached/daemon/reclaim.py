@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from hicached.daemon.policy import COMMITTED
+from hicached.daemon.entry import COMMITTED
 
 STEP_PAGES = 64  # pages one ``step`` evicts (at most that, and the rest of the key it is at)
 # ticks before its grace ends that a tail goes (``policy.stale``): in an idle turn that comes
@@ -64,6 +64,10 @@ class Reclaimer:
         self.ahead, self.busy, self.tails = ahead, busy, True
         self.ix.commit_tails = self._commit_tails
         self.ix.defer, self.ix.take_deferred = self._defer, self.take
+
+    def set_ahead(self, ahead: float) -> None:
+        """A reload's (SIGHUP): the share of the arena kept free from the next idle turn on."""
+        self.ahead = ahead
 
     def _defer(self, pages: list[int]) -> None:
         """The rest of a leaf segment a reservation split (``PageIndex._evict_victims``): it
@@ -118,7 +122,7 @@ class Reclaimer:
             policy.abandoned([q for q, g, _ in queue if ix.p_gen[q] == g])
             queue.clear()
             return None
-        got = ix._evict_pages([p for p, _ in live])
+        got = ix.evict_pages([p for p, _ in live])
         self._queue_evicted += got
         return got
 
@@ -127,12 +131,12 @@ class Reclaimer:
         committed page that is no state and not in the set (stored since the policy named
         it): taking the set's pages would leave that page of the key without the others."""
         ix = self.ix
-        if all(ix._tstate[ix.p_tid[p]] for p, _ in live):
+        if all(ix.t_state[ix.p_tid[p]] for p, _ in live):
             return False  # states alone (a mid-chain state): the key's other pages stay
         mine = {p for p, _ in live}
         p = ix.k_head[ix.p_krec[live[0][0]]]
         while p >= 0:
-            if p not in mine and ix.p_flags[p] & COMMITTED and not ix._tstate[ix.p_tid[p]]:
+            if p not in mine and ix.p_flags[p] & COMMITTED and not ix.t_state[ix.p_tid[p]]:
                 return True
             p = ix.p_knext[p]
         return False
@@ -145,7 +149,7 @@ class Reclaimer:
     def settle(self) -> None:
         """Evict the tails due now (before the orphans are counted: a stats call may come
         between a commit and the loop's next idle turn)."""
-        self.ix._evict_pages(self.ix.policy.stale())
+        self.ix.evict_pages(self.ix.policy.stale())
 
     def _target(self, stride: int) -> int:
         return max(stride, int(self.ahead * self.ix.alloc.capacity_bytes))
@@ -160,7 +164,7 @@ class Reclaimer:
 
     def _state(self) -> tuple[int, int, int]:
         ix = self.ix
-        return ix._tick, ix.committed_count, ix.evictions
+        return ix.tick, ix.committed_count, ix.evictions
 
     def wanted(self) -> bool:
         """Whether ``step`` has work: a victim set begun, tails due within ``EARLY`` ticks

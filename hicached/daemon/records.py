@@ -47,7 +47,7 @@ class Records(Lookups):
     """Page and key records, and the lookups over them (``Lookups``; see ``index.py``). Not
     thread-safe."""
 
-    def __init__(self, allocator: SlabAllocator):
+    def __init__(self, allocator: SlabAllocator, presence: PresenceTable | None = None):
         self.alloc = allocator
         # page and key records: numpy columns, each in a mapping of its own (``columns.py``:
         # zeroed lazily by the kernel, so capacity not yet used costs no memory; ``np`` gives
@@ -85,12 +85,12 @@ class Records(Lookups):
         self._tables: list[TableId] = []
         self._tid: dict[TableId, int] = {}
         self._tcount: list[int] = []  # committed pages per table
-        self._tbit: list[int] = []
+        self.t_bit: list[int] = []
         self._ns_names: list[str] = []
         self._ns_id: dict[str, int] = {}
-        self._ns_trail: list[int] = []  # per namespace id: the bits of its trailing pools
-        self._tstate = bytearray()  # per table id: 1 if its pool is one of its namespace's
-        # trailing pools (its pages are states; ``_tbit[tid] & _ns_trail[ns]`` in one lookup)
+        self.ns_trail: list[int] = []  # per namespace id: the bits of its trailing pools
+        self.t_state = bytearray()  # per table id: 1 if its pool is one of its namespace's
+        # trailing pools (its pages are states; ``t_bit[tid] & ns_trail[ns]`` in one lookup)
         self._keys: list[_Keys] = []
         # slot -> page record, per slab (an array of its slots), for ``at`` / ``tagged``
         self._slots: dict[int, array] = {}
@@ -102,8 +102,49 @@ class Records(Lookups):
         self.committed_count = 0
         self.ns_bytes: dict[str, int] = {}  # namespace digest -> slot bytes held (quotas.py)
         self._bits: dict[str, dict[str, int]] = {}  # ns -> pool -> its bit in the masks
-        self.shared: PresenceTable | None = None  # those masks, published for clients
+        self.shared = presence  # those masks, published for clients (None: not published)
         self._seeds: dict[str, int] = {}  # ns -> its fingerprint seed in ``shared``
+
+    # ------------------------------------------------------------ the policies' read view
+    # (``eviction/interface.py``: ``IndexView``; also ``orphans.py`` and ``reclaim.py``)
+
+    @property
+    def tick(self) -> int:
+        """Page uses so far (``p_used`` holds a tick)."""
+        return self._tick
+
+    @property
+    def page_top(self) -> int:
+        """Page records ever used: every live one is below."""
+        return self._p_top
+
+    @property
+    def key_top(self) -> int:
+        """Key records ever used: every live one is below."""
+        return self._k_top
+
+    @property
+    def namespace_count(self) -> int:
+        """Namespaces seen: their ids are ``range(namespace_count)``."""
+        return len(self._ns_names)
+
+    def namespace_id(self, ns: str) -> int:
+        """The id of namespace digest ``ns`` (``k_ns``), -1 when never seen."""
+        return self._ns_id.get(ns, -1)
+
+    def table_ids(self, ns: str) -> list[int]:
+        """The table ids (``p_tid``) of namespace ``ns``'s pools."""
+        return [t for t, (t_ns, _) in enumerate(self._tables) if t_ns == ns]
+
+    def slab_pages(self, slab_index: int) -> Sequence[int]:
+        """The page records in slab ``slab_index``'s slots, slot order (-1: an empty slot;
+        empty for a slab never used). The index's own array: read, never keep, never write."""
+        return self._slots.get(slab_index, ())
+
+    def key_records(self, nsid: int, fps: np.ndarray) -> np.ndarray:
+        """Per key-table fingerprint ``fps`` (uint64; ``k_parent`` holds such), the key
+        record of namespace id ``nsid`` it stands for, -1 for none (int64)."""
+        return self._keys[nsid].table.get_many(fps).astype(np.int64)
 
     # ------------------------------------------------------------ records
 
@@ -143,7 +184,7 @@ class Records(Lookups):
             i = self._ns_id[ns] = len(self._ns_names)
             self._ns_names.append(ns)
             self._keys.append(_Keys())
-            self._ns_trail.append(0)
+            self.ns_trail.append(0)
         return i
 
     def table_id(self, table: TableId) -> int:
@@ -158,20 +199,20 @@ class Records(Lookups):
             tid = self._tid[table] = len(self._tables)
             self._tables.append(table)
             self._tcount.append(0)
-            self._tbit.append(bit)
-            self._tstate.append(1 if self._ns_trail[self._ns(table[0])] & bit else 0)
+            self.t_bit.append(bit)
+            self.t_state.append(1 if self.ns_trail[self._ns(table[0])] & bit else 0)
         return tid
 
     def mark_trailing(self, table: TableId) -> None:
         """``table``'s pool has TRAILING_PAGES hits (a state: ``Reserve.trailing``)."""
         tid = self.table_id(table)
-        self._ns_trail[self._ns_id[table[0]]] |= self._tbit[tid]
-        self._tstate[tid] = 1
+        self.ns_trail[self._ns_id[table[0]]] |= self.t_bit[tid]
+        self.t_state[tid] = 1
 
     def trailing(self, ns: str) -> int:
         """The pool bits of namespace ``ns``'s trailing pools."""
         i = self._ns_id.get(ns)
-        return self._ns_trail[i] if i is not None else 0
+        return self.ns_trail[i] if i is not None else 0
 
     def _fp(self, keys: _Keys, key: str) -> int:
         return (hash(key) + _TOP) or 1

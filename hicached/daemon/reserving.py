@@ -192,7 +192,7 @@ class ReserveOps:
         out: list[Entry] = [make(Entry) for _ in range(m)]
         ps_list = ps.tolist()
         for e, key, p, off, gen in zip(out, keys, ps_list, offsets.tolist(), gens.tolist()):
-            e._ix, e.rec, e.table, e.key, e._offset, e.stride, e.gen = (
+            e.ix, e.rec, e.table, e.key, e.slot_offset, e.stride, e.gen = (
                 self, p, table, key, off, stride, gen)
         pend = self.pending.get(table)
         if pend is None:

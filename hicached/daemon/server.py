@@ -35,7 +35,7 @@ from hicached.daemon.config import DaemonConfig
 from hicached.daemon.controller import Controller
 from hicached.daemon.files import DaemonFiles
 from hicached.daemon.handshake import Handshakes
-from hicached.daemon.hybrid import make_policy
+from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.index import PageIndex
 from hicached.daemon.kv_events import make_kv_events
 from hicached.daemon.l3.tier import L3Tier, close_quietly
@@ -120,10 +120,10 @@ class Daemon:
             raise
         try:
             self.allocator = SlabAllocator(config.l2_size, config.slab_size)
-            self.index = PageIndex(self.allocator,
-                                   policy=make_policy(config.eviction, config.eviction_alpha))
             self.presence = self._presence_table(config)
-            self.index.shared = self.presence
+            self.index = PageIndex(self.allocator,
+                                   policy=make_policy(config.eviction, config.eviction_alpha),
+                                   presence=self.presence)
             self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
             self.kv_events = make_kv_events(config, self.index)  # KV events for routers
             self.workers = IOWorkers(config.io_queue_depth)
@@ -222,9 +222,8 @@ class Daemon:
         """SIGHUP, on the loop (``ops/serve.py``, which reloads the tier's and the controller's
         policies through their own methods): the eviction's (evicting ahead, the hybrid's
         alpha), and the config's ``keys`` taken from ``new``."""
-        self.controller.reclaim.ahead = new.evict_ahead
-        if self.index.policy.name == "hybrid":
-            self.index.policy.alpha = new.eviction_alpha
+        self.controller.reclaim.set_ahead(new.evict_ahead)
+        self.index.policy.set_alpha(new.eviction_alpha)
         self.config = dataclasses.replace(self.config, **{k: getattr(new, k) for k in keys})
 
     def _keep_books(self) -> None:

@@ -213,7 +213,7 @@ class SetControl:
                 row[i] = P.SLOT_NO_SPACE
             else:
                 slots.append((p, i, e))
-                row[i] = e._offset  # (a pending page keeps its slot: it is pinned)
+                row[i] = e.slot_offset  # (a pending page keeps its slot: it is pinned)
                 tag_row[i] = e.gen
 
     def _reserve_key(self, s: Session, r: Reservation, p: int, i: int, table, key: str,

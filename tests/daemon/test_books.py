@@ -12,7 +12,7 @@ import pytest
 from hicached import protocol as P
 from hicached.daemon.columns import MAPPED_MIN, grown, zeros
 from hicached.daemon.controller import Controller
-from hicached.daemon.hybrid import make_policy
+from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.index import PageIndex
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.l3.workers import IOWorkers
@@ -28,10 +28,9 @@ def books_run(tmp_path, deferred: bool, policy: str) -> tuple[list, list]:
     slots asked for or not, evictions), gets of stored and missing keys, releases. With
     ``deferred`` the controller queues its books, kept after each call. The answers, and the
     state after each call."""
-    ix = PageIndex(SlabAllocator(48 * 4096, 4096), policy=make_policy(policy))
-    ix._gen = 0
     shared = PresenceTable(str(tmp_path / f"b{deferred}{policy}"), 2048, 1)
-    ix.shared = shared
+    ix = PageIndex(SlabAllocator(48 * 4096, 4096), policy=make_policy(policy), presence=shared)
+    ix._gen = 0
     workers = IOWorkers()
     ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0,
                      ahead_session_bytes=8 * 256, ahead_total_bytes=1 << 20,

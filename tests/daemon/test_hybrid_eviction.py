@@ -1,15 +1,16 @@
-"""The hybrid cache controller's eviction (issue 25, ``hicached/daemon/hybrid.py``): exact orders
-on small arenas, the dependants that go with a page on every path that frees pages, and the
-orphan bound under random workloads."""
+"""The hybrid cache controller's eviction (issue 25, ``hicached/daemon/eviction/hybrid.py``):
+exact orders on small arenas, the dependants that go with a page on every path that frees
+pages, and the orphan bound under random workloads."""
 
 import random
 
 import pytest
 
-from hicached.daemon.hybrid import HybridPolicy, make_policy
+from hicached.daemon.eviction.hybrid import HybridPolicy
+from hicached.daemon.eviction.lru import LruPolicy
+from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.index import IN_L3, PageIndex
 from hicached.daemon.orphans import orphans
-from hicached.daemon.policy import LruPolicy
 from hicached.daemon.quotas import NamespaceQuotas
 from hicached.daemon.reclaim import Reclaimer
 from hicached.daemon.slabs import SlabAllocator
@@ -284,7 +285,7 @@ def test_a_chain_taken_from_its_leaf_leaves_no_dead_entries_to_pop():
     """Each key above an evicted leaf becomes a leaf and goes a moment later: it is queued as a
     candidate only if it is still a leaf when a heap is next read. Queued as it came, each left
     a dead entry (36 here) that later reservations popped and dropped."""
-    from hicached.daemon.hybrid import _LOW
+    from hicached.daemon.eviction.hybrid import _LOW
 
     ix = make(4, "prefix")  # 64 KV slots
     store(ix, chain("a", 60))

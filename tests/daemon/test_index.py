@@ -218,13 +218,12 @@ def test_commit_many_leaves_exactly_the_state_of_single_commits(tmp_path, with_t
         plan.append((table, f"k{rng.randrange(200)}", 256 if table != M else 512))
     states = []
     for many in (False, True):
-        ix = make(arena=64 * 1024, slab=4096)
-        ix._gen = 0  # slot generations start at random
         shared = None
         if with_table:  # tags of pages of at least 512 bytes are published too
             shared = PresenceTable(str(tmp_path / f"t{many}"), 1024, 1, arena_bytes=64 * 1024,
                                    grain=512)
-            ix.shared = shared
+        ix = PageIndex(SlabAllocator(64 * 1024, 4096), presence=shared)
+        ix._gen = 0  # slot generations start at random
         for round_ in range(3):  # later rounds re-commit keys other pools hold, and evict
             entries = []
             for table, key, stride in plan[round_ * 100:(round_ + 1) * 100]:
@@ -317,11 +316,11 @@ def test_the_shared_table_never_shows_a_key_with_part_of_a_calls_pools(tmp_path)
     once, with both pools; an eviction (the hybrid policy takes a key's pages together) and a
     flush's drop write it once too, without both: never a key with a KV page and no INDEXER
     page the same call stored (issue 45)."""
-    from hicached.daemon.hybrid import make_policy
+    from hicached.daemon.eviction.registry import make_policy
     from hicached.presence import fingerprint
 
-    ix = PageIndex(SlabAllocator(16 * 1024, 1024), policy=make_policy("hybrid"))
-    shared = ix.shared = PresenceTable(str(tmp_path / "t"), 1024, 1)
+    shared = PresenceTable(str(tmp_path / "t"), 1024, 1)
+    ix = PageIndex(SlabAllocator(16 * 1024, 1024), policy=make_policy("hybrid"), presence=shared)
     written = []  # (fp, mask) as the table got them (0: removed)
     set_, remove = shared.set, shared.remove
     shared.set = lambda fp, mask: (written.append((fp, mask)), set_(fp, mask))

@@ -14,8 +14,9 @@ from hicached import protocol as P
 from hicached.daemon import batch, reserving
 from hicached.daemon.batch import BATCH_MIN
 from hicached.daemon.controller import Controller
+from hicached.daemon.eviction.hybrid import GRACE_TICKS
+from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.fptable import FpTable
-from hicached.daemon.hybrid import GRACE_TICKS, make_policy
 from hicached.daemon.index import KEY_BYTES, PageIndex
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.l3.workers import IOWorkers
@@ -37,7 +38,7 @@ def snapshot(ix: PageIndex, shared: PresenceTable | None) -> dict:
         gen=ix._gen, tick=ix._tick, tcount=list(ix._tcount), committed=ix.committed_count,
         evictions=ix.evictions, ns_bytes=dict(ix.ns_bytes), owners=sorted(ix.owners.items()),
         long_keys=dict(ix._long_keys),
-        pending={t: [(k, e.rec, e.gen, e._offset) for k, e in d.items()]
+        pending={t: [(k, e.rec, e.gen, e.slot_offset) for k, e in d.items()]
                  for t, d in ix.pending.items()},
         slots={i: list(s) for i, s in ix._slots.items()},
         keys=[dict(zip(*(x.tolist() for x in k.table.items()), strict=True)) for k in ix._keys],
@@ -65,8 +66,8 @@ def live_tails(ix: PageIndex) -> list[int]:
     the call's final state: the entries that differ are ones ``stale`` skips, or duplicates.)"""
     pol = ix.policy
     return sorted({k for _, k in pol._tails if ix.k_len[k] and not pol._kid[k]
-                   and ix._ns_trail[ix.k_ns[k]]
-                   and not pol._has_state(k, ix._ns_trail[ix.k_ns[k]])})
+                   and ix.ns_trail[ix.k_ns[k]]
+                   and not pol._has_state(k, ix.ns_trail[ix.k_ns[k]])})
 
 
 def odd_key(rng: random.Random, i: int) -> str:
@@ -101,11 +102,11 @@ class Plan:
 
 
 def replay(plan: Plan, many: bool, policy: str, tmp_path) -> list[dict]:
-    ix = PageIndex(SlabAllocator(24 * plan.slab, plan.slab), policy=make_policy(policy))
-    ix._gen = 0  # slot generations start at random
     shared = PresenceTable(str(tmp_path / f"p{many}"), 4096, 1, arena_bytes=24 * plan.slab,
                            grain=512)  # a state's slot is tagged
-    ix.shared = shared
+    ix = PageIndex(SlabAllocator(24 * plan.slab, plan.slab), policy=make_policy(policy),
+                   presence=shared)
+    ix._gen = 0  # slot generations start at random
     states_seen = []
     for table, keys, states, touch, link in plan.calls:
         live = [k for k in keys if ix.get(table, k) is None and ix.get_pending(table, k) is None]
@@ -309,10 +310,9 @@ def controller_run(monkeypatch, tmp_path, batched: bool, policy: str) -> tuple[l
     if not batched:
         monkeypatch.setattr(batch, "BATCH_MIN", 1 << 30)
         monkeypatch.setattr(reserving, "BATCH_MIN", 1 << 30)
-    ix = PageIndex(SlabAllocator(40 * 4096, 4096), policy=make_policy(policy))
-    ix._gen = 0
     shared = PresenceTable(str(tmp_path / f"c{batched}"), 2048, 1)
-    ix.shared = shared
+    ix = PageIndex(SlabAllocator(40 * 4096, 4096), policy=make_policy(policy), presence=shared)
+    ix._gen = 0
     workers = IOWorkers()
     ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0,
                      quotas=NamespaceQuotas(ix, {"b": 90 * 256}),

@@ -17,7 +17,7 @@ from hicached import Client, PoolTransfer
 from hicached import protocol as P
 from hicached.daemon import slicing
 from hicached.daemon.controller import Controller
-from hicached.daemon.hybrid import make_policy
+from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.index import PageIndex
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.l3.workers import IOWorkers
@@ -140,10 +140,10 @@ def sliced_run(tmp_path, chunk, policy, commits_sliced=False, capacity=48):
     ``chunk`` (None: at once): sets (chains, present keys, set-ahead slots, evictions, a
     trailing pool), gets (and their releases) of stored and missing keys over two pools,
     exists over them. The answers, and the state after each call."""
-    ix = PageIndex(SlabAllocator(capacity * 4096, 4096), policy=make_policy(policy))
-    ix._gen = 0
     shared = PresenceTable(str(tmp_path / f"s{chunk}{policy}{commits_sliced}"), 2048, 1)
-    ix.shared = shared
+    ix = PageIndex(SlabAllocator(capacity * 4096, 4096), policy=make_policy(policy),
+                   presence=shared)
+    ix._gen = 0
     workers = IOWorkers()
     ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0,
                      ahead_session_bytes=8 * 256, ahead_total_bytes=1 << 20)

@@ -5,7 +5,7 @@ stored, the audit asks the policy which pages go next. The store is the real fil
 import pytest
 from l3_doubles import PAGE, RecordingBackend, wait_jobs
 
-from hicached.daemon.hybrid import make_policy
+from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.index import PageIndex
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.l3.workers import IOWorkers

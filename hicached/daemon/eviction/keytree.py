@@ -1,4 +1,5 @@
-"""The chains an eviction policy knows: key records as a tree (``hybrid.py`` evicts by it).
+"""The chains an eviction policy knows: key records as a tree (``hybrid.py`` and ``prefix.py``
+evict by it).
 
 Arrays indexed by key record, grown with the records (``grow_keys``): ``up`` / ``kid`` / ``sib`` /
 ``psib`` (parent, first child, next and previous sibling, each +1, 0 for none) and ``kflags``.
@@ -6,9 +7,10 @@ Arrays indexed by key record, grown with the records (``grow_keys``): ``up`` / `
 (``key_freed``), its children becoming roots. A link that would make a cycle (a key under its own
 descendant: a client's bug, or two clients disagreeing) makes the key a root instead: the tree
 is walked by eviction and must stay a tree. ``doomed`` (with ``_pages`` / ``_trim``) says which
-pages must go with a page: the rules of ``hybrid.py``'s docstring. Subclasses hear of the changes through ``_moved``
-(a key changed place), ``_parent_now`` (a leaf got its first child), ``_leaf_now`` (a key lost
-its last child).
+pages must go with a page: the rules of ``hybrid.py``'s docstring. Subclasses hear of the
+changes through ``_moved`` (a key changed place), ``_parent_now`` (a leaf got its first child),
+``_leaf_now`` (a key lost its last child). Reads the index only through ``IndexView``
+(``interface.py``).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from hicached.daemon.columns import grown
-from hicached.daemon.policy import COMMITTED, LruPolicy
+from hicached.daemon.entry import COMMITTED, IN_L3
+from hicached.daemon.eviction.lru import LruPolicy
 
-IN_L3 = 4  # entry.IN_L3
 STATE_L3 = 1  # key flag: a state of the key left L2 with a copy in L3 (still restorable)
 MAX_WALK = 1 << 20  # keys a cycle check walks at most (a cycle is refused, never followed)
 
@@ -28,6 +30,7 @@ class KeyTree(LruPolicy):
 
     frees_runs = True  # a victim is a leaf segment: tens of slots (``reserve_many``)
     whole_keys = True  # ``doomed``, segments and tails take a key's pages together
+    orphan_free = True  # a page goes with its dependants, a tail once its grace is over
 
     def __init__(self):
         super().__init__()
@@ -138,13 +141,13 @@ class KeyTree(LruPolicy):
     def _pages(self, k: int) -> list[int] | None:
         """Key ``k``'s pages, states first; None when one is pinned or pending."""
         ix = self.ix
-        trail = ix._ns_trail[ix.k_ns[k]]
+        trail = ix.ns_trail[ix.k_ns[k]]
         states, rest = [], []
         p = ix.k_head[k]
         while p >= 0:
             if ix.p_pins[p] or not ix.p_flags[p] & COMMITTED:
                 return None
-            (states if ix._tbit[ix.p_tid[p]] & trail else rest).append(p)
+            (states if ix.t_bit[ix.p_tid[p]] & trail else rest).append(p)
             p = ix.p_knext[p]
         return states + rest
 
@@ -183,8 +186,8 @@ class KeyTree(LruPolicy):
         client reads or writes it): ``p`` stays until it is not."""
         ix = self.ix
         k = ix.p_krec[p]
-        trail = ix._ns_trail[ix.k_ns[k]]
-        bit = ix._tbit[ix.p_tid[p]]
+        trail = ix.ns_trail[ix.k_ns[k]]
+        bit = ix.t_bit[ix.p_tid[p]]
         out = []
         if bit & trail:  # a state
             if ix.p_flags[p] & IN_L3 or self._kid[k] or self._has_state(k, trail, bit):
@@ -228,7 +231,7 @@ class KeyTree(LruPolicy):
         named it does)."""
         ix = self.ix
         k = ix.p_krec[p]
-        return not self._kid[k] or bool(ix.p_flags[p] & IN_L3) or bool(ix._tstate[ix.p_tid[p]])
+        return not self._kid[k] or bool(ix.p_flags[p] & IN_L3) or bool(ix.t_state[ix.p_tid[p]])
 
     def _segment(self, k: int) -> list[int] | None:
         """The pages leaf ``k`` takes with it (its own and the state-less single-child keys
@@ -236,7 +239,7 @@ class KeyTree(LruPolicy):
         pages = self._pages(k)
         if pages is None:
             return None
-        self._trim(self._up[k] - 1, k, self.ix._ns_trail[self.ix.k_ns[k]], pages)
+        self._trim(self._up[k] - 1, k, self.ix.ns_trail[self.ix.k_ns[k]], pages)
         return pages
 
     def _newest(self, k: int, stride: int) -> int:
@@ -290,7 +293,7 @@ class KeyTree(LruPolicy):
         sel = super().ranked(ns)
         if not sel:
             return sel
-        top = ix._k_top
+        top = ix.key_top
         up = np.frombuffer(self._up, np.int32)[:top].astype(np.int64) - 1
         newest = np.zeros(top, np.int64)
         recs = np.asarray(sel, np.int64)

@@ -1,97 +1,41 @@
-"""Which L2 pages go next: the one eviction policy every path asks.
+"""``lru``: least recently used per size class, the policy every path had before the interface.
 
-Eviction on reserve (``PageIndex._make_room``), slab reclaim (a size class takes a whole slab
-from another), namespace quotas (``quotas.py``), the L3 audit (``l3/audit.py``: the pages to be
-evicted next are the ones whose L3 copies matter) and stats all ask this object, through:
-
-    inserted(p) / touched(p) / removed(p)   a page record was committed / used / dropped
-    order(stride)                           committed pages of a class, next victim first
-    victims(ns)                             unpinned pages of every class, next victim first
-    make_room(stride)                       the pages to evict so that ``stride`` gets a slot
-
-``LruPolicy`` is least recently used, exactly as before this hook existed: one list per size
-class in the order of last use (a call's pages in call order), linked through two arrays indexed
-by page record, and ``make_room`` evicts either the class's least recently used unpinned page or
-the least recently touched unpinned slab of another class (all its pages), whichever was used
-longer ago (a whole slab frees room for any page size). Pinned pages are passed over.
+One list per size class in the order of last use (a call's pages in call order), linked through
+two arrays indexed by page record, and ``make_room`` evicts either the class's least recently
+used unpinned page or the least recently touched unpinned slab of another class (all its
+pages), whichever was used longer ago (a whole slab frees room for any page size). Pinned pages
+are passed over. A page depends on no other (its key's other pools' pages may stay without it):
+LRU makes orphans (``orphans.py`` counts them). The hooks: ``interface.py``.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hicached.daemon.columns import grown
-
-if TYPE_CHECKING:
-    from hicached.daemon.index import PageIndex
-
-COMMITTED = 1  # index.COMMITTED (that module imports this one)
+from hicached.daemon.eviction.interface import EvictionPolicy
 
 
-class LruPolicy:
-    """Least recently used per size class (see the module docstring)."""
+class LruPolicy(EvictionPolicy):
+    """Least recently used per size class (see the module docstring). Owns two per-page link
+    arrays and each class's list ends; mutates nothing of the index."""
 
     frees_runs = False  # a victim is mostly one page (``reserve_many`` goes key by key)
-    # whether ``make_room``'s last victim set was a leaf segment, whose keys may go in part
-    # (from the leaf up, the rest a state-less tail no hit can use: ``PageIndex._evict_victims``)
-    split_ok = False
-    # whether every path evicts a key's pages together, its states aside (``KeyTree``): the
-    # reclaimer then keeps a key whole that gained a page since its set was named. Not LRU's
-    # (pools go one by one: a key's KV page may stay without its INDEXER page)
-    whole_keys = False
+    whole_keys = False  # pools go one by one: a key's KV page may stay without its INDEXER page
 
     name = "lru"
 
     def __init__(self):
-        self.ix: PageIndex | None = None
         self._prev = memoryview(np.zeros(0, np.int32))
         self._next = memoryview(np.zeros(0, np.int32))
         self._ends: dict[int, list[int]] = {}  # stride -> [oldest, newest] page record (-1)
-
-    def bind(self, ix: PageIndex) -> None:
-        self.ix = ix
 
     def grow(self, n: int) -> None:
         """Page records now number ``n``."""
         for name in ("_prev", "_next"):
             setattr(self, name, memoryview(grown(getattr(self, name), n, np.int32)))
-
-    def grow_keys(self, n: int) -> None:
-        """Key records now number ``n``."""
-
-    def linked(self, recs, parent: int) -> None:
-        """Key records ``recs`` were linked in a chain (``Records.link``); LRU keeps no tree."""
-
-    def key_freed(self, k: int) -> None:
-        """Key record ``k`` is about to be freed."""
-
-    def stale(self, early: int = 0) -> list[int]:
-        """Page records to evict now, pressure or not (none under LRU); ``early``: also those
-        due within that many ticks."""
-        return []
-
-    def abandoned(self, pages: list[int]) -> None:
-        """A victim set named by ``make_room`` or ``stale`` was stopped before ``pages`` (still
-        committed) went (``reclaim.py``)."""
-
-    def stale_due(self, early: int = 0) -> bool:
-        """Whether ``stale`` may name a page now (cheap: asked every turn of an idle loop)."""
-        return False
-
-    def doomed(self, p: int) -> list[int]:
-        """The page records to evict, in order, for page record ``p`` to go: ``p`` alone."""
-        return [p]
-
-    def may_go_ahead(self, p: int) -> bool:
-        """Whether page ``p``, named by an earlier ``make_room`` and checked unchanged since,
-        may still go on its own now (``reclaim.py`` evicts a victim set page by page): under
-        LRU a page depends on none."""
-        return True
 
     # ------------------------------------------------------------ the index's events
 
@@ -202,41 +146,8 @@ class LruPolicy:
             p = q
 
     def strides(self) -> list[int]:
+        """The classes that have held a committed page (each has a list)."""
         return list(self._ends)
-
-    def unpinned(self, stride: int) -> Iterator[int]:
-        """``order(stride)`` without the pinned pages."""
-        pins = self.ix.p_pins
-        return (p for p in self.order(stride) if pins[p] == 0)
-
-    def upcoming(self, stride: int, n: int) -> list[int]:
-        """About the ``n`` unpinned page records of class ``stride`` evicted next (the L3
-        audit asks the store about their copies)."""
-        return list(itertools.islice(self.unpinned(stride), n))
-
-    def victims(self, ns: str | None = None) -> Iterator[int]:
-        """Unpinned committed page records of every class (of namespace ``ns``), next victim
-        first; the caller may evict each as it is given."""
-        ix = self.ix
-        used = ix.p_used
-        merged = heapq.merge(*(self.unpinned(s) for s in list(self._ends)),
-                             key=used.__getitem__)
-        if ns is None:
-            return merged
-        nsid = ix._ns_id.get(ns)
-        k_ns, krec = ix.k_ns, ix.p_krec
-        return (p for p in merged if k_ns[krec[p]] == nsid)
-
-    def ranked(self, ns: str) -> list[int]:
-        """Every committed page record of namespace ``ns`` (pinned ones included), next victim
-        first: a snapshot (``quotas.py`` consumes it while pages come and go)."""
-        ix = self.ix
-        tids = [t for t, (t_ns, _) in enumerate(ix._tables) if t_ns == ns]
-        if not tids:
-            return []
-        sel = np.flatnonzero(((ix.np["p_flags"] & COMMITTED) != 0) & np.isin(ix.np["p_tid"], tids))
-        used = ix.np["p_used"][sel]
-        return sel[np.argsort(used, kind="stable")].tolist()
 
     def make_room(self, stride: int) -> list[int]:
         """The committed, unpinned page records to evict so that class ``stride`` may get a
@@ -251,6 +162,5 @@ class LruPolicy:
         if page >= 0 and (slab is None or ix.p_used[page] <= slab.last_used):
             return [page]
         if slab is not None:
-            slots = ix._slots.get(slab.index, ())
-            return [p for p in slots if p >= 0]
+            return [p for p in ix.slab_pages(slab.index) if p >= 0]
         return []

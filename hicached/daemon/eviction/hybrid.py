@@ -44,8 +44,8 @@ import itertools
 import numpy as np
 
 from hicached.daemon.columns import grown
-from hicached.daemon.keytree import IN_L3, MAX_WALK, STATE_L3, KeyTree
-from hicached.daemon.policy import COMMITTED, LruPolicy
+from hicached.daemon.entry import COMMITTED, IN_L3
+from hicached.daemon.eviction.keytree import MAX_WALK, STATE_L3, KeyTree
 
 CANDIDATES = 16  # leaves scored per eviction
 _LEAF, _MID = 1, 2  # ``_queued`` bits: the page record has an entry in its leaf / mid heap
@@ -55,12 +55,15 @@ FALLBACK_PAGES = 256  # pages of a class tried, oldest first, when no leaf of it
 
 
 class HybridPolicy(KeyTree):
-    """Prefix- and state-aware eviction (module docstring); ``alpha`` 0: ``prefix``."""
+    """Prefix- and state-aware eviction (module docstring); ``alpha`` 0 is ``PrefixPolicy``.
+    Owns the candidate heaps, the value cache and the tails queue (and, through ``KeyTree``,
+    the key tree and the LRU lists); mutates nothing of the index."""
+
+    name = "hybrid"
 
     def __init__(self, alpha: float = 1.0):
         super().__init__()
         self.alpha = float(alpha)
-        self.name = "hybrid" if alpha else "prefix"
         # Candidates, per class (stride): heaps of ints (tick << 32 | page record), at most one
         # entry per page record and heap (``_queued``'s bits say which); an entry whose page
         # was used since is pushed again with its new tick when it comes up, one whose page is
@@ -81,6 +84,10 @@ class HybridPolicy(KeyTree):
         self._tails: list[tuple[int, int]] = []  # a heap
         self._held: list[int] = []  # such leaves found pinned: looked at on every call
         self._new_leaves: list[int] = []  # keys that became leaves: ``_flush_leaves``
+
+    def set_alpha(self, alpha: float) -> None:
+        """The weight of a candidate's value against its recency (``make_room``'s score)."""
+        self.alpha = float(alpha)
 
     # ------------------------------------------------------------ the tree's events
 
@@ -153,9 +160,9 @@ class HybridPolicy(KeyTree):
         for p, k in zip(ps[leaf].tolist(), krecs[leaf].tolist()):
             self._push_page(p)
             leaves[k] = None
-        if not leaf.all() and any(ix._ns_trail):  # states of keys with children: mid heaps
+        if not leaf.all() and any(ix.ns_trail):  # states of keys with children: mid heaps
             mid = ~leaf
-            states = np.array(ix._tstate, np.uint8)[ix.np["p_tid"][ps[mid]]] != 0
+            states = np.array(ix.t_state, np.uint8)[ix.np["p_tid"][ps[mid]]] != 0
             for p in ps[mid][states].tolist():
                 self._queue(self._mids, _MID, p)
         for k in leaves:
@@ -163,7 +170,7 @@ class HybridPolicy(KeyTree):
 
     def _maybe_tail(self, k: int) -> None:
         ix = self.ix
-        trail = ix._ns_trail[ix.k_ns[k]]
+        trail = ix.ns_trail[ix.k_ns[k]]
         if trail and not self._has_state(k, trail):
             p, t = ix.k_head[k], 0
             while p >= 0:  # its grace runs from its newest use (as ``orphans`` counts it)
@@ -176,12 +183,12 @@ class HybridPolicy(KeyTree):
         them) of trailing namespaces whose grace is over (or ends within ``early`` ticks)."""
         self._flush_leaves()
         ix, tails, out = self.ix, self._tails, []
-        limit = ix._tick - GRACE_TICKS + early
+        limit = ix.tick - GRACE_TICKS + early
         due, self._held = self._held, []
         while tails and tails[0][0] <= limit:
             due.append(heapq.heappop(tails)[1])
         for k in due:
-            trail = ix._ns_trail[ix.k_ns[k]]
+            trail = ix.ns_trail[ix.k_ns[k]]
             if not ix.k_len[k] or self._kid[k] or self._has_state(k, trail):
                 continue
             pages = self._pages(k)
@@ -208,7 +215,7 @@ class HybridPolicy(KeyTree):
     def stale_due(self, early: int = 0) -> bool:
         tails = self._tails
         return bool(self._held or self._new_leaves) or bool(
-            tails and tails[0][0] <= self.ix._tick - GRACE_TICKS + early)
+            tails and tails[0][0] <= self.ix.tick - GRACE_TICKS + early)
 
     def touched(self, p: int) -> None:
         super().touched(p)  # (an entry already queued for ``p`` moves when it comes up)
@@ -222,7 +229,7 @@ class HybridPolicy(KeyTree):
         its first use in the call, as ``touched`` queues it)."""
         super().touched_many(ps, ticks)
         ix = self.ix
-        kid, krec, tid, state = self._kid, ix.p_krec, ix.p_tid, ix._tstate
+        kid, krec, tid, state = self._kid, ix.p_krec, ix.p_tid, ix.t_state
         for p, t in zip(ps, ticks):
             if not kid[krec[p]]:
                 self._push_page(p, t)
@@ -235,7 +242,7 @@ class HybridPolicy(KeyTree):
 
     def _push_mid(self, p: int, t: int = -1) -> None:
         ix = self.ix
-        if ix._tstate[ix.p_tid[p]]:  # a state
+        if ix.t_state[ix.p_tid[p]]:  # a state
             self._queue(self._mids, _MID, p, t)
 
     def _push_page(self, p: int, t: int = -1) -> None:
@@ -262,7 +269,7 @@ class HybridPolicy(KeyTree):
             k = ix.p_krec[p]
             if not ix.p_flags[p] & COMMITTED or ix.p_stride[p] != stride or (
                     bool(self._kid[k]) != (bit == _MID)) or (bit == _MID and not
-                                                             ix._tstate[ix.p_tid[p]]):
+                                                             ix.t_state[ix.p_tid[p]]):
                 self._queued[p] &= ~bit  # gone, moved, or no candidate of this kind now
                 if ix.p_flags[p] & COMMITTED:
                     self._requeue(p)
@@ -290,7 +297,7 @@ class HybridPolicy(KeyTree):
         super().removed(p)
         ix = self.ix
         k = ix.p_krec[p]
-        if ix.p_flags[p] & IN_L3 and ix._tstate[ix.p_tid[p]]:
+        if ix.p_flags[p] & IN_L3 and ix.t_state[ix.p_tid[p]]:
             self._kflags[k] |= STATE_L3
 
     def _push(self, k: int) -> None:
@@ -306,7 +313,7 @@ class HybridPolicy(KeyTree):
 
     def make_room(self, stride: int) -> list[int]:
         ix = self.ix
-        tick = ix._tick
+        tick = ix.tick
         ranked = self._ranked
         self.split_ok = True  # (a leaf segment, or a state alone; not once a slab is taken)
         if ranked is not None and ranked[0] == stride and ranked[1] == tick:
@@ -380,7 +387,7 @@ class HybridPolicy(KeyTree):
         self.split_ok = False  # a slab's pages: all of them must go
         if other is not None:  # a slab of another class: the one of its oldest leaf (the
             # deep end of a chain: what it takes with it is mostly in that slab)
-            pages = self._expand([p for p in ix._slots.get(other[1].index, ()) if p >= 0])
+            pages = self._expand([p for p in ix.slab_pages(other[1].index) if p >= 0])
             if pages:
                 return pages
         if best is not None:
@@ -388,7 +395,7 @@ class HybridPolicy(KeyTree):
             return best[1]
         slab = ix.alloc.oldest_unpinned(stride)  # no leaf anywhere may go: LRU's slab
         if slab is not None:
-            pages = self._expand([p for p in ix._slots.get(slab.index, ()) if p >= 0])
+            pages = self._expand([p for p in ix.slab_pages(slab.index) if p >= 0])
             if pages:
                 return pages
         for p in itertools.islice(self.unpinned(stride), FALLBACK_PAGES):
@@ -465,7 +472,7 @@ class HybridPolicy(KeyTree):
         pages = self._pages(k)
         if pages is None:
             return None
-        trail = ix._ns_trail[ix.k_ns[k]]
+        trail = ix.ns_trail[ix.k_ns[k]]
         if trail and not self._has_state(k, trail):
             return None if tick - t < GRACE_TICKS else 0.0
         got = self._vals.get(k)
@@ -482,22 +489,9 @@ class HybridPolicy(KeyTree):
         got = self._vals.get(~k)
         if got is None:
             ix, n, q = self.ix, 1, self._up[k] - 1
-            trail = ix._ns_trail[ix.k_ns[k]]
+            trail = ix.ns_trail[ix.k_ns[k]]
             while q >= 0 and n < MAX_WALK and not self._has_state(q, trail):
                 n, q = n + 1, self._up[q] - 1
             got = self._vals[~k] = (n, ix.p_stride[p])
         return got[0] / got[1]
 
-
-def make_policy(name: str, alpha: float = 1.0) -> LruPolicy:
-    """The eviction policy ``name`` (``EVICTIONS``)."""
-    if name == "lru":
-        return LruPolicy()
-    if name == "prefix":
-        return HybridPolicy(0.0)
-    if name == "hybrid":
-        return HybridPolicy(alpha)
-    raise ValueError(f"eviction: {name!r} is not one of {', '.join(EVICTIONS)}")
-
-
-EVICTIONS = ("lru", "prefix", "hybrid")
