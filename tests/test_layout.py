@@ -235,8 +235,6 @@ def foreign_underscores(modules: dict[str, pathlib.Path], package: str = "hicach
     return [line for _, _, line in sorted(bad)]
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="daemon offenders being removed by the core-index/core-control branches")
 def test_no_daemon_module_reads_another_objects_underscore_fields():
     bad = foreign_underscores(MODULES)
     assert not bad, (f"{len(bad)} reads of another object's underscore fields in daemon/:\n"
