@@ -114,8 +114,8 @@ class BatchOps(ReserveOps):
         pins[ps] -= 1  # unpinned: a pending page's reservation pin
         self._touch_slabs(offsets // self.alloc.slab_bytes, tick)
         self._count_pinned(offsets[pins[ps] == 0], -1)
-        if self.event_tids and events:
-            self.kv_events.stored(entries)
+        if self.events.tids and events:
+            self.events.stored(entries, self.chain)
         if self.commit_tails():  # (a daemon's idle turns take them: ``reclaim.py``)
             self.evict_pages(self.policy.stale())  # pages no hit can use (``hybrid.py``)
 
@@ -217,8 +217,8 @@ class BatchOps(ReserveOps):
                     shared.set(self._sfp(k), mask_of[k])
         self._tick = tick
         alloc.touched(touched)
-        if self.event_tids and events:
-            self.kv_events.stored(entries)
+        if self.events.tids and events:
+            self.events.stored(entries, self.chain)
         if self.commit_tails():
             self.evict_pages(policy.stale())  # pages no hit can use any more (``hybrid.py``)
 

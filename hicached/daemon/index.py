@@ -60,6 +60,7 @@ from collections.abc import Callable, Sequence
 from hicached.daemon.batch import BatchOps
 from hicached.daemon.eviction.interface import EvictionPolicy
 from hicached.daemon.eviction.lru import LruPolicy
+from hicached.daemon.kv_events import NullKVEvents
 from hicached.daemon.records import (  # noqa: F401 - names the daemon imports from here
     _TOP,
     COMMITTED,
@@ -89,10 +90,11 @@ class PageIndex(BatchOps, Records):
     """
 
     def __init__(self, allocator: SlabAllocator, on_evict: Callable[[Entry], None] | None = None,
-                 policy: EvictionPolicy | None = None, presence: PresenceTable | None = None):
+                 policy: EvictionPolicy | None = None, presence: PresenceTable | None = None,
+                 events: NullKVEvents | None = None):
         self.on_evict = on_evict
-        self.event_tids: dict = {}  # KV events (kv_events.py): table id -> its EventPool
-        self.kv_events = None  # ... and the recorder of their events
+        self.events = events or NullKVEvents()  # KV events (kv_events.py): told of pages of
+        # the tables in ``events.tids`` as they come (``commit_many``) and go (``_unpublish``)
         self.policy = policy or LruPolicy()
         self.policy.bind(self)
         self.pressed: set[int] = set()  # size classes a reservation had to evict for (reclaim.py)
@@ -433,8 +435,8 @@ class PageIndex(BatchOps, Records):
         self.committed_count -= 1
         left = self.k_mask[k] & ~self.t_bit[tid]
         self.k_mask[k] = left
-        if tid in self.event_tids:  # before its key record may go
-            self.kv_events.removed_l2(self.event_tids[tid], self._key_of(k))
+        if tid in self.events.tids:  # before its key record may go
+            self.events.removed_l2(self.events.tids[tid], self._key_of(k))
         if self.shared is not None:
             self.shared.clear_tag(self.p_off[p], self.p_stride[p])  # before the slot is freed
         self.p_flags[p] &= ~COMMITTED

@@ -25,7 +25,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import msgspec
@@ -246,14 +247,19 @@ class EventPool(NamedTuple):
 
 
 class NullKVEvents:
-    """Events off: every hook does nothing."""
+    """Events off: every hook does nothing, and no table has events (``tids``)."""
 
     publisher = NullPublisher()
+    tids: Mapping[int, EventPool] = MappingProxyType({})
 
     def declare(self, tid: int, table, namespace: str, event_hash: str, tokens: int) -> None:
         pass
 
-    def stored(self, entries: Sequence[Any], medium: str = MEDIUM_L2) -> None:
+    def stored(self, entries: Sequence[Any], chain: Callable[[int, str], Any],
+               medium: str = MEDIUM_L2) -> None:
+        pass
+
+    def removed_l2(self, pool: EventPool, key: str) -> None:
         pass
 
     def removed(self, table, key: str, medium: str) -> None:
@@ -275,25 +281,25 @@ class NullKVEvents:
 
 class KVEvents(NullKVEvents):
     """Collects the events of a turn of the control loop, per namespace; ``send`` publishes
-    them. Only the control loop calls it."""
+    them. Only the control loop calls it. Owns the tables whose pages are blocks: ``pools``
+    by table, ``tids`` by the index's table id (the index reads ``tids`` to know which pages
+    it must tell of; it is built with this object and never writes it)."""
 
-    def __init__(self, index, publisher: ZmqPublisher, clock: Callable[[], float] = time.time):
-        self.index = index
+    def __init__(self, publisher: ZmqPublisher, clock: Callable[[], float] = time.time):
         self.publisher = publisher
         self.clock = clock
         self.pools: dict[Any, EventPool] = {}  # TableId -> its events
+        self.tids: dict[int, EventPool] = {}  # the index's table id -> its events
         self.pending: dict[str, list[KVCacheEvent]] = {}  # namespace name -> events
         self.unencodable = 0  # keys not in the declared hash's form (no event)
-        index.kv_events = self
-        index.event_tids = {}
 
     def declare(self, tid: int, table, namespace: str, event_hash: str, tokens: int) -> None:
         """Pages of ``table`` (index table ``tid``) are blocks, from now on ("": not)."""
         if not event_hash:
             self.pools.pop(table, None)
-            self.index.event_tids.pop(tid, None)
+            self.tids.pop(tid, None)
             return
-        self.pools[table] = self.index.event_tids[tid] = EventPool(
+        self.pools[table] = self.tids[tid] = EventPool(
             namespace, EVENT_HASHES[event_hash], tokens)
 
     def _hash(self, pool: EventPool, key: str) -> int | bytes | None:
@@ -305,10 +311,12 @@ class KVEvents(NullKVEvents):
             self.unencodable += 1
             return None
 
-    def stored(self, entries: Sequence[Any], medium: str = MEDIUM_L2) -> None:
+    def stored(self, entries: Sequence[Any], chain: Callable[[int, str], Any],
+               medium: str = MEDIUM_L2) -> None:
         """Pages of ``entries`` (in chain order) are in ``medium`` now: one ``BlockStored`` per
-        run of pages whose chain links each to the one before."""
-        chain, pools, last = self.index.chain, self.pools, None
+        run of pages whose chain links each to the one before (``chain(namespace, key)``:
+        the index's ``PageIndex.chain``, the key's parent first)."""
+        pools, last = self.pools, None
         for e in entries:
             pool = pools.get(e.table)
             if pool is None:
@@ -377,11 +385,11 @@ class KVEvents(NullKVEvents):
         self.publisher.close()
 
 
-def make_kv_events(config, index) -> NullKVEvents:
+def make_kv_events(config) -> NullKVEvents:
     """The daemon's events: ``KVEvents`` publishing at ``config.kv_events_endpoint``, or a
-    ``NullKVEvents`` when it is "". Installs its hooks in ``index``; the daemon hands it to the
-    L3 tier and the controller as they are built."""
+    ``NullKVEvents`` when it is "". Built first: the daemon hands it to the index, the L3 tier
+    and the controller as they are built."""
     if not config.kv_events_endpoint:
         return NullKVEvents()
-    return KVEvents(index, ZmqPublisher(config.kv_events_endpoint,
+    return KVEvents(ZmqPublisher(config.kv_events_endpoint,
                                         config.kv_events_replay_endpoint))

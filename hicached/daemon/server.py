@@ -121,11 +121,11 @@ class Daemon:
         try:
             self.allocator = SlabAllocator(config.l2_size, config.slab_size)
             self.presence = self._presence_table(config)
+            self.kv_events = make_kv_events(config)  # KV events for routers
             self.index = PageIndex(self.allocator,
                                    policy=make_policy(config.eviction, config.eviction_alpha),
-                                   presence=self.presence)
+                                   presence=self.presence, events=self.kv_events)
             self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
-            self.kv_events = make_kv_events(config, self.index)  # KV events for routers
             self.workers = IOWorkers(config.io_queue_depth)
             self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
                                config.write_through_threshold, config.prefetch,

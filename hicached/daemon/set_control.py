@@ -321,7 +321,7 @@ class SetControl:
             groups = [r.slots]
         else:
             groups = yield from self._deep_first(r, chunk)
-            told = r.slots if self.index.event_tids else None  # (its KV events, at the end)
+            told = r.slots if self.index.events.tids else None  # (its KV events, at the end)
             r.slots = []  # each chunk's pages let go once published: no pause at the end
         for n, group in enumerate(groups):
             if n:
@@ -342,8 +342,8 @@ class SetControl:
             self.tier.on_commit(done)
         if len(groups) > 1:
             if told:
-                self.index.kv_events.stored([e for p, i, e in told
-                                             if stored[p][i] and e.committed])
+                self.index.events.stored([e for p, i, e in told
+                                          if stored[p][i] and e.committed], self.index.chain)
             if s.id not in self.sessions:
                 return P.Committed(msg.req_id, stored)  # (its presence word may be another's)
         self._ack(s, msg)

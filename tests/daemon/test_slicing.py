@@ -125,10 +125,10 @@ def test_requests_past_the_bound_are_refused(monkeypatch):
 class Recorder:
     """KV events of the index: the keys each ``stored`` told, in order."""
 
-    def __init__(self):
-        self.told = []
+    def __init__(self, tids):
+        self.told, self.tids = [], tids
 
-    def stored(self, entries, medium="L2"):
+    def stored(self, entries, chain, medium="L2"):
         self.told.append([e.key for e in entries])
 
     def removed_l2(self, pool, key):
@@ -141,8 +141,9 @@ def sliced_run(tmp_path, chunk, policy, commits_sliced=False, capacity=48):
     trailing pool), gets (and their releases) of stored and missing keys over two pools,
     exists over them. The answers, and the state after each call."""
     shared = PresenceTable(str(tmp_path / f"s{chunk}{policy}{commits_sliced}"), 2048, 1)
+    events = Recorder({})  # the kv pool's pages told (``declare``'s, as the test registers it)
     ix = PageIndex(SlabAllocator(capacity * 4096, 4096), policy=make_policy(policy),
-                   presence=shared)
+                   presence=shared, events=events)
     ix._gen = 0
     workers = IOWorkers()
     ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0,
@@ -151,8 +152,7 @@ def sliced_run(tmp_path, chunk, policy, commits_sliced=False, capacity=48):
     ctl.sessions[s.id] = s
     ctl.register_pool(s, "kv", 256)
     ctl.register_pool(s, "mamba", 512)
-    events = Recorder()
-    ix.kv_events, ix.event_tids = events, {ix.table_id((s.ns, "kv")): None}
+    events.tids[ix.table_id((s.ns, "kv"))] = None
     rng = random.Random(7)
     stored: list[str] = []
     answers, states, recency = [], [], []

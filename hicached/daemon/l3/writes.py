@@ -225,7 +225,7 @@ class TierWrites:
         self.writing_bytes -= self._writing_of.pop(id(job), 0)
         if current:  # KV events, while the pages are pinned (their chain links in L2)
             self.kv_events.stored([e for e, ok in zip(job.entries, job.result) if ok],
-                                  l3_medium(job.backend.name))
+                                  self.index.chain, l3_medium(job.backend.name))
         for e, ok in zip(job.entries, job.result):
             self.put_job_of.pop(e, None)
             e.writing = False
