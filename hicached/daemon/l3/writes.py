@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicached.daemon.index import Entry, PageIndex, TableId
 from hicached.daemon.kv_events import NullKVEvents, l3_medium
 from hicached.daemon.l3.workers import IOJob
+
+if TYPE_CHECKING:  # (the tier builds this object: no import at run time)
+    from hicached.daemon.l3.tier import L3Tier
 
 log = logging.getLogger("hicached.daemon.l3.tier")
 
@@ -40,7 +43,7 @@ class L3Writes:
     """What is written to L3 and when, and what a finished write changes; see the module
     docstring."""
 
-    def __init__(self, tier, index: PageIndex, kv_events: NullKVEvents) -> None:
+    def __init__(self, tier: L3Tier, index: PageIndex, kv_events: NullKVEvents) -> None:
         self.tier = tier
         self.index = index
         self.kv_events = kv_events
@@ -82,6 +85,8 @@ class L3Writes:
             self.dirty[e] = None
 
     def on_commit(self, entries: Sequence[Entry]) -> None:
+        """Pages just committed: under write_through written now, under write_back dirty
+        (pinned; the oldest written if dirty pages fill too much of the arena)."""
         tier = self.tier
         if not tier.attached or not entries:
             return
@@ -105,6 +110,8 @@ class L3Writes:
         return self.tier.write_policy == "write_through_selective" and self.tier.attached
 
     def on_hit(self, e: Entry) -> None:
+        """A get hit ``e``: under write_through_selective, written once its hits reach the
+        threshold (a state only once its KV prefix is stored or being written)."""
         tier = self.tier
         if (tier.write_policy == "write_through_selective" and tier.attached
                 and e.hits >= tier.threshold and not e.in_l3 and not e.writing
