@@ -502,7 +502,7 @@ class Controller:
                     g = self.leases.new_lease(s.id, entries, self.clock(), pinned=True)
                 else:
                     g.entries.extend(entries)
-                if self.tier.selective:
+                if self.tier.writes.selective:
                     self.later(self._on_hits, entries)
         self.counters["partial_answers"] += partial
         self.counters["misses"] += misses
@@ -569,13 +569,13 @@ class Controller:
             self.index.pin_many(entries)
             self.books.append((self.index.read_many, (entries, False)))
         g = self.leases.new_lease(s.id, entries, self.clock(), pinned=True)
-        if self.tier.selective:  # after the lease pinned them: a selective write-through may
+        if self.tier.writes.selective:  # after the lease pinned them: a selective write-through may
             self.later(self._on_hits, entries)  # start (after their hits are counted)
         return P.Leased(req_id, g.id, offsets, tags)
 
     def _on_hits(self, entries: list[Entry]) -> None:
         for e in entries:
-            self.tier.on_hit(e)
+            self.tier.writes.on_hit(e)
 
     def release(self, s: Session, lease_ids: list[int]) -> None:
         for lid in lease_ids:
@@ -632,7 +632,7 @@ class Controller:
         for e in entries:
             self.index.touch(e)
             e.hits += 1
-            self.tier.on_hit(e)
+            self.tier.writes.on_hit(e)
         return entries
 
     # ------------------------------------------------------------ I/O completions

@@ -9,7 +9,7 @@ answered between the slices.
 What a flush drops: every page that was committed and unpinned when the walk reached its slot.
 So each page committed before the flush was asked for is gone when it is answered, unless a
 lease or an L3 write pins it (as before: a page an L3 write pins is dropped once written,
-``L3Tier.drop_when_written``). A page committed while the walk runs may stay. A flush asked
+``L3Writes.drop_when_written``). A page committed while the walk runs may stay. A flush asked
 for while a walk is under way joins it if the walk has not left its first slab yet; otherwise
 it gets a walk of its own once the running one ends (the running walk already passed slots
 that may hold pages committed before the new request).
@@ -72,11 +72,11 @@ class L2Flush:
     def _begin(self) -> None:
         names = [ns for ns, _ in self.waiters]
         self.scope = None if None in names else set(names)
-        t = self.tier
-        if t.dirty and t.attached:  # write_back: every dirty page is written, then dropped
-            mine = [e for e in t.dirty if self.scope is None or e.table[0] in self.scope]
-            t.drop_when_written.update(mine)
-            t.write_back_all(mine)
+        w = self.tier.writes
+        if w.dirty and self.tier.attached:  # write_back: every dirty page is written, dropped
+            mine = [e for e in w.dirty if self.scope is None or e.table[0] in self.scope]
+            w.drop_when_written.update(mine)
+            w.write_back_all(mine)
         self.slab, self.slot, self.dropped, self.slices = 0, 0, 0, 0
         self.dropped_of = {}
         self.started = self.clock()
@@ -96,7 +96,7 @@ class L2Flush:
     def _walk(self, deadline: float) -> None:
         slabs = self.index.alloc.slabs
         at, drop_one = self.index.at, self.index.drop_one
-        writing = self.tier.drop_when_written
+        writing = self.tier.writes.drop_when_written
         scope, dropped_of = self.scope, self.dropped_of
         while self.slab < len(slabs):
             slab = slabs[self.slab]
@@ -130,7 +130,7 @@ class L2Flush:
             self.slice_s = slice_s
 
     def _finish(self) -> None:
-        later = collections.Counter(e.table[0] for e in self.tier.drop_when_written)
+        later = collections.Counter(e.table[0] for e in self.tier.writes.drop_when_written)
         n = self.dropped + sum(later.values())
         log.info("flushed %d pages from L2 in %.2f s (%d slices of the loop)%s", n,
                  self.clock() - self.started, self.slices,

@@ -180,13 +180,13 @@ class Operations:
         ``dirty_dropped``."""
         wait = self.config.drain_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait
-        tier = self.tier
-        while self.call(lambda: tier.write_back_all() or len(tier.dirty) if tier.attached
+        tier, writes = self.tier, self.tier.writes
+        while self.call(lambda: writes.write_back_all() or len(writes.dirty) if tier.attached
                         else 0) and time.monotonic() < deadline:
             time.sleep(0.02)
 
         def detach() -> tuple[bool, int]:
-            dropped = len(tier.dirty)
+            dropped = len(writes.dirty)
             return tier.detach(), dropped
 
         detached, dropped = self.call(detach)

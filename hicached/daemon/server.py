@@ -264,7 +264,7 @@ class Daemon:
             self.controller.sessions.reap_dead_sessions()
             self.controller.sessions.reap_idle_unchecked(now, self.config.unchecked_idle_s)
             self.auth.prune(self.controller.sessions)
-            self.tier.relieve_pressure()
+            self.tier.writes.relieve_pressure()
             self.tier.auditor.audit(now)
             self._next_sweep = now + SWEEP_INTERVAL_S
 
@@ -560,7 +560,7 @@ class Daemon:
         while True:
             self.controller.slicer.finish_now()  # huge calls under way: answered
             self.controller.flusher.finish_now()  # answer flushes while the socket is up
-            self.tier.write_back_all()
+            self.tier.writes.write_back_all()
             c = self.controller
             busy = (len(self.leases.reservations), len(c.parking), self.workers.in_flight)
             now = time.monotonic()

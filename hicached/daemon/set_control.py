@@ -130,8 +130,8 @@ class SetControl:
         elif chain is not None:  # after the loop: its pending keys are held now
             after(self.index.link, s.ns, chain.keys, msg.parent or None, msg.depth)
         if present:
-            after(self.tier.on_present, present)
-        if self.tier.dirty:  # write_back: make dirty pages evictable before the arena fills
+            after(self.tier.writes.on_present, present)
+        if self.tier.writes.dirty:  # write_back: make dirty pages evictable before the arena fills
             after(self._relieve, any(P.SLOT_NO_SPACE in row for row in offsets))
         granted = self._grant_ahead(s, ahead, msg, specs) if ahead is not None else []
         if not any(map(any, bound)):
@@ -142,7 +142,7 @@ class SetControl:
         return P.Reserved(msg.req_id, r.id, offsets, tags, granted, bound)
 
     def _relieve(self, force: bool) -> None:
-        self.tier.relieve_pressure(force=force)
+        self.tier.writes.relieve_pressure(force=force)
 
     def _resume_reserve(self, s: Session, r: Reservation, ahead) -> None:
         """A Reserve worked in slices goes on (``reserve_steps``): its session and reservation
@@ -339,7 +339,7 @@ class SetControl:
             if self.parking.pending_waiters:
                 for _, _, e in group:
                     self.wake(e)
-            self.tier.on_commit(done)
+            self.tier.writes.on_commit(done)
         if len(groups) > 1:
             if told:
                 self.index.events.stored([e for p, i, e in told

@@ -11,7 +11,7 @@ Per named page (``wait_stored``), on the control loop, never blocking it:
     known to be in L3 (written or loaded here)        stored
     in L2, being written                              wait for that put job
     in L2, not in L3                                  written now, whatever the policy
-                                                      (``L3Tier.store_now``), then waited for
+                                                      (``L3Writes.store_now``), then waited for
     not in L2, not known in L3                        the store is asked (an exists on the
                                                       prober thread; the absent memory is not
                                                       trusted: another node may have written it)
@@ -88,7 +88,7 @@ class StoreWaits:
                     parked.probes.append(job)
                     parked.jobs.add(id(job))
         if write:
-            parked.writes = tier.store_now(write, parked)
+            parked.writes = tier.writes.store_now(write, parked)
             parked.jobs.update(id(job) for job in parked.writes)
             unqueued += sum(not e.in_l3 and not e.writing for e in write)
         if unqueued:  # the prober's or writer's queue is full: no use waiting

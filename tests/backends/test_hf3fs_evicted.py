@@ -89,19 +89,19 @@ def test_the_tier_stops_counting_on_pages_3fs_evicted(arena, tmp_path, backends,
     tier.write_policy = policy
     try:
         first = commit_pages(index, arena, ["a", "b"], fill=1)
-        assert tier.write(first) == 2
+        assert tier.writes.write(first) == 2
         wait_jobs(workers, tier)
         assert all(e.in_l3 for e in first) and tier.is_known(("ns", "kv"), "a")
         third = commit_pages(index, arena, ["c"], fill=5)
-        assert tier.write(third) == 1
+        assert tier.writes.write(third) == 1
         wait_jobs(workers, tier)
         assert b.exists("ns", "kv", ["a", "b", "c"]) == [False, True, True]
         a = index.get(("ns", "kv"), "a")
         assert not a.in_l3 and not tier.is_known(("ns", "kv"), "a")
         assert index.get(("ns", "kv"), "b").in_l3
-        assert (a in tier.dirty) == (policy == "write_back")
+        assert (a in tier.writes.dirty) == (policy == "write_back")
         if policy == "write_through":  # set again: written again, so L3 has it once more
-            assert tier.write([a]) == 1
+            assert tier.writes.write([a]) == 1
             wait_jobs(workers, tier)
             assert a.in_l3 and b.exists("ns", "kv", ["a"]) == [True]
     finally:
@@ -125,15 +125,16 @@ def test_after_a_restart_a_page_the_tier_finds_stored_is_told_when_evicted(arena
     tier = L3Tier(index, workers, b, "write_back")
     try:
         a = commit_pages(index, arena, ["a"], fill=1)[0]
-        tier.on_commit([a])  # dirty ...
-        assert tier.write_back_all() == 1
+        tier.writes.on_commit([a])  # dirty ...
+        assert tier.writes.write_back_all() == 1
         wait_jobs(workers, tier)
-        assert a.in_l3 and a not in tier.dirty and tier.counters["l3_writes"] == 0  # ... stored
+        # ... stored
+        assert a.in_l3 and a not in tier.writes.dirty and tier.counters["l3_writes"] == 0
         new = commit_pages(index, arena, ["c", "d"], fill=7)
-        tier.on_commit(new)
-        assert tier.write_back_all() == 2  # evicts a and b from the store
+        tier.writes.on_commit(new)
+        assert tier.writes.write_back_all() == 2  # evicts a and b from the store
         wait_jobs(workers, tier)
         assert b.exists("ns", "kv", ["a", "c", "d"]) == [False, True, True]
-        assert not a.in_l3 and a in tier.dirty  # told: L2 holds the only copy again
+        assert not a.in_l3 and a in tier.writes.dirty  # told: L2 holds the only copy again
     finally:
         workers.close()

@@ -72,7 +72,7 @@ def test_pinned_pages_stay_and_pages_being_written_are_dropped_once_written(tier
     walk(flush)
     assert got == [2]  # plain dropped now; writing counted: it goes once written
     assert tier.index.get(TABLE, "leased") == leased
-    assert tier.drop_when_written == {writing}
+    assert tier.writes.drop_when_written == {writing}
     assert tier.index.get(TABLE, "plain") is None
 
 

@@ -11,7 +11,7 @@ restart, and it is the hot pages that go.
 So every ``audit_s`` (``l3_audit_s`` in the config; 0: never) the tier asks the store, on the
 prober thread like any exists, about the ``AUDIT_PAGES`` least recently used L2 pages of each
 slot class that it knows to be in L3, among the ``AUDIT_WINDOW`` pages L2 evicts next. A page
-the store no longer has is no longer clean (``_forget_evicted``, as when a store tells): under
+the store no longer has is no longer clean (``forget_evicted``, as when a store tells): under
 write_through it is written again now (under selective writes, once its hits reach the
 threshold), under write_back it is dirty again (written when L2 needs its room).
 A store that cannot answer changes nothing. Counted in ``l3_copies_lost``.
@@ -19,7 +19,7 @@ A store that cannot answer changes nothing. Counted in ``l3_copies_lost``.
 ``L3Audit`` owns the audit's schedule (``audit_s``, the next one due, those in flight). The
 tier builds it with itself: it reads the tier's backend and write policy and the index's
 eviction order, submits its jobs through the tier (``submit_job``), and hands what a finished
-audit found to the tier (``remember``, ``forget_evicted``, ``write``). Control loop only.
+audit found to the tier (``remember``, ``forget_evicted``, ``writes.write``). Control loop only.
 """
 
 from __future__ import annotations
@@ -96,6 +96,6 @@ class L3Audit:
                  "%s", job.backend.name, len(lost),
                  "dirty again" if tier.write_policy == "write_back" else "writing them again")
         if tier.write_policy == "write_through":
-            tier.write(lost)
+            tier.writes.write(lost)
         elif tier.write_policy == "write_through_selective":
-            tier.write([e for e in lost if e.hits >= tier.threshold])
+            tier.writes.write([e for e in lost if e.hits >= tier.threshold])

@@ -27,7 +27,7 @@ the arena (L2) and the backend (L3).
                               pages its prefill's ``WaitStored`` confirmed), so keys L2 lacks
                               and not known to be in L3 are always looked up (a get of a truly
                               absent key pays one lookup on the prober thread)
-    stored waits              ``store_now`` (``writes.py``): a ``WaitStored`` has named pages
+    stored waits              ``writes.store_now`` (``writes.py``): a ``WaitStored`` has named pages
                               written now whatever the policy and joins their put jobs
     lookups                   ``probe``: the controller's exists asks the store the same way,
                               off the control loop, and answers when the prober has
@@ -41,7 +41,11 @@ for, so in-flight writes finish against the old one (and do not mark pages as st
 one) and loads in flight still land in L2. A detached backend is closed, off the control loop,
 once its last job is collected. A backend that raises is a miss, never an error to a client.
 
-Only the control loop calls this object.
+The tier owns the backend, the loads and lookups and what it remembers of the store's keys
+(``known_in_l3``, ``absent_in_l3``, the pages' ``in_l3``). It builds, with itself, its write
+half (``L3Writes``, ``writes.py``: the write policies, the dirty pages, the put completions;
+callers reach it as ``tier.writes``) and its audit (``L3Audit``, ``audit.py``), and hands each
+the jobs of theirs it collects. Only the control loop calls this object.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from hicached.daemon.kv_events import NullKVEvents, l3_medium
 from hicached.daemon.l3.audit import AUDIT_S, L3Audit
 from hicached.daemon.l3.keymemory import KeyMemory
 from hicached.daemon.l3.workers import IOJob, IOWorkers
-from hicached.daemon.l3.writes import TierWrites
+from hicached.daemon.l3.writes import L3Writes
 from hicached.errors import HicachedError, ProtocolError
 from hicached.settings import WRITE_POLICIES
 
@@ -79,7 +83,7 @@ class Woken(NamedTuple):
     follow: set[int]
 
 
-class L3Tier(TierWrites):
+class L3Tier:
     """See the module docstring."""
 
     def __init__(self, index: PageIndex, workers: IOWorkers, backend: L3Backend | None = None,
@@ -92,22 +96,17 @@ class L3Tier(TierWrites):
         self.auditor = L3Audit(self, index, AUDIT_S if audit_s is None else audit_s)
         self.workers = workers
         self.backend: L3Backend = backend or NullBackend()
+        self.kv_events = kv_events or NullKVEvents()  # stored / removed in L3
+        # the write policies, the dirty pages and the put completions (writes.py)
+        self.writes = L3Writes(self, index, self.kv_events)
         self.set_policies(write_policy, threshold, prefetch)
         self.load_chunk_bytes = load_chunk_bytes
         self.loading: dict[tuple[TableId, str], IOJob] = {}  # a get job, or a find's lookup
         self.finding: set[int] = set()  # ids of the find jobs in flight
-        self.dirty: dict[Entry, None] = {}  # write_back: committed pages L3 lacks (pinned)
-        self.put_job_of: dict[Entry, IOJob] = {}  # pages being written -> their put job
-        self.drop_when_written: set[Entry] = set()  # flushed from L2 once in L3
-        # bytes the pages queued for or being written to L3 pin (dirty ones, pinned anyway, not
-        # counted), in all and per put job (id)
-        self.writing_bytes = 0
-        self._writing_of: dict[int, int] = {}
         self._jobs_of: dict[int, int] = {}  # id(backend) -> jobs in flight
         self._retired: list[L3Backend] = []  # detached, closed when their jobs are collected
         self._parked: list[L3Backend] = []  # detached ``slow_close`` ones, open and idle
         self._exists_failing = False
-        self._writes_failing = False  # the last write job stored nothing it sent
         # (table, key) of pages this daemon stored in or loaded from L3, newest last: a get
         # that misses L2 loads them without asking the store first (a store round trip on the
         # control loop); should L3 have dropped one since, the load is a miss like any other
@@ -115,7 +114,6 @@ class L3Tier(TierWrites):
         # (table, key) the store said it lacks -> until when (monotonic) that answer stands
         self.absent_in_l3 = KeyMemory(ABSENT_IN_L3)
         self.clock = time.monotonic
-        self.kv_events = kv_events or NullKVEvents()  # stored / removed in L3
         self.counters = {"l3_loads": 0, "l3_load_failures": 0, "l3_writes": 0,
                          "l3_write_failures": 0, "l3_writes_dropped": 0, "l3_errors": 0,
                          "prefetched_pages": 0, "write_backs": 0, "l3_probes_dropped": 0,
@@ -134,7 +132,8 @@ class L3Tier(TierWrites):
                 raise ProtocolError(f"unknown write policy {write_policy!r}; "
                                     f"valid: {list(WRITE_POLICIES)}")
             if getattr(self, "write_policy", None) == "write_back" and write_policy != "write_back":
-                self.write_back_all()  # dirty pages must not stay pinned under another policy
+                # dirty pages must not stay pinned under another policy
+                self.writes.write_back_all()
             self.write_policy = write_policy
         if threshold is not None:
             if threshold < 1:
@@ -148,7 +147,8 @@ class L3Tier(TierWrites):
         assert not self.attached, "detach first"
         self.forget_l3_copies()
         self.backend = backend
-        self._exists_failing = self._writes_failing = False
+        self._exists_failing = False
+        self.writes.on_attach()
         log.info("L3 backend %s attached (write policy %s)", backend.name, self.write_policy)
 
     def detach(self) -> bool:
@@ -157,14 +157,7 @@ class L3Tier(TierWrites):
             return False
         old = self.backend
         self.backend = NullBackend()
-        if self.dirty:  # (Operations.detach_backend writes them first, within a bound)
-            log.warning("L3 backend %s detached with %d write-back pages it never got: they "
-                        "stay in L2 only", old.name, len(self.dirty))
-            self.counters["l3_dirty_dropped"] += len(self.dirty)
-        for e in self.dirty:
-            self.index.unpin(e)
-        self.dirty.clear()
-        self.drop_when_written.clear()
+        self.writes.on_detach(old.name)
         self.forget_l3_copies()
         self._retired.append(old)
         self._close_idle_retired()
@@ -183,10 +176,9 @@ class L3Tier(TierWrites):
             self.known_in_l3.forget_namespace(ns)
             self.absent_in_l3.forget_namespace(ns)
         again = dirty_again and self.write_policy == "write_back" and self.attached
-        for e in self.index.forget_in_l3(handles=again, ns=ns):  # (one numpy pass: never a
-            if e not in self.dirty:  # walk of every page on the loop: seconds at 1M pages)
-                self.index.pin(e)
-                self.dirty[e] = None
+        # (one numpy pass: never a walk of every page on the loop: seconds at 1M pages)
+        for e in self.index.forget_in_l3(handles=again, ns=ns):
+            self.writes.make_dirty(e)
 
     def _close_idle_retired(self) -> None:
         for b in [b for b in self._retired if not self._jobs_of.get(id(b))]:
@@ -213,9 +205,9 @@ class L3Tier(TierWrites):
         return {"backend": self.backend.name, "attached": self.attached,
                 "parked": [b.name for b in self._parked],
                 "write_policy": self.write_policy, "write_through_threshold": self.threshold,
-                "prefetch": self.prefetch_enabled, "dirty_pages": len(self.dirty),
+                "prefetch": self.prefetch_enabled, "dirty_pages": len(self.writes.dirty),
                 "loading_pages": len(self.loading), "jobs_in_flight": self.workers.in_flight,
-                "writing_bytes": self.writing_bytes,
+                "writing_bytes": self.writes.writing_bytes,
                 "degraded": self.degraded, **self.counters}
 
     @property
@@ -225,7 +217,7 @@ class L3Tier(TierWrites):
         if not self.attached:
             return False
         breaker = getattr(self.backend, "breaker", None)
-        return (self._exists_failing or self._writes_failing
+        return (self._exists_failing or self.writes.failing
                 or bool(getattr(breaker, "degraded", False)))
 
     def backend_stats(self) -> dict:
@@ -292,6 +284,27 @@ class L3Tier(TierWrites):
                 self.remember(table, key)
             elif not job.error:  # a store that raised said nothing: not remembered
                 absent[(table, key)] = until
+
+    def remember(self, table: TableId, key: str) -> None:
+        """The store holds ``key`` of ``table`` (written or found there)."""
+        self.known_in_l3[(table, key)] = None
+        self.absent_in_l3.pop((table, key))
+
+    def forget_evicted(self, gone: list[tuple[str, str, str]] | None) -> None:
+        """The store deleted these pages to make room (None: it may have lost any): exists no
+        longer counts on them, and pages L2 still holds are no longer clean (under write_back
+        they are dirty again: L2 holds their only copy)."""
+        if gone is None:
+            log.info("L3 %s may have lost pages: asking it again about every page",
+                     self.backend.name)
+            self.forget_l3_copies(dirty_again=True)
+            return
+        for ns, pool, key in gone:
+            table = (ns, pool)
+            self.known_in_l3.pop((table, key), None)
+            e = self.index.get(table, key)
+            if e is not None:
+                self.writes.lost_copy(e)
 
     def submit_job(self, job: IOJob) -> bool:
         """Queue ``job`` for the I/O workers (False: their queue is full)."""
@@ -395,7 +408,7 @@ class L3Tier(TierWrites):
                 self._clear_done(job)
                 continue
             if job.kind == "put":
-                self._put_done(job, current)
+                self.writes.done(job, current)
                 woken.extend(Woken(w, id(job), False, set()) for w in job.waiters)
                 continue
             if job.kind == "audit":
@@ -415,7 +428,7 @@ class L3Tier(TierWrites):
                 if ok:
                     e.in_l3 = current
                     if current:
-                        self._known(e)
+                        self.remember(e.table, e.key)
                     e.from_l3 = True
                     loaded.append(e)
                     self.counters["l3_loads"] += 1

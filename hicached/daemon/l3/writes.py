@@ -7,18 +7,29 @@ writes the pins are new, so they are bounded: past ``WRITING_MAX`` of the arena,
 dropped (``l3_writes_dropped``; the pages stay in L2, evictable) rather than pinning the arena
 full while L3 lags, which would leave sets no room.
 
-A mixin of ``L3Tier`` (its index, backend, workers, counters, ``dirty``, ``known_in_l3`` ...).
+``L3Writes`` owns the write half's state: the dirty pages (``dirty``), the put job of each
+page being written (``put_job_of``), the pages an L2 flush drops once written
+(``drop_when_written``), the bytes the writes pin (``writing_bytes``) and whether the last write
+failed (``failing``). It mutates the pages' ``in_l3`` / ``writing`` flags and pins. The tier
+builds it with itself and its collaborators: it reads the tier's backend, ``attached``, write
+policy and threshold, submits its put jobs through the tier (``submit_job``), counts in the
+tier's ``counters`` and tells the tier what the store holds (``remember``); the index pins,
+unpins and drops pages, ``kv_events`` hears of pages stored. The tier hands it the put jobs it
+collects (``done``). Control loop only.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hicached.daemon.index import Entry, TableId
-from hicached.daemon.kv_events import l3_medium
+from hicached.daemon.index import Entry, PageIndex, TableId
+from hicached.daemon.kv_events import NullKVEvents, l3_medium
 from hicached.daemon.l3.workers import IOJob
+
+if TYPE_CHECKING:  # (the tier builds this object: no import at run time)
+    from hicached.daemon.l3.tier import L3Tier
 
 log = logging.getLogger("hicached.daemon.l3.tier")
 
@@ -28,35 +39,82 @@ HEADS_MAX = 4096  # pages of a chain written before one write_back pick at most
 WRITING_MAX = 0.5  # share of the arena that pages waiting for their write may pin (not dirty)
 
 
-class TierWrites:
-    """Write policies and write completions of ``L3Tier``."""
+class L3Writes:
+    """What is written to L3 and when, and what a finished write changes; see the module
+    docstring."""
+
+    def __init__(self, tier: L3Tier, index: PageIndex, kv_events: NullKVEvents) -> None:
+        self.tier = tier
+        self.index = index
+        self.kv_events = kv_events
+        self.dirty: dict[Entry, None] = {}  # write_back: committed pages L3 lacks (pinned)
+        self.put_job_of: dict[Entry, IOJob] = {}  # pages being written -> their put job
+        self.drop_when_written: set[Entry] = set()  # flushed from L2 once in L3
+        # bytes the pages queued for or being written to L3 pin (dirty ones, pinned anyway, not
+        # counted), in all and per put job (id)
+        self.writing_bytes = 0
+        self._writing_of: dict[int, int] = {}
+        self._failing = False  # the last write job stored nothing it sent
+
+    @property
+    def failing(self) -> bool:
+        """The last write job of the attached backend stored nothing it sent."""
+        return self._failing
+
+    def on_attach(self) -> None:
+        """A backend was attached: its writes have not failed yet."""
+        self._failing = False
+
+    def on_detach(self, name: str) -> None:
+        """Backend ``name`` was detached: the dirty pages it never got stay in L2 only, unpinned
+        (``Operations.detach_backend`` writes them first, within a bound), and the pages a flush
+        left for their writes are no longer dropped once written."""
+        if self.dirty:
+            log.warning("L3 backend %s detached with %d write-back pages it never got: they "
+                        "stay in L2 only", name, len(self.dirty))
+            self.tier.counters["l3_dirty_dropped"] += len(self.dirty)
+        for e in self.dirty:
+            self.index.unpin(e)
+        self.dirty.clear()
+        self.drop_when_written.clear()
+
+    def make_dirty(self, e: Entry) -> None:
+        """write_back: ``e`` (committed) is dirty, pinned till it is written."""
+        if e not in self.dirty:
+            self.index.pin(e)
+            self.dirty[e] = None
 
     def on_commit(self, entries: Sequence[Entry]) -> None:
-        if not self.attached or not entries:
+        """Pages just committed: under write_through written now, under write_back dirty
+        (pinned; the oldest written if dirty pages fill too much of the arena)."""
+        tier = self.tier
+        if not tier.attached or not entries:
             return
-        if self.write_policy == "write_through":
+        if tier.write_policy == "write_through":
             self.write(entries)
-        elif self.write_policy == "write_back":
+        elif tier.write_policy == "write_back":
             for e in entries:
-                if not e.in_l3 and e not in self.dirty:
-                    self.index.pin(e)
-                    self.dirty[e] = None
+                if not e.in_l3:
+                    self.make_dirty(e)
             self.relieve_pressure()
 
     def on_present(self, entries: Sequence[Entry]) -> None:
         """A set named pages L2 holds already: under write_through, those not known to be in
         L3 (their write was dropped, or the store lost them) are written now."""
-        if self.write_policy == "write_through" and self.attached:
+        if self.tier.write_policy == "write_through" and self.tier.attached:
             self.write([e for e in entries if not e.in_l3 and not e.writing])
 
     @property
     def selective(self) -> bool:
         """Hits may start writes (``on_hit``)."""
-        return self.write_policy == "write_through_selective" and self.attached
+        return self.tier.write_policy == "write_through_selective" and self.tier.attached
 
     def on_hit(self, e: Entry) -> None:
-        if (self.write_policy == "write_through_selective" and self.attached
-                and e.hits >= self.threshold and not e.in_l3 and not e.writing
+        """A get hit ``e``: under write_through_selective, written once its hits reach the
+        threshold (a state only once its KV prefix is stored or being written)."""
+        tier = self.tier
+        if (tier.write_policy == "write_through_selective" and tier.attached
+                and e.hits >= tier.threshold and not e.in_l3 and not e.writing
                 and self._prefix_stored(e)):
             self.write([e])
 
@@ -76,7 +134,7 @@ class TierWrites:
         """write_back: write the least recently used dirty pages when they fill more than
         DIRTY_HIGH of the arena, or at least one when ``force`` (a reservation found no room),
         until the dirty pages not being written are below DIRTY_TARGET; returns how many."""
-        if not self.dirty or not self.attached:
+        if not self.dirty or not self.tier.attached:
             return 0
         arena = self.index.alloc.capacity_bytes
         todo = [e for e in self.dirty if not e.writing]
@@ -91,7 +149,7 @@ class TierWrites:
             pick.append(e)
             dirty -= e.stride
         n = self.write(self._heads_first(pick))
-        self.counters["write_backs"] += n
+        self.tier.counters["write_backs"] += n
         return n
 
     def _heads_first(self, pick: list[Entry]) -> list[Entry]:
@@ -116,8 +174,8 @@ class TierWrites:
         namespace's flush); returns how many."""
         todo = [e for e in (self.dirty if only is None else only)
                 if e in self.dirty and not e.writing]
-        n = self.write(todo) if self.attached else 0
-        self.counters["write_backs"] += n
+        n = self.write(todo) if self.tier.attached else 0
+        self.tier.counters["write_backs"] += n
         return n
 
     def write(self, entries: Iterable[Entry], force: bool = False) -> int:
@@ -128,16 +186,17 @@ class TierWrites:
         for e in entries:
             if not e.in_l3 and not e.writing and e.committed:
                 by_table.setdefault(e.table, []).append(e)
+        tier = self.tier
         queued = 0
         room = WRITING_MAX * self.index.alloc.capacity_bytes
         for (ns, pool), todo in by_table.items():
             # dirty pages (write_back) are pinned already: their writes pin nothing more
             nbytes = sum(e.stride for e in todo if e not in self.dirty)
             job = IOJob("put", ns, pool, [e.key for e in todo], [e.offset for e in todo],
-                        todo[0].page_bytes, todo, backend=self.backend)
+                        todo[0].page_bytes, todo, backend=tier.backend)
             if (not force and nbytes and self.writing_bytes
-                    and self.writing_bytes + nbytes > room) or not self.submit_job(job):
-                self.counters["l3_writes_dropped"] += len(todo)
+                    and self.writing_bytes + nbytes > room) or not tier.submit_job(job):
+                tier.counters["l3_writes_dropped"] += len(todo)
                 continue
             for e in todo:
                 self.index.pin(e)
@@ -164,7 +223,7 @@ class TierWrites:
             elif not e.in_l3:
                 todo.append(e)
         if todo:
-            self.counters["l3_forced_writes"] += self.write(todo, force=True)
+            self.tier.counters["l3_forced_writes"] += self.write(todo, force=True)
             for e in todo:
                 job = self.put_job_of.get(e)
                 if job is not None:
@@ -173,46 +232,13 @@ class TierWrites:
             job.waiters.append(waiter)
         return list(jobs.values())
 
-    def _known(self, e: Entry) -> None:
-        self.remember(e.table, e.key)
-
-    def remember(self, table: TableId, key: str) -> None:
-        """The store holds ``key`` of ``table`` (written or found there)."""
-        self.known_in_l3[(table, key)] = None
-        self.absent_in_l3.pop((table, key))
-
     def _clean(self, e: Entry) -> None:
         """``e`` is in L3 now: no longer dirty."""
         e.in_l3 = True
-        self._known(e)
+        self.tier.remember(e.table, e.key)
         if self.dirty.pop(e, 0) is None:
             self.index.unpin(e)
         self._maybe_drop(e)
-
-    def forget_evicted(self, gone: list[tuple[str, str, str]] | None) -> None:
-        """The store deleted these pages to make room: exists no longer counts on them, and
-        pages L2 still holds are no longer clean (under write_back they are dirty again: L2
-        holds their only copy)."""
-        if gone is None:
-            log.info("L3 %s may have lost pages: asking it again about every page",
-                     self.backend.name)
-            self.forget_l3_copies(dirty_again=True)
-            return
-        for ns, pool, key in gone:
-            table = (ns, pool)
-            self.known_in_l3.pop((table, key), None)
-            e = self.index.get(table, key)
-            if e is not None:
-                self._lost_copy(e)
-
-    def _lost_copy(self, e: Entry, dirty_again: bool = True) -> None:
-        """L3 may no longer hold ``e``: not clean, and under write_back dirty again (L2 may
-        hold its only copy; its write asks the store first)."""
-        if (dirty_again and e.in_l3 and self.write_policy == "write_back" and self.attached
-                and e not in self.dirty):
-            self.index.pin(e)
-            self.dirty[e] = None
-        e.in_l3 = False
 
     def _maybe_drop(self, e: Entry) -> None:
         """A page flushed from L2 while an L3 write pinned it goes once nothing pins it."""
@@ -220,7 +246,18 @@ class TierWrites:
             self.drop_when_written.discard(e)
             self.index.drop_one(e)  # unless a lease pins it now
 
-    def _put_done(self, job: IOJob, current: bool) -> None:
+    def lost_copy(self, e: Entry) -> None:
+        """L3 may no longer hold ``e``: not clean, and under write_back dirty again (L2 may
+        hold its only copy; its write asks the store first)."""
+        tier = self.tier
+        if e.in_l3 and tier.write_policy == "write_back" and tier.attached:
+            self.make_dirty(e)
+        e.in_l3 = False
+
+    def done(self, job: IOJob, current: bool) -> None:
+        """A finished put job (``current``: of the attached backend): its pages are clean
+        (in L3) or, where it failed, in L2 only and no longer dirty."""
+        counters = self.tier.counters
         ok_n = 0
         self.writing_bytes -= self._writing_of.pop(id(job), 0)
         if current:  # KV events, while the pages are pinned (their chain links in L2)
@@ -238,12 +275,12 @@ class TierWrites:
                 del self.dirty[e]
                 self.index.unpin(e)
             self._maybe_drop(e)
-        self.counters["l3_writes"] += ok_n - len(job.already)  # those L3 had were not sent
-        self.counters["l3_write_failures"] += len(job.result) - ok_n
+        counters["l3_writes"] += ok_n - len(job.already)  # those L3 had were not sent
+        counters["l3_write_failures"] += len(job.result) - ok_n
         if current and job.result:
             failing = ok_n == 0
-            if failing != self._writes_failing:
+            if failing != self._failing:
                 log.log(logging.WARNING if failing else logging.INFO, "L3 %s writes %s",
                         job.backend.name, "fail (pages stay in L2 only)" if failing
                         else "succeed again")
-                self._writes_failing = failing
+                self._failing = failing

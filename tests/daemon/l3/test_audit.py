@@ -48,10 +48,10 @@ def test_pages_the_store_evicted_silently_are_written_again_or_dirty(silent, are
     index, workers, backend, tier = silent
     tier.write_policy = policy
     first = commit_pages(index, arena, ["a", "b"], fill=1)
-    assert tier.write(first) == 2
+    assert tier.writes.write(first) == 2
     wait_jobs(workers, tier)
     c = commit_pages(index, arena, ["c"], fill=5)
-    assert tier.write(c) == 1
+    assert tier.writes.write(c) == 1
     wait_jobs(workers, tier)
     assert backend.exists("ns", "kv", ["a", "b", "c"]) == [False, True, True]
     a, b = index.get(TABLE, "a"), index.get(TABLE, "b")
@@ -62,22 +62,23 @@ def test_pages_the_store_evicted_silently_are_written_again_or_dirty(silent, are
     assert run_audit(tier, workers, 100.0) == 3  # the oldest pages known to be in L3
     assert tier.counters["l3_copies_lost"] == 1
     if policy == "write_back":  # dirty again: pinned, written when L2 needs its room
-        assert not a.in_l3 and a in tier.dirty and a.pins == 1
+        assert not a.in_l3 and a in tier.writes.dirty and a.pins == 1
         assert not tier.is_known(TABLE, "a")
         assert backend.exists("ns", "kv", ["a"]) == [False]
-        assert tier.write_back_all() == 1
+        assert tier.writes.write_back_all() == 1
         wait_jobs(workers, tier)
     # written again (the store evicts its oldest, b, to make room: the next audit sees that)
     assert a.in_l3 and tier.is_known(TABLE, "a") and backend.exists("ns", "kv", ["a"]) == [True]
     assert run_audit(tier, workers, 200.0) == 3
     assert tier.counters["l3_copies_lost"] == 2
-    assert b.in_l3 == (policy != "write_back") and (b in tier.dirty) == (policy == "write_back")
+    assert b.in_l3 == (policy != "write_back")
+    assert (b in tier.writes.dirty) == (policy == "write_back")
 
 
 def test_an_audit_runs_only_when_due_and_a_failing_store_changes_nothing(silent, arena):
     index, workers, backend, tier = silent
     pages = commit_pages(index, arena, ["a", "b"], fill=1)
-    tier.write(pages)
+    tier.writes.write(pages)
     wait_jobs(workers, tier)
     assert run_audit(tier, workers, 100.0) == 2
     assert run_audit(tier, workers, 104.0) == 0  # due every audit_s (5 s)

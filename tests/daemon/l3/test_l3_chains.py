@@ -43,14 +43,14 @@ def test_write_back_writes_a_chain_root_side_first_with_the_dirty_heads_of_a_pic
     t.write_policy = "write_back"
     first = store(index, arena, ["a0", "a1", "a2"])
     second = store(index, arena, ["a3", "a4"], parent="a2")
-    t.on_commit(first)
-    t.on_commit(second)
+    t.writes.on_commit(first)
+    t.writes.on_commit(second)
     index.touch_many(first)  # the head is now the most recently used: LRU picks the tail
     tail = index.get(("ns", "kv"), "a4")
-    assert t.write(t._heads_first([tail])) == 5
+    assert t.writes.write(t.writes._heads_first([tail])) == 5
     wait_jobs(workers, t)
     assert backend.sent == ["a0", "a1", "a2", "a3", "a4"]  # never a tail before its head
-    assert not t.dirty
+    assert not t.writes.dirty
 
 
 def test_a_selective_write_waits_for_the_states_kv_prefix(tier, arena):
@@ -58,10 +58,10 @@ def test_a_selective_write_waits_for_the_states_kv_prefix(tier, arena):
     t.write_policy, t.threshold = "write_through_selective", 1
     _, kv1, state = store(index, arena, ["k0", "k1"], states=["k1"])
     state.hits = kv1.hits = 1
-    t.on_hit(state)  # k1's KV page is not stored: the state would restore nothing
+    t.writes.on_hit(state)  # k1's KV page is not stored: the state would restore nothing
     assert backend.sent == [] and not state.writing
-    t.on_hit(kv1)
-    t.on_hit(state)  # now its KV page is being written: the state goes too
+    t.writes.on_hit(kv1)
+    t.writes.on_hit(state)  # now its KV page is being written: the state goes too
     wait_jobs(workers, t)
     assert backend.sent == ["k1", "k1"] and state.in_l3
 

@@ -37,7 +37,7 @@ def setup(tmp_path, arena):
 def test_put_sends_only_what_the_store_lacks_from_the_writer_thread(setup, arena):
     index, workers, backend, tier = setup()
     first = commit_pages(index, arena, ["a", "b"], fill=1)
-    assert tier.write(first) == 2
+    assert tier.writes.write(first) == 2
     wait_jobs(workers, tier)
     assert backend.sent == ["a", "b"] and all(e.in_l3 for e in first)
     assert tier.counters["l3_writes"] == 2 and workers.bytes_done["put"] == 2 * PAGE
@@ -45,7 +45,7 @@ def test_put_sends_only_what_the_store_lacks_from_the_writer_thread(setup, arena
     index.drop(first)
     again = commit_pages(index, arena, ["a", "c"], fill=7)
     backend.sent.clear()
-    assert tier.write(again) == 2
+    assert tier.writes.write(again) == 2
     wait_jobs(workers, tier)
     assert backend.sent == ["c"]  # "a" was there already: not sent
     assert all(e.in_l3 for e in again)
@@ -56,7 +56,7 @@ def test_put_sends_only_what_the_store_lacks_from_the_writer_thread(setup, arena
 def test_a_failing_exists_still_sends_every_page(setup, arena):
     index, workers, backend, tier = setup(exists_fails=True)
     pages = commit_pages(index, arena, ["x", "y"], fill=3)
-    tier.write(pages)
+    tier.writes.write(pages)
     wait_jobs(workers, tier)
     assert backend.sent == ["x", "y"] and all(e.in_l3 for e in pages)
     assert tier.counters["l3_writes"] == 2
@@ -72,7 +72,7 @@ def arena(shm_path):
 def test_a_get_of_pages_known_in_l3_does_not_ask_the_store(setup, arena):
     index, workers, backend, tier = setup()
     pages = commit_pages(index, arena, ["k0", "k1"], fill=5)
-    tier.write(pages)
+    tier.writes.write(pages)
     wait_jobs(workers, tier)
     index.drop(pages)  # L2 flushed: only L3 has them
     backend.asked.clear()
@@ -107,7 +107,7 @@ def collect_all(workers, tier):
 
 def test_probe_answers_on_the_prober_thread_and_remembers_hits(setup, arena):
     index, workers, backend, tier = setup()
-    tier.write(commit_pages(index, arena, ["p0", "p1"], fill=2))
+    tier.writes.write(commit_pages(index, arena, ["p0", "p1"], fill=2))
     wait_jobs(workers, tier)
     tier.known_in_l3.clear()
     backend.threads.clear()
@@ -137,7 +137,7 @@ def test_a_failing_probe_is_a_miss_counted_once_as_degraded(setup, arena):
 def test_a_find_starts_the_loads_of_what_the_store_has(setup, arena):
     index, workers, backend, tier = setup()
     pages = commit_pages(index, arena, ["f0", "f1"], fill=9)
-    tier.write(pages)
+    tier.writes.write(pages)
     wait_jobs(workers, tier)
     index.drop(pages)
     tier.known_in_l3.clear()
@@ -162,7 +162,7 @@ def test_a_find_starts_the_loads_of_what_the_store_has(setup, arena):
 
 def test_a_find_whose_backend_was_detached_loads_nothing(setup, arena):
     index, workers, _, tier = setup()
-    tier.write(commit_pages(index, arena, ["d0"], fill=1))
+    tier.writes.write(commit_pages(index, arena, ["d0"], fill=1))
     wait_jobs(workers, tier)
     index.drop([index.get(("ns", "kv"), "d0")])
     tier.known_in_l3.clear()
@@ -189,7 +189,7 @@ def test_keys_the_store_lacks_are_not_asked_again_for_a_while(setup, arena):
     assert backend.asked == ["a", "b", "a"] and index.get(table, "a") is None
     assert tier.sort_out(table, ["a"])[1] == []  # still absent: remembered again
     # a page this daemon writes is no longer thought absent
-    tier.write(commit_pages(index, arena, ["a"], fill=3))
+    tier.writes.write(commit_pages(index, arena, ["a"], fill=3))
     wait_jobs(workers, tier)
     assert tier.is_known(table, "a") and tier.sort_out(table, ["a", "b"]) == ({"a"}, [])
     # after the TTL the store is asked again (another node may have written it meanwhile)
@@ -219,18 +219,18 @@ def test_pages_the_store_evicts_are_no_longer_counted_on(setup, arena, policy):
     tier.write_policy = policy
     table = ("ns", "kv")
     first = commit_pages(index, arena, ["a", "b"], fill=1)
-    assert tier.write(first) == 2
+    assert tier.writes.write(first) == 2
     wait_jobs(workers, tier)
     assert tier.is_known(table, "a") and all(e.in_l3 for e in first)
     third = commit_pages(index, arena, ["c"], fill=5)
-    assert tier.write(third) == 1
+    assert tier.writes.write(third) == 1
     wait_jobs(workers, tier)
     assert backend.exists("ns", "kv", ["a", "b", "c"]) == [False, True, True]
     assert not tier.is_known(table, "a") and tier.is_known(table, "c")
     a = index.get(table, "a")
     assert not a.in_l3 and index.get(table, "b").in_l3
     if policy == "write_back":
-        assert a in tier.dirty and a.pins == 1
+        assert a in tier.writes.dirty and a.pins == 1
     else:
-        assert a not in tier.dirty and a.pins == 0
+        assert a not in tier.writes.dirty and a.pins == 0
     assert backend.take_evicted() == []  # each eviction is told once
