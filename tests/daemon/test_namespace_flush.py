@@ -124,7 +124,7 @@ def test_the_client_checks_the_namespace_and_the_daemons_support(node):
             a.flush("all", namespace=bad)
     # what an older daemon's Welcome says (no flush_namespace): it would read past the field
     # and flush the whole node, so the client sends nothing
-    a.flushes_namespaces = False
+    a._conn.flushes_namespaces = False
     with pytest.raises(VersionMismatch, match="older than namespace flushes"):
         a.flush("all", namespace=A)
     assert l2_pages(d) == {namespace_digest(A): 6, namespace_digest(B): 6}
