@@ -76,6 +76,12 @@ than LRU's by more than 10 %. The unbounded run's hit rate must equal the trace'
     python tools/bench_hybrid_cache.py [--trace mix1|mix2] [--seed N] [--policies lru,prefix,hybrid]
         [--budgets 5,10,25,50] [--requests N] [--state-pages 32] [--daemon-args "..."] [--json]
     python tools/bench_hybrid_cache.py --small   # a tiny trace, 2 budgets: a check that it runs
+
+A real trace instead of a mix (issue 48; ``trace_bench.py`` says how it is replayed, every policy
+interleaved, with the oracles of ``hybrid_oracle.py`` beside each budget):
+
+    python tools/bench_hybrid_cache.py --trace-file conversation_trace.jsonl
+        [--geometry attention,hybrid] [--budgets 2,5,10,25] [--requests N] [--speedup 60]
 """
 
 from __future__ import annotations
@@ -376,6 +382,43 @@ def _csv(kind):
     return lambda s: [kind(x) for x in s.split(",") if x]
 
 
+def trace_file_main(args) -> None:
+    """``--trace-file``: the Mooncake-format replay of ``trace_bench.py``."""
+    import mooncake_trace
+    import torch
+    import trace_bench
+
+    bad = [g for g in args.geometry if g not in mooncake_trace.GEOMETRIES]
+    if bad or not args.geometry:
+        raise SystemExit(f"--geometry: {','.join(args.geometry)!r}: each must be one of "
+                         f"{', '.join(mooncake_trace.GEOMETRIES)}")
+    if "lru" not in args.policies:
+        raise SystemExit(f"--policies: {','.join(args.policies)!r} lacks lru (the ratios are "
+                         f"to it)")
+    state_bytes = args.state_pages * mooncake_trace.KV_PAGE_BYTES
+    if not 1 <= args.state_pages <= 256 or args.slab_size % 64 or args.slab_size < state_bytes:
+        raise SystemExit(f"--state-pages must be in 1..256 (got {args.state_pages}) and "
+                         f"--slab-size a multiple of 64 holding a state ({state_bytes} bytes), "
+                         f"got {args.slab_size}")
+    if args.speedup < 0 or args.sample_every < 0:
+        raise SystemExit(f"--speedup ({args.speedup}) and --sample-every ({args.sample_every}) "
+                         f"must be >= 0")
+    try:
+        mooncake_trace.read_rows(args.trace_file, 1)
+    except mooncake_trace.TraceFileError as e:
+        raise SystemExit(f"--trace-file: {e}") from e
+    torch.set_num_threads(1)
+    result = trace_bench.run(args)
+    if args.json:
+        print(json.dumps({"config": {
+            "policies": args.policies, "budgets_pct": args.budgets,
+            "state_pages": args.state_pages, "slab_bytes": args.slab_size,
+            "speedup": args.speedup, "set_batch": args.set_batch,
+            "daemon_args": args.daemon_args}, **result}, indent=2))
+    else:
+        trace_bench.print_report(result, args)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", choices=sorted(MIXES), default="mix1")
@@ -396,11 +439,24 @@ def main() -> None:
     ap.add_argument("--daemon-args", default="", help="more `hicached serve` options")
     ap.add_argument("--small", action="store_true",
                     help="a tiny run: 120 requests, budgets 10 and 25 %%, 1 MiB slabs")
+    ap.add_argument("--trace-file", default=None,
+                    help="replay a trace in Mooncake's format instead of a mix (trace_bench.py)")
+    ap.add_argument("--geometry", type=_csv(str), default=["attention", "hybrid"],
+                    help="--trace-file: attention, hybrid or both (comma-separated)")
+    ap.add_argument("--speedup", type=float, default=60.0,
+                    help="--trace-file: replay at this x the trace's clock (0: unpaced)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.small:  # its own defaults; flags given still win
         ap.set_defaults(requests=120, budgets=[10, 25], slab_size=1 << 20, sample_every=20)
         args = ap.parse_args()
+    if args.trace_file is not None:  # a trace file's own defaults; flags given still win
+        from mooncake_trace import STATE_PAGES
+
+        ap.set_defaults(budgets=[2, 5, 10, 25], state_pages=STATE_PAGES, slab_size=256 << 10,
+                        sample_every=0, warmup=0.0)
+        args = ap.parse_args()
+        return trace_file_main(args)
     if not 1 <= args.state_pages <= 256:
         raise SystemExit(f"--state-pages must be in 1..256, got {args.state_pages}")
     if args.slab_size % 64 or args.slab_size < args.state_pages * KV_PAGE_BYTES:

@@ -74,7 +74,10 @@ class Request(NamedTuple):
 @dataclass
 class Trace:
     """The requests, and every distinct key in first-seen order (a parent before its child)
-    with its parent's index (-1: a root) and depth."""
+    with its parent's index (-1: a root) and depth. The geometry: a page's tokens and bytes,
+    and whether requests store states (False: attention-only, a hit needs KV pages alone).
+    ``times_ms``: each request's arrival in the trace's own clock (None: the mixes have none).
+    A mix's trace keeps the defaults; ``mooncake_trace.load`` fills them for a trace file."""
 
     name: str
     seed: int
@@ -82,6 +85,11 @@ class Trace:
     keys: list[str]
     parent: np.ndarray
     depth: np.ndarray
+    page_tokens: int = PAGE_TOKENS
+    kv_page_bytes: int = KV_PAGE_BYTES
+    with_states: bool = True
+    times_ms: np.ndarray | None = None
+    about: str = ""
 
 
 class _Gen:
@@ -186,6 +194,11 @@ def states_to_set(req: Request, hit: int) -> list[int]:
     return sorted({b for b in req.branches if hit < b <= n} | ({n} if hit < n else set()))
 
 
+def stored_states(trace: Trace, req: Request, hit: int) -> list[int]:
+    """``states_to_set`` in the trace's geometry: none when it stores no states."""
+    return states_to_set(req, hit) if trace.with_states else []
+
+
 def replay_unbounded(trace: Trace) -> tuple[list[int], set[int], set[int]]:
     """The trace with no eviction: per request the pages of its hit (what it reads of the pages
     and states stored before it), and the KV pages and states stored in the end (page ids)."""
@@ -197,11 +210,11 @@ def replay_unbounded(trace: Trace) -> tuple[list[int], set[int], set[int]]:
         while kv_pages < req.prompt_pages and req.ids[kv_pages] in kv:
             kv_pages += 1
         hit = kv_pages
-        while hit and req.ids[hit - 1] not in states:
+        while trace.with_states and hit and req.ids[hit - 1] not in states:
             hit -= 1
         hits.append(hit)
         kv.update(req.ids[hit:])
-        states.update(req.ids[b - 1] for b in states_to_set(req, hit))
+        states.update(req.ids[b - 1] for b in stored_states(trace, req, hit))
     return hits, kv, states
 
 
@@ -210,7 +223,7 @@ def ceiling(trace: Trace, warmup: int) -> dict:
     the working set (every KV page and state stored, at the end)."""
     hits, kv, states = replay_unbounded(trace)
     counted = trace.requests[warmup:]
-    hit_tokens = sum(hits[warmup:]) * PAGE_TOKENS
+    hit_tokens = sum(hits[warmup:]) * trace.page_tokens
     prompt_tokens = sum(req.prompt_tokens for req in counted)
     return {"hit_tokens": hit_tokens, "prompt_tokens": prompt_tokens,
             "hit_rate": hit_tokens / max(1, prompt_tokens), "kv_pages": len(kv),
@@ -246,14 +259,17 @@ def summary(trace: Trace, warmup: int, state_bytes: int) -> dict:
     kinds: dict[str, int] = {}
     for req in trace.requests:
         kinds[req.kind] = kinds.get(req.kind, 0) + 1
-    return {"trace": trace.name, "seed": trace.seed, "about": MIXES[trace.name].about,
-            "zipf_s": MIXES[trace.name].zipf_s, "requests": len(trace.requests),
+    mix = MIXES.get(trace.name)
+    return {"trace": trace.name, "seed": trace.seed, "about": mix.about if mix else trace.about,
+            "zipf_s": mix.zipf_s if mix else None, "requests": len(trace.requests),
             "warmup_requests": warmup, "kinds": kinds,
             "prompt_tokens": sum(r.prompt_tokens for r in trace.requests),
             "mean_prompt_tokens": sum(r.prompt_tokens for r in trace.requests)
             / max(1, len(trace.requests)),
-            "unique_pages": len(trace.keys), "kv_page_bytes": KV_PAGE_BYTES,
-            "state_bytes": state_bytes, "stored_kv_pages": c["kv_pages"],
-            "stored_states": c["states"],
-            "working_set_bytes": c["kv_pages"] * KV_PAGE_BYTES + c["states"] * state_bytes,
+            "unique_pages": len(trace.keys), "kv_page_bytes": trace.kv_page_bytes,
+            "page_tokens": trace.page_tokens, "geometry": "hybrid" if trace.with_states
+            else "attention-only", "state_bytes": state_bytes if trace.with_states else 0,
+            "stored_kv_pages": c["kv_pages"], "stored_states": c["states"],
+            "working_set_bytes": c["kv_pages"] * trace.kv_page_bytes
+            + c["states"] * state_bytes,
             "ceiling_hit_rate": c["hit_rate"]}
