@@ -9,8 +9,8 @@ written once per call by fancy assignment, slots come off a slab's free stack a 
 (``inserted_many`` / ``touched_many``).
 
 What must stay true: every call here leaves exactly the state of its pages done one by one in
-turn (``reserve`` / ``commit`` / ``touch`` are these calls of one page; the page-by-page path:
-``_reserve_one``, ``_commit_each``) (records, slots, generations, ticks, recency lists,
+turn (the page-by-page paths: ``reserve``, ``_commit_each``, ``touch``) (records, slots,
+generations, ticks, recency lists,
 slab ages, the presence table's bytes). So a call takes the vectorised path only where the
 order of its pages cannot matter (a call that must evict for its slots takes the slots each
 victim frees together: ``reserving.py``); everything else (a fingerprint collision, keys the

@@ -1,8 +1,9 @@
 """How much of L2 no hit can use: the orphan count of ``/stats`` (``tiers.l2.orphan_bytes``).
 
 Whatever the eviction policy (``lru`` makes orphans, ``prefix`` and ``hybrid`` do not: see
-``eviction/hybrid.py``), from the chains the set calls named (``Records.link``: each key record's parent
-fingerprint) and the namespaces' trailing pools. Vectorised over the key records.
+``eviction/hybrid.py``), from the chains the set calls named (``Records.link``: each key
+record's parent fingerprint) and the namespaces' trailing pools. Vectorised over the key
+records. Reads the index through its public columns and read view (``IndexView``).
 """
 
 from __future__ import annotations

@@ -204,8 +204,7 @@ class ReserveOps:
 
     def _reserve_each(self: PageIndex, table: TableId, keys: Sequence[str], page_bytes: int,
                       stride: int, owner: int) -> list[Entry | None]:
-        reserve = self._reserve_one
-        out = [reserve(table, key, page_bytes, stride) for key in keys]
+        out = [self.reserve(table, key, page_bytes, stride) for key in keys]
         if owner:
             for e in out:
                 if e is not None:

@@ -1,6 +1,6 @@
-"""The hybrid cache controller's eviction (issue 25, ``hicached/daemon/eviction/hybrid.py``): exact orders
-on small arenas, the dependants that go with a page on every path that frees pages, and the
-orphan bound under random workloads."""
+"""The hybrid cache controller's eviction (issue 25, ``hicached/daemon/eviction/hybrid.py``):
+exact orders on small arenas, the dependants that go with a page on every path that frees
+pages, and the orphan bound under random workloads."""
 
 import random
 

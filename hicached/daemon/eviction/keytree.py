@@ -7,9 +7,10 @@ Arrays indexed by key record, grown with the records (``grow_keys``): ``up`` / `
 (``key_freed``), its children becoming roots. A link that would make a cycle (a key under its own
 descendant: a client's bug, or two clients disagreeing) makes the key a root instead: the tree
 is walked by eviction and must stay a tree. ``doomed`` (with ``_pages`` / ``_trim``) says which
-pages must go with a page: the rules of ``hybrid.py``'s docstring. Subclasses hear of the changes through ``_moved``
-(a key changed place), ``_parent_now`` (a leaf got its first child), ``_leaf_now`` (a key lost
-its last child).
+pages must go with a page: the rules of ``hybrid.py``'s docstring. Subclasses hear of the
+changes through ``_moved`` (a key changed place), ``_parent_now`` (a leaf got its first child),
+``_leaf_now`` (a key lost its last child). Reads the index only through ``IndexView``
+(``interface.py``).
 """
 
 from __future__ import annotations
