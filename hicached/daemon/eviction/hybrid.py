@@ -49,6 +49,7 @@ import numpy as np
 from hicached.daemon.columns import grown
 from hicached.daemon.entry import COMMITTED, IN_L3
 from hicached.daemon.eviction.keytree import MAX_WALK, STATE_L3, KeyTree
+from hicached.daemon.eviction.reuse import DEMOTE_TICKS, ReuseClasses
 
 CANDIDATES = 16  # leaves scored per eviction
 _LEAF, _MID = 1, 2  # ``_queued`` bits: the page record has an entry in its leaf / mid heap
@@ -64,9 +65,11 @@ class HybridPolicy(KeyTree):
 
     name = "hybrid"
 
-    def __init__(self, alpha: float = 1.0):
+    def __init__(self, alpha: float = 1.0, reuse: ReuseClasses | None = None):
         super().__init__()
         self.alpha = float(alpha)
+        # new pages of classes seldom read again are queued as used at tick 0 (``reuse.py``)
+        self.reuse = ReuseClasses() if reuse is None else reuse
         # Candidates, per class (stride): heaps of ints (tick << 32 | page record), at most one
         # entry per page record and heap (``_queued``'s bits say which); an entry whose page
         # was used since is pushed again with its new tick when it comes up, one whose page is
@@ -102,6 +105,7 @@ class HybridPolicy(KeyTree):
     def grow_keys(self, n: int) -> None:
         super().grow_keys(n)
         self._kcall = memoryview(grown(self._kcall, n, np.int32))
+        self.reuse.grow_keys(n)
 
     def linked(self, recs, parent: int) -> None:
         """``KeyTree.linked``, and the keys remember the call that named them."""
@@ -157,6 +161,8 @@ class HybridPolicy(KeyTree):
 
     def inserted(self, p: int) -> None:
         super().inserted(p)
+        self._classify(np.array([p], np.int64), np.array([self.ix.k_mask[self.ix.p_krec[p]]
+                                                          & ~self.ix.t_bit[self.ix.p_tid[p]]]))
         k = self.ix.p_krec[p]
         self._vals.pop(k, None)
         if not self._kid[k]:
@@ -173,6 +179,7 @@ class HybridPolicy(KeyTree):
         state: page by page, its KV page may have queued one before the call's state of the
         key came, an entry ``stale`` skips when it comes up (the key has a state)."""
         super().inserted_many(ps, used_before, mask_before)
+        self._classify(ps, mask_before)
         ix, vals = self.ix, self._vals
         krecs = ix.np["p_krec"][ps]
         if vals:
@@ -191,6 +198,22 @@ class HybridPolicy(KeyTree):
                 self._queue(self._mids, _MID, p)
         for k in leaves:
             self._maybe_tail(k)
+
+    def _classify(self, ps: np.ndarray, mask_before: np.ndarray) -> None:
+        """Tell ``reuse`` a call committed pages ``ps`` (``mask_before``: per page, its key's
+        pools before the call; 0: a new key), before they are queued. Only in a namespace with
+        no trailing pool: the rule was judged on attention-only traces; with states, a demoted
+        leaf segment takes its state, and a chain's prefix is worth more than its pages say
+        (issue 48's pressure pattern keeps the head of the chain it cuts, as ``prefix`` does)."""
+        ix, cols = self.ix, self.ix.np
+        krecs = cols["p_krec"][ps]
+        if not len(ps) or ix.ns_trail[ix.k_ns[int(krecs[0])]]:
+            return
+        new = np.asarray(mask_before) == 0
+        states = np.array(ix.t_state, np.uint8)[cols["p_tid"][ps]] != 0
+        first = int(krecs[np.argmax(new)]) if new.any() else -1
+        parent = self._up[first] - 1 if first >= 0 else -1
+        self.reuse.stored(ps, krecs, new, states, cols["k_depth"][krecs], parent, ix.tick)
 
     def _maybe_tail(self, k: int) -> None:
         ix = self.ix
@@ -243,6 +266,8 @@ class HybridPolicy(KeyTree):
 
     def touched(self, p: int) -> None:
         super().touched(p)  # (an entry already queued for ``p`` moves when it comes up)
+        self.reuse.read(np.array([p], np.int64), np.array([self.ix.p_krec[p]], np.int64),
+                        self.ix.tick)
         if not self._kid[self.ix.p_krec[p]]:
             self._push_page(p)
         else:
@@ -253,6 +278,9 @@ class HybridPolicy(KeyTree):
         its first use in the call, as ``touched`` queues it)."""
         super().touched_many(ps, ticks)
         ix = self.ix
+        if ps:
+            arr = np.asarray(ps, np.int64)
+            self.reuse.read(arr, ix.np["p_krec"][arr], ix.tick)
         kid, krec, tid, state = self._kid, ix.p_krec, ix.p_tid, ix.t_state
         for p, t in zip(ps, ticks):
             if not kid[krec[p]]:
@@ -262,6 +290,7 @@ class HybridPolicy(KeyTree):
 
     def grow(self, n: int) -> None:
         super().grow(n)
+        self.reuse.grow(n)
         self._queued = memoryview(grown(self._queued, n, np.uint8))
 
     def _push_mid(self, p: int, t: int = -1) -> None:
@@ -280,8 +309,15 @@ class HybridPolicy(KeyTree):
         if not self._queued[p] & bit:
             self._queued[p] |= bit
             ix = self.ix
-            heapq.heappush(heaps.setdefault(ix.p_stride[p], []),
-                           (ix.p_used[p] if t < 0 else t) << 32 | p)
+            if t < 0:
+                t = self._at(p)
+            heapq.heappush(heaps.setdefault(ix.p_stride[p], []), t << 32 | p)
+
+    def _at(self, p: int) -> int:
+        """The tick page record ``p`` is queued at: its last use, ``DEMOTE_TICKS`` earlier
+        while it is demoted (``reuse.py``: older than any page used since, in its order)."""
+        t = self.ix.p_used[p]
+        return max(0, t - DEMOTE_TICKS) if self.reuse.demoted(p) else t
 
     def _pop(self, heaps: dict[int, list[int]], bit: int, stride: int) -> tuple[int, int]:
         """The (tick, page record) of class ``stride``'s least recently used candidate, taken
@@ -298,8 +334,9 @@ class HybridPolicy(KeyTree):
                 if ix.p_flags[p] & COMMITTED:
                     self._requeue(p)
                 continue
-            if ix.p_used[p] != t:  # used since: back in its place
-                heapq.heappush(heap, ix.p_used[p] << 32 | p)
+            now = self._at(p)
+            if now != t:  # used since: back in its place
+                heapq.heappush(heap, now << 32 | p)
                 continue
             return t, p
         return 0, -1
@@ -319,6 +356,7 @@ class HybridPolicy(KeyTree):
 
     def removed(self, p: int) -> None:
         super().removed(p)
+        self.reuse.removed(p)
         ix = self.ix
         k = ix.p_krec[p]
         if ix.p_flags[p] & IN_L3 and ix.t_state[ix.p_tid[p]]:
@@ -370,7 +408,7 @@ class HybridPolicy(KeyTree):
             k = ix.p_krec[p]
             if k not in seen:
                 seen.add(k)
-                v = self._value(k, t, tick)
+                v = self._value(k, ix.p_used[p], tick)
                 if v is not None:
                     cands.append((t, k, v, -1))
                     if len(cands) == CANDIDATES:
@@ -556,10 +594,17 @@ class HybridPolicy(KeyTree):
                     below[j] = d
                 got = vals.get(cands[j][1] if cands[j][3] < 0 else ~cands[j][1])
                 j = at.get(got[2], -1) if got is not None else -1
-        lo, hi = min(eff), max(eff)
+        # demoted candidates (``reuse.py``) go before the others; each group scored on its own
+        ix, demoted = self.ix, self.reuse.demoted
+        up = [not demoted(c[3] if c[3] >= 0 else ix.k_head[c[1]]) for c in cands]
         top = max(c[2] for c in cands) or 1.0
-        span, alpha = (hi - lo) or 1, self.alpha
-        keys = [((eff[i] - lo) / span + alpha * cands[i][2] / top, below[i]) for i in range(n)]
+        alpha, span = self.alpha, {}
+        for g in (False, True):
+            ts = [eff[i] for i in range(n) if up[i] == g]
+            if ts:
+                span[g] = (min(ts), (max(ts) - min(ts)) or 1)
+        keys = [(up[i], (eff[i] - span[up[i]][0]) / span[up[i]][1]
+                 + alpha * cands[i][2] / top, below[i]) for i in range(n)]
         return [cands[i] for i in sorted(range(n), key=keys.__getitem__, reverse=True)]
 
     def _whole_if_slab(self, pages: list[int], stride: int) -> list[int]:
