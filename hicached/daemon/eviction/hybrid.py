@@ -161,9 +161,12 @@ class HybridPolicy(KeyTree):
 
     def inserted(self, p: int) -> None:
         super().inserted(p)
-        self._classify(np.array([p], np.int64), np.array([self.ix.k_mask[self.ix.p_krec[p]]
-                                                          & ~self.ix.t_bit[self.ix.p_tid[p]]]))
-        k = self.ix.p_krec[p]
+        ix = self.ix
+        k = ix.p_krec[p]
+        if not ix.ns_trail[ix.k_ns[k]]:  # (``_classify`` of one page)
+            self.reuse.stored_one(p, k, not ix.k_mask[k] & ~ix.t_bit[ix.p_tid[p]],
+                                  bool(ix.t_state[ix.p_tid[p]]), int(ix.np["k_depth"][k]),
+                                  self._up[k] - 1, ix.tick)
         self._vals.pop(k, None)
         if not self._kid[k]:
             self._push_page(p)
@@ -266,8 +269,7 @@ class HybridPolicy(KeyTree):
 
     def touched(self, p: int) -> None:
         super().touched(p)  # (an entry already queued for ``p`` moves when it comes up)
-        self.reuse.read(np.array([p], np.int64), np.array([self.ix.p_krec[p]], np.int64),
-                        self.ix.tick)
+        self.reuse.read_one(p, self.ix.p_krec[p], self.ix.tick)
         if not self._kid[self.ix.p_krec[p]]:
             self._push_page(p)
         else:

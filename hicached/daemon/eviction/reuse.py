@@ -102,6 +102,34 @@ class ReuseClasses:
             self._pdem[ps[dem]] = True
             self.demoted_pages += int(np.count_nonzero(dem))
 
+    def stored_one(self, p: int, k: int, new: bool, state: bool, depth: int, parent: int,
+                   tick: int) -> None:
+        """``stored`` of a call of one page (scalars: no numpy on the one-page path)."""
+        self._kuse[k] = tick
+        if not new:
+            return
+        self._kprev[k] = tick
+        gap = 0 if parent < 0 else 1 + int(np.searchsorted(
+            GAP_TICKS, tick - int(self._kprev[parent]), side="right"))
+        c = (1 * _GAPS + gap) * _DEPTHS + (min(9, depth.bit_length()) if depth > 0 else 0)
+        if not state:
+            self.stored_pages[c] += 1
+            self._pcls[p] = c + 1
+        if (self.read_pages[c] + 1) / (self.stored_pages[c] + 2) < self.theta:
+            self._pdem[p] = True
+            self.demoted_pages += 1
+
+    def read_one(self, p: int, k: int, tick: int) -> None:
+        """``read`` of one page (scalars)."""
+        c = int(self._pcls[p])
+        if c:
+            self.read_pages[c - 1] += 1
+            self._pcls[p] = 0
+        self._pdem[p] = False
+        if self._kuse[k] != tick:
+            self._kprev[k] = self._kuse[k]
+            self._kuse[k] = tick
+
     def read(self, ps: np.ndarray, krecs: np.ndarray, tick: int) -> None:
         """Pages ``ps`` (int64) of keys ``krecs`` were used (a get, a touch) at ``tick``: the
         first read of a page counts in its class; none of them is demoted any more."""
@@ -136,6 +164,12 @@ class NoReuse(ReuseClasses):
         pass
 
     def read(self, ps, krecs, tick) -> None:
+        pass
+
+    def stored_one(self, p, k, new, state, depth, parent, tick) -> None:
+        pass
+
+    def read_one(self, p, k, tick) -> None:
         pass
 
     def removed(self, p: int) -> None:
