@@ -317,9 +317,10 @@ class HybridPolicy(KeyTree):
 
     def _at(self, p: int) -> int:
         """The tick page record ``p`` is queued at: its last use, ``DEMOTE_TICKS`` earlier
-        while it is demoted (``reuse.py``: older than any page used since, in its order)."""
+        while it is demoted (``reuse.py``: older than any page that is not, in their order of
+        use; negative, which a heap entry ``t << 32 | p`` holds as well)."""
         t = self.ix.p_used[p]
-        return max(0, t - DEMOTE_TICKS) if self.reuse.demoted(p) else t
+        return t - DEMOTE_TICKS if self.reuse.demoted(p) else t
 
     def _pop(self, heaps: dict[int, list[int]], bit: int, stride: int) -> tuple[int, int]:
         """The (tick, page record) of class ``stride``'s least recently used candidate, taken

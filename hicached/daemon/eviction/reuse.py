@@ -26,7 +26,7 @@ import numpy as np
 from hicached.daemon.columns import grown
 
 THETA = 0.05  # a class read again less often than this is demoted
-DEMOTE_TICKS = 1 << 24  # a demoted page is queued as if used that many page uses earlier
+DEMOTE_TICKS = 1 << 40  # a demoted page is queued as if used that many page uses earlier
 GAP_TICKS = np.array([64, 512, 4096, 16384, 65536], np.int64)  # page uses: the gap's buckets
 _DEPTHS, _GAPS, _NEWS = 10, len(GAP_TICKS) + 2, 10  # buckets of each feature
 CLASSES = _NEWS * _GAPS * _DEPTHS
@@ -133,11 +133,11 @@ class ReuseClasses:
     def read(self, ps: np.ndarray, krecs: np.ndarray, tick: int) -> None:
         """Pages ``ps`` (int64) of keys ``krecs`` were used (a get, a touch) at ``tick``: the
         first read of a page counts in its class; none of them is demoted any more."""
-        cls = self._pcls[ps]
-        first = cls > 0
+        first = self._pcls[ps] > 0
         if first.any():
-            np.add.at(self.read_pages, cls[first].astype(np.int64) - 1, 1)
-            self._pcls[ps[first]] = 0
+            once = np.unique(ps[first])  # (a page may come twice in a call)
+            np.add.at(self.read_pages, self._pcls[once].astype(np.int64) - 1, 1)
+            self._pcls[once] = 0
         self._pdem[ps] = False
         keys = np.unique(krecs)
         moved = self._kuse[keys] != tick
