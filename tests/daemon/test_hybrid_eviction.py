@@ -203,7 +203,8 @@ def test_a_namespace_quota_evicts_its_own_chains_leaf_first():
 def test_reload_of_alpha_and_names():
     assert type(make_policy("lru")) is LruPolicy
     assert (make_policy("prefix").name, make_policy("hybrid", 2.0).alpha) == ("prefix", 2.0)
-    with pytest.raises(ValueError, match="eviction: 'mru' is not one of lru, prefix, hybrid"):
+    with pytest.raises(ValueError,
+                       match="eviction: 'mru' is not one of lru, prefix, hybrid, demote"):
         make_policy("mru")
 
 

@@ -1,5 +1,5 @@
 """``hicached/daemon/eviction/reuse.py``: the classes of new pages learned as they are stored and
-read, and ``hybrid`` storing the seldom-read ones demoted (issue 48), on small real indexes."""
+read, and ``demote`` storing the seldom-read ones demoted (issue 48), on small real indexes."""
 
 import numpy as np
 
@@ -38,8 +38,8 @@ def test_the_gap_is_the_parents_use_before_the_last_in_page_uses():
     assert cls == (1 * 7 + 1 + 3) * 10 + 1
 
 
-def test_hybrid_evicts_a_demoted_page_before_an_older_one_and_prefix_does_not():
-    for policy, kept in (("hybrid", True), ("prefix", False)):
+def test_demote_evicts_a_demoted_page_before_an_older_one_and_hybrid_does_not():
+    for policy, kept in (("demote", True), ("hybrid", False), ("prefix", False)):
         ix = make(2, policy)  # 2 slabs of 16 KV pages
         store(ix, ["a"])
         for i in range(30):  # never read: the class is demoted from x17 on
@@ -48,5 +48,5 @@ def test_hybrid_evicts_a_demoted_page_before_an_older_one_and_prefix_does_not():
         store(ix, ["z"])  # one must go: LRU's oldest is "a"; hybrid's first, a demoted page
         assert ("a" in held(ix)) == kept, policy
         assert len(held(ix)) == 32
-        if policy == "hybrid":
+        if policy == "demote":
             assert "x17" not in held(ix) and "x16" in held(ix)

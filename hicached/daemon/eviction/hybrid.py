@@ -49,7 +49,7 @@ import numpy as np
 from hicached.daemon.columns import grown
 from hicached.daemon.entry import COMMITTED, IN_L3
 from hicached.daemon.eviction.keytree import MAX_WALK, STATE_L3, KeyTree
-from hicached.daemon.eviction.reuse import DEMOTE_TICKS, ReuseClasses
+from hicached.daemon.eviction.reuse import DEMOTE_TICKS, NoReuse, ReuseClasses
 
 CANDIDATES = 16  # leaves scored per eviction
 _LEAF, _MID = 1, 2  # ``_queued`` bits: the page record has an entry in its leaf / mid heap
@@ -68,8 +68,9 @@ class HybridPolicy(KeyTree):
     def __init__(self, alpha: float = 1.0, reuse: ReuseClasses | None = None):
         super().__init__()
         self.alpha = float(alpha)
-        # new pages of classes seldom read again are queued as used at tick 0 (``reuse.py``)
-        self.reuse = ReuseClasses() if reuse is None else reuse
+        # new pages of classes seldom read again go first (``reuse.py``; ``demote.py``): not
+        # by default (``NoReuse``)
+        self.reuse = NoReuse() if reuse is None else reuse
         # Candidates, per class (stride): heaps of ints (tick << 32 | page record), at most one
         # entry per page record and heap (``_queued``'s bits say which); an entry whose page
         # was used since is pushed again with its new tick when it comes up, one whose page is

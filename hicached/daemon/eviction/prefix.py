@@ -8,7 +8,6 @@ used goes; a page's value never weighs. ``--eviction-alpha`` does not apply to i
 from __future__ import annotations
 
 from hicached.daemon.eviction.hybrid import HybridPolicy
-from hicached.daemon.eviction.reuse import NoReuse
 
 
 class PrefixPolicy(HybridPolicy):
@@ -17,7 +16,7 @@ class PrefixPolicy(HybridPolicy):
     name = "prefix"
 
     def __init__(self):
-        super().__init__(0.0, NoReuse())
+        super().__init__(0.0)
 
     def set_alpha(self, alpha: float) -> None:
         """Ignored: recency alone decides (``alpha`` stays 0)."""
