@@ -27,9 +27,9 @@ back into the index's mutating calls; each is given page records, ints indexing 
     may_go_ahead(p)             reclaim.py, before a named page goes   O(1)
     stale(early) / stale_due    after commits / each idle turn         stale_due O(1)
     abandoned(pages)            reclaim.py stopped a victim set        O(len)
-    order / strides / unpinned  stats, tests, the L3 audit             O(pages walked)
+    order / strides / unpinned  lru_order (tests), the L3 audit        O(pages walked)
     upcoming(stride, n)         the L3 audit                           O(n)
-    victims(ns)                 make room across classes (lazily)      O(pages walked)
+    victims(ns)                 tests and tools (a lazy walk)          O(pages walked)
     ranked(ns)                  quotas (a snapshot)                    O(pages) numpy
     set_alpha(alpha)            the --eviction-alpha reload (SIGHUP)   O(1)
 
