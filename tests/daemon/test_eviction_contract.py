@@ -59,11 +59,12 @@ POLICIES = [*EVICTIONS, FIFO]
 
 
 def test_the_registry_names_every_policy_and_loads_one_from_outside():
-    assert EVICTIONS == ("lru", "prefix", "hybrid")
-    assert [make_policy(n).name for n in POLICIES] == ["lru", "prefix", "hybrid", "fifo"]
+    assert EVICTIONS == ("lru", "prefix", "hybrid", "demote")
+    assert [make_policy(n).name for n in POLICIES] == ["lru", "prefix", "hybrid", "demote", "fifo"]
     assert policy_class(FIFO) is Fifo
     assert (make_policy("hybrid", 2.0).alpha, make_policy("prefix", 2.0).alpha) == (2.0, 0.0)
-    with pytest.raises(ValueError, match="eviction: 'mru' is not one of lru, prefix, hybrid"):
+    with pytest.raises(ValueError,
+                       match="eviction: 'mru' is not one of lru, prefix, hybrid, demote"):
         make_policy("mru")
     with pytest.raises(ValueError, match="eviction: 'no_such_mod:X' cannot be loaded"):
         make_policy("no_such_mod:X")

@@ -203,7 +203,8 @@ def test_a_namespace_quota_evicts_its_own_chains_leaf_first():
 def test_reload_of_alpha_and_names():
     assert type(make_policy("lru")) is LruPolicy
     assert (make_policy("prefix").name, make_policy("hybrid", 2.0).alpha) == ("prefix", 2.0)
-    with pytest.raises(ValueError, match="eviction: 'mru' is not one of lru, prefix, hybrid"):
+    with pytest.raises(ValueError,
+                       match="eviction: 'mru' is not one of lru, prefix, hybrid, demote"):
         make_policy("mru")
 
 
@@ -323,3 +324,20 @@ def test_a_new_chain_linked_at_once_leaves_the_tree_and_the_victims_of_key_by_ke
     assert fast.evictions == slow.evictions > 500  # under pressure throughout
     assert orphans(fast) == orphans(slow)
     assert 20 < fresh.count(True) < len(fresh)  # both paths taken
+
+
+@pytest.mark.parametrize("policy", ["prefix", "hybrid"])
+def test_the_states_one_call_stored_on_a_chain_go_from_its_deep_end(policy):
+    """Issue 48's pressure pattern, small: one call stores a chain with a state every other
+    page; a state's slot then goes to the chain's leaf segment and deepest state first (their
+    ticks are newer only because a call's pages are counted one by one), so what is left is a
+    prefix a hit restores, with every state it needs."""
+    ix = make(3, policy)  # 1 slab of 16 KV pages, 2 of 2 states
+    c = chain("c", 8)
+    store(ix, c, states=["c01", "c03", "c05", "c07"])
+    store(ix, chain("n", 2), states=["n01"])  # a fifth state: c06..c07 and their state go
+    assert held(ix, "mamba") == ["c01", "c03", "c05", "n01"]
+    assert held(ix) == sorted(c[:6] + ["n00", "n01"]) and orphans(ix) == (0, 0)
+    store(ix, chain("m", 2), states=["m01"])  # then c04..c05: c01 and c03 stay
+    assert held(ix, "mamba") == ["c01", "c03", "m01", "n01"]
+    assert held(ix) == sorted(c[:4] + ["m00", "m01", "n00", "n01"]) and orphans(ix) == (0, 0)

@@ -1,7 +1,8 @@
 """``tools/pressure_prefix.py``: issue 48's pressure pattern against real daemons. The newest
 chain is kept whole under every policy; the third chain's usable hybrid prefix (its first 32
-pages with the states at pages 15 and 31), which fits in the room left, is kept by none yet:
-those tests are strict xfails that flip when a policy keeps it."""
+pages with the states at pages 15 and 31), which fits in the room left, is kept exactly by the
+chain-aware policies (``prefix``, ``hybrid``); ``lru`` cannot keep it (a strict xfail that
+says why)."""
 
 from __future__ import annotations
 
@@ -50,9 +51,24 @@ def test_the_newest_chain_is_kept_whole(pressure, policy):
     assert used <= pressure.L2_BYTES
 
 
-@pytest.mark.xfail(strict=True, reason="issue 48: no policy keeps a usable prefix yet")
-@pytest.mark.parametrize("policy", POLICIES)
+LRU_REASON = ("lru knows no chains: a call's pages are used in chain order, so it evicts each "
+              "older chain from its head (page 0 first) and its states oldest first (the state at "
+              "15 before the one at 159); what it keeps of a chain is a tail no hit can use")
+
+
+@pytest.mark.parametrize("policy", [
+    pytest.param("lru", marks=pytest.mark.xfail(strict=True, reason=LRU_REASON)),
+    "prefix", "hybrid"])
 def test_the_third_chain_keeps_a_usable_hybrid_prefix(pressure, policy):
     third = _kept(pressure, policy)[2]
     assert third.usable_pages >= 32, third
     assert {15, 31} <= set(third.state_pages), third
+
+
+@pytest.mark.parametrize("policy", ["prefix", "hybrid"])
+def test_the_chain_aware_policies_keep_exactly_what_fits(pressure, policy):
+    """The room the module docstring draws, and nothing more: chains 1 and 2 gone whole, the
+    third's first 32 pages with their states (two KV slabs, two slots of the state slabs)."""
+    chains = _kept(pressure, policy)
+    assert chains[:3] == [pressure.ChainKept(1, 0, (), 0, 0), pressure.ChainKept(2, 0, (), 0, 0),
+                          pressure.ChainKept(3, 32, (15, 31), 32, 0)]

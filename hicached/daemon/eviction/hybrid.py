@@ -31,7 +31,10 @@ key is a leaf and one of its pages still has that tick) and as many mid-chain st
 (tick, page)), scored Marconi-style as ``recency + alpha x value``, both normalised over the
 candidates to [0, 1]: value = the KV keys a hit at it saves over the state above it / the bytes
 it frees (cached per key: a hint). The lowest score goes (``alpha`` 0, the ``prefix`` policy:
-the least recently used). A class with no candidate, or whose oldest candidate is younger than
+the least recently used; the states one call stored on a chain go from its deep end: ``_scored``).
+A victim set that empties a slab of another class goes whole, never split (the freed slab serves
+the class that asked: a state's slot takes the KV slab of a leaf segment, not the chain's head).
+A class with no candidate, or whose oldest candidate is younger than
 the oldest leaf of a class holding other namespaces only (another model, idle), takes the slab
 of that leaf (the deep end of a chain) with every page's dependants.
 """
@@ -46,6 +49,7 @@ import numpy as np
 from hicached.daemon.columns import grown
 from hicached.daemon.entry import COMMITTED, IN_L3
 from hicached.daemon.eviction.keytree import MAX_WALK, STATE_L3, KeyTree
+from hicached.daemon.eviction.reuse import DEMOTE_TICKS, NoReuse, ReuseClasses
 
 CANDIDATES = 16  # leaves scored per eviction
 _LEAF, _MID = 1, 2  # ``_queued`` bits: the page record has an entry in its leaf / mid heap
@@ -61,9 +65,12 @@ class HybridPolicy(KeyTree):
 
     name = "hybrid"
 
-    def __init__(self, alpha: float = 1.0):
+    def __init__(self, alpha: float = 1.0, reuse: ReuseClasses | None = None):
         super().__init__()
         self.alpha = float(alpha)
+        # new pages of classes seldom read again go first (``reuse.py``; ``demote.py``): not
+        # by default (``NoReuse``)
+        self.reuse = NoReuse() if reuse is None else reuse
         # Candidates, per class (stride): heaps of ints (tick << 32 | page record), at most one
         # entry per page record and heap (``_queued``'s bits say which); an entry whose page
         # was used since is pushed again with its new tick when it comes up, one whose page is
@@ -77,19 +84,41 @@ class HybridPolicy(KeyTree):
         # what ``make_room`` scored for a slot, reused while the same reservation needs more
         # slots of the class (the tick unchanged: no page was used since)
         self._ranked: tuple[int, int, list, int] | None = None
-        # leaf key k -> (keys, bytes) of its segment; ~k -> (keys, bytes) of its state alone
-        self._vals: dict[int, tuple[int, int]] = {}
+        # leaf key k -> (keys, bytes, the key of the state above) of its segment; ~k -> the
+        # same of its state alone (the state above: the nearest key above with a state, -1)
+        self._vals: dict[int, tuple[int, int, int]] = {}
         # (tick, key): leaves of trailing namespaces committed without a state; ``stale`` takes
         # the ones still state-less after ``GRACE_TICKS`` (no hit can end on them)
         self._tails: list[tuple[int, int]] = []  # a heap
         self._held: list[int] = []  # such leaves found pinned: looked at on every call
         self._new_leaves: list[int] = []  # keys that became leaves: ``_flush_leaves``
+        # key record -> the ``linked`` call that last named it (1, 2, ...; 0: none): a call's
+        # keys are used at once, whatever order their ticks say (``_scored``)
+        self._kcall = memoryview(np.zeros(0, np.int32))
+        self._calls = 0
 
     def set_alpha(self, alpha: float) -> None:
         """The weight of a candidate's value against its recency (``make_room``'s score)."""
         self.alpha = float(alpha)
 
     # ------------------------------------------------------------ the tree's events
+
+    def grow_keys(self, n: int) -> None:
+        super().grow_keys(n)
+        self._kcall = memoryview(grown(self._kcall, n, np.int32))
+        self.reuse.grow_keys(n)
+
+    def linked(self, recs, parent: int) -> None:
+        """``KeyTree.linked``, and the keys remember the call that named them."""
+        super().linked(recs, parent)
+        self._calls += 1
+        if isinstance(recs, np.ndarray):
+            np.asarray(self._kcall)[recs[recs >= 0]] = self._calls
+        else:
+            kcall, n = self._kcall, self._calls
+            for k in recs:
+                if k >= 0:
+                    kcall[k] = n
 
     def _moved(self, k: int) -> None:
         self._vals.pop(k, None)
@@ -133,7 +162,12 @@ class HybridPolicy(KeyTree):
 
     def inserted(self, p: int) -> None:
         super().inserted(p)
-        k = self.ix.p_krec[p]
+        ix = self.ix
+        k = ix.p_krec[p]
+        if not ix.ns_trail[ix.k_ns[k]]:  # (``_classify`` of one page)
+            self.reuse.stored_one(p, k, not ix.k_mask[k] & ~ix.t_bit[ix.p_tid[p]],
+                                  bool(ix.t_state[ix.p_tid[p]]), int(ix.np["k_depth"][k]),
+                                  self._up[k] - 1, ix.tick)
         self._vals.pop(k, None)
         if not self._kid[k]:
             self._push_page(p)
@@ -149,6 +183,7 @@ class HybridPolicy(KeyTree):
         state: page by page, its KV page may have queued one before the call's state of the
         key came, an entry ``stale`` skips when it comes up (the key has a state)."""
         super().inserted_many(ps, used_before, mask_before)
+        self._classify(ps, mask_before)
         ix, vals = self.ix, self._vals
         krecs = ix.np["p_krec"][ps]
         if vals:
@@ -167,6 +202,22 @@ class HybridPolicy(KeyTree):
                 self._queue(self._mids, _MID, p)
         for k in leaves:
             self._maybe_tail(k)
+
+    def _classify(self, ps: np.ndarray, mask_before: np.ndarray) -> None:
+        """Tell ``reuse`` a call committed pages ``ps`` (``mask_before``: per page, its key's
+        pools before the call; 0: a new key), before they are queued. Only in a namespace with
+        no trailing pool: the rule was judged on attention-only traces; with states, a demoted
+        leaf segment takes its state, and a chain's prefix is worth more than its pages say
+        (issue 48's pressure pattern keeps the head of the chain it cuts, as ``prefix`` does)."""
+        ix, cols = self.ix, self.ix.np
+        krecs = cols["p_krec"][ps]
+        if not len(ps) or ix.ns_trail[ix.k_ns[int(krecs[0])]]:
+            return
+        new = np.asarray(mask_before) == 0
+        states = np.array(ix.t_state, np.uint8)[cols["p_tid"][ps]] != 0
+        first = int(krecs[np.argmax(new)]) if new.any() else -1
+        parent = self._up[first] - 1 if first >= 0 else -1
+        self.reuse.stored(ps, krecs, new, states, cols["k_depth"][krecs], parent, ix.tick)
 
     def _maybe_tail(self, k: int) -> None:
         ix = self.ix
@@ -219,6 +270,7 @@ class HybridPolicy(KeyTree):
 
     def touched(self, p: int) -> None:
         super().touched(p)  # (an entry already queued for ``p`` moves when it comes up)
+        self.reuse.read_one(p, self.ix.p_krec[p], self.ix.tick)
         if not self._kid[self.ix.p_krec[p]]:
             self._push_page(p)
         else:
@@ -229,6 +281,9 @@ class HybridPolicy(KeyTree):
         its first use in the call, as ``touched`` queues it)."""
         super().touched_many(ps, ticks)
         ix = self.ix
+        if ps:
+            arr = np.asarray(ps, np.int64)
+            self.reuse.read(arr, ix.np["p_krec"][arr], ix.tick)
         kid, krec, tid, state = self._kid, ix.p_krec, ix.p_tid, ix.t_state
         for p, t in zip(ps, ticks):
             if not kid[krec[p]]:
@@ -238,6 +293,7 @@ class HybridPolicy(KeyTree):
 
     def grow(self, n: int) -> None:
         super().grow(n)
+        self.reuse.grow(n)
         self._queued = memoryview(grown(self._queued, n, np.uint8))
 
     def _push_mid(self, p: int, t: int = -1) -> None:
@@ -256,8 +312,16 @@ class HybridPolicy(KeyTree):
         if not self._queued[p] & bit:
             self._queued[p] |= bit
             ix = self.ix
-            heapq.heappush(heaps.setdefault(ix.p_stride[p], []),
-                           (ix.p_used[p] if t < 0 else t) << 32 | p)
+            if t < 0:
+                t = self._at(p)
+            heapq.heappush(heaps.setdefault(ix.p_stride[p], []), t << 32 | p)
+
+    def _at(self, p: int) -> int:
+        """The tick page record ``p`` is queued at: its last use, ``DEMOTE_TICKS`` earlier
+        while it is demoted (``reuse.py``: older than any page that is not, in their order of
+        use; negative, which a heap entry ``t << 32 | p`` holds as well)."""
+        t = self.ix.p_used[p]
+        return t - DEMOTE_TICKS if self.reuse.demoted(p) else t
 
     def _pop(self, heaps: dict[int, list[int]], bit: int, stride: int) -> tuple[int, int]:
         """The (tick, page record) of class ``stride``'s least recently used candidate, taken
@@ -274,8 +338,9 @@ class HybridPolicy(KeyTree):
                 if ix.p_flags[p] & COMMITTED:
                     self._requeue(p)
                 continue
-            if ix.p_used[p] != t:  # used since: back in its place
-                heapq.heappush(heap, ix.p_used[p] << 32 | p)
+            now = self._at(p)
+            if now != t:  # used since: back in its place
+                heapq.heappush(heap, now << 32 | p)
                 continue
             return t, p
         return 0, -1
@@ -295,6 +360,7 @@ class HybridPolicy(KeyTree):
 
     def removed(self, p: int) -> None:
         super().removed(p)
+        self.reuse.removed(p)
         ix = self.ix
         k = ix.p_krec[p]
         if ix.p_flags[p] & IN_L3 and ix.t_state[ix.p_tid[p]]:
@@ -329,11 +395,11 @@ class HybridPolicy(KeyTree):
                     pages = self._segment(up)
                     if pages:
                         self._ranked = (stride, tick, rest, self._above(pages))
-                        return pages
+                        return self._whole_if_slab(pages, stride)
             if rest:
                 pages = self._still(rest.pop())
                 self._ranked = (stride, tick, rest, self._above(pages))
-                return pages
+                return self._whole_if_slab(pages, stride)
         self._ranked = None
         self._flush_leaves()  # (the path above reads no heap: the key it takes is no entry)
         cands, leaves, mids = [], [], []  # [tick, key, value, state page or -1]; popped
@@ -346,7 +412,7 @@ class HybridPolicy(KeyTree):
             k = ix.p_krec[p]
             if k not in seen:
                 seen.add(k)
-                v = self._value(k, t, tick)
+                v = self._value(k, ix.p_used[p], tick)
                 if v is not None:
                     cands.append((t, k, v, -1))
                     if len(cands) == CANDIDATES:
@@ -360,16 +426,13 @@ class HybridPolicy(KeyTree):
                 cands.append((t, ix.p_krec[p], self._state_value(ix.p_krec[p], p), p))
         best = None
         if cands:
-            lo, hi = min(c[0] for c in cands), max(c[0] for c in cands)
-            top = max(c[2] for c in cands) or 1.0
-            span = (hi - lo) or 1
-            order = sorted(cands, key=lambda c: (c[0] - lo) / span + self.alpha * c[2] / top,
-                           reverse=True)
+            lo = min(c[0] for c in cands)
+            order = self._scored(cands)
             while order:
                 c = order.pop()
                 pages = [c[3]] if c[3] >= 0 else self._segment(c[1])
                 if pages:
-                    best = (c, pages)
+                    best = (c, self._whole_if_slab(pages, stride))
                     self._ranked = (stride, tick, order, self._above(pages))
                     break
         if leaves:
@@ -391,7 +454,7 @@ class HybridPolicy(KeyTree):
             if pages:
                 return pages
         if best is not None:
-            self.split_ok = True
+            self._whole_if_slab(best[1], stride)
             return best[1]
         slab = ix.alloc.oldest_unpinned(stride)  # no leaf anywhere may go: LRU's slab
         if slab is not None:
@@ -479,7 +542,8 @@ class HybridPolicy(KeyTree):
         if got is None:
             self._trim(self._up[k] - 1, k, trail, pages)
             got = self._vals[k] = (len({ix.p_krec[p] for p in pages}),
-                                   sum(ix.p_stride[p] for p in pages))
+                                   sum(ix.p_stride[p] for p in pages),
+                                   self._state_above(ix.p_krec[pages[-1]], trail)[0])
         return got[0] / got[1]
 
     def _state_value(self, k: int, p: int) -> float:
@@ -488,10 +552,76 @@ class HybridPolicy(KeyTree):
         shared prefix's state is worth much, a conversation's earlier turn little."""
         got = self._vals.get(~k)
         if got is None:
-            ix, n, q = self.ix, 1, self._up[k] - 1
-            trail = ix.ns_trail[ix.k_ns[k]]
-            while q >= 0 and n < MAX_WALK and not self._has_state(q, trail):
-                n, q = n + 1, self._up[q] - 1
-            got = self._vals[~k] = (n, ix.p_stride[p])
+            ix = self.ix
+            q, n = self._state_above(k, ix.ns_trail[ix.k_ns[k]])
+            got = self._vals[~k] = (n, ix.p_stride[p], q)
         return got[0] / got[1]
+
+    def _state_above(self, k: int, trail: int) -> tuple[int, int]:
+        """(the nearest key above key ``k`` with a state, -1 for none; the keys from ``k`` up
+        to it, ``k`` included): what a hit ending at ``k``'s state saves over that state."""
+        n, q = 1, self._up[k] - 1
+        while q >= 0 and n < MAX_WALK and not self._has_state(q, trail):
+            n, q = n + 1, self._up[q] - 1
+        return (q if n < MAX_WALK else -1), n
+
+    def _scored(self, cands: list[tuple[int, int, float, int]]
+                ) -> list[tuple[int, int, float, int]]:
+        """``cands`` (tick, key, value, state page or -1) sorted best to keep first (the next
+        victim last) by ``recency + alpha x value``, both normalised over the candidates.
+
+        The states one call stored on a chain go from its deep end, as its KV pages do: a
+        candidate's recency is raised to that of the candidates below it on its chain named by
+        the same call (the state whose nearest state above is this one, and so on down), and
+        among equals the one with fewer such candidates below goes first. A call's pages are
+        used at once, their ticks in chain order only because they are counted one by one: so
+        a chain set in one call loses its leaf segment and deep states before its shallow ones,
+        and what is left of it is still a prefix a hit can restore. A state stored by an
+        earlier call (a conversation's earlier turn, mid-chain now) is not raised: it goes
+        first, as its own last use says."""
+        n = len(cands)
+        vals, eff, below = self._vals, [c[0] for c in cands], [0] * n
+        at = {}
+        for i, c in enumerate(cands):
+            at[c[1]] = i
+        kcall = self._kcall
+        for i, c in enumerate(cands):
+            got = vals.get(c[1] if c[3] < 0 else ~c[1])
+            j, t, d = at.get(got[2], -1) if got is not None else -1, eff[i], 0
+            call = kcall[c[1]]
+            while j >= 0 and d < n and call and kcall[cands[j][1]] == call:
+                d += 1  # up the chain of candidates of the same call, one state at a time
+                if eff[j] < t:
+                    eff[j] = t
+                t = eff[j]
+                if below[j] < d:
+                    below[j] = d
+                got = vals.get(cands[j][1] if cands[j][3] < 0 else ~cands[j][1])
+                j = at.get(got[2], -1) if got is not None else -1
+        # demoted candidates (``reuse.py``) go before the others; each group scored on its own
+        ix, demoted = self.ix, self.reuse.demoted
+        up = [not demoted(c[3] if c[3] >= 0 else ix.k_head[c[1]]) for c in cands]
+        top = max(c[2] for c in cands) or 1.0
+        alpha, span = self.alpha, {}
+        for g in (False, True):
+            ts = [eff[i] for i in range(n) if up[i] == g]
+            if ts:
+                span[g] = (min(ts), (max(ts) - min(ts)) or 1)
+        keys = [(up[i], (eff[i] - span[up[i]][0]) / span[up[i]][1]
+                 + alpha * cands[i][2] / top, below[i]) for i in range(n)]
+        return [cands[i] for i in sorted(range(n), key=keys.__getitem__, reverse=True)]
+
+    def _whole_if_slab(self, pages: list[int], stride: int) -> list[int]:
+        """``pages`` (a victim set for class ``stride``), with ``split_ok`` False when they
+        empty a slab of another class whole: then they go together, and the slab, free, serves
+        ``stride`` (a state's reservation that splits the leaf segment it took keeps the KV
+        slab the segment filled, and takes the next state, or the head of a chain's slab)."""
+        ix, counts = self.ix, {}
+        p_stride, p_off, slab_of = ix.p_stride, ix.p_off, ix.alloc.slab_of
+        for p in pages:
+            if p_stride[p] != stride:
+                slab = slab_of(p_off[p])
+                counts[slab] = counts.get(slab, 0) + 1
+        self.split_ok = not any(slab.used == m for slab, m in counts.items())
+        return pages
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 
+from hicached.daemon.eviction.demote import DemotePolicy
 from hicached.daemon.eviction.hybrid import HybridPolicy
 from hicached.daemon.eviction.interface import EvictionPolicy
 from hicached.daemon.eviction.lru import LruPolicy
@@ -18,6 +19,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LruPolicy,
     "prefix": PrefixPolicy,
     "hybrid": HybridPolicy,
+    "demote": DemotePolicy,
 }
 
 EVICTIONS = tuple(POLICIES)  # the in-tree names, in the order the docs list them
