@@ -25,6 +25,7 @@ TTFT it gives.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -36,6 +37,7 @@ from hicached.engine.config import EngineConfig
 from hicached.engine.demo import DaemonLauncher, settle_l3
 from hicached.engine.engine import Engine
 from hicached.engine.models import load_model
+from hicached.settings import parse_size
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--pressure: unrelated prompts computed after the base prompt")
     p.add_argument("--policies", default="lru,prefix,hybrid",
                    help="--pressure: the daemon's --eviction for each run")
+    p.add_argument("--unbounded-l2", default="2GiB",
+                   help="--pressure: the L2 of the run without pressure, which must hold every "
+                        "prompt (the daemon and each engine map it pre-faulted: a tiny run "
+                        "takes seconds less with a few MiB)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (tiny models gain nothing from more, and on a "
                         "shared machine spinning OpenMP threads make timings erratic)")
@@ -73,6 +79,7 @@ def main(argv=None) -> int:
     if args.pressure:
         return pressure(args)
     n, ps = args.prompt_tokens, args.page_size
+    unbounded = parse_size(args.unbounded_l2, "--unbounded-l2")  # (a ConfigError before work)
     shared = int(n * args.hit)
     g = torch.Generator().manual_seed(0)
     base = torch.randint(0, 256, (n,), generator=g).tolist()
@@ -158,6 +165,7 @@ def pressure(args: argparse.Namespace) -> int:
     would hit in full). LRU evicts the base's oldest pages, its head, first, and its hit falls
     to 0; the chain-aware policies take the base from its deep end."""
     n, ps = args.prompt_tokens, args.page_size
+    unbounded = parse_size(args.unbounded_l2, "--unbounded-l2")  # (a ConfigError before work)
     shared = int(n * args.hit)
     g = torch.Generator().manual_seed(0)
     base = torch.randint(0, 256, (n,), generator=g).tolist()
@@ -171,7 +179,7 @@ def pressure(args: argparse.Namespace) -> int:
     rows = []
     for policy in ["unbounded"] + [p.strip() for p in args.policies.split(",") if p.strip()]:
         if policy == "unbounded":
-            l2, extra = 2 << 30, ["--l3-backend", "none"]
+            l2, extra = unbounded, ["--l3-backend", "none"]
         else:
             l2 = -(-int(per_prompt * (args.noise + 0.5)) // slab) * slab
             extra = ["--l3-backend", "none", "--eviction", policy]
@@ -219,4 +227,5 @@ if __name__ == "__main__":
     t0 = time.perf_counter()
     rc = main()
     print(f"({time.perf_counter() - t0:.1f} s)")
+    gc.freeze()  # (exit: the interpreter's last collections walk transformers' objects for seconds)
     sys.exit(rc)

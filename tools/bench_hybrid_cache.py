@@ -385,8 +385,6 @@ def _csv(kind):
 def trace_file_main(args) -> None:
     """``--trace-file``: the Mooncake-format replay of ``trace_bench.py``."""
     import mooncake_trace
-    import torch
-    import trace_bench
 
     bad = [g for g in args.geometry if g not in mooncake_trace.GEOMETRIES]
     if bad or not args.geometry:
@@ -407,6 +405,9 @@ def trace_file_main(args) -> None:
         mooncake_trace.read_rows(args.trace_file, 1)
     except mooncake_trace.TraceFileError as e:
         raise SystemExit(f"--trace-file: {e}") from e
+    import torch  # (here: a bad flag fails before seconds of imports)
+    import trace_bench
+
     torch.set_num_threads(1)
     result = trace_bench.run(args)
     if args.json:

@@ -31,6 +31,7 @@ of KV. The pools hold the whole workload (nothing is evicted).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -199,4 +200,6 @@ def report(c: dict, w: Workload) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.freeze()  # (exit: the interpreter's last collections walk transformers' objects for seconds)
+    sys.exit(code)

@@ -205,7 +205,10 @@ def test_bench_engine_under_pressure_keeps_the_base_prompts_head_unless_lru():
     """``bench_engine.py --pressure``: the reference engine asks a prompt sharing 90 % of a base
     prompt after unrelated ones evicted half a prompt's worth of L2: LRU took the base's head."""
     proc = subprocess.run([sys.executable, str(TOOLS / "bench_engine.py"), "--pressure",
-                           "--prompt-tokens", "512", "--noise", "2", "--policies", "lru,hybrid"],
+                           "--prompt-tokens", "512", "--noise", "2", "--policies", "lru,hybrid",
+                           # (it holds the run's 3 prompts, ~1 MiB; mapping the default 2 GiB
+                           # pre-faulted, by the daemon and each engine, took seconds)
+                           "--unbounded-l2", "64MiB"],
                           check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()

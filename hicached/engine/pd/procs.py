@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -130,13 +131,22 @@ def daemons(nodes: int, l2_size: str = "512MiB", slab_size: str = "8MiB",
             d.close()
         return
     with tempfile.TemporaryDirectory(prefix="hicached-pd-nodes-", dir=workdir) as tmp, \
-            mooncake_master(tmp) as master, contextlib.ExitStack() as stack:
+            mooncake_master(tmp) as master, \
+            ThreadPoolExecutor(2, thread_name_prefix="pd-daemons") as pool:
+        # each daemon takes seconds to mount its segment and again to leave the store: both
+        # at once (the two nodes' daemons are independent processes)
+        flags = mooncake_l3_flags(master, segment)
+        started = [pool.submit(DaemonLauncher, size, slab_size, extra=flags)
+                   for size in (l2_size, decode_l2_size or l2_size)]
         made = []
-        for size in (l2_size, decode_l2_size or l2_size):
-            d = DaemonLauncher(size, slab_size, extra=mooncake_l3_flags(master, segment))
-            stack.callback(d.close)
-            made.append(d)
-        yield Endpoints(made[0].endpoint, made[1].endpoint, "l3")
+        try:
+            for f in started:
+                made.append(f.result())  # (a failure raises here: finally closes the others)
+            yield Endpoints(made[0].endpoint, made[1].endpoint, "l3")
+        finally:
+            made += [f.result() for f in started[len(made):] if f.exception() is None]
+            for f in [pool.submit(d.close) for d in made]:
+                f.result()
 
 
 class EngineProc:

@@ -29,11 +29,13 @@ import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
-from hicached.engine.pd import protocol as M
 from hicached.engine.pd.procs import Endpoints, EngineProc, EngineSpec, RunError
-from hicached.engine.pd.server import PDClient
+
+if TYPE_CHECKING:  # (torch: imported where a run starts, so that a bad flag fails in a blink)
+    from hicached.engine.pd import protocol as M
+    from hicached.engine.pd.server import PDClient
 
 # ------------------------------------------------------------------ the workload
 
@@ -148,6 +150,8 @@ class Mode:
         self.user: PDClient | None = None
 
     def __enter__(self) -> Self:
+        from hicached.engine.pd.server import PDClient
+
         try:
             for p in self.procs:
                 p.wait_ready()
