@@ -95,7 +95,7 @@ def measure(endpoint: str) -> list[ChainKept]:
                              hit_policy=PoolHitPolicy.TRAILING_PAGES)],
                 parent=None, depth=0, anchor_pool=PoolName.KV)
             c.wait_committed()
-        shared = c._shared  # the presence table, read as bench_hybrid_cache's Orphans does
+        shared = c._conn.shared  # the presence table, read as bench_hybrid_cache's Orphans does
         if shared is None or shared.view.usable() is None:
             raise RuntimeError(f"the daemon at {endpoint} publishes no usable presence table")
         masks = shared.view.lookup([k for ks in keys for k in ks])

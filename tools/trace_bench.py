@@ -149,7 +149,7 @@ class Lane:
 
 class Orphans:
     """Orphans counted from outside: the first ``upto`` keys' pool bits read from a daemon's
-    shared presence table (``Client._shared``, as ``bench_hybrid_cache.Orphans`` reads it),
+    shared presence table (``Client._conn.shared``, as ``bench_hybrid_cache.Orphans`` reads it),
     with no grace. A KV page is an orphan when an earlier page of its chain is absent; a state
     when its KV prefix is not all present."""
 
@@ -161,7 +161,7 @@ class Orphans:
 
     def count(self, client, upto: int) -> tuple[int, int] | None:
         """(orphan pages, resident pages) among the first ``upto`` keys, or None."""
-        shared = client._shared
+        shared = client._conn.shared
         if shared is None or shared.view.usable() is None:
             return None
         masks = None

@@ -74,7 +74,7 @@ class DaemonConfig:
     kv_events_replay_endpoint: str = ""  # ROUTER serving recent event batches ("": none)
     allow_tcp: bool = False  # tcp:// endpoints need this and a client_token
     namespace_quotas: Mapping = field(default_factory=dict)  # namespace -> max L2 bytes
-    # which L2 pages go under memory pressure (docs/eviction.md): lru | prefix | hybrid
+    # which L2 pages go under memory pressure (docs/eviction.md): lru | prefix | hybrid | demote
     eviction: str = "hybrid"
     eviction_alpha: float = 1.0  # hybrid: weight of a page's value (tokens / bytes) vs recency
     # share of the arena each size class that had to evict keeps free, evicting ahead in the
