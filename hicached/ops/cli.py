@@ -104,8 +104,8 @@ def _serve_parser(sub, env: Mapping[str, str]) -> None:
                    help='per-namespace L2 quotas as JSON, e.g. \'{"tenant-a": "8GiB"}\'')
     p.add_argument("--eviction", dest="eviction",
                    help="which L2 pages go first: hybrid (chains leaf first, states and tokens "
-                   "per byte weighed), prefix (chains leaf first, LRU), lru, demote (hybrid, and new pages "
-                   "of classes seldom read again first) or package.module:Class")
+                   "per byte weighed), prefix (chains leaf first, LRU), lru, demote (hybrid, "
+                   "and new pages of classes seldom read again first) or package.module:Class")
     p.add_argument("--eviction-alpha", dest="eviction_alpha", type=float,
                    help="hybrid eviction: weight of a page's value against its recency")
     p.add_argument("--evict-ahead", dest="evict_ahead", type=float,
