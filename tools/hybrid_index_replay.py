@@ -45,7 +45,6 @@ from hybrid_trace import (
 from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.index import PageIndex
 from hicached.daemon.orphans import orphans
-from hicached.daemon.reclaim import Reclaimer
 from hicached.daemon.slabs import SlabAllocator
 
 SET_BATCH = 128  # KV pages a set call holds (as bench_hybrid_cache)
@@ -58,9 +57,9 @@ def replay(trace: Trace, policy: str, arena: int, state_pages: int, warmup: int)
     state = state_pages * KV_PAGE_BYTES
     name, _, alpha = policy.partition(":")
     ix = PageIndex(SlabAllocator(max(SLAB, arena // SLAB * SLAB), SLAB),
-                   policy=make_policy(name, float(alpha) if alpha else 1.0))
-    idle = Reclaimer(ix, 0.0)
-    idle.attach(0.0, lambda: False)  # the tails go in idle turns, as in a daemon
+                   policy=make_policy(name, float(alpha) if alpha else 1.0),
+                   busy=lambda: False)  # the tails go in idle turns, as in a daemon
+    idle = ix.reclaimer
     ix.mark_trailing(MAMBA)
     times: list[float] = []
     evicted: list[int] = []  # pages each counted set call evicted on its own path

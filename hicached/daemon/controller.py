@@ -16,8 +16,9 @@ Steps of the life of a page it owns (docs/life-of-a-page.md):
 The controller is built with its parts, each an object of its own module: the sessions
 (``SessionControl``), the set path (``SetControl``), the store waits (``StoreWaits``), the
 parked requests (``Parking``), the L2 flush (``L2Flush``), the slicer of huge calls
-(``Slicer``) and the reclaimer (``Reclaimer``). It owns the get and exists paths, the pools'
-geometry, the counters and the books; it answers parked requests when their L3 jobs are done.
+(``Slicer``); the reclaimer is the index's (``PageIndex.reclaimer``). It owns the get and
+exists paths, the pools' geometry, the counters and the books; it answers parked requests when
+their L3 jobs are done.
 
 Only the control loop calls into this object (single thread); the I/O workers only run backend
 calls and hand finished jobs back through ``IOWorkers.collect``.
@@ -45,7 +46,6 @@ from hicached.daemon.kv_events import NullKVEvents, check_event_hash
 from hicached.daemon.l3.tier import L3Tier
 from hicached.daemon.leases import LeaseTable
 from hicached.daemon.parking import Parking
-from hicached.daemon.reclaim import Reclaimer
 from hicached.daemon.session_control import SessionControl
 from hicached.daemon.sessions import ParkedExists, ParkedGet, ParkedStore, PoolSpec, Session
 from hicached.daemon.set_control import SetControl
@@ -72,15 +72,15 @@ class Controller:
     ``quotas``, ``ahead_session_bytes``, ``ahead_total_bytes``: the set path's bounds
     (``SetControl``); ``kv_events``: where pools declare their events (``kv_events.py``);
     ``books``: a list to keep the books after each answer (the daemon's), None to keep them at
-    once (tests, tools); ``slicer``, ``reclaim``: the daemon's (None: ones of its own that never
-    yield to waiting requests)."""
+    once (tests, tools); ``slicer``: the daemon's (None: one of its own that never yields to
+    waiting requests). The reclaimer (``reclaim``) is the index's (``PageIndex.reclaimer``)."""
 
     def __init__(self, index: PageIndex, leases: LeaseTable, tier: L3Tier,
                  clock: Callable[[], float], get_wait_s: float = 5.0, *, quotas=None,
                  ahead_session_bytes: int = 0, ahead_total_bytes: int = 0,
                  kv_events: NullKVEvents | None = None,
                  books: list[tuple[Callable[..., None], tuple]] | None = None,
-                 slicer: Slicer | None = None, reclaim: Reclaimer | None = None):
+                 slicer: Slicer | None = None):
         self.index = index
         self.leases = leases
         self.tier = tier
@@ -106,8 +106,8 @@ class Controller:
                                       self.counters, clock)
         self.flusher = L2Flush(tier)  # flushes of L2, in slices of the loop (flushing.py)
         self.slicer = slicer or Slicer()  # huge calls, in slices of the loop (slicing.py)
-        # evicting ahead in idle turns (the daemon's share)
-        self.reclaim = reclaim or Reclaimer(index, 0.0)
+        # evicting ahead in idle turns (the daemon's share: the index's reclaimer)
+        self.reclaim = index.reclaimer
 
     def reload(self, get_wait_s: float, namespace_quotas: dict, set_ahead_bytes: int) -> None:
         """SIGHUP: the get wait, the namespaces' quotas and the set-ahead bound per session."""

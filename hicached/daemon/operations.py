@@ -313,7 +313,7 @@ class Operations:
         """Slot bytes of L2's orphans (``orphans.orphans``), None in an index too large to
         count them on every stats call."""
         self.controller.reclaim.settle()
-        found = orphans(self.controller.index, l3=self.controller.tier.attached,
+        found = orphans(self.controller.index.records, l3=self.controller.tier.attached,
                         leaving=self.controller.reclaim.leaving())
         return None if found is None else found[1]
 

@@ -100,6 +100,7 @@ class NamespaceQuotas(NoQuotas):
         freed = 0
         pinned: list[tuple[int, int]] = []
         ix = self.index
+        r = ix.records
         queue, tick = self._queues.get(ns) or self._rebuild(ns)
         rebuilt = False
         while freed < need_bytes:
@@ -111,9 +112,9 @@ class NamespaceQuotas(NoQuotas):
                 rebuilt = True
                 continue
             p, gen = queue.popleft()
-            if ix.p_gen[p] != gen or not ix.p_flags[p] & COMMITTED or ix.p_used[p] > tick:
+            if r.p_gen[p] != gen or not r.p_flags[p] & COMMITTED or r.p_used[p] > tick:
                 continue  # gone, or used since the sort: it is further back now
-            if ix.p_pins[p]:
+            if r.p_pins[p]:
                 pinned.append((p, gen))
                 continue
             before = ix.ns_bytes.get(ns, 0)
@@ -122,10 +123,10 @@ class NamespaceQuotas(NoQuotas):
         queue.extendleft(reversed(pinned))  # still the oldest: first in line next time
 
     def _rebuild(self, ns: str) -> tuple[deque[tuple[int, int]], int]:
-        ix = self.index
-        recs = ix.policy.ranked(ns)
-        tick = max(map(ix.p_used.__getitem__, recs), default=0)
-        self._queues[ns] = (deque((p, ix.p_gen[p]) for p in recs), tick)
+        r = self.index.records
+        recs = self.index.policy.ranked(ns)
+        tick = max(map(r.p_used.__getitem__, recs), default=0)
+        self._queues[ns] = (deque((p, r.p_gen[p]) for p in recs), tick)
         return self._queues[ns]
 
     def snapshot(self) -> list[dict]:

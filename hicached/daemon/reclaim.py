@@ -1,7 +1,8 @@
-"""Evicting ahead: the control loop's idle turns free room before the sets need it.
+"""Making room in a size class: on a reservation's path, and ahead, in the control loop's idle
+turns, before the sets need it.
 
-A reservation that finds its size class full evicts on the request path (``PageIndex._make_room``),
-and under the hybrid controller a victim is a whole leaf segment: a state takes the KV pages only
+A reservation that finds its size class full evicts on the request path (``make_room``), and
+under the hybrid controller a victim is a whole leaf segment: a state takes the KV pages only
 it made useful, 40-150 pages at tens of microseconds each, on the one set that asked for a slot.
 Once a class has had to evict (it is *pressed*), ``Reclaimer`` keeps ``ahead`` of the arena free
 in it (its free slots and the free slabs; at least one slot) by evicting, in the loop's idle turns,
@@ -34,6 +35,9 @@ import time
 from collections.abc import Callable
 
 from hicached.daemon.entry import COMMITTED
+from hicached.daemon.evict import Evictor
+from hicached.daemon.eviction.interface import EvictionPolicy
+from hicached.daemon.records import Records
 
 STEP_PAGES = 64  # pages one ``step`` evicts (at most that, and the rest of the key it is at)
 # ticks before its grace ends that a tail goes (``policy.stale``): in an idle turn that comes
@@ -41,38 +45,97 @@ STEP_PAGES = 64  # pages one ``step`` evicts (at most that, and the rest of the 
 EARLY = 512
 CHECK_EVERY = 2  # pages between two looks at whether a request waits (at a key's end)
 TAILS_WAIT_S = 0.01  # a commit takes the tails due itself once the loop had no idle turn as long
+SPLIT_MIN = 8  # pages of a leaf segment below which it goes whole (``evict_victims``)
 
 
 class Reclaimer:
-    """Keeps ``ahead`` (a share of the arena, 0: off) free in each pressed size class of
-    ``index`` (``PageIndex``); ``wanted`` / ``step`` from the control loop."""
+    """Makes room in the size classes: on a reservation's path (``make_room``, the victims the
+    policy names, a split leaf segment's rest deferred) and ahead, in the control loop's idle
+    turns (``wanted`` / ``step``: ``ahead``, a share of the arena, 0: off, kept free in each
+    pressed class; the tails of ``policy.stale`` taken early). The index builds it (its
+    ``reclaimer``), with its records, its evictor and its policy.
 
-    def __init__(self, index, ahead: float):
-        self.ix = index
+    Owns the deferred queue (a victim set begun, the rest of split segments), the pressed
+    classes (``pressed``) and its counters. Mutates nothing else itself: pages go through
+    ``evictor.evict_pages``. Reads the records and the allocator (``records.alloc``); calls the
+    policy's ``make_room``, ``stale``, ``stale_due``, ``may_go_ahead``, ``abandoned``.
+
+    ``busy`` (a daemon's: whether a request waits) set, the loop steps while idle and the
+    tails go ``EARLY`` before they are due, a commit taking them itself only when the loop
+    had no idle turn for ``TAILS_WAIT_S`` (``commit_tails``), and a reservation defers the
+    rest of a split segment (``evict_victims``); None (a bare index, the tools), a commit
+    takes the tails due and a victim set goes whole."""
+
+    def __init__(self, records: Records, evictor: Evictor, policy: EvictionPolicy,
+                 ahead: float = 0.0, busy: Callable[[], bool] | None = None):
+        self.records = records
+        self.evictor = evictor
+        self.policy = policy
         self.ahead = ahead
+        self.pressed: set[int] = set()  # size classes a reservation had to evict for
         self.evicted = 0  # pages evicted ahead (stats)
         self._queue: list[tuple[int, int, int]] = []  # (page, gen, used), the next one last
         self._queue_evicted = 0  # pages of the current victim set evicted so far
         self._blocked: tuple[int, int, int] | None = None  # the index's state when nothing could go
-        self.busy: Callable[[], bool] = lambda: False
-        self.tails = False  # take the tails of ``policy.stale`` early (``attach``)
+        self.tails = busy is not None  # take the tails of ``policy.stale`` early, defer
+        self.busy: Callable[[], bool] = busy or (lambda: False)
         self.waiting_since = 0.0  # since when ``wanted`` has said yes and no ``step`` ran
 
-    def attach(self, ahead: float, busy: Callable[[], bool]) -> None:
-        """A daemon's: its loop steps while idle (``busy()``: a request waits) and takes the
-        tails ``EARLY`` before they are due (a commit would take them then, on a set's path)."""
-        self.ahead, self.busy, self.tails = ahead, busy, True
-        self.ix.commit_tails = self._commit_tails
-        self.ix.defer, self.ix.take_deferred = self._defer, self.take
+    # ------------------------------------------------------------ on a reservation's path
+
+    def make_room(self, stride: int) -> int | None:
+        """A slot of class ``stride`` (its offset) once the deferred pages, then the victims
+        the policy names, went; None when nothing may go."""
+        self.pressed.add(stride)
+        alloc, policy = self.records.alloc, self.policy
+        while True:
+            if self.tails and self.take(stride, 1):
+                offset = alloc.alloc(stride)
+                if offset is not None:
+                    return offset
+                continue
+            victims = policy.make_room(stride)  # dependants included, in order
+            if not victims:
+                return None
+            if not self.evict_victims(victims, stride, 1):
+                return None  # a policy naming only pages that cannot go: no room
+            offset = alloc.alloc(stride)
+            if offset is not None:
+                return offset
+
+    def evict_victims(self, victims: list[int], stride: int, need: int) -> int:
+        """Evict ``victims`` (``policy.make_room``'s, in order); returns how many went. A leaf
+        segment (``policy.split_ok``) of more than ``SPLIT_MIN`` pages goes key by key from its
+        leaf up only until class ``stride`` has ``need`` free slots: the rest, state-less keys
+        no hit can use, is deferred (the idle turns, or the next reservation that needs room),
+        off the path of the set that asked. So a set that needs one slot for a state does not
+        also evict the hundred KV pages only that state made useful. (No ``busy``: whole.)"""
+        evict_pages = self.evictor.evict_pages
+        if not self.tails or len(victims) <= SPLIT_MIN or not self.policy.split_ok:
+            return evict_pages(victims)
+        krec, free_slots = self.records.p_krec, self.records.alloc.free_slots
+        n, i, end = 0, 0, len(victims)
+        while i < end:
+            k, j = krec[victims[i]], i
+            while i < end and krec[victims[i]] == k:  # (a key's pages are together: states
+                i += 1  # first, ``KeyTree._pages``)
+            n += evict_pages(victims[j:i])
+            if free_slots(stride) >= need:
+                break
+        if i < end:
+            self.defer(victims[i:])
+        return n
+
+    # ------------------------------------------------------------ ahead
 
     def set_ahead(self, ahead: float) -> None:
         """A reload's (SIGHUP): the share of the arena kept free from the next idle turn on."""
         self.ahead = ahead
 
-    def _defer(self, pages: list[int]) -> None:
-        """The rest of a leaf segment a reservation split (``PageIndex._evict_victims``): it
-        goes after the victim set begun, in its order, with the same checks."""
-        ix = self.ix
+    def defer(self, pages: list[int]) -> None:
+        """The rest of a leaf segment a reservation split (``evict_victims``): it goes after
+        the victim set begun, in its order, with the same checks."""
+        ix = self.records
         self._queue[:0] = [(p, ix.p_gen[p], ix.p_used[p]) for p in reversed(pages)]
 
     def take(self, stride: int, need: int) -> int:
@@ -80,7 +143,7 @@ class Reclaimer:
         it) until the class has ``need`` free slots: a reservation takes the dead tails left
         for the idle turns before the policy names live pages. Returns the pages evicted (on
         the reservation's path: not counted in ``evicted``, the pages evicted ahead)."""
-        ix, queue, done = self.ix, self._queue, 0
+        ix, queue, done = self.records, self._queue, 0
         while queue and stride in (ix.p_stride[p] for p, _, _ in self._key_run()):
             if ix.alloc.free_slots(stride) >= need:
                 break
@@ -93,7 +156,7 @@ class Reclaimer:
     def _key_run(self) -> list[tuple[int, int, int]]:
         """The queue's next entries that belong to one key (its pages in the set, with the
         entries of pages gone meanwhile among them), the next one first."""
-        ix, queue = self.ix, self._queue
+        ix, queue = self.records, self._queue
         k, n = -1, 0
         for p, gen, _ in reversed(queue):
             if ix.p_gen[p] == gen and ix.p_flags[p] & COMMITTED:
@@ -108,21 +171,21 @@ class Reclaimer:
         """Evict the pages of the queue's next key if each may still go (how many went; 0:
         all gone another way); None when one may not (read, or depended on, since, or the
         key holds a page the set does not): the set ends there, the key's pages all kept."""
-        ix, queue = self.ix, self._queue
+        ix, queue = self.records, self._queue
         run = self._key_run()
         del queue[len(queue) - len(run):]
         live = [(p, used) for p, gen, used in run
                 if ix.p_gen[p] == gen and ix.p_flags[p] & COMMITTED]
         if not live:
             return 0  # gone another way (which took its dependants first): the rest may go
-        policy = ix.policy
+        policy = self.policy
         if any(ix.p_pins[p] or ix.p_used[p] != used or not policy.may_go_ahead(p)
                for p, used in live) or (policy.whole_keys and self._more_pages(live)):
             queue.extend(reversed(run))  # read, or depended on, since: the set ends
             policy.abandoned([q for q, g, _ in queue if ix.p_gen[q] == g])
             queue.clear()
             return None
-        got = ix.evict_pages([p for p, _ in live])
+        got = self.evictor.evict_pages([p for p, _ in live])
         self._queue_evicted += got
         return got
 
@@ -130,7 +193,7 @@ class Reclaimer:
         """Whether the key of ``live`` (its pages in the set, not states alone) holds a
         committed page that is no state and not in the set (stored since the policy named
         it): taking the set's pages would leave that page of the key without the others."""
-        ix = self.ix
+        ix = self.records
         if all(ix.t_state[ix.p_tid[p]] for p, _ in live):
             return False  # states alone (a mid-chain state): the key's other pages stay
         mine = {p for p, _ in live}
@@ -141,41 +204,43 @@ class Reclaimer:
             p = ix.p_knext[p]
         return False
 
-    def _commit_tails(self) -> bool:
-        """Whether a commit takes the tails due itself: the loop has had work for the idle
-        turns and no idle turn for ``TAILS_WAIT_S``."""
+    def commit_tails(self) -> bool:
+        """Whether a commit takes the tails due itself: always without ``busy``, else once the
+        loop has had work for the idle turns and no idle turn for ``TAILS_WAIT_S``."""
+        if not self.tails:
+            return True
         return bool(self.waiting_since) and time.monotonic() - self.waiting_since > TAILS_WAIT_S
 
     def settle(self) -> None:
         """Evict the tails due now (before the orphans are counted: a stats call may come
         between a commit and the loop's next idle turn)."""
-        self.ix.evict_pages(self.ix.policy.stale())
+        self.evictor.evict_pages(self.policy.stale())
 
     def _target(self, stride: int) -> int:
-        return max(stride, int(self.ahead * self.ix.alloc.capacity_bytes))
+        return max(stride, int(self.ahead * self.records.alloc.capacity_bytes))
 
     def _short(self) -> int:
         """A pressed class below its target (0: none)."""
-        alloc = self.ix.alloc
-        for stride in self.ix.pressed:
+        alloc = self.records.alloc
+        for stride in self.pressed:
             if alloc.free_bytes(stride) < self._target(stride):
                 return stride
         return 0
 
     def _state(self) -> tuple[int, int, int]:
-        ix = self.ix
+        ix = self.records
         return ix.tick, ix.committed_count, ix.evictions
 
     def wanted(self) -> bool:
         """Whether ``step`` has work: a victim set begun, tails due within ``EARLY`` ticks
-        (``policy.stale``; once ``attach``-ed), or a pressed class short of room; not while
+        (``policy.stale``; with ``busy``), or a pressed class short of room; not while
         nothing changed since the policy last named nothing that could go."""
-        ix = self.ix
+        ix = self.records
         if self._blocked is not None and self._blocked != self._state():
             self._blocked = None
         if self._queue or self._blocked is None and (
-                (self.tails and ix.policy.stale_due(EARLY))
-                or (self.ahead and ix.pressed and self._short())):
+                (self.tails and self.policy.stale_due(EARLY))
+                or (self.ahead and self.pressed and self._short())):
             if not self.waiting_since:
                 self.waiting_since = time.monotonic()
             return True
@@ -185,22 +250,22 @@ class Reclaimer:
     def _victims(self) -> list[int] | None:
         """The next victim set: tails due first, then room for a short class (None: no work;
         [] nothing that may go)."""
-        ix = self.ix
+        ix = self.records
         asked = False
-        if self.tails and ix.policy.stale_due(EARLY):
+        if self.tails and self.policy.stale_due(EARLY):
             asked = True
-            pages = ix.policy.stale(EARLY)
+            pages = self.policy.stale(EARLY)
             if pages:
                 return pages
-        stride = self._short() if self.ahead and ix.pressed else 0
+        stride = self._short() if self.ahead and self.pressed else 0
         if stride:
-            return ix.policy.make_room(stride)
+            return self.policy.make_room(stride)
         return [] if asked else None
 
     def step(self, busy: Callable[[], bool] | None = None, pages: int = STEP_PAGES) -> int:
         """Evict up to ``pages`` pages ahead, stopping early once ``busy()`` (default
         ``self.busy``: a request waits); returns the pages evicted."""
-        ix, done, queue = self.ix, 0, self._queue
+        ix, done, queue = self.records, 0, self._queue
         busy = busy or self.busy
         self.waiting_since = 0.0
         while done < pages:
@@ -227,5 +292,5 @@ class Reclaimer:
     def leaving(self) -> list[int]:
         """The page records of the victim set begun that are still there: going (the orphan
         count leaves them out)."""
-        ix = self.ix
+        ix = self.records
         return [p for p, gen, _ in self._queue if ix.p_gen[p] == gen]

@@ -1,9 +1,11 @@
-"""The page index's records: columns of page and key records (the lookups over them:
-``lookups.py``).
+"""The page index's records: every page and every key L2 holds, as columns of numbers.
 
-``index.py``'s module docstring says what the records hold and why; ``PageIndex`` adds the
-life of a page (reserve, commit, pins, eviction, publishing) on top of ``Records``. ``Entry`` is
-a handle on a page record.
+``index.py``'s module docstring says what the records hold and why. ``Records`` owns them and
+the maps over them (tables and namespaces, each namespace's key table, each slab's slot -> page
+record map); it makes and frees records, reads and links keys (chains), and fingerprints keys
+for the shared presence table. It decides nothing: the operations on a call's pages
+(``reserving.py``, ``commits.py``, ``uses.py``, ``evict.py``) change its columns, in place.
+``Entry`` (``entry.py``) is a handle on one of its page records.
 """
 
 from __future__ import annotations
@@ -15,23 +17,20 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from hicached.daemon.columns import grown
-from hicached.daemon.entry import (  # noqa: F401 - names the daemon imports from here
+from hicached.daemon.entry import (
     _TOP,
     COMMITTED,
-    FROM_L3,
     GROW_MIN,
     IN_L3,
     KEY_BYTES,
     MAX_POOLS,
     MAX_TABLES,
-    PENDING,
-    WRITING,
     Entry,
     TableId,
     _Keys,
     key_fps,
 )
-from hicached.daemon.lookups import Lookups
+from hicached.daemon.eviction.interface import EvictionPolicy
 from hicached.daemon.slabs import SlabAllocator
 from hicached.presence import (
     MAX_LOAD,
@@ -43,19 +42,30 @@ from hicached.presence import (
 REPUBLISH_MAX = 32768  # keys a full presence table is refilled with at most (one pause of ~0.1 s)
 
 
-class Records(Lookups):
-    """Page and key records, and the lookups over them (``Lookups``; see ``index.py``). Not
-    thread-safe."""
+class Records:
+    """The page index's records (module docstring): it owns the page and key columns, the ids
+    of tables and namespaces, the namespaces' key tables, the slot -> record maps, the
+    generation and tick counters, the pending handles and owners, and the bytes per namespace.
 
-    def __init__(self, allocator: SlabAllocator, presence: PresenceTable | None = None):
+    It is the ``IndexView`` the policy reads (``eviction/interface.py``; ``policy.bind`` is
+    called here): ``page_top``, ``key_top``, ``tick`` are plain fields, read-only to all but the
+    index's operations (``reserving.py``, ``commits.py``, ``uses.py``, ``evict.py``), which
+    write columns and counters in place. It mutates only its own fields; it calls the policy's
+    record hooks (``grow``, ``grow_keys``, ``key_freed``, ``linked``) and the allocator's
+    ``free`` (``free_page``). Not thread-safe: the control loop alone calls it.
+    """
+
+    def __init__(self, allocator: SlabAllocator, policy: EvictionPolicy,
+                 presence: PresenceTable | None = None):
         self.alloc = allocator
+        self.policy = policy
         # page and key records: numpy columns, each in a mapping of its own (``columns.py``:
         # zeroed lazily by the kernel, so capacity not yet used costs no memory; ``np`` gives
         # vectorised reads), read and written one item at a time through memoryviews (``p_*``,
         # ``k_*``: Python ints, about as fast as a list)
         self.np: dict[str, np.ndarray] = {}
         size = np.int32 if allocator.slab_bytes < 1 << 31 else np.int64  # a page fits a slab
-        self._page_cols = {
+        self.page_cols = {
             "p_tid": np.int16,  # table id (``_tables``), -1 while unbound
             "p_krec": np.int32,  # key record (unbound: its namespace id)
             "p_off": np.int64, "p_stride": size, "p_pbytes": size,
@@ -64,7 +74,7 @@ class Records(Lookups):
             "p_hits": np.int32, "p_pins": np.int32, "p_flags": np.uint8,
             "p_knext": np.int32,  # the next page record of the same key, -1 at the end
         }
-        self._key_cols = {
+        self.key_cols = {
             "k_bytes": (np.uint8, KEY_BYTES),  # the key's UTF-8 bytes
             "k_len": np.uint8,  # 0: free record; 255: the key is in ``_long_keys``
             "k_ns": np.int16,
@@ -74,81 +84,67 @@ class Records(Lookups):
             "k_parent": np.uint64,  # the parent key's fingerprint in its namespace (0: none)
             "k_depth": np.int32,  # pages before it in its chain (-1: unknown)
         }
-        self._grow(self._page_cols, 0, 0)
-        self._grow(self._key_cols, 0, 0)
+        self.grow(self.page_cols, 0, 0)
+        self.grow(self.key_cols, 0, 0)
         self.owners: dict[int, int] = {}  # pending page record -> the session that reserved it
-        self._p_top = self._k_top = 0  # records ever used (those above were never touched)
-        self._p_free = array("i")  # records freed since, to be used again first
-        self._k_free = array("i")
-        self._long_keys: dict[int, str] = {}
+        self.page_top = self.key_top = 0  # records ever used (those above were never touched)
+        self.page_free = array("i")  # records freed since, to be used again first
+        self.key_free = array("i")
+        self.long_keys: dict[int, str] = {}
         # tables and namespaces
-        self._tables: list[TableId] = []
-        self._tid: dict[TableId, int] = {}
-        self._tcount: list[int] = []  # committed pages per table
+        self.table_of: list[TableId] = []
+        self.tids: dict[TableId, int] = {}
+        self.tcount: list[int] = []  # committed pages per table
         self.t_bit: list[int] = []
-        self._ns_names: list[str] = []
-        self._ns_id: dict[str, int] = {}
+        self.ns_names: list[str] = []
+        self.ns_ids: dict[str, int] = {}
         self.ns_trail: list[int] = []  # per namespace id: the bits of its trailing pools
         self.t_state = bytearray()  # per table id: 1 if its pool is one of its namespace's
         # trailing pools (its pages are states; ``t_bit[tid] & ns_trail[ns]`` in one lookup)
-        self._keys: list[_Keys] = []
+        self.key_tables: list[_Keys] = []
         # slot -> page record, per slab (an array of its slots), for ``at`` / ``tagged``
-        self._slots: dict[int, array] = {}
+        self.slot_recs: dict[int, array] = {}
         self.pending: dict[TableId, dict[str, Entry]] = {}  # pending pages: live handles
-        self._tick = 0
+        self.tick = 0
         # Slot generations: a random start, so tags of an earlier daemon never match this one's.
-        self._gen = secrets.randbits(48) << 8
+        self.gen = secrets.randbits(48) << 8
         self.evictions = 0
         self.committed_count = 0
         self.ns_bytes: dict[str, int] = {}  # namespace digest -> slot bytes held (quotas.py)
-        self._bits: dict[str, dict[str, int]] = {}  # ns -> pool -> its bit in the masks
+        self.pool_bits: dict[str, dict[str, int]] = {}  # ns -> pool -> its bit in the masks
         self.shared = presence  # those masks, published for clients (None: not published)
-        self._seeds: dict[str, int] = {}  # ns -> its fingerprint seed in ``shared``
+        self.seeds: dict[str, int] = {}  # ns -> its fingerprint seed in ``shared``
+        policy.bind(self)
 
     # ------------------------------------------------------------ the policies' read view
     # (``eviction/interface.py``: ``IndexView``; also ``orphans.py`` and ``reclaim.py``)
 
     @property
-    def tick(self) -> int:
-        """Page uses so far (``p_used`` holds a tick)."""
-        return self._tick
-
-    @property
-    def page_top(self) -> int:
-        """Page records ever used: every live one is below."""
-        return self._p_top
-
-    @property
-    def key_top(self) -> int:
-        """Key records ever used: every live one is below."""
-        return self._k_top
-
-    @property
     def namespace_count(self) -> int:
         """Namespaces seen: their ids are ``range(namespace_count)``."""
-        return len(self._ns_names)
+        return len(self.ns_names)
 
     def namespace_id(self, ns: str) -> int:
         """The id of namespace digest ``ns`` (``k_ns``), -1 when never seen."""
-        return self._ns_id.get(ns, -1)
+        return self.ns_ids.get(ns, -1)
 
     def table_ids(self, ns: str) -> list[int]:
         """The table ids (``p_tid``) of namespace ``ns``'s pools."""
-        return [t for t, (t_ns, _) in enumerate(self._tables) if t_ns == ns]
+        return [t for t, (t_ns, _) in enumerate(self.table_of) if t_ns == ns]
 
     def slab_pages(self, slab_index: int) -> Sequence[int]:
         """The page records in slab ``slab_index``'s slots, slot order (-1: an empty slot;
         empty for a slab never used). The index's own array: read, never keep, never write."""
-        return self._slots.get(slab_index, ())
+        return self.slot_recs.get(slab_index, ())
 
     def key_records(self, nsid: int, fps: np.ndarray) -> np.ndarray:
         """Per key-table fingerprint ``fps`` (uint64; ``k_parent`` holds such), the key
         record of namespace id ``nsid`` it stands for, -1 for none (int64)."""
-        return self._keys[nsid].table.get_many(fps).astype(np.int64)
+        return self.key_tables[nsid].table.get_many(fps).astype(np.int64)
 
     # ------------------------------------------------------------ records
 
-    def _grow(self, cols: dict, old: int, new: int) -> None:
+    def grow(self, cols: dict, old: int, new: int) -> None:
         """Columns ``cols`` of ``old`` records now hold ``new``."""
         for name, dtype in cols.items():
             dtype, width = dtype if isinstance(dtype, tuple) else (dtype, 1)
@@ -156,108 +152,208 @@ class Records(Lookups):
             self.np[name] = arr
             setattr(self, name, memoryview(arr))
 
-    def _new_page(self) -> int:
-        if self._p_free:
-            return self._p_free.pop()
-        p = self._p_top
+    def new_page(self) -> int:
+        if self.page_free:
+            return self.page_free.pop()
+        p = self.page_top
         if p == len(self.p_gen):
             new = p + max(GROW_MIN, p >> 3)
-            self._grow(self._page_cols, p, new)
+            self.grow(self.page_cols, p, new)
             self.policy.grow(new)
-        self._p_top = p + 1
+        self.page_top = p + 1
         return p
 
-    def _new_key(self) -> int:
-        if self._k_free:
-            return self._k_free.pop()
-        k = self._k_top
+    def new_key(self) -> int:
+        if self.key_free:
+            return self.key_free.pop()
+        k = self.key_top
         if k == len(self.k_len):
             new = k + max(GROW_MIN, k >> 3)
-            self._grow(self._key_cols, k, new)
+            self.grow(self.key_cols, k, new)
             self.policy.grow_keys(new)
-        self._k_top = k + 1
+        self.key_top = k + 1
         return k
 
-    def _ns(self, ns: str) -> int:
-        i = self._ns_id.get(ns)
+    # ------------------------------------------------------------ records made and freed
+
+    def new_pages(self, n: int) -> np.ndarray:
+        """``n`` page records, the ones ``n`` calls of ``new_page`` would give, in order."""
+        out, self.page_top = self._new_records(n, self.page_free, self.page_top, "p_gen",
+                                               self.page_cols, self.policy.grow)
+        return out
+
+    def new_keys(self, n: int) -> np.ndarray:
+        """``n`` key records, the ones ``n`` calls of ``new_key`` would give, in order."""
+        out, self.key_top = self._new_records(n, self.key_free, self.key_top, "k_len",
+                                              self.key_cols, self.policy.grow_keys)
+        return out
+
+    def _new_records(self, n: int, free, top: int, sized_by: str, cols,
+                     grow_policy) -> tuple[np.ndarray, int]:
+        """(``n`` records: the last freed first, then new ones from ``top``; the new top). The
+        columns ``cols`` (their length: column ``sized_by``'s) grow as one record at a time
+        would grow them, step by step, and the policy's with them (``grow_policy``)."""
+        out = np.empty(n, np.int64)
+        k = min(n, len(free))
+        if k:
+            out[:k] = np.frombuffer(free[len(free) - k:][::-1], np.int32)
+            del free[len(free) - k:]
+        while top + n - k > len(getattr(self, sized_by)):
+            size = len(getattr(self, sized_by))
+            self.grow(cols, size, size + max(GROW_MIN, size >> 3))
+            grow_policy(len(getattr(self, sized_by)))
+        out[k:] = np.arange(top, top + n - k)
+        return out, top + n - k
+
+    def new_gen(self) -> int:
+        """A fresh slot generation."""
+        self.gen += 1
+        return self.gen
+
+    def place(self, p: int, offset: int, stride: int) -> None:
+        """Page record ``p`` holds the slot at ``offset`` (its slab's slot map)."""
+        slab = self.alloc.slab_of(offset)
+        slots = self.slot_recs.get(slab.index)
+        if slots is None or len(slots) != slab.num_slots:
+            slots = self.slot_recs[slab.index] = array("i", [-1]) * slab.num_slots
+        slots[(offset - slab.offset) // stride] = p
+
+    def init_page(self, p: int, tid: int, k: int, offset: int, page_bytes: int, stride: int,
+                  flags: int) -> None:
+        """Fill page record ``p`` (a fresh generation, unpinned, no use yet) and place it."""
+        self.p_tid[p], self.p_krec[p] = tid, k
+        self.p_off[p], self.p_stride[p], self.p_pbytes[p] = offset, stride, page_bytes
+        self.p_gen[p] = self.new_gen()
+        self.p_used[p] = self.p_hits[p] = self.p_pins[p] = 0
+        self.p_flags[p] = flags
+        self.p_knext[p] = -1
+        self.place(p, offset, stride)
+
+    def rec_at(self, offset: int) -> int:
+        """The page record holding the slot at ``offset`` (any state), -1 for none."""
+        slab = self.alloc.slab_of(offset)
+        slots = self.slot_recs.get(slab.index)
+        if slots is None or not slab.stride or len(slots) != slab.num_slots:
+            return -1
+        rel = offset - slab.offset
+        if rel % slab.stride:
+            return -1
+        i = rel // slab.stride
+        return slots[i] if i < len(slots) else -1
+
+    def free_page(self, p: int) -> None:
+        """Free page record ``p`` and its slot (and its key record with its key's last page)."""
+        tid, k = self.p_tid[p], self.p_krec[p]
+        ns = self.table_of[tid][0] if tid >= 0 else self.ns_names[k]
+        offset = self.p_off[p]
+        self.ns_bytes[ns] -= self.p_stride[p]
+        slab = self.alloc.slab_of(offset)
+        self.slot_recs[slab.index][(offset - slab.offset) // slab.stride] = -1
+        self.alloc.free(offset)
+        if tid >= 0:  # unlink from its key's pages
+            nxt = self.p_knext[p]
+            if self.k_head[k] == p:
+                self.k_head[k] = nxt
+            else:
+                q = self.k_head[k]
+                while self.p_knext[q] != p:
+                    q = self.p_knext[q]
+                self.p_knext[q] = nxt
+            if self.k_head[k] < 0:
+                self._free_key(k)
+        self.p_gen[p] = self.p_flags[p] = self.p_pins[p] = 0
+        self.owners.pop(p, None)
+        self.page_free.append(p)
+
+    def _free_key(self, k: int) -> None:
+        self.policy.key_freed(k)
+        self.key_tables[self.k_ns[k]].table.remove((hash(self.key_of(k)) + _TOP) or 1)
+        if self.k_len[k] == 255:
+            del self.long_keys[k]
+        self.k_len[k] = 0
+        self.key_free.append(k)
+
+    def ns_id(self, ns: str) -> int:
+        """The id of namespace digest ``ns``, given on first use (its key table made)."""
+        i = self.ns_ids.get(ns)
         if i is None:
-            i = self._ns_id[ns] = len(self._ns_names)
-            self._ns_names.append(ns)
-            self._keys.append(_Keys())
+            i = self.ns_ids[ns] = len(self.ns_names)
+            self.ns_names.append(ns)
+            self.key_tables.append(_Keys())
             self.ns_trail.append(0)
         return i
 
     def table_id(self, table: TableId) -> int:
         """``table``'s id in the page records, given on first use (ValueError past
         ``MAX_TABLES`` (namespace, pool) pairs in this daemon's life, or as ``pool_bit``)."""
-        tid = self._tid.get(table)
+        tid = self.tids.get(table)
         if tid is None:
-            if len(self._tables) >= MAX_TABLES:
+            if len(self.table_of) >= MAX_TABLES:
                 raise ValueError(f"this daemon has seen {MAX_TABLES} (namespace, pool) pairs, the "
                                  "most its page records can tell apart: restart it")
             bit = self.pool_bit(table)
-            tid = self._tid[table] = len(self._tables)
-            self._tables.append(table)
-            self._tcount.append(0)
+            tid = self.tids[table] = len(self.table_of)
+            self.table_of.append(table)
+            self.tcount.append(0)
             self.t_bit.append(bit)
-            self.t_state.append(1 if self.ns_trail[self._ns(table[0])] & bit else 0)
+            self.t_state.append(1 if self.ns_trail[self.ns_id(table[0])] & bit else 0)
         return tid
 
     def mark_trailing(self, table: TableId) -> None:
         """``table``'s pool has TRAILING_PAGES hits (a state: ``Reserve.trailing``)."""
         tid = self.table_id(table)
-        self.ns_trail[self._ns_id[table[0]]] |= self.t_bit[tid]
+        self.ns_trail[self.ns_ids[table[0]]] |= self.t_bit[tid]
         self.t_state[tid] = 1
 
     def trailing(self, ns: str) -> int:
         """The pool bits of namespace ``ns``'s trailing pools."""
-        i = self._ns_id.get(ns)
+        i = self.ns_ids.get(ns)
         return self.ns_trail[i] if i is not None else 0
 
-    def _fp(self, keys: _Keys, key: str) -> int:
+    def fp(self, keys: _Keys, key: str) -> int:
         return (hash(key) + _TOP) or 1
 
-    def _key_of(self, k: int) -> str:
+    def key_of(self, k: int) -> str:
         n = self.k_len[k]
         if n == 255:
-            return self._long_keys[k]
+            return self.long_keys[k]
         return self.k_bytes[k * KEY_BYTES:k * KEY_BYTES + n].tobytes().decode()
 
-    def _find_key(self, ns: str, key: str) -> int:
+    def find_key(self, ns: str, key: str) -> int:
         """The key record of (ns, key), or -1."""
-        i = self._ns_id.get(ns)
+        i = self.ns_ids.get(ns)
         if i is None:
             return -1
-        keys = self._keys[i]
-        k = keys.table.get(self._fp(keys, key))
-        if k < 0 or not self._same_key(k, key):
+        keys = self.key_tables[i]
+        k = keys.table.get(self.fp(keys, key))
+        if k < 0 or not self.same_key(k, key):
             return -1
         return k
 
-    def _same_key(self, k: int, key: str) -> bool:
+    def same_key(self, k: int, key: str) -> bool:
         n = self.k_len[k]
         if n == 255:
-            return self._long_keys.get(k) == key
+            return self.long_keys.get(k) == key
         b = key.encode()
         at = k * KEY_BYTES
         return len(b) == n and self.k_bytes[at:at + n] == b
 
-    def _key_record(self, ns: str, key: str) -> int:
+    def key_record(self, ns: str, key: str) -> int:
         """The key record of (ns, key), made if missing; -1 on a fingerprint collision."""
-        keys = self._keys[self._ns(ns)]
-        fp = self._fp(keys, key)
+        keys = self.key_tables[self.ns_id(ns)]
+        fp = self.fp(keys, key)
         k = keys.table.get(fp)
         if k >= 0:
-            return k if self._same_key(k, key) else -1
-        k = self._new_key()
+            return k if self.same_key(k, key) else -1
+        k = self.new_key()
         b = key.encode()
         if 0 < len(b) <= KEY_BYTES:
             self.k_bytes[k * KEY_BYTES:k * KEY_BYTES + len(b)] = b
             self.k_len[k] = len(b)
         else:  # long (or empty: a length of 0 marks a free record)
             self.k_len[k] = 255
-            self._long_keys[k] = key
-        self.k_ns[k] = self._ns_id[ns]
+            self.long_keys[k] = key
+        self.k_ns[k] = self.ns_ids[ns]
         self.k_sfp[k] = 0
         self.k_mask[k] = 0
         self.k_head[k] = -1
@@ -266,7 +362,7 @@ class Records(Lookups):
         keys.table.put(fp, k)
         return k
 
-    def _page_of(self, k: int, tid: int) -> int:
+    def page_of(self, k: int, tid: int) -> int:
         p = self.k_head[k]
         while p >= 0 and self.p_tid[p] != tid:
             p = self.p_knext[p]
@@ -275,15 +371,15 @@ class Records(Lookups):
     def handle(self, p: int, key: str | None = None) -> Entry:
         tid = self.p_tid[p]
         if tid < 0:
-            return Entry(self, p, (self._ns_names[self.p_krec[p]], ""), "")
-        return Entry(self, p, self._tables[tid], self._key_of(self.p_krec[p]) if key is None
+            return Entry(self, p, (self.ns_names[self.p_krec[p]], ""), "")
+        return Entry(self, p, self.table_of[tid], self.key_of(self.p_krec[p]) if key is None
                      else key)
 
     def pool_bit(self, table: TableId) -> int:
         """The bit of ``table``'s pool in its namespace's presence masks (given on first use;
         ValueError past ``MAX_POOLS`` pools in one namespace)."""
         ns, pool = table
-        bits = self._bits.setdefault(ns, {})
+        bits = self.pool_bits.setdefault(ns, {})
         bit = bits.get(pool)
         if bit is None:
             if len(bits) >= MAX_POOLS:
@@ -309,12 +405,12 @@ class Records(Lookups):
 
     def counts(self) -> dict[TableId, int]:
         """Committed pages per table."""
-        return {t: n for t, n in zip(self._tables, self._tcount) if n}
+        return {t: n for t, n in zip(self.table_of, self.tcount) if n}
 
     def entries(self, ns: str | None = None) -> Iterator[Entry]:
         """Every committed page (of ``ns``), in no particular order."""
-        nsid = self._ns_id.get(ns, -2) if ns is not None else -1
-        for p in range(self._p_top):
+        nsid = self.ns_ids.get(ns, -2) if ns is not None else -1
+        for p in range(self.page_top):
             if self.p_flags[p] & COMMITTED and (nsid == -1 or self.k_ns[self.p_krec[p]] == nsid):
                 yield self.handle(p)
 
@@ -323,11 +419,11 @@ class Records(Lookups):
         (an L3 detached, cleared or that may have lost its pages: a few ms for a million
         pages, where a walk of handles held the control loop for seconds); with ``handles``,
         those of the pages that had it, in record order (else none)."""
-        top = self._p_top
+        top = self.page_top
         flags = self.np["p_flags"][:top]
         mine = (flags & (COMMITTED | IN_L3)) == (COMMITTED | IN_L3)
         if ns is not None:
-            nsid = self._ns_id.get(ns)
+            nsid = self.ns_ids.get(ns)
             if nsid is None:
                 return []
             mine &= self.np["k_ns"][self.np["p_krec"][:top]] == nsid  # (committed: a key's)
@@ -342,11 +438,11 @@ class Records(Lookups):
         >= 0), ``keys[i+1]``'s is ``keys[i]``; depth of ``keys[i]`` is ``depth + i`` (-1 when
         unknown). Kept for keys L2 holds a page of (pending or committed), by (namespace,
         key), until the last page of the key leaves; the newest link wins."""
-        i = self._ns_id.get(ns)
+        i = self.ns_ids.get(ns)
         if i is None:
             return
-        ks = self._keys[i]
-        prev = self._fp(ks, parent) if parent is not None else 0
+        ks = self.key_tables[i]
+        prev = self.fp(ks, parent) if parent is not None else 0
         n = len(keys)
         if n >= 32:  # vectorised (a fingerprint collision, 2^-64, mislinks a key: advice only)
             fps = key_fps(keys)
@@ -363,9 +459,9 @@ class Records(Lookups):
         up = ks.table.get(prev) if prev else -1
         recs = []
         for j, key in enumerate(keys):
-            fp = self._fp(ks, key)
+            fp = self.fp(ks, key)
             k = ks.table.get(fp)
-            if k >= 0 and self._same_key(k, key):
+            if k >= 0 and self.same_key(k, key):
                 self.k_parent[k] = prev
                 self.k_depth[k] = depth + j if depth >= 0 else -1
             else:
@@ -380,13 +476,13 @@ class Records(Lookups):
         k = self.p_krec[entry.rec]
         if self.p_gen[entry.rec] != entry.gen or not self.k_parent[k]:
             return []
-        return self._committed(self._keys[self.k_ns[k]].table.get(self.k_parent[k]))
+        return self.committed_pages(self.key_tables[self.k_ns[k]].table.get(self.k_parent[k]))
 
     def key_pages(self, ns: str, key: str) -> list[Entry]:
         """The committed pages of (``ns``, ``key``), every pool."""
-        return self._committed(self._find_key(ns, key))
+        return self.committed_pages(self.find_key(ns, key))
 
-    def _committed(self, k: int) -> list[Entry]:
+    def committed_pages(self, k: int) -> list[Entry]:
         out = []
         p = self.k_head[k] if k >= 0 else -1
         while p >= 0:
@@ -397,14 +493,14 @@ class Records(Lookups):
 
     def chain(self, ns: str, key: str) -> tuple[str | None, int]:
         """(the parent key, when L2 holds a page of it, else None; the depth, -1 unknown)."""
-        k = self._find_key(ns, key)
+        k = self.find_key(ns, key)
         if k < 0:
             return None, -1
         parent = None
         if self.k_parent[k]:
-            pk = self._keys[self.k_ns[k]].table.get(self.k_parent[k])
+            pk = self.key_tables[self.k_ns[k]].table.get(self.k_parent[k])
             if pk >= 0:
-                parent = self._key_of(pk)
+                parent = self.key_of(pk)
         return parent, self.k_depth[k]
 
     # ------------------------------------------------------------ the shared presence table
@@ -415,21 +511,21 @@ class Records(Lookups):
         t = self.shared
         if t is None or not t.overflowed:
             return False
-        ks = np.flatnonzero(self.np["k_mask"][:self._k_top]).tolist()
+        ks = np.flatnonzero(self.np["k_mask"][:self.key_top]).tolist()
         if len(ks) > min(at_most, t.slots * MAX_LOAD / 2):
             return False
-        return t.rebuild((self._sfp(k), self.k_mask[k]) for k in ks)
+        return t.rebuild((self.sfp(k), self.k_mask[k]) for k in ks)
 
     def seed(self, ns: str) -> int:
         """The fingerprint seed of namespace ``ns`` in the shared presence table."""
-        seed = self._seeds.get(ns)
+        seed = self.seeds.get(ns)
         if seed is None:
-            seed = self._seeds[ns] = namespace_seed(ns)
+            seed = self.seeds[ns] = namespace_seed(ns)
         return seed
 
-    def _sfp(self, k: int) -> int:
+    def sfp(self, k: int) -> int:
         fp = self.k_sfp[k]
         if not fp:
-            fp = self.k_sfp[k] = fingerprint(self.seed(self._ns_names[self.k_ns[k]]),
-                                             self._key_of(k))
+            fp = self.k_sfp[k] = fingerprint(self.seed(self.ns_names[self.k_ns[k]]),
+                                             self.key_of(k))
         return fp

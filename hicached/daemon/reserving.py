@@ -1,68 +1,177 @@
-"""The page index's reservations of a call's pages in a few numpy passes (``ReserveOps``, a
-mixin of ``batch.BatchOps``; the contract is ``batch.py``'s: exactly the state of ``reserve`` of
-each page in turn).
+"""Reserving slots for a call's pages: the first step of a page's life (``index.py``).
+
+A page is reserved pending and pinned (``reserve``, the keys of a call: ``reserve_many``), or
+as an unbound slot a client holds ahead of its keys (``reserve_unbound``, then ``bind``), and
+dropped again before its commit (``abort``). A key reserved either way leaves the same state:
+``reserve_many`` is ``reserve`` of each key in turn (the contract of ``commits.py`` too).
 
 The keys that get a free slot are reserved together: a run of slots off a slab's free stack
 (``SlabAllocator.alloc_many``), each record column written once. A call that finds its class
-full evicts what its next key would evict and reserves the keys that get the freed slots
-together again: a ``prefix`` / ``hybrid`` victim is a leaf segment of tens of pages, an LRU
-victim one page (``policy.frees_runs``: LRU's calls go key by key then).
+full evicts what its next key would evict (``Reclaimer``: the victims the policy names) and
+reserves the keys that get the freed slots together again: a ``prefix`` / ``hybrid`` victim is
+a leaf segment of tens of pages, an LRU victim one page (``policy.frees_runs``: LRU's calls go
+key by key then). A fingerprint collision, keys of several lengths, non-ASCII or longer than
+``KEY_BYTES``, and calls of few keys go page by page (``reserve``: a numpy call costs ~1-2 us,
+a page ~3-5).
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hicached.daemon.entry import GROW_MIN, KEY_BYTES, PENDING, Entry, TableId, key_fps
-
-if TYPE_CHECKING:
-    from hicached.daemon.index import PageIndex
+from hicached.daemon.entry import _TOP, COMMITTED, KEY_BYTES, PENDING, Entry, TableId, key_fps
+from hicached.daemon.eviction.interface import EvictionPolicy
+from hicached.daemon.reclaim import Reclaimer
+from hicached.daemon.records import Records
 
 RUN_MIN = 8  # keys that take the slots a victim freed go together from this many
 BATCH_MIN = 32  # calls of fewer pages go page by page (a numpy call costs ~1-2 us, a page ~3-5)
 
 
-class ReserveOps:
-    """``PageIndex``'s vectorised reservations (module docstring)."""
+class Reservations:
+    """Reserves slots for pages (module docstring). Owns nothing: it writes the records
+    (``records``: new page and key records, pending handles, owners, bytes per namespace),
+    takes slots off the allocator (``records.alloc``) and, when a class is full, asks the
+    reclaimer for room (``Reclaimer.make_room``, ``take``, ``evict_victims``: which evict). It
+    reads the policy's ``frees_runs`` and asks its ``make_room`` for a call's victims."""
 
-    # ------------------------------------------------------------ records in bulk
+    def __init__(self, records: Records, policy: EvictionPolicy, reclaimer: Reclaimer):
+        self.records = records
+        self.alloc = records.alloc
+        self.policy = policy
+        self.reclaimer = reclaimer
 
-    def _new_pages(self: PageIndex, n: int) -> np.ndarray:
-        """``n`` page records, the ones ``n`` calls of ``_new_page`` would give, in order."""
-        out, self._p_top = self._new_records(n, self._p_free, self._p_top, "p_gen",
-                                             self._page_cols, self.policy.grow)
-        return out
+    def reserve(self, table: TableId, key: str, page_bytes: int, stride: int) -> Entry | None:
+        """A pending, pinned entry with a fresh slot, or None when nothing can be evicted (or,
+        a 2^-64 event, another key of the namespace has this key's fingerprint).
 
-    def _new_keys(self: PageIndex, n: int) -> np.ndarray:
-        """``n`` key records, the ones ``n`` calls of ``_new_key`` would give, in order."""
-        out, self._k_top = self._new_records(n, self._k_free, self._k_top, "k_len",
-                                             self._key_cols, self.policy.grow_keys)
-        return out
+        The caller checks first that the key is neither committed nor pending. ValueError (from
+        ``pool_bit``) when the table would be the namespace's pool past ``MAX_POOLS``. The
+        page-by-page path of ``reserve_many`` too (its calls of few keys, and the keys a run
+        cannot take), so one key reserved either way leaves the same state.
+        """
+        r = self.records
+        tid = r.tids.get(table)
+        if tid is None:
+            tid = r.table_id(table)  # its pool bit given now, so that commit cannot fail
+        alloc = self.alloc
+        offset = alloc.alloc(stride)
+        if offset is None:
+            offset = self.reclaimer.make_room(stride)
+            if offset is None:
+                return None
+        ns = table[0]
+        keys = r.key_tables[r.ns_ids[ns]]
+        fp = (hash(key) + _TOP) or 1
+        k = keys.table.get(fp)
+        if k < 0:
+            k = r.new_key()
+            b = key.encode()
+            if 0 < len(b) <= KEY_BYTES:
+                r.k_bytes[k * KEY_BYTES:k * KEY_BYTES + len(b)] = b
+                r.k_len[k] = len(b)
+            else:  # long (or empty: a length of 0 marks a free record)
+                r.k_len[k] = 255
+                r.long_keys[k] = key
+            r.k_ns[k] = r.ns_ids[ns]
+            r.k_sfp[k] = r.k_mask[k] = r.k_parent[k] = 0
+            r.k_head[k] = -1
+            r.k_depth[k] = -1
+            keys.table.put(fp, k)
+        elif not r.same_key(k, key):
+            alloc.free(offset)
+            return None
+        p = r.new_page()
+        r.gen = gen = r.gen + 1
+        r.p_tid[p] = tid
+        r.p_krec[p] = k
+        r.p_off[p] = offset
+        r.p_stride[p] = stride
+        r.p_pbytes[p] = page_bytes
+        r.p_gen[p] = gen
+        r.p_used[p] = r.p_hits[p] = 0
+        r.p_pins[p] = 1  # pinned while pending
+        r.p_flags[p] = PENDING
+        r.p_knext[p] = r.k_head[k]
+        r.k_head[k] = p
+        slab = alloc.slabs[offset // alloc.slab_bytes]
+        slab.pinned += 1
+        slots = r.slot_recs.get(slab.index)
+        if slots is None or len(slots) != slab.num_slots:
+            slots = r.slot_recs[slab.index] = array("i", [-1]) * slab.num_slots
+        slots[(offset - slab.offset) // stride] = p
+        r.ns_bytes[ns] = r.ns_bytes.get(ns, 0) + stride
+        entry = Entry.__new__(Entry)
+        entry.ix, entry.rec, entry.table, entry.key = r, p, table, key
+        entry.slot_offset, entry.stride, entry.gen = offset, stride, gen
+        pend = r.pending.get(table)
+        if pend is None:
+            pend = r.pending[table] = {}
+        pend[key] = entry
+        return entry
 
-    def _new_records(self: PageIndex, n: int, free, top: int, sized_by: str, cols,
-                     grow_policy) -> tuple[np.ndarray, int]:
-        """(``n`` records: the last freed first, then new ones from ``top``; the new top). The
-        columns ``cols`` (their length: column ``sized_by``'s) grow as one record at a time
-        would grow them, step by step, and the policy's with them (``grow_policy``)."""
-        out = np.empty(n, np.int64)
-        k = min(n, len(free))
-        if k:
-            out[:k] = np.frombuffer(free[len(free) - k:][::-1], np.int32)
-            del free[len(free) - k:]
-        while top + n - k > len(getattr(self, sized_by)):
-            size = len(getattr(self, sized_by))
-            self._grow(cols, size, size + max(GROW_MIN, size >> 3))
-            grow_policy(len(getattr(self, sized_by)))
-        out[k:] = np.arange(top, top + n - k)
-        return out, top + n - k
+    def reserve_unbound(self, ns: str, stride: int) -> Entry | None:
+        """A pinned slot of ``stride`` bytes held for namespace ``ns`` without a key yet (a
+        client's set-ahead slot, ``leases.AheadSlots``), or None when nothing can be evicted.
+        It counts for the namespace's bytes; ``bind`` gives it a key, ``abort`` frees it."""
+        r = self.records
+        offset = self.alloc.alloc(stride)
+        if offset is None:
+            offset = self.reclaimer.make_room(stride)
+            if offset is None:
+                return None
+        p = r.new_page()
+        r.init_page(p, -1, r.ns_id(ns), offset, 0, stride, 0)  # krec: its namespace
+        r.ns_bytes[ns] = r.ns_bytes.get(ns, 0) + stride
+        entry = Entry(r, p, (ns, ""), "")
+        r.p_pins[p] = 1  # pinned (``Uses.pin``)
+        self.alloc.slab_of(offset).pinned += 1
+        return entry
 
-    # ------------------------------------------------------------ reserve
+    def bind(self, entry: Entry, table: TableId, key: str, page_bytes: int) -> Entry | None:
+        """Turn an unbound slot of ``table``'s namespace into the pending entry of ``key`` (same
+        slot, a new generation; ``entry`` is updated and returned). The caller checks first
+        that the key is neither committed nor pending; ValueError as ``reserve``; None (the
+        slot freed) on a fingerprint collision."""
+        r = self.records
+        p = entry.rec
+        assert (entry.alive and r.p_tid[p] < 0
+                and r.ns_names[r.p_krec[p]] == table[0]), entry
+        tid = r.table_id(table)
+        k = r.key_record(table[0], key)
+        if k < 0:
+            self.abort(entry)
+            return None
+        r.p_tid[p], r.p_krec[p], r.p_pbytes[p] = tid, k, page_bytes
+        r.p_flags[p] = PENDING
+        r.p_gen[p] = r.new_gen()
+        r.p_knext[p] = r.k_head[k]
+        r.k_head[k] = p
+        entry.table, entry.key, entry.gen = table, key, r.p_gen[p]
+        r.pending.setdefault(table, {})[key] = entry
+        return entry
 
-    def reserve_many(self: PageIndex, table: TableId, keys: Sequence[str], page_bytes: int,
+    def abort(self, entry: Entry) -> None:
+        """Drop a pending (or unbound) entry and free its slot."""
+        r = self.records
+        p = entry.rec
+        assert entry.alive and not r.p_flags[p] & COMMITTED, entry
+        if r.p_flags[p] & PENDING:
+            pend = r.pending.get(entry.table)
+            if pend is not None and pend.get(entry.key) == entry:
+                del pend[entry.key]
+                if not pend:
+                    del r.pending[entry.table]
+        assert r.p_gen[p] == entry.gen and r.p_pins[p] > 0, entry  # unpinned (``Uses.unpin``)
+        r.p_pins[p] -= 1
+        if r.p_pins[p] == 0:
+            self.alloc.slab_of(entry.slot_offset).pinned -= 1
+        r.free_page(p)
+
+    def reserve_many(self, table: TableId, keys: Sequence[str], page_bytes: int,
                      stride: int, owner: int = 0, fps: np.ndarray | None = None,
                      recs: np.ndarray | None = None) -> list[Entry | None]:
         """``reserve`` of each of ``keys`` in turn, each then owned by session ``owner``
@@ -77,6 +186,7 @@ class ReserveOps:
         keys go one by one); a key for which nothing may go gets no slot, as on its own. Few
         keys, keys of several lengths, non-ASCII or longer than ``KEY_BYTES``, and keys whose
         fingerprint another key has, go one by one throughout."""
+        r, reclaimer = self.records, self.reclaimer
         n = len(keys)
         width = len(keys[0]) if n else 0
         if n < BATCH_MIN or not 0 < width <= KEY_BYTES or not (
@@ -85,11 +195,11 @@ class ReserveOps:
         blob = "".join(keys).encode()
         if len(blob) != n * width:
             return self._reserve_each(table, keys, page_bytes, stride, owner)
-        tid = self._tid.get(table)
+        tid = r.tids.get(table)
         if tid is None:
-            tid = self.table_id(table)  # (ValueError before anything, as ``reserve``)
+            tid = r.table_id(table)  # (ValueError before anything, as ``reserve``)
             fps = None  # (a new namespace has no key table to have looked in)
-        fptable = self._keys[self._ns_id[table[0]]].table
+        fptable = r.key_tables[r.ns_ids[table[0]]].table
         if fps is None:
             fps = key_fps(keys)
             recs = fptable.get_many(fps)
@@ -101,12 +211,12 @@ class ReserveOps:
         while at < n:
             free = self.alloc.free_slots(stride)
             if not free:  # what reserving keys[at] on its own would evict (``_make_room``)
-                self.pressed.add(stride)
-                if self.take_deferred is not None and self.take_deferred(stride, n - at):
+                reclaimer.pressed.add(stride)
+                if reclaimer.tails and reclaimer.take(stride, n - at):
                     evicted = True  # the dead tails a split segment left (``reclaim.py``)
                     continue
                 victims = self.policy.make_room(stride)
-                if not victims or not self._evict_victims(victims, stride, n - at):
+                if not victims or not reclaimer.evict_victims(victims, stride, n - at):
                     out.append(None)  # nothing may go: no room for keys[at]
                     at += 1
                     continue
@@ -127,19 +237,20 @@ class ReserveOps:
             out += self._reserve_each(table, keys[at:], page_bytes, stride, owner)
         return out
 
-    def _reserve_run(self: PageIndex, table: TableId, tid: int, keys: Sequence[str],
+    def _reserve_run(self, table: TableId, tid: int, keys: Sequence[str],
                      mine: np.ndarray, fps: np.ndarray, recs: np.ndarray | None,
                      page_bytes: int, stride: int, owner: int) -> list[Entry] | None:
         """``reserve`` of each of ``keys`` (``mine``: their bytes, one row each; ``fps`` /
         ``recs``: their fingerprints and key records, None: looked up now), which all get a
         free slot of the class: in one pass. None, having done nothing, when a key record
         ``recs`` names holds another key (the caller goes one by one)."""
+        r = self.records
         n, width = len(keys), mine.shape[1]
-        nsid = self._ns_id[table[0]]
-        fptable = self._keys[nsid].table
+        nsid = r.ns_ids[table[0]]
+        fptable = r.key_tables[nsid].table
         if recs is None:
             recs = fptable.get_many(fps)
-        cols = self.np
+        cols = r.np
         held = np.flatnonzero(recs >= 0)  # keys another pool of the namespace holds
         if len(held):
             kr = recs[held]
@@ -151,7 +262,7 @@ class ReserveOps:
         recs = recs[:m].copy()
         new = np.flatnonzero(recs < 0)
         if len(new):  # key records for the keys L2 holds no page of
-            kn = self._new_keys(len(new))
+            kn = r.new_keys(len(new))
             recs[new] = kn
             cols["k_bytes"].reshape(-1, KEY_BYTES)[kn, :width] = mine[new]
             cols["k_len"][kn] = width
@@ -161,11 +272,11 @@ class ReserveOps:
             cols["k_head"][kn] = -1
             cols["k_depth"][kn] = -1
             fptable.put_many(fps[new], kn)
-        ps = self._new_pages(m)
+        ps = r.new_pages(m)
         offsets = np.concatenate([np.frombuffer(slots, np.int32).astype(np.int64) * stride
                                   + slab.offset for slab, slots in runs])
-        gens = np.arange(self._gen + 1, self._gen + 1 + m, dtype=np.int64)
-        self._gen += m
+        gens = np.arange(r.gen + 1, r.gen + 1 + m, dtype=np.int64)
+        r.gen += m
         cols["p_tid"][ps] = tid
         cols["p_krec"][ps] = recs
         cols["p_off"][ps] = offsets
@@ -181,29 +292,30 @@ class ReserveOps:
         at = 0
         for slab, slots in runs:  # each slab: its new pins, its slot -> record map
             slab.pinned += len(slots)
-            smap = self._slots.get(slab.index)
+            smap = r.slot_recs.get(slab.index)
             if smap is None or len(smap) != slab.num_slots:
-                smap = self._slots[slab.index] = array("i", [-1]) * slab.num_slots
+                smap = r.slot_recs[slab.index] = array("i", [-1]) * slab.num_slots
             np.frombuffer(smap, np.int32)[np.frombuffer(slots, np.int32)] = ps[at:at + len(slots)]
             at += len(slots)
         ns = table[0]
-        self.ns_bytes[ns] = self.ns_bytes.get(ns, 0) + m * stride
+        r.ns_bytes[ns] = r.ns_bytes.get(ns, 0) + m * stride
         make = Entry.__new__
         out: list[Entry] = [make(Entry) for _ in range(m)]
         ps_list = ps.tolist()
         for e, key, p, off, gen in zip(out, keys, ps_list, offsets.tolist(), gens.tolist()):
             e.ix, e.rec, e.table, e.key, e.slot_offset, e.stride, e.gen = (
-                self, p, table, key, off, stride, gen)
-        pend = self.pending.get(table)
+                r, p, table, key, off, stride, gen)
+        pend = r.pending.get(table)
         if pend is None:
-            pend = self.pending[table] = {}
+            pend = r.pending[table] = {}
         pend.update(zip(keys, out))
         if owner:
-            self.owners.update(dict.fromkeys(ps_list, owner))
+            r.owners.update(dict.fromkeys(ps_list, owner))
         return out
 
-    def _reserve_each(self: PageIndex, table: TableId, keys: Sequence[str], page_bytes: int,
+    def _reserve_each(self, table: TableId, keys: Sequence[str], page_bytes: int,
                       stride: int, owner: int) -> list[Entry | None]:
+        """``reserve`` of each key, one by one, each then owned by ``owner`` (0: none)."""
         out = [self.reserve(table, key, page_bytes, stride) for key in keys]
         if owner:
             for e in out:

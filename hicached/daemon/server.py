@@ -50,7 +50,6 @@ from hicached.daemon.quotas import make_quotas
 from hicached.daemon.room import allocated_bytes, check_room, read_room
 from hicached.daemon.sessions import Session, namespace_digest
 from hicached.daemon.slabs import SlabAllocator
-from hicached.daemon.reclaim import Reclaimer
 from hicached.daemon import slicing
 from hicached.daemon.slicing import Slicer, Steps, as_answer, drive
 from hicached.errors import (
@@ -124,7 +123,9 @@ class Daemon:
             self.kv_events = make_kv_events(config)  # KV events for routers
             self.index = PageIndex(self.allocator,
                                    policy=make_policy(config.eviction, config.eviction_alpha),
-                                   presence=self.presence, events=self.kv_events)
+                                   presence=self.presence, events=self.kv_events,
+                                   ahead=config.evict_ahead,  # evicting ahead in idle turns
+                                   busy=self._request_waits)
             self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
             self.workers = IOWorkers(config.io_queue_depth)
             self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
@@ -135,8 +136,6 @@ class Daemon:
             on_phase("l3")
             if self.presence is not None:  # before any client reads it (a restart with L3)
                 self.presence.beat(time.monotonic(), self.tier.attached)
-            reclaim = Reclaimer(self.index, 0.0)  # evicting ahead in idle turns
-            reclaim.attach(config.evict_ahead, self._request_waits)
             self.controller = Controller(
                 self.index, self.leases, self.tier, time.monotonic, config.get_wait_s,
                 quotas=make_quotas(self.index, config.namespace_quotas),
@@ -144,7 +143,7 @@ class Daemon:
                 ahead_total_bytes=config.l2_size // 8,  # idle set-ahead slots: at most 1/8
                 kv_events=self.kv_events,
                 books=[],  # answer first, keep the books after (controller.py)
-                slicer=Slicer(waiting=self._request_waits), reclaim=reclaim)
+                slicer=Slicer(waiting=self._request_waits))
             self.ctx = zmq.Context()
             self.sock = self.files.bind(self.ctx, config.endpoint)
             on_phase("socket")

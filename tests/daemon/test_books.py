@@ -30,7 +30,7 @@ def books_run(tmp_path, deferred: bool, policy: str) -> tuple[list, list]:
     state after each call."""
     shared = PresenceTable(str(tmp_path / f"b{deferred}{policy}"), 2048, 1)
     ix = PageIndex(SlabAllocator(48 * 4096, 4096), policy=make_policy(policy), presence=shared)
-    ix._gen = 0
+    ix.records.gen = 0
     workers = IOWorkers()
     ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0,
                      ahead_session_bytes=8 * 256, ahead_total_bytes=1 << 20,

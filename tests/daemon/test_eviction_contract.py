@@ -130,7 +130,8 @@ def test_a_policy_never_evicts_a_pinned_page(tmp_path, policy):
         held = d.daemon.call(lambda: ix.get_many(table, first))
         d.daemon.call(lambda: ix.pin_many(held))
         keys = first + fill(c, 1)
-        assert d.daemon.call(lambda: [bool(ix.p_flags[e.rec] & COMMITTED) and ix.p_gen[e.rec]
+        r = ix.records
+        assert d.daemon.call(lambda: [bool(r.p_flags[e.rec] & COMMITTED) and r.p_gen[e.rec]
                                       == e.gen for e in held]) == [True] * CHAIN
         assert c.batch_exists(first) == CHAIN
         assert check_bytes(d.endpoint, src, keys) == 64

@@ -12,14 +12,14 @@ from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.index import IN_L3, PageIndex
 from hicached.daemon.orphans import orphans
 from hicached.daemon.quotas import NamespaceQuotas
-from hicached.daemon.reclaim import Reclaimer
 from hicached.daemon.slabs import SlabAllocator
 
 KV, STATE = 64, 512  # slot strides: a slab of 1 KiB holds 16 KV pages or 2 states
 
 
-def make(slabs, policy="prefix", slab=1024, alpha=1.0):
-    return PageIndex(SlabAllocator(slabs * slab, slab), policy=make_policy(policy, alpha))
+def make(slabs, policy="prefix", slab=1024, alpha=1.0, busy=None):
+    return PageIndex(SlabAllocator(slabs * slab, slab), policy=make_policy(policy, alpha),
+                     busy=busy)
 
 
 def store(ix, keys, parent=None, depth=-1, states=(), ns="ns", anchor="kv"):
@@ -69,8 +69,8 @@ def test_lru_empties_a_chain_from_its_head_and_prefix_from_its_leaf():
     store(ix, a)
     store(ix, b)
     assert held(ix) == sorted(a[:6] + b)  # a06..a09 gone: A still hits 6 pages
-    assert orphans(ix) == (0, 0)
-    assert orphans(lru)[0] == 6  # every page of A left behind
+    assert orphans(ix.records) == (0, 0)
+    assert orphans(lru.records)[0] == 6  # every page of A left behind
 
 
 def test_a_branching_tree_loses_leaves_first_and_never_the_shared_stem():
@@ -83,7 +83,7 @@ def test_a_branching_tree_loses_leaves_first_and_never_the_shared_stem():
     assert held(ix) == sorted(stem + chain("y", 4) + chain("z", 8))
     store(ix, chain("w", 4))  # next: y's branch (the stem is not a leaf while y hangs on it)
     assert held(ix) == sorted(stem + chain("z", 8) + chain("w", 4))
-    assert orphans(ix) == (0, 0)
+    assert orphans(ix.records) == (0, 0)
 
 
 def test_a_chain_continued_across_calls_goes_from_the_deep_end_of_the_newest_call():
@@ -93,7 +93,7 @@ def test_a_chain_continued_across_calls_goes_from_the_deep_end_of_the_newest_cal
     store(ix, second, parent="c05", depth=6)  # a conversation's second turn
     store(ix, chain("e", 8))  # 4 over: d's tail goes, then (still needing room) nothing of c
     assert held(ix) == sorted(first + second[:2] + chain("e", 8))
-    assert orphans(ix) == (0, 0)
+    assert orphans(ix.records) == (0, 0)
 
 
 def test_calls_with_no_parent_are_roots_and_still_go_leaf_first_within_the_call():
@@ -116,7 +116,7 @@ def test_a_state_goes_with_the_kv_page_it_needs_and_its_dependants_with_it():
     store(ix, chain("k", 8), states=["k01", "k07"])
     assert ix.drop_one(ix.get(("ns", "kv"), "k04")) == 7  # k04..k07, the state, k03 and k02
     assert held(ix) == ["k00", "k01"] and held(ix, "mamba") == ["k01"]
-    assert orphans(ix) == (0, 0)
+    assert orphans(ix.records) == (0, 0)
 
 
 def test_a_state_leaving_a_leaf_takes_the_kv_pages_no_hit_can_use_any_more():
@@ -135,7 +135,7 @@ def test_a_page_with_an_l3_copy_takes_nothing_with_it():
     e.in_l3 = True
     assert ix.drop_one(e) == 1  # k03.. stay restorable through L3
     assert len(held(ix)) == 5 and held(ix, "mamba") == ["k05"]
-    assert orphans(ix, l3=True) == (0, 0)
+    assert orphans(ix.records, l3=True) == (0, 0)
 
 
 def test_state_less_tails_are_evicted_before_states_and_the_value_keeps_long_prefixes():
@@ -149,7 +149,7 @@ def test_state_less_tails_are_evicted_before_states_and_the_value_keeps_long_pre
         states = held(ix, "mamba")
         assert "n03" in states and len(states) == 2
         assert ("L23" not in states) == (gone == "long"), (policy, states)
-        assert orphans(ix) == (0, 0), policy
+        assert orphans(ix.records) == (0, 0), policy
 
 
 @pytest.mark.parametrize("policy", ["prefix", "hybrid"])
@@ -163,7 +163,7 @@ def test_a_mid_chain_state_goes_alone_before_a_leaf_or_a_branch_point(policy):
     ix.touch_many([ix.get(("ns", "mamba"), "u03")])
     store(ix, chain("n", 4), states=["n03"])  # needs a state slot
     assert held(ix, "mamba") == ["n03", "u03"]
-    assert len(held(ix)) == 12 and orphans(ix) == (0, 0)  # every KV page stays
+    assert len(held(ix)) == 12 and orphans(ix.records) == (0, 0)  # every KV page stays
     if policy == "prefix":
         return  # (leaves and mid-chain states in LRU order: the oldest, the branch, goes)
     ix = make(3, policy)  # 1 slab of KV, 2 of 2 states
@@ -173,7 +173,7 @@ def test_a_mid_chain_state_goes_alone_before_a_leaf_or_a_branch_point(policy):
     store(ix, chain("n", 2), states=["n01"])
     store(ix, chain("m", 2), states=["m01"])  # a fifth state: a leaf goes, not the branch
     assert "s03" in held(ix, "mamba") and len(held(ix, "mamba")) == 4
-    assert orphans(ix) == (0, 0)
+    assert orphans(ix.records) == (0, 0)
 
 
 def test_a_kv_class_reclaims_a_slab_of_states_with_their_dependants():
@@ -182,7 +182,7 @@ def test_a_kv_class_reclaims_a_slab_of_states_with_their_dependants():
     store(ix, chain("m", 8))  # fills slab 0 (16 KV)
     assert ix.alloc.free_slab_count == 0
     store(ix, chain("n", 8))  # 8 more KV: the state slab is the oldest other-class slab?
-    assert orphans(ix) == (0, 0)
+    assert orphans(ix.records) == (0, 0)
     for key in held(ix, "mamba"):  # every state left still has its whole KV prefix
         assert all(k in held(ix) for k in chain("k", int(key[1:]) + 1))
 
@@ -197,7 +197,7 @@ def test_a_namespace_quota_evicts_its_own_chains_leaf_first():
         assert quotas.admit("q", KV)
         store(ix, [k], parent=None if k == "b00" else f"b{int(k[1:]) - 1:02d}", ns="q")
     assert held(ix, ns="q") == sorted(chain("a", 8) + chain("b", 8))
-    assert orphans(ix) == (0, 0)
+    assert orphans(ix.records) == (0, 0)
 
 
 def test_reload_of_alpha_and_names():
@@ -227,10 +227,8 @@ def test_random_hybrid_workloads_keep_no_orphans(seed):
     tails go in idle turns of a few pages (the pages going are not orphans), and the orphans
     are counted as a stats call counts them."""
     rng = random.Random(seed)
-    ix = make(12, rng.choice(["prefix", "hybrid"]))
-    idle = Reclaimer(ix, 0.0)
-    if seed % 2:
-        idle.attach(0.0, lambda: False)
+    ix = make(12, rng.choice(["prefix", "hybrid"]), busy=(lambda: False) if seed % 2 else None)
+    idle = ix.reclaimer
     roots: list[list[str]] = []
     pinned = []
     for step in range(300):
@@ -263,7 +261,7 @@ def test_random_hybrid_workloads_keep_no_orphans(seed):
             if rng.random() < 0.7:
                 idle.step(pages=rng.randint(1, 4))
             idle.settle()  # (the tails due: a daemon's stats take them before counting)
-        assert orphans(ix, leaving=idle.leaving()) == (0, 0), (seed, step)
+        assert orphans(ix.records, leaving=idle.leaving()) == (0, 0), (seed, step)
     for e in pinned:
         ix.unpin(e)
 
@@ -272,13 +270,13 @@ def test_orphans_counts_what_lru_leaves_behind():
     ix = make(1, "lru")
     store(ix, chain("a", 10), states=[])
     ix.mark_trailing(("ns", "mamba"))
-    assert orphans(ix, grace_ticks=0)[0] == 10  # no state anywhere below: nothing to hit
+    assert orphans(ix.records, grace_ticks=0)[0] == 10  # no state anywhere below: nothing to hit
     ix2 = make(1, "lru")
     store(ix2, chain("a", 10))
     e = ix2.get(("ns", "kv"), "a03")
     ix2.drop_one(e)
-    assert orphans(ix2) == (6, 6 * KV)
-    assert orphans(ix2, l3=True) == (0, 0)  # with L3, a03 may come back from there
+    assert orphans(ix2.records) == (6, 6 * KV)
+    assert orphans(ix2.records, l3=True) == (0, 0)  # with L3, a03 may come back from there
     assert IN_L3  # (the flag a page copied to L3 carries)
 
 
@@ -294,9 +292,10 @@ def test_a_chain_taken_from_its_leaf_leaves_no_dead_entries_to_pop():
     assert held(ix) == sorted(chain("a", 60)[:24] + chain("b", 40))
     assert ix.evictions == 36
     heap = ix.policy._heaps[KV]
-    assert {ix._key_of(ix.p_krec[e & _LOW]) for e in heap} >= {"a23", "b39"}  # the leaves
+    r = ix.records
+    assert {r.key_of(r.p_krec[e & _LOW]) for e in heap} >= {"a23", "b39"}  # the leaves
     assert len(heap) <= 3  # (one entry may name a page of B's that took a freed record)
-    assert orphans(ix) == (0, 0)
+    assert orphans(ix.records) == (0, 0)
 
 
 def test_a_new_chain_linked_at_once_leaves_the_tree_and_the_victims_of_key_by_key():
@@ -322,7 +321,7 @@ def test_a_new_chain_linked_at_once_leaves_the_tree_and_the_victims_of_key_by_ke
             assert bytes(getattr(fast.policy, name)) == bytes(getattr(slow.policy, name)), (i, name)
         assert held(fast) == held(slow) and held(fast, "mamba") == held(slow, "mamba"), i
     assert fast.evictions == slow.evictions > 500  # under pressure throughout
-    assert orphans(fast) == orphans(slow)
+    assert orphans(fast.records) == orphans(slow.records)
     assert 20 < fresh.count(True) < len(fresh)  # both paths taken
 
 

@@ -102,7 +102,7 @@ def test_drop_skips_pinned():
 
 def expected_presence(ix, ns, keys):
     """What ``presence`` must say, rebuilt from the committed tables."""
-    return [sum(bit for pool, bit in ix._bits.get(ns, {}).items()
+    return [sum(bit for pool, bit in ix.records.pool_bits.get(ns, {}).items()
                 if ix.get((ns, pool), k) is not None) for k in keys]
 
 
@@ -201,7 +201,7 @@ def _state(ix, shared):
         {t: sorted(d) for t, d in ix.pending.items()},
         {s: [(e.table, e.key) for e in ix.lru_order(s)] for s in ix.policy.strides()},
         {ns: ix.presence(ns, [f"k{i}" for i in range(200)]).tolist() for ns in ("ns", "other")},
-        ix._tick,
+        ix.records.tick,
         [(s.index, s.pinned, s.last_used) for s in ix.alloc.slabs],
         {s: [x.index for x in o] for s, o in ix.alloc._by_age.items()},
         shared._w[TABLE_WORD:].tobytes() if shared is not None else None,  # slots and tags
@@ -223,7 +223,7 @@ def test_commit_many_leaves_exactly_the_state_of_single_commits(tmp_path, with_t
             shared = PresenceTable(str(tmp_path / f"t{many}"), 1024, 1, arena_bytes=64 * 1024,
                                    grain=512)
         ix = PageIndex(SlabAllocator(64 * 1024, 4096), presence=shared)
-        ix._gen = 0  # slot generations start at random
+        ix.records.gen = 0  # slot generations start at random
         for round_ in range(3):  # later rounds re-commit keys other pools hold, and evict
             entries = []
             for table, key, stride in plan[round_ * 100:(round_ + 1) * 100]:

@@ -1,9 +1,9 @@
-"""The index's per-call paths (``hicached/daemon/batch.py``) leave exactly the state of their
-scalar twins called page by page: records, slots, generations, recency, slab ages, the presence
-table's bytes and every policy's own state, under both policies, with evictions, keys of several
-pools and kinds, chains and states; so does the controller's set path (``set_control.py``) with
-them. And the batch calls under them (``alloc_many``, ``FpTable.put_many``,
-``PresenceTable.set_many``) against their one-by-one twins."""
+"""The index's per-call paths (``hicached/daemon/commits.py``, ``reserving.py``) leave exactly
+the state of their scalar twins called page by page: records, slots, generations, recency, slab
+ages, the presence table's bytes and every policy's own state, under both policies, with
+evictions, keys of several pools and kinds, chains and states; so does the controller's set path
+(``set_control.py``) with them. And the batch calls under them (``alloc_many``,
+``FpTable.put_many``, ``PresenceTable.set_many``) against their one-by-one twins."""
 
 import random
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from hicached import protocol as P
-from hicached.daemon import batch, reserving
-from hicached.daemon.batch import BATCH_MIN
+from hicached.daemon import commits, reserving
+from hicached.daemon.reserving import BATCH_MIN
 from hicached.daemon.controller import Controller
 from hicached.daemon.eviction.hybrid import GRACE_TICKS
 from hicached.daemon.eviction.registry import make_policy
@@ -32,16 +32,17 @@ KV, MAMBA, OTHER = ("ns", "kv"), ("ns", "mamba"), ("other", "kv")
 def snapshot(ix: PageIndex, shared: PresenceTable | None) -> dict:
     """Everything the index, its allocator, its policy and the presence table hold."""
     a, pol = ix.alloc, ix.policy
-    out = {name: arr.tolist() for name, arr in ix.np.items()}
+    r = ix.records
+    out = {name: arr.tolist() for name, arr in r.np.items()}
     out.update(
-        p_top=ix._p_top, k_top=ix._k_top, p_free=list(ix._p_free), k_free=list(ix._k_free),
-        gen=ix._gen, tick=ix._tick, tcount=list(ix._tcount), committed=ix.committed_count,
-        evictions=ix.evictions, ns_bytes=dict(ix.ns_bytes), owners=sorted(ix.owners.items()),
-        long_keys=dict(ix._long_keys),
+        p_top=r.page_top, k_top=r.key_top, p_free=list(r.page_free), k_free=list(r.key_free),
+        gen=r.gen, tick=r.tick, tcount=list(r.tcount), committed=ix.committed_count,
+        evictions=ix.evictions, ns_bytes=dict(ix.ns_bytes), owners=sorted(r.owners.items()),
+        long_keys=dict(r.long_keys),
         pending={t: [(k, e.rec, e.gen, e.slot_offset) for k, e in d.items()]
                  for t, d in ix.pending.items()},
-        slots={i: list(s) for i, s in ix._slots.items()},
-        keys=[dict(zip(*(x.tolist() for x in k.table.items()), strict=True)) for k in ix._keys],
+        slots={i: list(s) for i, s in r.slot_recs.items()},
+        keys=[dict(zip(*(x.tolist() for x in k.table.items()), strict=True)) for k in r.key_tables],
         slabs=[(s.stride, list(s.free), s.in_partial, s.pinned, s.last_used) for s in a.slabs],
         partial={st: [s.index for s in ss] for st, ss in a._partial.items()},
         by_age={st: [s.index for s in ss] for st, ss in a._by_age.items()},
@@ -65,9 +66,9 @@ def live_tails(ix: PageIndex) -> list[int]:
     queues a tail before the call's state of its key comes; ``commit_many`` judges the key on
     the call's final state: the entries that differ are ones ``stale`` skips, or duplicates.)"""
     pol = ix.policy
-    return sorted({k for _, k in pol._tails if ix.k_len[k] and not pol._kid[k]
-                   and ix.ns_trail[ix.k_ns[k]]
-                   and not pol._has_state(k, ix.ns_trail[ix.k_ns[k]])})
+    return sorted({k for _, k in pol._tails if ix.records.k_len[k] and not pol._kid[k]
+                   and ix.records.ns_trail[ix.records.k_ns[k]]
+                   and not pol._has_state(k, ix.records.ns_trail[ix.records.k_ns[k]])})
 
 
 def odd_key(rng: random.Random, i: int) -> str:
@@ -106,7 +107,7 @@ def replay(plan: Plan, many: bool, policy: str, tmp_path) -> list[dict]:
                            grain=512)  # a state's slot is tagged
     ix = PageIndex(SlabAllocator(24 * plan.slab, plan.slab), policy=make_policy(policy),
                    presence=shared)
-    ix._gen = 0  # slot generations start at random
+    ix.records.gen = 0  # slot generations start at random
     states_seen = []
     for table, keys, states, touch, link in plan.calls:
         live = [k for k in keys if ix.get(table, k) is None and ix.get_pending(table, k) is None]
@@ -128,7 +129,7 @@ def replay(plan: Plan, many: bool, policy: str, tmp_path) -> list[dict]:
         if link:
             ix.link(table[0], keys, None, 0)
         done = [e for e in entries if e is not None]
-        (ix.commit_many if many else ix._commit_each)(done)
+        (ix.commit_many if many else ix.commits._commit_each)(done)
         found = [e for e in ix.get_many(KV, touch) if e is not None]
         if many and link:  # a get's pages in one pass
             ix.read_many(found)
@@ -168,13 +169,13 @@ def test_a_full_class_reserves_the_slots_each_victim_frees_together_as_one_by_on
     and ``hybrid`` a victim (a leaf segment) frees tens of slots, which the next keys take in
     one pass (``_reserve_run`` after an eviction); the state is still exactly that of one by
     one."""
-    runs, real = [], reserving.ReserveOps._reserve_run
+    runs, real = [], reserving.Reservations._reserve_run
 
     def counted(self, table, tid, keys, mine, fps, recs, *rest):
         runs.append((len(keys), recs is None))
         return real(self, table, tid, keys, mine, fps, recs, *rest)
 
-    monkeypatch.setattr(reserving.ReserveOps, "_reserve_run", counted)
+    monkeypatch.setattr(reserving.Reservations, "_reserve_run", counted)
     plan = Plan(7, calls=0, slab=16384)
     rng = random.Random(7)
     stored: list[str] = []
@@ -198,7 +199,7 @@ def test_a_full_class_with_pages_pinned_refuses_keys_as_one_by_one(policy):
     states = []
     for many in (False, True):
         ix = PageIndex(SlabAllocator(4 * 16384, 16384), policy=make_policy(policy))
-        ix._gen = 0
+        ix.records.gen = 0
         ix.mark_trailing(MAMBA)
         first = [f"a{i:063x}" for i in range(256)]
         done = [ix.reserve(KV, k, 256, 256) for k in first]
@@ -221,16 +222,16 @@ def test_a_state_committed_with_its_kv_page_queues_no_tail(tmp_path):
     states, tails = [], []
     for many in (False, True):
         ix = PageIndex(SlabAllocator(8 * 4096, 4096), policy=make_policy("hybrid"))
-        ix._gen = 0
+        ix.records.gen = 0
         ix.mark_trailing(MAMBA)
         keys = [f"{i:064x}" for i in range(BATCH_MIN + 3)]
         entries = [ix.reserve(KV, k, 256, 256) for k in keys]
         entries += [ix.reserve(MAMBA, keys[-1], 512, 512)]
         ix.link("ns", keys, None, 0)
-        (ix.commit_many if many else ix._commit_each)(entries)
+        (ix.commit_many if many else ix.commits._commit_each)(entries)
         states.append(snapshot(ix, None))
         tails.append(list(ix.policy._tails))
-        ix._tick += 2 * GRACE_TICKS
+        ix.records.tick += 2 * GRACE_TICKS
         assert ix.policy.stale() == []  # the leaf has its state
     assert states[0] == states[1]
     assert len(tails[0]) == 1 and tails[1] == [] and states[0]["tails"] == []
@@ -308,11 +309,11 @@ def controller_run(monkeypatch, tmp_path, batched: bool, policy: str) -> tuple[l
     in flight, twice in a call, set-ahead slots, a second pool of states, a quota, evictions);
     with ``batched`` False every call goes page by page. The answers and the final state."""
     if not batched:
-        monkeypatch.setattr(batch, "BATCH_MIN", 1 << 30)
+        monkeypatch.setattr(commits, "BATCH_MIN", 1 << 30)
         monkeypatch.setattr(reserving, "BATCH_MIN", 1 << 30)
     shared = PresenceTable(str(tmp_path / f"c{batched}"), 2048, 1)
     ix = PageIndex(SlabAllocator(40 * 4096, 4096), policy=make_policy(policy), presence=shared)
-    ix._gen = 0
+    ix.records.gen = 0
     workers = IOWorkers()
     ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0,
                      quotas=NamespaceQuotas(ix, {"b": 90 * 256}),

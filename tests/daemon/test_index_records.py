@@ -105,11 +105,11 @@ def test_a_page_costs_about_200_bytes_of_records():
         ix.commit_many([ix.reserve(KV, f"{rng.getrandbits(256):064x}", 4096, 4096)
                         for _ in range(500)])
     assert len(ix) == n
-    used = sum(a.nbytes for a in ix.np.values())
-    used += sum(len(s) * s.itemsize for s in ix._slots.values())
-    used += ix._keys[0].table.nbytes + 2 * 4 * len(ix.policy._prev)
+    used = sum(a.nbytes for a in ix.records.np.values())
+    used += sum(len(s) * s.itemsize for s in ix.records.slot_recs.values())
+    used += ix.records.key_tables[0].table.nbytes + 2 * 4 * len(ix.policy._prev)
     assert used / n < 250, used / n
-    assert not any(np.asarray(ix.np["p_flags"][n:]))  # records past the pages: never used
+    assert not any(np.asarray(ix.records.np["p_flags"][n:]))  # records past the pages: never used
 
 
 def test_past_the_tables_a_record_can_name_a_new_one_is_refused_clearly(monkeypatch):

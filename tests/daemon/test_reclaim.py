@@ -12,7 +12,6 @@ from test_hybrid_eviction import KV, STATE, chain, held, make, store
 
 from hicached import Client, HostPool, PoolTransfer
 from hicached.daemon.orphans import orphans
-from hicached.daemon.reclaim import Reclaimer
 
 
 def free_kv(ix):
@@ -22,11 +21,14 @@ def free_kv(ix):
 def test_nothing_is_evicted_ahead_before_a_set_had_to_evict_or_when_off():
     ix = make(2, "lru")
     store(ix, chain("a", 20))
-    r = Reclaimer(ix, 0.25)
+    r = ix.reclaimer
+    r.set_ahead(0.25)
     assert not r.wanted() and r.step() == 0  # 12 slots free, no class pressed
     store(ix, chain("b", 14))  # 2 over: the set evicts a00, a01 itself
     assert ix.pressed == {KV} and held(ix) == sorted(chain("a", 20)[2:] + chain("b", 14))
-    assert not Reclaimer(ix, 0.0).wanted()
+    r.set_ahead(0.0)
+    assert not r.wanted()  # off
+    r.set_ahead(0.25)
     assert r.wanted()
     assert r.step() == 8  # a quarter of 2 slabs of 16: 8 slots free, the oldest 8 pages gone
     assert held(ix) == sorted(chain("a", 20)[10:] + chain("b", 14)) and free_kv(ix) == 8
@@ -44,13 +46,14 @@ def test_evicting_ahead_page_by_page_never_leaves_an_orphan(policy):
         parent = rng.choice([None, None] + [c[-1] for c in calls[-6:]])
         calls.append((chain(f"c{i}-", rng.randint(1, 6)), parent, rng.random() < 0.5))
     ix = make(4, policy)
-    r = Reclaimer(ix, 2 * KV / ix.alloc.capacity_bytes)
+    r = ix.reclaimer
+    r.set_ahead(2 * KV / ix.alloc.capacity_bytes)
     for keys, parent, with_state in calls:
         p = parent if parent is not None and ix.get(("ns", "kv"), parent) else None
         store(ix, keys, parent=p, depth=-1, states=[keys[-1]] if with_state else ())
         while r.wanted():
             assert r.step(pages=1) <= 2  # a page, or a key's KV page and its state
-            assert policy == "lru" or orphans(ix) == (0, 0)
+            assert policy == "lru" or orphans(ix.records) == (0, 0)
         assert r._blocked or all(ix.alloc.free_bytes(c) >= max(c, 2 * KV) for c in ix.pressed)
     assert r.evicted > 50
 
@@ -62,19 +65,20 @@ def test_a_set_stopped_between_pages_leaves_no_orphan_and_a_page_read_since_stay
     store(ix, chain("n", 1))  # the set evicts a's segment (9 pages) for one slot
     assert held(ix) == sorted(chain("b", 8) + ["n00"])
     store(ix, chain("a", 6), states=["a05"])
-    r = Reclaimer(ix, 8 * KV / ix.alloc.capacity_bytes)  # 8 slots free wanted: 1 now
+    r = ix.reclaimer
+    r.set_ahead(8 * KV / ix.alloc.capacity_bytes)  # 8 slots free wanted: 1 now
     assert r.step(busy=lambda: True) == 2  # b07's state and b07, then a request arrives
     assert "b07" not in held(ix) and "b06" in held(ix) and r.wanted()  # a segment begun
     # no grace: b00..b06 (going) and n00 (waiting for its state) would be orphans; the stats
     # leave out the pages going
-    assert orphans(ix, grace_ticks=0) == (8, 8 * KV)
+    assert orphans(ix.records, grace_ticks=0) == (8, 8 * KV)
     assert sorted(r.leaving()) == sorted(ix.get(("ns", "kv"), k).rec for k in chain("b", 7))
-    assert orphans(ix, grace_ticks=0, leaving=r.leaving()) == (1, KV)
+    assert orphans(ix.records, grace_ticks=0, leaving=r.leaving()) == (1, KV)
     ix.touch_many([ix.get(("ns", "kv"), "b05")])  # the request reads b05 (b06 is next)
     assert r.step(pages=1) == 1 and held(ix) == sorted(chain("b", 6) + ["n00"] + chain("a", 6))
     r.step(pages=1)  # b05 was read since the set was chosen: the set ends there
     assert "b05" in held(ix)
-    assert orphans(ix, grace_ticks=1 << 40) == (0, 0)  # b00..b05 wait for their grace
+    assert orphans(ix.records, grace_ticks=1 << 40) == (0, 0)  # b00..b05 wait for their grace
 
 
 def test_a_chain_continued_from_the_middle_of_a_set_keeps_its_ancestors():
@@ -85,13 +89,14 @@ def test_a_chain_continued_from_the_middle_of_a_set_keeps_its_ancestors():
     store(ix, chain("d", 16))  # every slab used
     store(ix, chain("e", 1))  # the set evicts a's segment, the oldest leaf with a state
     assert ix.pressed == {KV} and not any(k in held(ix) for k in chain("a", 10))
-    r = Reclaimer(ix, 16 * KV / ix.alloc.capacity_bytes)
+    r = ix.reclaimer
+    r.set_ahead(16 * KV / ix.alloc.capacity_bytes)
     assert r.step(busy=lambda: True) == 2  # b05's state and b05 of the segment b05..b00
     store(ix, chain("z", 3), parent="b02", depth=3)  # b continued from the set's middle
     r.step(pages=3)  # b04, b03; b02 now has a child: the set ends there
     assert [k for k in chain("b", 6) if k in held(ix)] == chain("b", 3)
     assert all(k in held(ix) for k in chain("z", 3))
-    assert orphans(ix, grace_ticks=1 << 40) == (0, 0)
+    assert orphans(ix.records, grace_ticks=1 << 40) == (0, 0)
 
 
 def test_nothing_that_may_go_blocks_until_the_index_changes():
@@ -101,7 +106,8 @@ def test_nothing_that_may_go_blocks_until_the_index_changes():
     for e in pins:
         ix.pin(e)
     assert store(ix, ["b"]) == []  # no room, nothing may go
-    r = Reclaimer(ix, 0.25)
+    r = ix.reclaimer
+    r.set_ahead(0.25)
     assert r.wanted() and r.step() == 0
     assert not r.wanted()  # nothing changed: the loop does not spin on it
     for e in pins:
@@ -136,9 +142,8 @@ def test_the_daemon_evicts_ahead_while_idle_and_reads_stay_exact(tmp_path):
 
 
 def test_a_daemons_commits_leave_the_tails_due_to_its_idle_turns_unless_it_has_none():
-    ix = make(4, "prefix")
-    r = Reclaimer(ix, 0.0)
-    r.attach(0.0, lambda: False)
+    ix = make(4, "prefix", busy=lambda: False)
+    r = ix.reclaimer
     store(ix, chain("s", 2), states=["s01"])  # the namespace's hits need a state
     stem = [ix.get(("ns", "kv"), k) for k in chain("s", 2)]
 
@@ -152,7 +157,7 @@ def test_a_daemons_commits_leave_the_tails_due_to_its_idle_turns_unless_it_has_n
     store(ix, chain("u", 1), states=["u00"])  # a commit right after the loop's last turn
     assert held(ix) == sorted(chain("s", 2) + chain("t", 3) + ["u00"])  # left to the loop
     assert r.wanted() and r.step() == 3 and "t00" not in held(ix)
-    assert orphans(ix) == (0, 0)
+    assert orphans(ix.records) == (0, 0)
     store(ix, chain("v", 3))
     assert not r.wanted()
     age(1100)
@@ -163,9 +168,9 @@ def test_a_daemons_commits_leave_the_tails_due_to_its_idle_turns_unless_it_has_n
     age(1100)
     store(ix, chain("x", 2))  # due at once, the loop still busy: a stats call settles them
     age(1100)
-    assert orphans(ix)[0] == 2
+    assert orphans(ix.records)[0] == 2
     r.settle()
-    assert orphans(ix) == (0, 0)
+    assert orphans(ix.records) == (0, 0)
 
 
 # ---------------------------------------------------------------- a key's pages go together
@@ -197,9 +202,8 @@ def tails_setup(more=()):
     INDEXER pages) whose grace is over: the idle turns' next victim set is t02, t01, t00 (each
     key's INDEXER page first, as its call reserved them last). ``more``: (keys, states) of
     other calls, stored before (a commit once the tails are due may take them itself)."""
-    ix = make(8, "hybrid")
-    r = Reclaimer(ix, 0.0)
-    r.attach(0.0, lambda: False)
+    ix = make(8, "hybrid", busy=lambda: False)
+    r = ix.reclaimer
     store_both(ix, chain("s", 2), states=["s01"])
     for keys, states in more:
         store_both(ix, keys, states=states)
@@ -231,7 +235,7 @@ def test_a_step_stopped_by_a_request_stops_at_a_key_s_end():
     """A leaf segment with a state (state, INDEXER, KV of its leaf, then the keys above):
     a request arriving after the first pages stops the turn only once the key is gone."""
     ix, r = tails_setup(more=[(chain("u", 2), ["u01"])])
-    ix.defer(ix.policy.doomed(ix.get(("ns", "mamba"), "u01").rec))  # u01's state, u01, u00
+    r.defer(ix.policy.doomed(ix.get(("ns", "mamba"), "u01").rec))  # u01's state, u01, u00
     assert r.step(busy=lambda: True) == 3  # u01's state and both its pages, then the request
     assert torn(ix, chain("u", 2)) == [] and held(ix, "indexer") == sorted(
         chain("s", 2) + chain("t", 3) + ["u00"])
@@ -265,7 +269,7 @@ def test_a_set_taking_deferred_pages_of_its_class_takes_their_keys_whole():
     """A reservation of INDEXER slots takes the deferred pages of that class first: each key
     it takes goes with its KV page (the next page of the queue is of another class)."""
     ix, r = tails_setup()
-    ix.defer(ix.policy.stale())  # t02, t01, t00 for the idle turns
+    ix.reclaimer.defer(ix.policy.stale())  # t02, t01, t00 for the idle turns
     assert r.take(IX, ix.alloc.free_slots(IX) + 1) == 2  # one INDEXER slot: t02 whole
     assert torn(ix, chain("t", 3)) == [] and held(ix) == sorted(chain("s", 2) + chain("t", 2))
 
@@ -274,9 +278,8 @@ def split_setup():
     """A slab of 16 KV pages and one of 2 states, full of states: chain a (12 KV pages and a
     state at its end, a segment of 13 pages) and chain b (2 and a state), with a daemon's
     reclaimer attached."""
-    ix = make(2, "prefix")
-    r = Reclaimer(ix, 0.0)
-    r.attach(0.0, lambda: False)
+    ix = make(2, "prefix", busy=lambda: False)
+    r = ix.reclaimer
     store(ix, chain("a", 12), states=["a11"])
     store(ix, chain("b", 2), states=["b01"])
     return ix, r
@@ -292,11 +295,13 @@ def test_a_set_that_needs_a_state_slot_leaves_the_rest_of_the_segment_to_the_idl
     assert held(ix) == sorted(chain("a", 11) + chain("b", 2) + ["c00"])
     going = sorted(ix.get(("ns", "kv"), k).rec for k in chain("a", 11))
     assert sorted(r.leaving()) == going and r.wanted()
-    assert orphans(ix, grace_ticks=0, leaving=r.leaving()) == (0, 0)
+    assert orphans(ix.records, grace_ticks=0, leaving=r.leaving()) == (0, 0)
     assert r.step(pages=4) == 4 and held(ix) == sorted(chain("a", 7) + chain("b", 2) + ["c00"])
-    assert orphans(ix, grace_ticks=0, leaving=r.leaving()) == (0, 0)  # a leaf first: a10..a07
+    # a leaf first: a10..a07
+    assert orphans(ix.records, grace_ticks=0, leaving=r.leaving()) == (0, 0)
     assert r.step() == 7 and not r.wanted()
-    assert held(ix) == sorted(chain("b", 2) + ["c00"]) and orphans(ix, grace_ticks=0) == (0, 0)
+    assert held(ix) == sorted(chain("b", 2) + ["c00"])
+    assert orphans(ix.records, grace_ticks=0) == (0, 0)
     assert r.evicted == 11
 
 
@@ -320,7 +325,8 @@ def test_a_set_that_needs_kv_slots_takes_the_deferred_pages_before_any_live_one(
     assert held(ix) == sorted(["a00"] + chain("b", 2) + ["c00"] + chain("d", 12))
     assert held(ix, "mamba") == ["b01", "c00"] and ix.evictions - before == 10
     assert r.evicted == 0  # (on the set's path: none evicted ahead)
-    assert orphans(ix, leaving=r.leaving()) == (0, 0)  # (d's state may come with its next call)
+    # (d's state may come with its next call)
+    assert orphans(ix.records, leaving=r.leaving()) == (0, 0)
     assert r.wanted() and r.step() == 1 and "a00" not in held(ix) and r.evicted == 1
 
 
@@ -336,7 +342,7 @@ def test_a_deferred_tail_continued_since_keeps_what_the_new_chain_needs():
     kv = held(ix)
     assert set(chain("a", 6) + ["e0"]) <= set(kv) and not set(chain("a", 11)[6:]) & set(kv)
     assert "e0" in held(ix, "mamba")
-    assert orphans(ix, grace_ticks=0) == (0, 0)
+    assert orphans(ix.records, grace_ticks=0) == (0, 0)
 
 
 def test_the_daemon_leaves_the_rest_of_a_split_segment_to_its_idle_turns(tmp_path):

@@ -144,7 +144,7 @@ def sliced_run(tmp_path, chunk, policy, commits_sliced=False, capacity=48):
     events = Recorder({})  # the kv pool's pages told (``declare``'s, as the test registers it)
     ix = PageIndex(SlabAllocator(capacity * 4096, 4096), policy=make_policy(policy),
                    presence=shared, events=events)
-    ix._gen = 0
+    ix.records.gen = 0
     workers = IOWorkers()
     ctl = Controller(ix, LeaseTable(ix, 60.0, 60.0), L3Tier(ix, workers), lambda: 0.0,
                      ahead_session_bytes=8 * 256, ahead_total_bytes=1 << 20)

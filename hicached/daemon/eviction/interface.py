@@ -1,7 +1,7 @@
 """The eviction policy's contract: the hooks the page index calls, and what a policy may read.
 
 One policy object answers every path that frees L2 pages: eviction on reserve
-(``PageIndex._make_room``, ``reserve_many``), slab reclaim (a class takes a whole slab from
+(``Reclaimer.make_room``, ``reserve_many``), slab reclaim (a class takes a whole slab from
 another), the idle turns' eviction ahead (``reclaim.py``), namespace quotas (``quotas.py``:
 ``ranked``), the L3 audit (``l3/audit.py``: ``strides`` / ``upcoming``), a flush (``doomed``) and
 stats (``orphans.py`` counts what the policy left). The index tells it every change of the
@@ -141,7 +141,7 @@ class EvictionPolicy(ABC):
     #: a victim set is mostly many slots (``reserve_many`` then reserves the freed ones as a run)
     frees_runs = False
     #: whether ``make_room``'s last victim set was a leaf segment whose keys may go in part,
-    #: from the leaf up (``PageIndex._evict_victims`` defers the rest to the idle turns)
+    #: from the leaf up (``Reclaimer.evict_victims`` defers the rest to the idle turns)
     split_ok = False
     #: every path evicts a key's pages together, its states aside (``reclaim.py`` then keeps a
     #: key whole that gained a page since its set was named)
