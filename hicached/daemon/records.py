@@ -66,7 +66,7 @@ class Records:
         self.np: dict[str, np.ndarray] = {}
         size = np.int32 if allocator.slab_bytes < 1 << 31 else np.int64  # a page fits a slab
         self.page_cols = {
-            "p_tid": np.int16,  # table id (``_tables``), -1 while unbound
+            "p_tid": np.int16,  # table id (``table_of``), -1 while unbound
             "p_krec": np.int32,  # key record (unbound: its namespace id)
             "p_off": np.int64, "p_stride": size, "p_pbytes": size,
             "p_gen": np.int64,  # 0 while the record is free
@@ -76,7 +76,7 @@ class Records:
         }
         self.key_cols = {
             "k_bytes": (np.uint8, KEY_BYTES),  # the key's UTF-8 bytes
-            "k_len": np.uint8,  # 0: free record; 255: the key is in ``_long_keys``
+            "k_len": np.uint8,  # 0: free record; 255: the key is in ``long_keys``
             "k_ns": np.int16,
             "k_sfp": np.uint64,  # its fingerprint in the shared presence table (0: not yet)
             "k_mask": np.int64,  # pools holding it committed (``pool_bit``)

@@ -13,7 +13,7 @@ back into the index's mutating calls; each is given page records, ints indexing 
 ``p_*`` columns, and key records, indexing its ``k_*`` columns):
 
     hook                        called by, when                        cost budget
-    bind(view)                  PageIndex.__init__, once               -
+    bind(view)                  Records.__init__, once                 -
     grow(n) / grow_keys(n)      the records grow (rarely, amortised)   O(n)
     inserted(p)                 a page committed (few pages a call)    O(1), ~1 us
     inserted_many(ps, ...)      a call's pages committed at once       O(len) numpy, ~0.2 us/page
@@ -60,7 +60,8 @@ if TYPE_CHECKING:
 
 
 class IndexView(Protocol):
-    """What a policy may read of the page index (``PageIndex`` is one): read-only to it.
+    """What a policy may read of the page index (its ``Records``, ``records.py``, is one):
+    read-only to it.
 
     Columns, indexed by page record ``p`` (``p_*``) and key record ``k`` (``k_*``); Python ints
     through memoryviews (``np[name]``: the same columns as numpy arrays, for vectorised reads).
