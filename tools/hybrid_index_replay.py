@@ -104,7 +104,7 @@ def replay(trace: Trace, policy: str, arena: int, state_pages: int, warmup: int)
     idle.settle()
     return {"policy": policy, "arena_bytes": ix.alloc.capacity_bytes,
             "hit_rate": hit_tokens / max(1, prompt_tokens), "evictions": ix.evictions,
-            "orphan_bytes_at_end": orphans(ix, leaving=idle.leaving())[1],
+            "orphan_bytes_at_end": orphans(ix.records, leaving=idle.leaving())[1],
             "sets": len(ms), "set_p50_ms": float(np.percentile(ms, 50)) if len(ms) else 0.0,
             "set_p99_ms": float(np.percentile(ms, 99)) if len(ms) else 0.0,
             "set_mean_ms": float(ms.mean()) if len(ms) else 0.0,
