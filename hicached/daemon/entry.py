@@ -32,8 +32,8 @@ def key_fps(keys: Sequence[str]) -> np.ndarray:
 
 
 class Entry:
-    """A handle on one page record (see the module docstring): ``ix`` (the index whose record
-    it names), ``rec``, ``table``, ``key``, ``slot_offset`` (its slot as it was made: the
+    """A handle on one page record (see the module docstring): ``ix`` (the index's ``Records``
+    whose record it names), ``rec``, ``table``, ``key``, ``slot_offset`` (its slot as it was made: the
     index's own calls read it; others read ``offset``, -1 once the page is gone), ``stride``
     and ``gen`` are fixed; everything else reads through to the records. The index alone
     makes and fills handles."""
