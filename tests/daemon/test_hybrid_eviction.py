@@ -336,7 +336,8 @@ def test_the_states_one_call_stored_on_a_chain_go_from_its_deep_end(policy):
     store(ix, c, states=["c01", "c03", "c05", "c07"])
     store(ix, chain("n", 2), states=["n01"])  # a fifth state: c06..c07 and their state go
     assert held(ix, "mamba") == ["c01", "c03", "c05", "n01"]
-    assert held(ix) == sorted(c[:6] + ["n00", "n01"]) and orphans(ix) == (0, 0)
+    assert held(ix) == sorted(c[:6] + ["n00", "n01"]) and orphans(ix.records) == (0, 0)
     store(ix, chain("m", 2), states=["m01"])  # then c04..c05: c01 and c03 stay
     assert held(ix, "mamba") == ["c01", "c03", "m01", "n01"]
-    assert held(ix) == sorted(c[:4] + ["m00", "m01", "n00", "n01"]) and orphans(ix) == (0, 0)
+    assert held(ix) == sorted(c[:4] + ["m00", "m01", "n00", "n01"])
+    assert orphans(ix.records) == (0, 0)
