@@ -189,8 +189,10 @@ def test_hybrid_index_replay_drives_the_index_as_the_daemon_does(monkeypatch):
         assert 0 < low["set_evicted_p99"] <= low["set_evicted_max"], policy
         most[policy] = low["set_evicted_max"]
     # a set evicts about what it stores under either policy: a leaf segment goes only as far as
-    # the call needs (a state's segment of ~100 KV pages would double a call's evictions)
-    assert most["hybrid"] <= most["lru"] + 16, most
+    # the call needs (a state's segment of ~100 KV pages would double a call's evictions), save
+    # one whose going empties a slab the other class waits for: it goes whole (issue 48's
+    # pressure pattern; docs/eviction.md), a state's worth of KV pages (32 here) more at most
+    assert most["hybrid"] <= most["lru"] + 32, most
     r = _run("hybrid_index_replay.py", "--requests", "150", "--budgets", "10",
              "--policies", "lru,prefix,hybrid:2")
     assert [x["policy"] for x in r["runs"]] == ["lru", "prefix", "hybrid:2"]
