@@ -9,6 +9,15 @@ import uuid
 # here and in every daemon and process the tests start (they inherit the environment).
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
+import signal
+
+# A suite started as a background job by a non-interactive shell (``cmd &``, as a CI script may)
+# inherits SIGINT ignored, and so would every daemon it starts: the Ctrl-C tests (a daemon's
+# SIGINT at each phase of its start) would send signals nobody takes. Python's own handler here,
+# so the processes the tests start get SIGINT's default, as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 import pytest
 import zmq
 
@@ -41,7 +50,6 @@ def arena(shm_path):
 
 # ---------------------------------------------------------------- real daemons
 
-import signal
 import struct
 import subprocess
 import sys
