@@ -66,6 +66,12 @@ def default_endpoint(env: Mapping[str, str]) -> str:
     return f"ipc://{default_runtime_dir(env)}/hicached.sock"
 
 
+def process_default_endpoint() -> str:
+    """``default_endpoint`` of this process's environment (read here, where settings are read:
+    a ``Client`` given no endpoint asks this once)."""
+    return default_endpoint(os.environ)
+
+
 UNIT_ENDPOINT = "ipc:///run/hicached/hicached.sock"  # configs/hicached.service's socket
 
 

@@ -38,7 +38,6 @@ after the request was sent are abandoned (set: aborted; get: reported as misses)
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Self
 
@@ -56,7 +55,7 @@ from hicached.client.pools import PoolTable
 from hicached.client.sets import SetCalls
 from hicached.client.waits import WaitCalls
 from hicached.kernels.pageio import PageIO
-from hicached.settings import default_endpoint
+from hicached.settings import process_default_endpoint
 from hicached.types import PoolTransferResult, pool_value
 
 if TYPE_CHECKING:
@@ -72,7 +71,7 @@ class Client:
 
     ``endpoint``: where the daemon listens (``ipc:///path`` or ``tcp://host:port``). Left out
     (None), it is the endpoint ``hicached serve`` listens on by default for this process's user,
-    ``settings.default_endpoint`` of the process environment (read here, once):
+    ``settings.process_default_endpoint`` (the process environment, read once):
     ``ipc://$XDG_RUNTIME_DIR/hicached/hicached.sock``, else ``ipc:///tmp/hicached-$UID/...``.
     A client of a daemon run by another user, or by the systemd unit, must name its endpoint.
     ``namespace`` is required: ``Client(namespace=...)`` or ``Client(endpoint, namespace)``.
@@ -87,7 +86,7 @@ class Client:
                  shared_gets: bool = True):
         default = endpoint is None  # (named in the error when nobody listens)
         if endpoint is None:  # an entry point of engine code: the environment is read here
-            endpoint = default_endpoint(os.environ)
+            endpoint = process_default_endpoint()
         check_client_args(endpoint, namespace, timeout_s, client_name, spin_s, token,
                           remember_pages, set_ahead_bytes, release_delay_s, shared_exists,
                           shared_gets)
