@@ -145,6 +145,40 @@ def create_mapped(path: str, size_bytes: int, mode: int, what: str,
     return buf
 
 
+def adopt_mapped(path: str, size_bytes: int, what: str) -> mmap.mmap:
+    """The existing shared-memory file at ``path`` (a previous daemon's, kept for this one),
+    mapped read/write without pre-faulting (its pages are allocated already: only the page
+    tables are filled as it is touched) and locked until ``release_mapped`` / ``keep_mapped``;
+    ArenaError when it is missing, in use by a running daemon, or not ``size_bytes`` long."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ArenaError(f"cannot open the kept {what} {path}: {e}") from e
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ArenaError(f"{what} {path} is in use by a running hicached daemon") from None
+        actual = os.fstat(fd).st_size
+        if actual != size_bytes:
+            raise ArenaError(f"kept {what} {path} has {actual} bytes, expected {size_bytes}")
+        buf = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    _HELD[path] = fd
+    return buf
+
+
+def keep_mapped(path: str) -> None:
+    """Let go of a file ``create_mapped`` / ``adopt_mapped`` made or took, leaving it in place
+    for the next daemon (its lock dropped)."""
+    fd = _HELD.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
 def release_if_made(path: str) -> None:
     """``release_mapped(path)`` when this process made the file (a start interrupted between
     ``create_mapped`` and the object that owns its mapping); nothing otherwise."""
@@ -207,6 +241,17 @@ class Arena:
             raise
 
     @classmethod
+    def adopt(cls, path: str, size_bytes: int) -> Arena:
+        """Map the arena a previous daemon kept at ``path`` (``adopt_mapped``: no pre-fault;
+        its bytes are what that daemon left)."""
+        buf = adopt_mapped(path, size_bytes, "arena")
+        try:
+            return cls(path, size_bytes, buf, owner=True)
+        except BaseException:
+            keep_mapped(path)
+            raise
+
+    @classmethod
     def attach(cls, path: str, size_bytes: int) -> Arena:
         """Map an arena the daemon created (client side)."""
         try:
@@ -235,8 +280,9 @@ class Arena:
             )
         return memoryview(self.buffer)[offset : offset + nbytes]
 
-    def close(self) -> None:
-        """Drop this mapping (and unlink the file, for the owner). Safe to call twice.
+    def close(self, keep: bool = False) -> None:
+        """Drop this mapping (and unlink the file, for the owner, unless ``keep``: it stays for
+        the next daemon to adopt). Safe to call twice.
 
         The mmap is not closed explicitly: a tensor or memoryview another thread still holds
         keeps the memory mapped until it is gone (closing under it would crash that thread).
@@ -247,7 +293,7 @@ class Arena:
         self._tensor = None
         self.buffer = None
         if self.owner:
-            release_mapped(self.path)
+            (keep_mapped if keep else release_mapped)(self.path)
 
 
 def arena_progress(every_s: float = 2.0):

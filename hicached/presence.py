@@ -346,6 +346,33 @@ class PresenceTable:
         release_mapped(self.path)
 
 
+def close_left(path: str) -> bool:
+    """Mark the table a previous daemon left at ``path`` closed (flag CLOSED), as its own
+    ``close`` would have: its clients stop answering from it, and stop trusting the slot tags
+    they read there, before a successor touches a slot (``daemon/adoption.py``). Whether a
+    table of this format was there."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_size < HEADER_WORDS * 8:
+            return False
+        buf = mmap.mmap(fd, HEADER_WORDS * 8, flags=mmap.MAP_SHARED,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    w = memoryview(buf).cast("Q")
+    try:
+        if w[H_MAGIC] != MAGIC:
+            return False
+        w[H_FLAGS] = w[H_FLAGS] | F_CLOSED
+        return True
+    finally:
+        w.release()
+        buf.close()
+
+
 class PresenceView:
     """A client's read-only map of the daemon's table (``lookup``), for one namespace."""
 

@@ -121,9 +121,10 @@ class DaemonProc:
         self.stop()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-        for path in (self.cfg.arena_path, self.cfg.arena_path + ".presence"):
+        for path in (self.cfg.arena_path, self.cfg.arena_path + ".presence",
+                     self.cfg.arena_path + ".meta"):
             try:
-                os.unlink(path)  # left behind only by a SIGKILLed daemon
+                os.unlink(path)  # left behind only by a SIGKILLed daemon (or a kept arena)
             except FileNotFoundError:
                 pass
         self.log.close()

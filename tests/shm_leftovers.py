@@ -4,9 +4,10 @@ loaded by ``conftest.py``). It fails the run, naming each file, and removes them
 The suite's files, told apart from other processes' on a shared machine by name and record:
 
     what                                  how it is found
-    a daemon's arena + ``.presence``      the path the daemon recorded in its state dir's
-      (hicached-<digest>, or a custom       ``hicached.lock`` (it writes "" there on a clean
-      arena_path)                           exit): every lock file under the session's basetemp
+    a daemon's arena, ``.presence`` and   the path the daemon recorded in its state dir's
+      ``.meta`` (hicached-<digest>, or a    ``hicached.lock`` (it writes "" there on a clean
+      custom arena_path)                    exit that frees the arena): every lock file
+                                            under the session's basetemp
     a test's own file (hicached-test-*)   a name with the pid of a test process (``-<pid>-`` or
     a daemon's hf3fs scratch file           ``-<pid>`` at its end), or of a daemon ``DaemonProc``
       (hicached-hf3fs-<pid>-*)              started (``spawned``)
@@ -43,7 +44,7 @@ def _recorded_arenas(basetemp: Path) -> set[str]:
         except OSError:
             continue
         if recorded:
-            paths.update((recorded, recorded + ".presence"))
+            paths.update((recorded, recorded + ".presence", recorded + ".meta"))
     return paths
 
 

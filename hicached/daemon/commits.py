@@ -115,6 +115,7 @@ class Commits:
         used[ps] = np.arange(tick + 1, tick + 1 + n, dtype=np.int64)
         r.tick = tick + n
         self.policy.inserted_many(ps, used_before, mask_before)
+        r.journal_pages(ps)  # (before the answer: a commit a client heard of is journaled)
         offsets = cols["p_off"][ps]
         pins = cols["p_pins"]
         pins[ps] -= 1  # unpinned: a pending page's reservation pin
@@ -225,6 +226,7 @@ class Commits:
                     shared.set(r.sfp(k), mask_of[k])
         r.tick = tick
         alloc.touched(touched)
+        r.journal_pages(np.fromiter((e.rec for e in entries), np.int64, len(entries)))
         if self.events.tids and events:
             self.events.stored(entries, r.chain)
         if self.reclaimer.commit_tails():

@@ -80,6 +80,11 @@ class DaemonConfig:
     # share of the arena each size class that had to evict keeps free, evicting ahead in the
     # control loop's idle turns, so that sets find room without evicting (0: off; eviction.md)
     evict_ahead: float = 0.0
+    # warm restart (daemon/adoption.py): what a clean exit (SIGTERM, SIGINT, drain) does with
+    # the arena: "free" removes it, "keep" leaves it (and its journal) for the next daemon of
+    # this state dir, which adopts its committed pages; a crash always leaves it
+    on_stop: str = "free"
+    cold: bool = False  # discard a kept arena at start instead of adopting it
 
     def resolved(self, env: Mapping[str, str] | None = None) -> DaemonConfig:
         """Fill the derived defaults (paths: from ``env``'s XDG variables) and check values."""
@@ -140,6 +145,8 @@ class DaemonConfig:
         for key in ("reservation_ttl_s", "lease_ttl_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be > 0, got {getattr(self, key)}")
+        if self.on_stop not in ON_STOP:
+            raise ConfigError(f"on_stop: unknown {self.on_stop!r}; valid: {list(ON_STOP)}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level: unknown {self.log_level!r}; valid: {list(LOG_LEVELS)}")
         self._check_operations()
@@ -259,6 +266,7 @@ def parse_options(value: object, key: str = "l3_options") -> dict:
     return data
 
 
+ON_STOP = ("free", "keep")  # what a clean exit does with the arena (``on_stop``)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}

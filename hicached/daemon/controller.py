@@ -160,6 +160,12 @@ class Controller:
         return sorted(out, key=lambda n: n["namespace"])
 
 
+    def know_geometry(self, geometry: dict[tuple[str, str], int]) -> None:
+        """The page bytes of tables whose pages were adopted (``adoption.py``): a client that
+        registers one of those pools with other page bytes is refused as for a live pool."""
+        for table, page_bytes in geometry.items():
+            self.geometry.setdefault(table, page_bytes)
+
     def register_pool(self, s: Session, pool: str, page_bytes: int, event_hash: str = "",
                       tokens_per_page: int = 0) -> int:
         """Check and record a session's pool (its KV events: ``kv_events.py``, the latest

@@ -85,6 +85,9 @@ class Entry:
     @in_l3.setter
     def in_l3(self, on: bool) -> None:
         self._set_flag(IN_L3, on)
+        ix = self.ix
+        if self.stride >= ix.journal_grain and ix.p_gen[self.rec] == self.gen:
+            ix.journal.set_in_l3(self.slot_offset, on)  # (the successor writes what L3 lacks)
 
     @property
     def writing(self) -> bool:

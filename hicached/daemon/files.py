@@ -46,15 +46,17 @@ class DaemonFiles:
                 f"another hicached daemon already uses state dir {state_dir}") from None
         return fd
 
-    def recorded_arena(self, arena_path: str) -> None:
-        """Before the arena is made: the path the state dir's last daemon recorded in its lock
-        file (``record_arena``) may be replaced: its files, left by a crash
-        (``arena.made_before``)."""
+    def recorded_arena(self, arena_path: str) -> bool:
+        """Before the arena is made: whether the state dir's last daemon recorded this path in
+        its lock file (``record_arena``); if so its files, left by a crash or kept by a stop
+        (``on_stop = "keep"``), may be adopted or replaced (``arena.made_before``)."""
         try:
             if os.pread(self.lock_fd, 4096, 0).decode(errors="replace").strip() == arena_path:
-                made_before(arena_path, arena_path + ".presence")
+                made_before(arena_path, arena_path + ".presence", arena_path + ".meta")
+                return True
         except OSError:  # a record is a convenience: without it only hicached-* is replaced
             pass
+        return False
 
     def record_arena(self, arena_path: str = "") -> None:
         """Record the arena this daemon made; "" once its files are gone (a clean exit), or a
@@ -130,7 +132,9 @@ class DaemonFiles:
             except FileNotFoundError:
                 pass
 
-    def close(self) -> None:
-        """The arena's record cleared and the lock let go (once the arena's files are gone)."""
-        self.record_arena()
+    def close(self, keep: bool = False) -> None:
+        """The lock let go, and the arena's record cleared (once the arena's files are gone),
+        unless ``keep``: the arena is kept for the next daemon, which finds it by the record."""
+        if not keep:
+            self.record_arena()
         os.close(self.lock_fd)

@@ -90,6 +90,7 @@ from hicached.daemon.entry import (  # noqa: F401 - names the daemon imports fro
 from hicached.daemon.evict import Evictor
 from hicached.daemon.eviction.interface import EvictionPolicy
 from hicached.daemon.eviction.lru import LruPolicy
+from hicached.daemon.journal import Journal
 from hicached.daemon.kv_events import NullKVEvents
 from hicached.daemon.lookups import Lookups
 from hicached.daemon.reclaim import Reclaimer
@@ -109,7 +110,9 @@ class PageIndex:
     events, told of pages of the tables in ``events.tids`` as they come and go; ``on_evict
     (entry)`` runs for every evicted committed page (before its slot is reused); ``ahead`` /
     ``busy``: the reclaimer's (``Reclaimer``: a daemon's share of the arena kept free, and
-    whether a request waits; ``busy`` None: no idle turns, a victim set goes whole).
+    whether a request waits; ``busy`` None: no idle turns, a victim set goes whole);
+    ``journal``: the journal of committed slots it keeps (``journal.py``; None: none);
+    ``first_gen``: where its slot generations start (None: a random start).
 
     Not thread-safe: only the daemon's control loop calls it.
     """
@@ -117,11 +120,12 @@ class PageIndex:
     def __init__(self, allocator: SlabAllocator, on_evict: Callable[[Entry], None] | None = None,
                  policy: EvictionPolicy | None = None, presence: PresenceTable | None = None,
                  events: NullKVEvents | None = None, ahead: float = 0.0,
-                 busy: Callable[[], bool] | None = None):
+                 busy: Callable[[], bool] | None = None, journal: Journal | None = None,
+                 first_gen: int | None = None):
         self.alloc = allocator
         self.policy = policy = policy or LruPolicy()
         self.events = events = events or NullKVEvents()
-        self.records = records = Records(allocator, policy, presence)
+        self.records = records = Records(allocator, policy, presence, journal, first_gen)
         self.lookups = lookups = Lookups(records)
         self.evictor = evictor = Evictor(records, policy, events, on_evict)
         self.reclaimer = reclaimer = Reclaimer(records, evictor, policy, ahead, busy)

@@ -175,6 +175,14 @@ class LeaseTable:
         if entries:
             self.fences[fid] = Fence(session, now + self.reservation_ttl_s, entries)
 
+    def fence_until(self, entries: list[Entry], until: float) -> None:
+        """Keep unbound, pinned slots from writers until ``until`` (then freed): a previous
+        daemon's clients may still write them (``adoption.py``)."""
+        for e in entries:
+            self.fenced_bytes += e.stride
+        if entries:
+            self.fences[next(self._ids)] = Fence(0, until, entries)
+
     def _fence_ahead(self, session: int, now: float) -> None:
         a = self.ahead.pop(session, None)
         if a is not None:

@@ -315,6 +315,7 @@ def stats_json(snap: dict) -> dict:
                    "backend_stats": st["l3"], **snap["l3_bytes"]},
         },
         "pools": pools,
+        "adoption": st.get("adoption"),
         "bytes_moved": {**snap["client_bytes"], **snap["l3_bytes"]},
         "namespaces": snap["namespaces"],
         "counted": snap.get("counted", True),  # False: no admin API, no hit / miss counters

@@ -24,6 +24,7 @@ from typing import Any
 from hicached import protocol as P
 from hicached.arena import Arena
 from hicached.backends.base import BACKENDS, L3Backend, create_backend, is_backend_name
+from hicached.daemon.adoption import Adopted
 from hicached.daemon.config import DaemonConfig
 from hicached.daemon.l3.tier import close_quietly
 from hicached.daemon.loop_calls import LoopCalls
@@ -90,8 +91,10 @@ class Operations:
 
     def __init__(self, config: DaemonConfig, calls: LoopCalls, controller, tier, arena: Arena,
                  presence, stopped: Callable[[], bool], draining: Callable[[], bool],
-                 frames_read: Callable[[], int]) -> None:
+                 frames_read: Callable[[], int],
+                 adoption: Callable[[], dict] | None = None) -> None:
         self.config = config
+        self.adoption = adoption or Adopted(cold_reason="no arena kept").stats
         self.calls = calls
         self.controller = controller
         self.tier = tier
@@ -307,6 +310,7 @@ class Operations:
             **c.tier.counters,
             "requests": self.frames_read(),
             "presence": table.stats() if table is not None else None,
+            "adoption": self.adoption(),  # what this daemon adopted at start (adoption.py)
         }
 
     def _orphan_bytes(self) -> int | None:

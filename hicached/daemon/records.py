@@ -31,6 +31,7 @@ from hicached.daemon.entry import (
     key_fps,
 )
 from hicached.daemon.eviction.interface import EvictionPolicy
+from hicached.daemon.journal import GRAIN, Journal, NullJournal, page_bodies
 from hicached.daemon.slabs import SlabAllocator
 from hicached.presence import (
     MAX_LOAD,
@@ -56,9 +57,14 @@ class Records:
     """
 
     def __init__(self, allocator: SlabAllocator, policy: EvictionPolicy,
-                 presence: PresenceTable | None = None):
+                 presence: PresenceTable | None = None, journal: Journal | None = None,
+                 first_gen: int | None = None):
         self.alloc = allocator
         self.policy = policy
+        # the journal of committed slots (``journal.py``): written at commit (``commits.py``),
+        # cleared here before a slot is freed; pages of a stride below its grain are not in it
+        self.journal = journal if journal is not None else NullJournal()
+        self.journal_grain = GRAIN if journal is not None else 1 << 62
         # page and key records: numpy columns, each in a mapping of its own (``columns.py``:
         # zeroed lazily by the kernel, so capacity not yet used costs no memory; ``np`` gives
         # vectorised reads), read and written one item at a time through memoryviews (``p_*``,
@@ -99,6 +105,7 @@ class Records:
         self.ns_names: list[str] = []
         self.ns_ids: dict[str, int] = {}
         self.ns_trail: list[int] = []  # per namespace id: the bits of its trailing pools
+        self.t_jid: list[int] = []  # per table id: its id in the journal (-1: not journaled)
         self.t_state = bytearray()  # per table id: 1 if its pool is one of its namespace's
         # trailing pools (its pages are states; ``t_bit[tid] & ns_trail[ns]`` in one lookup)
         self.key_tables: list[_Keys] = []
@@ -106,8 +113,9 @@ class Records:
         self.slot_recs: dict[int, array] = {}
         self.pending: dict[TableId, dict[str, Entry]] = {}  # pending pages: live handles
         self.tick = 0
-        # Slot generations: a random start, so tags of an earlier daemon never match this one's.
-        self.gen = secrets.randbits(48) << 8
+        # Slot generations: the journal's incarnation (``first_gen``), else a random start, so
+        # tags of an earlier daemon never match this one's.
+        self.gen = first_gen if first_gen is not None else secrets.randbits(48) << 8
         self.evictions = 0
         self.committed_count = 0
         self.ns_bytes: dict[str, int] = {}  # namespace digest -> slot bytes held (quotas.py)
@@ -247,6 +255,8 @@ class Records:
         ns = self.table_of[tid][0] if tid >= 0 else self.ns_names[k]
         offset = self.p_off[p]
         self.ns_bytes[ns] -= self.p_stride[p]
+        if self.p_stride[p] >= self.journal_grain:
+            self.journal.clear(offset)  # before the free: the slot may be handed out next
         slab = self.alloc.slab_of(offset)
         self.slot_recs[slab.index][(offset - slab.offset) // slab.stride] = -1
         self.alloc.free(offset)
@@ -297,6 +307,7 @@ class Records:
             self.tcount.append(0)
             self.t_bit.append(bit)
             self.t_state.append(1 if self.ns_trail[self.ns_id(table[0])] & bit else 0)
+            self.t_jid.append(self.journal.table(table[0], table[1], bool(self.t_state[tid])))
         return tid
 
     def mark_trailing(self, table: TableId) -> None:
@@ -304,6 +315,7 @@ class Records:
         tid = self.table_id(table)
         self.ns_trail[self.ns_ids[table[0]]] |= self.t_bit[tid]
         self.t_state[tid] = 1
+        self.journal.table(table[0], table[1], True)
 
     def trailing(self, ns: str) -> int:
         """The pool bits of namespace ``ns``'s trailing pools."""
@@ -429,6 +441,9 @@ class Records:
             mine &= self.np["k_ns"][self.np["p_krec"][:top]] == nsid  # (committed: a key's)
         had = np.flatnonzero(mine)
         flags[had] &= np.uint8(0xFF ^ IN_L3)
+        offs = self.np["p_off"][had][self.np["p_stride"][had] >= self.journal_grain]
+        for off in offs.tolist():
+            self.journal.set_in_l3(off, False)
         return [self.handle(p) for p in had.tolist()] if handles else []
 
     # ------------------------------------------------------------ chains
@@ -502,6 +517,37 @@ class Records:
             if pk >= 0:
                 parent = self.key_of(pk)
         return parent, self.k_depth[k]
+
+    # ------------------------------------------------------------ the journal
+
+    def journal_pages(self, ps: np.ndarray) -> None:
+        """Journal committed page records ``ps`` (int64; ``journal.py``): those of a stride of
+        at least the journal's grain, of a table it names. One numpy pass a call, but for the
+        stable fingerprints of keys the presence table has not fingerprinted yet."""
+        cols = self.np
+        ps = ps[cols["p_stride"][ps] >= self.journal_grain]
+        if not len(ps):
+            return
+        jt = np.asarray(self.t_jid, np.int64)[cols["p_tid"][ps]]
+        ps, jt = ps[jt >= 0], jt[jt >= 0]
+        if not len(ps):
+            return
+        krecs = cols["p_krec"][ps]
+        sfps = cols["k_sfp"][krecs]
+        for i in np.flatnonzero(sfps == 0).tolist():
+            sfps[i] = self.sfp(int(krecs[i]))
+        pfps = cols["k_parent"][krecs]
+        parents = np.zeros(len(ps), np.uint64)
+        has = np.flatnonzero(pfps)
+        if len(has):
+            nss = cols["k_ns"][krecs[has]]
+            for nsid in np.unique(nss).tolist():
+                sel = has[nss == nsid]
+                pks = self.key_tables[nsid].table.get_many(pfps[sel]).astype(np.int64)
+                for j, pk in zip(sel.tolist(), pks.tolist()):
+                    if pk >= 0:
+                        parents[j] = self.k_sfp[pk] or self.sfp(pk)
+        self.journal.write(cols["p_off"][ps], page_bodies(self, ps, jt, sfps, parents))
 
     # ------------------------------------------------------------ the shared presence table
 

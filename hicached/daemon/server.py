@@ -26,17 +26,21 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgspec
+import numpy as np
 import zmq
 
 from hicached import protocol as P
 from hicached.arena import Arena, arena_progress, release_if_made
+from hicached.daemon.adoption import Adopted, adopt
 from hicached.daemon.auth import make_auth
 from hicached.daemon.config import DaemonConfig
 from hicached.daemon.controller import Controller
 from hicached.daemon.files import DaemonFiles
 from hicached.daemon.handshake import Handshakes
 from hicached.daemon.eviction.registry import make_policy
-from hicached.daemon.index import PageIndex
+from hicached.daemon.index import COMMITTED, PageIndex
+from hicached.daemon.journal import GEN_SHIFT, GRAIN, Journal
+from hicached.daemon.journal import file_bytes as journal_bytes
 from hicached.daemon.kv_events import make_kv_events
 from hicached.daemon.l3.tier import L3Tier, close_quietly
 from hicached.daemon.l3.workers import IOWorkers
@@ -58,7 +62,13 @@ from hicached.errors import (
     ShuttingDown,
     UnknownSession,
 )
-from hicached.presence import TAG_GRAIN, PresenceTable, default_slots, table_bytes
+from hicached.presence import (
+    TAG_GRAIN,
+    PresenceTable,
+    close_left,
+    default_slots,
+    table_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,31 +111,53 @@ class Daemon:
             on_phase("arena")
 
         self.files = DaemonFiles(config)  # the state dir's lock, taken
+        kept = None  # the journal's records, when the arena is adopted (``adoption.py``)
+        meta = config.arena_path + ".meta"
+        adopting = False
         try:
             on_phase("lock")
             self.files.check_endpoint(config.endpoint)  # taken: say so before the arena and L3
-            self.files.recorded_arena(config.arena_path)
-            self._check_room(config)  # an arena the node cannot back: refused before it is made
-            log.info("reserving the arena: %.1f GiB of shared memory at %s (about a second "
-                     "per GiB)", config.l2_size / (1 << 30), config.arena_path)
-            self.arena = Arena.create(config.arena_path, config.l2_size, mode=config.access_mode,
-                                      progress=progress)
+            cold = self._why_cold(config, self.files.recorded_arena(config.arena_path))
+            close_left(config.arena_path + ".presence")  # old clients: before any slot changes
+            if cold is None:
+                adopting = True
+                self.arena = Arena.adopt(config.arena_path, config.l2_size)
+                self.journal = Journal.adopt(meta, config.l2_size, config.slab_size)
+                kept = self.journal.kept()
+                self.journal.reset()  # re-journaled as adopted: a record dropped stays dropped
+            else:
+                incarnation = Journal.incarnation_at(meta) + 1
+                self._check_room(config)  # an arena the node cannot back: refused before it is made
+                log.info("reserving the arena: %.1f GiB of shared memory at %s (about a second "
+                         "per GiB)", config.l2_size / (1 << 30), config.arena_path)
+                self.arena = Arena.create(config.arena_path, config.l2_size,
+                                          mode=config.access_mode, progress=progress)
+                self.journal = Journal.create(meta, config.l2_size, config.slab_size,
+                                              incarnation, mode=config.access_mode)
+            self.adopted = Adopted(cold_reason=cold)
             self.files.record_arena(config.arena_path)
             self.files.set_group(config.arena_path)
+            self.files.set_group(meta)
         except BaseException:
+            if hasattr(self, "journal"):
+                self.journal.close(keep=adopting)
             if hasattr(self, "arena"):
-                self.arena.close()
-            self.files.close()
+                self.arena.close(keep=adopting)
+            else:
+                release_if_made(meta)
+            self.files.close(keep=adopting)
             raise
         try:
-            self.allocator = SlabAllocator(config.l2_size, config.slab_size)
+            self.allocator = SlabAllocator(config.l2_size, config.slab_size,
+                                           handed_out=self.journal.handed_out)
             self.presence = self._presence_table(config)
             self.kv_events = make_kv_events(config)  # KV events for routers
             self.index = PageIndex(self.allocator,
                                    policy=make_policy(config.eviction, config.eviction_alpha),
                                    presence=self.presence, events=self.kv_events,
                                    ahead=config.evict_ahead,  # evicting ahead in idle turns
-                                   busy=self._request_waits)
+                                   busy=self._request_waits, journal=self.journal,
+                                   first_gen=self.journal.incarnation << GEN_SHIFT)
             self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
             self.workers = IOWorkers(config.io_queue_depth)
             self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
@@ -144,6 +176,9 @@ class Daemon:
                 kv_events=self.kv_events,
                 books=[],  # answer first, keep the books after (controller.py)
                 slicer=Slicer(waiting=self._request_waits))
+            if kept is not None:
+                self._adopt(kept)
+            log.info("%s", self.adopted.line())
             self.ctx = zmq.Context()
             self.sock = self.files.bind(self.ctx, config.endpoint)
             on_phase("socket")
@@ -162,6 +197,7 @@ class Daemon:
             if getattr(self, "presence", None) is not None:
                 self.presence.close()
             release_if_made(config.arena_path + ".presence")  # interrupted while made
+            self.journal.close(keep=False)
             self.arena.close()
             self.files.close()
             raise
@@ -173,23 +209,54 @@ class Daemon:
                                      self.presence, self.index)
         self.operations = Operations(config, self.calls, self.controller, self.tier, self.arena,
                                      self.presence, self._stop.is_set, lambda: self.draining,
-                                     lambda: self.requests)
+                                     lambda: self.requests, self.adopted.stats)
+        self._drained = False  # the drain ran to its end (a clean stop: ``close``)
         self.metrics = make_metrics(self, enabled=bool(config.admin_port))
 
     # ------------------------------------------------------------ setup
 
     @staticmethod
+    def _why_cold(config: DaemonConfig, recorded: bool) -> str | None:
+        """Why the arena at ``config.arena_path`` is not adopted (one line), None when it is:
+        it was kept (or left by a crash) by this state dir's last daemon (``recorded``), with
+        its journal, of this geometry, and ``cold`` is not set."""
+        path = config.arena_path
+        if not os.path.exists(path):
+            return "no arena kept"
+        if config.cold:
+            return f"cold = true (--cold): the kept arena {path} is discarded"
+        if not recorded:
+            return f"the arena {path} was not made by this state dir's last daemon"
+        size = os.path.getsize(path)
+        if size != config.l2_size:
+            return (f"l2_size changed: the kept arena has {size} bytes, this daemon asks for "
+                    f"{config.l2_size}")
+        return Journal.mismatch(path + ".meta", config.l2_size, config.slab_size)
+
+    def _adopt(self, kept) -> None:
+        """Rebuild the index from the journal's records (``adoption.py``); the L3 tier is given
+        the adopted pages it may lack (write-back: dirty again, so they are written)."""
+        now = time.monotonic()
+        self.adopted, entries = adopt(
+            self.index, kept, lambda es, s: self.leases.fence_until(es, now + s),
+            self.config.reservation_ttl_s / 2)
+        self.controller.know_geometry(self.adopted.geometry)
+        if self.tier.attached and self.config.write_policy == "write_back":
+            self.tier.writes.on_commit([e for e in entries if not e.in_l3])
+
     @staticmethod
     def _check_room(config: DaemonConfig) -> None:
         """ConfigError when the node cannot back the arena and its presence table (``room.py``);
         the files a crashed daemon left at their paths count as free (they are replaced)."""
         def table(arena_bytes: int) -> int:
+            journal = journal_bytes(arena_bytes, config.slab_size)  # (beside the arena too)
             if not config.shared_exists:
-                return 0
-            return table_bytes(config.presence_slots or default_slots(arena_bytes), arena_bytes,
-                               TAG_GRAIN if config.shared_gets else 0)
+                return journal
+            return journal + table_bytes(config.presence_slots or default_slots(arena_bytes),
+                                         arena_bytes, TAG_GRAIN if config.shared_gets else 0)
 
-        old = allocated_bytes(config.arena_path, config.arena_path + ".presence")
+        old = allocated_bytes(config.arena_path, config.arena_path + ".presence",
+                              config.arena_path + ".meta")
         check_room(config.l2_size, read_room(os.path.dirname(config.arena_path) or "."), old,
                    table)
 
@@ -318,6 +385,7 @@ class Daemon:
                     self._guarded(self.controller.expire_parked, now)
                 self._guarded(self._tick, now)
             self._drain_for_shutdown()
+            self._drained = True
         finally:
             self.close()
 
@@ -597,6 +665,30 @@ class Daemon:
         self.files.remove_socket_file()
         if self.presence is not None:
             self.presence.close()
-        self.arena.close()
+        keep = self.config.on_stop == "keep"
+        if keep:
+            self._keep_journal()
+        self.journal.close(keep=keep)
+        self.arena.close(keep=keep)
         self.calls.close()
-        self.files.close()
+        self.files.close(keep=keep)
+        if keep:
+            log.info("arena kept for the next daemon: %s and %s.meta, %.2f GiB (%d pages); "
+                     "`hicached arena free --state-dir %s` frees it", self.config.arena_path,
+                     self.config.arena_path, (self.arena.size_bytes + journal_bytes(
+                         self.arena.size_bytes, self.config.slab_size)) / (1 << 30),
+                     self.adopted_on_stop, self.config.state_dir)
+
+    def _keep_journal(self) -> None:
+        """A stop that keeps the arena: every committed page's exact recency in the journal,
+        marked a clean stop when the drain ran to its end (else the next daemon sees a crash:
+        the slots handed out and not committed are fenced)."""
+        r = self.index.records
+        top = r.page_top
+        cols = r.np
+        ps = np.flatnonzero((cols["p_flags"][:top] & COMMITTED)
+                            & (cols["p_stride"][:top] >= GRAIN))
+        self.adopted_on_stop = len(ps)
+        self.adopted.kept_on_stop = True
+        if self._drained:
+            self.journal.stop(cols["p_used"][ps], cols["p_off"][ps])

@@ -17,11 +17,15 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from hicached.errors import ArenaError
 
 ALIGN = 64  # bytes; cache-line aligned slots, and a multiple of every dtype's itemsize
+
+
+def _nothing(slab_index: int) -> None:
+    pass
 
 
 def stride_for(page_bytes: int) -> int:
@@ -58,7 +62,11 @@ class Slab:
 class SlabAllocator:
     """Allocates slots of any size class from ``arena_bytes // slab_bytes`` slabs."""
 
-    def __init__(self, arena_bytes: int, slab_bytes: int):
+    def __init__(self, arena_bytes: int, slab_bytes: int,
+                 handed_out: Callable[[int], None] | None = None):
+        """``handed_out(slab index)``: told of every slot given (``alloc``, ``alloc_many``):
+        the journal's stamps (``journal.py``: what a crashed daemon's clients may still write)."""
+        self.handed_out = handed_out or _nothing
         if slab_bytes <= 0 or slab_bytes % ALIGN:
             raise ArenaError(f"slab size must be a positive multiple of {ALIGN}, got {slab_bytes}")
         if arena_bytes < slab_bytes:
@@ -107,6 +115,7 @@ class SlabAllocator:
         slab = partial[-1]
         slot = slab.free.pop()
         self._free_slots[stride] -= 1
+        self.handed_out(slab.index)
         if not slab.free:
             partial.pop()
             slab.in_partial = False
@@ -144,6 +153,7 @@ class SlabAllocator:
             del free[len(free) - k:]
             got.reverse()  # popped from the top of the stack, one after the other
             out.append((slab, got))
+            self.handed_out(slab.index)
             self._free_slots[stride] -= k
             n -= k
             if not free:
@@ -151,11 +161,44 @@ class SlabAllocator:
                 slab.in_partial = False
         return out
 
-    def _take_slab(self, stride: int, partial: list[Slab]) -> bool:
-        """Give class ``stride`` the free slab of the lowest offset (False: none is left)."""
+    def claim(self, offset: int, stride: int) -> None:
+        """Make the slot at ``offset`` of class ``stride`` the one ``alloc(stride)`` gives next
+        (adoption: a kept page goes back to its own slot through the index's own ``reserve``).
+        The slot's slab is given the class if free; ArenaError when the slab has another class,
+        the offset is no slot of it, or the slot is taken."""
+        slab = self.slab_of(offset)
+        if slab.stride == 0:
+            self._take_slab(stride, self._partial.setdefault(stride, []), slab.index)
+        rel = offset - slab.offset
+        if slab.stride != stride or rel % stride or rel // stride >= slab.num_slots:
+            raise ArenaError(f"offset {offset} is not a slot of class {stride} (slab "
+                             f"{slab.index} has class {slab.stride})")
+        i = rel // stride
+        free = slab.free
+        if not free or free[-1] != i:
+            try:
+                free.remove(i)
+            except ValueError:
+                raise ArenaError(f"slot {offset} of class {stride} is taken") from None
+            free.append(i)
+        partial = self._partial[stride]
+        if not slab.in_partial:  # (a slab with a free slot is in its class's partial list)
+            raise ArenaError(f"slab {slab.index} lost track of its free slots")
+        if partial[-1] is not slab:
+            partial.remove(slab)
+            partial.append(slab)
+
+    def _take_slab(self, stride: int, partial: list[Slab], index: int = -1) -> bool:
+        """Give class ``stride`` the free slab of the lowest offset, or free slab ``index``
+        (False: none is left)."""
         if not self._free_slabs:
             return False
-        slab = self.slabs[heapq.heappop(self._free_slabs)]
+        if index < 0:
+            slab = self.slabs[heapq.heappop(self._free_slabs)]
+        else:
+            self._free_slabs.remove(index)
+            heapq.heapify(self._free_slabs)
+            slab = self.slabs[index]
         slab.stride = stride
         slab.num_slots = self.slab_bytes // stride
         slab.free = array("i", range(slab.num_slots - 1, -1, -1))

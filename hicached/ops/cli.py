@@ -116,6 +116,11 @@ def _serve_parser(sub, env: Mapping[str, str]) -> None:
                    "tcp://*:5557; docs/kv-events.md")
     p.add_argument("--kv-events-replay-endpoint", dest="kv_events_replay_endpoint",
                    help="serve recent KV event batches to routers that missed some (ROUTER)")
+    p.add_argument("--on-stop", dest="on_stop", choices=["free", "keep"],
+                   help="what a clean exit does with the arena: free it, or keep it (and its "
+                   "journal) for the next daemon to adopt (a crash always leaves it)")
+    p.add_argument("--cold", dest="cold", action="store_const", const=True,
+                   help="discard an arena a previous daemon kept instead of adopting it")
     p.add_argument("--print-config", action="store_true", help="print the effective config as "
                    "TOML (--config reads it back; secrets left out)")
     _help_with_defaults(p, env)
@@ -129,7 +134,7 @@ OPTION_KEYS = ("endpoint", "l2_size", "state_dir", "slab_size", "l3_backend", "l
                "socket_group", "client_token", "allow_tcp", "namespace_quotas",
                "io_queue_depth", "socket_mode", "unchecked_idle_s", "l3_audit_s",
                "eviction", "eviction_alpha", "evict_ahead", "status_sample_s", "kv_events_endpoint",
-               "kv_events_replay_endpoint")
+               "kv_events_replay_endpoint", "on_stop", "cold")
 
 
 _SIZES = ("l2_size", "slab_size", "l3_load_chunk", "set_ahead_bytes")
