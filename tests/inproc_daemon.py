@@ -49,6 +49,6 @@ def inproc_daemon(tmp_path, **overrides):
         gc.set_threshold(*thresholds)
         if freeze_survivors in gc.callbacks:
             gc.callbacks.remove(freeze_survivors)
-        for path in (cfg.arena_path, cfg.arena_path + ".presence"):
+        for path in (cfg.arena_path, cfg.arena_path + ".presence", cfg.arena_path + ".meta"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

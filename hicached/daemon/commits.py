@@ -107,15 +107,16 @@ class Commits:
         else:  # a key's pages in several pools: each key once, where it first comes
             np.bitwise_or.at(masks, krecs, bits)
             firsts = np.sort(np.unique(krecs, return_index=True)[1])
-        if r.shared is not None:
-            self._publish(entries, ps, krecs, mask_before, firsts)
         tick = r.tick
         used = cols["p_used"]
         used_before = used[ps]
         used[ps] = np.arange(tick + 1, tick + 1 + n, dtype=np.int64)
         r.tick = tick + n
+        r.journal_pages(ps)  # before the presence table and the answer: a commit a client
+        # may see (exists, a Committed) is journaled
+        if r.shared is not None:
+            self._publish(entries, ps, krecs, mask_before, firsts)
         self.policy.inserted_many(ps, used_before, mask_before)
-        r.journal_pages(ps)  # (before the answer: a commit a client heard of is journaled)
         offsets = cols["p_off"][ps]
         pins = cols["p_pins"]
         pins[ps] -= 1  # unpinned: a pending page's reservation pin
@@ -220,13 +221,14 @@ class Commits:
             pins[p] -= 1  # unpin
             if pins[p] == 0:
                 slab.pinned -= 1
+        if any(e.stride >= r.journal_grain for e in entries):  # before the masks: journaled
+            r.journal_pages(np.fromiter((e.rec for e in entries), np.int64, len(entries)))
         if shared is not None:  # each key's mask once, with all its pools of the call: a
             for k, old in masks_before.items():  # reader of the table never sees one without
                 if mask_of[k] != old:  # the others (as ``_publish``)
                     shared.set(r.sfp(k), mask_of[k])
         r.tick = tick
         alloc.touched(touched)
-        r.journal_pages(np.fromiter((e.rec for e in entries), np.int64, len(entries)))
         if self.events.tids and events:
             self.events.stored(entries, r.chain)
         if self.reclaimer.commit_tails():

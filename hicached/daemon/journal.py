@@ -319,6 +319,11 @@ class Journal:
         if self.closed:
             return
         self.closed = True
+        # the views dropped, the map goes with them (and with it the lock its file
+        # descriptor, duplicated by mmap, holds): a successor in this process may take it
+        self.header = self.tables = self.stamps = self.records = self.words = None
+        self._check = self._flags = self._stamp = None
+        self._buf = None
         if keep:
             keep_mapped(self.path)
         else:

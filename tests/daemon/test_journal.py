@@ -1,0 +1,184 @@
+"""The journal of committed slots (``daemon/journal.py``) and adoption through the index's own
+operations (``daemon/adoption.py``), on real journal files in /dev/shm: what is written at
+commit, cleared before a free, torn records dropped, crashes at named points (the journal's
+bytes copied at that instant are what a successor finds), slot claims, tags across
+incarnations."""
+
+import glob
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from hicached.daemon.adoption import adopt
+from hicached.daemon.index import PageIndex
+from hicached.daemon.journal import GEN_SHIFT, GRAIN, Journal, file_bytes
+from hicached.daemon.slabs import SlabAllocator
+from hicached.errors import ArenaError
+
+ARENA, SLAB = 1 << 20, 1 << 16
+T1, T2, T3 = ("ns-a", "kv"), ("ns-a", "state"), ("ns-b", "kv")
+PB = 8192  # page bytes (stride 8 KiB: journaled); 8 slots a slab
+
+
+@pytest.fixture
+def meta():
+    path = f"/dev/shm/hicached-test-{os.getpid()}-{uuid.uuid4().hex[:8]}.meta"
+    yield path
+    for p in [path] + glob.glob(path + ".copy-*"):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def make(journal):
+    alloc = SlabAllocator(ARENA, SLAB, handed_out=journal.handed_out)
+    return PageIndex(alloc, journal=journal, first_gen=journal.incarnation << GEN_SHIFT)
+
+
+def put(ix, table, keys, page_bytes=PB, depth=None):
+    es = [ix.reserve(table, k, page_bytes, -(-page_bytes // 64) * 64) for k in keys]
+    if depth is not None:  # a chain: linked between reserve and commit, as a set does
+        ix.link(table[0], keys, None, depth)
+    ix.commit_many(es)
+    return es
+
+
+def crash_copy(j: Journal, meta: str) -> Journal:
+    """The journal as a daemon killed now leaves it: its bytes at this instant, opened by a
+    successor (the original stays mapped, as a killed daemon's file would be)."""
+    copy = f"{meta}.copy-{uuid.uuid4().hex[:8]}"
+    with open(copy, "wb") as f:
+        f.write(bytes(j._buf))
+    return Journal.adopt(copy, ARENA, SLAB)
+
+
+def kept_at_crash(j: Journal, meta: str):
+    """What a successor of a daemon killed now would adopt (``Journal.kept``)."""
+    copy = crash_copy(j, meta)
+    try:
+        return copy.kept()
+    finally:
+        copy.close(keep=False)
+
+
+def test_a_commit_is_journaled_and_a_successor_rebuilds_the_index_in_exact_slots(meta):
+    j = Journal.create(meta, ARENA, SLAB, incarnation=1)
+    ix = make(j)
+    a = put(ix, T1, [f"a{i}" for i in range(5)], depth=0)
+    put(ix, T3, ["b0", "b1"], page_bytes=5000)  # another stride class, another namespace
+    ix.mark_trailing(T2)
+    put(ix, T2, ["a4"])
+    ix.touch(a[0])  # a0 used last
+    top = ix.records.page_top
+    j.stop(ix.records.np["p_used"][:top], ix.records.np["p_off"][:top])
+    old = {(e.table, e.key): e.offset for e in ix.entries()}
+    order = [(e.table, e.key) for e in ix.lru_order(PB)]
+    j.close(keep=True)
+
+    j2 = Journal.adopt(meta, ARENA, SLAB)
+    kept = j2.kept()
+    assert kept.clean and kept.torn == 0 and len(kept.records) == 8
+    j2.reset()
+    assert j2.incarnation == 2
+    ix2 = make(j2)
+    done, entries = adopt(ix2, kept, lambda es, s: None, 15.0, now=1e12)  # (no fences)
+    assert (done.pages, done.dropped) == (8, {})
+    assert done.bytes == 6 * PB + 2 * 5000
+    assert {(e.table, e.key): e.offset for e in ix2.entries()} == old
+    assert [(e.table, e.key) for e in ix2.lru_order(PB)] == order  # exact recency (a0 last)
+    assert ix2.chain("ns-a", "a3") == ("a2", 3)
+    assert ix2.trailing("ns-a") == ix2.pool_bit(T2)
+    assert ix2.ns_bytes == {"ns-a": 6 * PB, "ns-b": 2 * 5056}
+    assert min(e.gen for e in entries) > 2 << GEN_SHIFT  # tags above every earlier daemon's
+    assert max(e.gen for e in a) < 2 << GEN_SHIFT
+    # the adopted pages are journaled again: a third daemon finds them
+    assert len(kept_at_crash(j2, meta).records) == 8
+    j2.close(keep=False)
+
+
+def test_a_slot_is_cleared_before_it_is_freed_and_a_torn_record_is_dropped(meta):
+    j = Journal.create(meta, ARENA, SLAB, incarnation=1)
+    ix = make(j)
+    es = put(ix, T1, ["x0", "x1", "x2", "x3"])
+    freed = []
+
+    def free_and_look(offset, free=ix.alloc.free):  # the instant of the free: a crash here
+        freed.append(len(kept_at_crash(j, meta).records))
+        free(offset)
+
+    ix.alloc.free = free_and_look
+    ix.evict(es[1])
+    assert freed == [3]  # x1's record was gone before its slot was freed
+    # a record torn by a crash (its body half written): its check no longer matches
+    at = es[2].offset // GRAIN
+    j.words[at, 3] ^= np.uint64(1)
+    kept = kept_at_crash(j, meta)
+    assert kept.torn == 1 and sorted(kept.records["key"].tolist()) == [b"x0", b"x3"]
+    # a commit cut off between its body and its check: check 0, not valid
+    j.words[es[3].offset // GRAIN, 15] = 0
+    assert kept_at_crash(j, meta).records["key"].tolist() == [b"x0"]
+    j.close(keep=False)
+
+
+def test_pending_pages_are_not_journaled_and_the_slabs_they_were_handed_from_are_fenced(meta):
+    j = Journal.create(meta, ARENA, SLAB, incarnation=1)
+    ix = make(j)
+    put(ix, T1, ["c0", "c1"])
+    pend = [ix.reserve(T1, k, PB, PB) for k in ("p0", "p1")]  # a set under way: killed now
+    unbound = ix.reserve_unbound("ns-a", 5056)  # a set-ahead slot, in another class's slab
+    kept = kept_at_crash(j, meta)
+    assert not kept.clean and len(kept.records) == 2
+    assert np.count_nonzero(kept.stamps) == 2  # the two slabs slots were handed out from
+    j2 = crash_copy(j, meta)
+    j2.reset()
+    ix2 = make(j2)
+    fenced = []
+    done, _ = adopt(ix2, kept, lambda es, s: fenced.append((es, s)), 15.0,
+                    now=float(kept.stamps.max()) + 1)
+    assert done.pages == 2 and done.fenced_slots == 6 + 1  # 8 slots less 2 adopted; 1 slab
+    (es, seconds), = fenced
+    assert seconds == 15.0
+    assert {e.offset for e in es} >= {p.offset for p in pend} | {unbound.offset}
+    # per class: free + used + fenced = the class's slots
+    slab = ix2.alloc.slab_of(pend[0].offset)
+    assert len(slab.free) == 0 and slab.num_slots == 8
+    assert ix2.alloc.slab_of(unbound.offset).stride == SLAB  # fenced whole
+    # long after the hand-outs, nothing is fenced
+    j3 = crash_copy(j, meta)
+    j3.reset()
+    done, _ = adopt(make(j3), kept, lambda es, s: fenced.append(es), 15.0,
+                    now=float(kept.stamps.max()) + 16)
+    assert done.fenced_slots == 0 and len(fenced) == 1
+    for journal in (j, j2, j3):
+        journal.close(keep=False)
+
+
+def test_a_journal_of_another_geometry_is_not_adopted(meta):
+    Journal.create(meta, ARENA, SLAB, incarnation=3).close(keep=True)
+    assert Journal.mismatch(meta, ARENA, SLAB) is None
+    assert Journal.mismatch(meta, 2 * ARENA, SLAB) == (
+        f"l2_size changed: the kept arena has {ARENA} bytes, this daemon asks for {2 * ARENA}")
+    assert "slab_size changed" in Journal.mismatch(meta, ARENA, 2 * SLAB)
+    assert "no journal" in Journal.mismatch(meta + ".none", ARENA, SLAB)
+    assert Journal.incarnation_at(meta) == 3 and Journal.incarnation_at(meta + ".none") == 0
+    with open(meta, "r+b") as f:
+        f.write(b"NOTAJRNL")
+    assert "layout" in Journal.mismatch(meta, ARENA, SLAB)
+    assert os.path.getsize(meta) == file_bytes(ARENA, SLAB)
+    os.unlink(meta)
+
+
+def test_a_slot_is_claimed_exactly_or_refused_with_its_numbers():
+    a = SlabAllocator(ARENA, SLAB)
+    a.claim(3 * SLAB + 2 * 4096, 4096)
+    assert a.alloc(4096) == 3 * SLAB + 2 * 4096
+    a.claim(3 * SLAB + 7 * 4096, 4096)
+    assert a.alloc(4096) == 3 * SLAB + 7 * 4096
+    with pytest.raises(ArenaError, match=f"slot {3 * SLAB + 7 * 4096} of class 4096 is taken"):
+        a.claim(3 * SLAB + 7 * 4096, 4096)
+    with pytest.raises(ArenaError, match="is not a slot of class 8192 \\(slab 3 has class 4096"):
+        a.claim(3 * SLAB, 8192)
+    assert a.alloc(8192) == 0  # the lowest free slab still comes first

@@ -1,0 +1,243 @@
+"""Warm restart (issue 49) with real daemons and real clients: a daemon adopts the arena its
+predecessor of the same state dir left (``on_stop = "keep"`` and SIGTERM, or SIGKILL at chosen
+points), its committed pages are L2 hits again with their exact bytes, nothing uncommitted is
+served, slots an old client may still write are fenced, and /dev/shm holds only the current
+arena, its presence table and its journal. (Crashes inside a commit or an eviction, at the
+instant of a store: ``test_journal.py``.)"""
+
+import os
+import signal
+
+import pytest
+import torch
+from inproc_daemon import inproc_daemon
+
+from hicached import Client, HostPool, PoolTransfer
+from hicached import protocol as P
+from hicached.arena import Arena
+from hicached.daemon.config import load_config
+
+KEEP = ("--on-stop", "keep", "--l3-backend", "none")
+FREE = ("--l3-backend", "none")
+PAGE = 4  # tokens per KV page
+
+
+def kv_pool(seed, num_pages=64, head_dim=16):
+    """A KV pool of 8 KiB pages (head_dim 16; 16 KiB with 32): journaled (>= 4 KiB)."""
+    pool = HostPool.allocate_mha(num_pages, PAGE, layers=4, heads=4, head_dim=head_dim,
+                                 layout="page_first", dtype=torch.float32)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape,
+                                     generator=torch.Generator().manual_seed(seed)))
+    return pool
+
+
+def state_pool(seed, num_slots=8):
+    """A Mamba state pool of 5 KiB states."""
+    pool = HostPool.allocate_mamba(num_slots, 2, (16, 32), [(16, 16)])
+    g = torch.Generator().manual_seed(seed)
+    for b in pool.buffers:
+        b.copy_(torch.randn(b.shape, generator=g).to(b.dtype))
+    return pool
+
+
+def tokens(start, n):
+    return torch.arange(start * PAGE, (start + n) * PAGE)
+
+
+def shm_files(d):
+    """The files of ``d``'s arena in /dev/shm."""
+    base = os.path.basename(d.cfg.arena_path)
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(base))
+
+
+def fill(d):
+    """Two namespaces, three pools of three page sizes, a hybrid chain with a state; returns
+    what was stored: (namespace, pool, keys, source pool, token indices or state slots)."""
+    stored = []
+    with d.client("model-a") as c:
+        kv, st = kv_pool(1), state_pool(2)
+        c.register_mem_host_pool_v2(kv, "kv")
+        c.register_mem_host_pool_v2(st, "mamba")
+        chain = [f"a{i}" for i in range(12)]
+        assert all(c.batch_set_v2([PoolTransfer("kv", tokens(0, 12), keys=chain),
+                                   PoolTransfer("mamba", [3], keys=["a11"],
+                                                hit_policy="trailing_pages")],
+                                  anchor_pool="kv", depth=0)["mamba"])
+        more = [f"a{i}" for i in range(12, 20)]  # the chain goes on
+        assert all(c.batch_set_v2([PoolTransfer("kv", tokens(12, 8), keys=more)],
+                                  parent="a11", depth=12)["kv"])
+        assert c.batch_exists(chain + more) == 20  # (through the daemon: the commits are in)
+        stored += [("model-a", "kv", chain + more, kv, tokens(0, 20)),
+                   ("model-a", "mamba", ["a11"], st, [3])]
+    with d.client("model-b") as c:
+        kv = kv_pool(3, head_dim=32)
+        c.register_mem_host_pool_v2(kv, "kv")
+        keys = [f"b{i}" for i in range(16)]
+        assert all(c.batch_set_v2([PoolTransfer("kv", tokens(0, 16), keys=keys)])["kv"])
+        assert c.batch_exists(keys) == 16
+        stored.append(("model-b", "kv", keys, kv, tokens(0, 16)))
+    return stored
+
+
+def read_back(d, stored):
+    """Every stored page read by a new client into a fresh pool: all hits, identical bytes."""
+    for ns, pool, keys, src, where in stored:
+        with Client(d.endpoint, ns) as c:
+            if pool == "mamba":
+                dst = state_pool(99)
+                c.register_mem_host_pool_v2(kv_pool(98), "kv")
+                c.register_mem_host_pool_v2(dst, "mamba")
+                got = c.batch_get_v2([PoolTransfer("mamba", where, keys=keys)])["mamba"]
+                assert got == [True] * len(keys)
+                for a, b in zip(src.buffers, dst.buffers):
+                    assert torch.equal(a[3], b[3])
+                continue
+            dst = kv_pool(97, head_dim=src.kv_buffer.shape[-1])
+            c.register_mem_host_pool_v2(dst, pool)
+            got = c.batch_get_v2([PoolTransfer(pool, where, keys=keys)])[pool]
+            assert got == [True] * len(keys), (ns, pool)
+            n = len(keys) * PAGE
+            assert torch.equal(src.kv_buffer[:, :n], dst.kv_buffer[:, :n]), (ns, pool)
+
+
+def stats(d):
+    with Client(d.endpoint, "probe") as c:
+        return c.stats()
+
+
+def test_sigterm_with_on_stop_keep_brings_every_committed_page_back(make_daemon):
+    d = make_daemon(extra=KEEP)
+    stored = fill(d)
+    pages = sum(len(keys) for _, _, keys, _, _ in stored)
+    assert d.stop(signal.SIGTERM) == 0
+    assert shm_files(d) == [os.path.basename(d.cfg.arena_path),
+                            os.path.basename(d.cfg.arena_path) + ".meta"]
+    out = d.output()
+    assert "arena kept for the next daemon" in out and "hicached arena free --state-dir" in out
+    d2 = make_daemon(extra=FREE)  # same state dir; this one frees at its stop
+    adoption = stats(d2)["adoption"]
+    assert (adoption["pages"], adoption["dropped"], adoption["cold_reason"]) == (pages, {}, None)
+    assert adoption["bytes"] == 20 * 8192 + 5120 + 16 * 16384
+    assert "adopted the kept arena (clean stop): 37 pages" in d2.output()
+    read_back(d2, stored)
+    with d2.client("model-a") as c:  # the chain and its state: a hit of the whole prefix
+        c.register_mem_host_pool_v2(kv_pool(5), "kv")
+        c.register_mem_host_pool_v2(state_pool(6), "mamba")
+        chain = [f"a{i}" for i in range(12)]
+        res = c.batch_exists_v2(chain, [PoolTransfer("mamba", keys=chain[-1:],
+                                                     hit_policy="trailing_pages")])
+        assert res.kv_hit_pages == 12
+    assert d2.stop() == 0
+    assert shm_files(d2) == []  # on_stop = "free": today's behaviour
+
+
+def test_on_stop_free_is_todays_behaviour_and_the_next_start_is_cold(make_daemon):
+    d = make_daemon(extra=FREE)
+    fill(d)
+    assert d.stop() == 0 and shm_files(d) == []
+    d2 = make_daemon(extra=FREE)
+    assert stats(d2)["adoption"] == {"pages": 0, "bytes": 0, "dropped": {}, "seconds": 0.0,
+                                     "cold_reason": "no arena kept", "kept_on_stop": False}
+    assert "starting cold: no arena kept" in d2.output()
+
+
+def test_a_geometry_change_or_cold_starts_cold_and_says_why(make_daemon):
+    d = make_daemon(extra=KEEP)
+    fill(d)
+    d.stop()
+    d2 = make_daemon(extra=(*KEEP, "--cold"))
+    reason = stats(d2)["adoption"]["cold_reason"]
+    assert reason.startswith("cold = true (--cold): the kept arena")
+    assert stats(d2)["l2_pages"] == 0
+    d2.stop()  # kept again (empty)
+    d3 = make_daemon(extra=KEEP, l2_size="32MiB")
+    assert stats(d3)["adoption"]["cold_reason"] == (
+        f"l2_size changed: the kept arena has {16 << 20} bytes, this daemon asks for {32 << 20}")
+    d3.stop()
+    d4 = make_daemon(extra=FREE, l2_size="32MiB", slab_size="2MiB")
+    assert stats(d4)["adoption"]["cold_reason"].startswith(
+        "slab_size changed: the kept arena has slabs of 1048576 bytes")
+    assert "starting cold: slab_size changed" in d4.output()
+
+
+def test_sigkill_while_idle_brings_back_what_was_committed_and_an_old_client_reads_it(
+        make_daemon):
+    d = make_daemon(extra=FREE)  # a crash leaves the arena whatever on_stop says
+    stored = fill(d)
+    old = d.client("model-b")
+    src = stored[-1][3]
+    old.register_mem_host_pool_v2(dst := kv_pool(50, head_dim=32), "kv")
+    d.stop(signal.SIGKILL)
+    assert len(shm_files(d)) == 3  # arena, presence, meta: left by the crash
+    d2 = make_daemon(extra=FREE)
+    adoption = stats(d2)["adoption"]
+    assert adoption["pages"] == 37 and adoption["cold_reason"] is None
+    assert "adopted the kept arena (after a crash): 37 pages" in d2.output()
+    read_back(d2, stored)
+    # a client that lived through the kill joins the new daemon and reads the right bytes
+    keys = [f"b{i}" for i in range(16)]
+    got = old.batch_get_v2([PoolTransfer("kv", tokens(0, 16), keys=keys)])["kv"]
+    n = 16 * PAGE
+    assert all(got) and torch.equal(src.kv_buffer[:, :n], dst.kv_buffer[:, :n])
+    old.close()
+    assert d2.stop() == 0 and shm_files(d2) == []
+
+
+def test_a_flush_that_was_answered_is_never_undone_by_a_crash(make_daemon):
+    d = make_daemon(extra=KEEP)
+    stored = fill(d)
+    with d.client("model-b") as c:
+        c.flush("l2", namespace="model-b")
+    d.stop(signal.SIGKILL)
+    d2 = make_daemon(extra=FREE)
+    assert stats(d2)["adoption"]["pages"] == 21  # model-a's only
+    read_back(d2, stored[:2])
+    with d2.client("model-b") as c:
+        c.register_mem_host_pool_v2(kv_pool(1, head_dim=32), "kv")
+        assert c.batch_exists([f"b{i}" for i in range(16)]) == 0
+
+
+def test_slots_reserved_and_not_committed_when_killed_are_dropped_and_fenced(
+        make_daemon, tmp_path):
+    d = make_daemon(extra=FREE)
+    stored = fill(d)
+    c = d.client("model-a")
+    c.register_mem_host_pool_v2(kv_pool(7), "kv")
+    res = c._conn.call(lambda s, r: P.Reserve(r, s, [P.PoolKeys("kv", ["r0", "r1", "r2"])]))
+    reserved = [off for off in res.offsets[0]]
+    assert all(off >= 0 for off in reserved)
+    d.stop(signal.SIGKILL)
+    # the old client goes on copying into its reserved slots after its daemon died
+    arena = Arena.attach(d.cfg.arena_path, 16 << 20)
+    for off in reserved:
+        arena.view(off, 8192)[:] = b"\xee" * 8192
+    cfg = d.cfg
+    with inproc_daemon(tmp_path, state_dir=cfg.state_dir, l3_backend="none") as d2:
+        daemon = d2.daemon
+        assert daemon.adopted.pages == 37 and daemon.adopted.fenced_slots > 0
+
+        def look():
+            fenced = {e.slot_offset for f in daemon.leases.fences.values() for e in f.entries}
+            classes = {}
+            for slab in daemon.allocator.slabs:
+                if slab.stride:
+                    n = classes.setdefault(slab.stride, [0, 0])
+                    n[0] += slab.num_slots
+                    n[1] += len(slab.free)
+            used = {}
+            for e in daemon.index.entries():
+                used[e.stride] = used.get(e.stride, 0) + 1
+            return fenced, classes, used
+
+        fenced, classes, used = daemon.call(look)
+        assert set(reserved) <= fenced
+        for stride, (slots, free) in classes.items():  # free + used + fenced = slots
+            assert free + used.get(stride, 0) + sum(
+                1 for f in daemon.leases.fences.values() for e in f.entries
+                if e.stride == stride) == slots, stride
+        with Client(d2.endpoint, "model-a") as c2:
+            c2.register_mem_host_pool_v2(kv_pool(8), "kv")
+            assert c2.batch_exists(["r0", "r1", "r2"]) == 0  # never served
+        read_back(d2, stored)
+    arena.close()
+    c.close()
