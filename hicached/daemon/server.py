@@ -117,8 +117,10 @@ class Daemon:
         try:
             on_phase("lock")
             self.files.check_endpoint(config.endpoint)  # taken: say so before the arena and L3
-            cold = self._why_cold(config, self.files.recorded_arena(config.arena_path))
-            close_left(config.arena_path + ".presence")  # old clients: before any slot changes
+            recorded = self.files.recorded_arena(config.arena_path)
+            cold = self._why_cold(config, recorded)
+            if recorded:  # (this state dir's last daemon, dead: its lock is ours now)
+                close_left(config.arena_path + ".presence")  # its clients: before any slot
             if cold is None:
                 adopting = True
                 self.arena = Arena.adopt(config.arena_path, config.l2_size)

@@ -309,7 +309,7 @@ def test_an_arena_path_naming_someone_elses_file_never_deletes_it(tmp_path):
         assert "Traceback" not in err
         with open(precious, "rb") as f:
             assert f.read() == b"someone's data"
-        # a custom path this state dir's daemon used: after a crash it is replaced
+        # a custom path this state dir's daemon used: after a crash it is adopted
         p = serve(arena, "s2")
         procs.append(p)
         assert ready("s2") and os.path.getsize(arena) == 16 * 1024**2
@@ -332,7 +332,7 @@ def test_an_arena_path_naming_someone_elses_file_never_deletes_it(tmp_path):
             if p.poll() is None:
                 p.kill()
             p.communicate()
-        for path in (precious, arena, arena + ".presence"):
+        for path in (precious, arena, arena + ".presence", arena + ".meta"):
             if os.path.exists(path):
                 os.unlink(path)
 
@@ -362,6 +362,6 @@ def test_after_a_clean_exit_a_file_made_later_at_the_arena_path_is_not_replaced(
         if p.poll() is None:
             p.kill()
             p.communicate()
-        for path in (arena, arena + ".presence"):
+        for path in (arena, arena + ".presence", arena + ".meta"):
             if os.path.exists(path):
                 os.unlink(path)
