@@ -15,7 +15,8 @@ A daemon stops (SIGTERM with ``on_stop = "keep"``, or a crash at any instant) an
 3. The index is rebuilt through its own operations, one path with a client's set: every table
    registered (``table_id``, ``mark_trailing``), each page's slot claimed
    (``SlabAllocator.claim``: its own slot is the one the next ``alloc`` gives) and reserved
-   (``PageIndex.reserve``), chains linked (``link``: parents by their stable fingerprint),
+   (``PageIndex.reserve``), chains linked (``link``: a parent is the adopted record at the
+   slot, with the tag, the child's record names),
    and all committed (``commit_many`` in commit order: recency, policy, quotas' bytes per
    namespace, the presence table and the journal follow, as for any set). Write-back pages the
    journal does not know in L3 are handed to the L3 tier as committed (``on_commit``: dirty
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hicached.daemon.index import Entry, PageIndex
+from hicached.daemon.index import IN_L3, Entry, PageIndex
 from hicached.daemon.journal import GRAIN, Kept
 from hicached.daemon.slabs import stride_for
 from hicached.errors import ArenaError
@@ -112,9 +113,9 @@ def adopt(index: PageIndex, kept: Kept, fence, half_ttl_s: float,
     alloc = index.alloc
     capacity = alloc.capacity_bytes
     entries: list[Entry] = []
-    parents: list[int] = []
+    parents: list[tuple[int, int]] = []
     depths: list[int] = []
-    fps: dict[tuple[str, int], str] = {}  # (ns, stable fingerprint) -> key
+    at: dict[int, tuple[int, str, str]] = {}  # old slot offset -> (old tag, ns, key)
     key_len = recs["key_len"].tolist()
     tids = recs["table"].tolist()
     offs = recs["offset"].tolist()
@@ -160,13 +161,14 @@ def adopt(index: PageIndex, kept: Kept, fence, half_ttl_s: float,
             drop("duplicate")
             continue
         entries.append(e)
-        parents.append(int(recs["parent"][i]))
+        parents.append((int(recs["parent_off"][i]), int(recs["parent_gen"][i])))
         depths.append(int(recs["depth"][i]))
-        in_l3.append(bool(flags[i] & 4))
-        fps[(table[0], int(recs["sfp"][i]))] = key
+        in_l3.append(bool(flags[i] & IN_L3))
+        at[off] = (int(recs["gen"][i]), table[0], key)
         out.geometry.setdefault(table, page_bytes)
-    for e, parent, depth in zip(entries, parents, depths):  # chains: before the commits
-        up = fps.get((e.table[0], parent)) if parent else None
+    for e, (poff, pgen), depth in zip(entries, parents, depths):  # chains: before the commits
+        held = at.get(poff)
+        up = held[2] if held is not None and held[:2] == (pgen, e.table[0]) else None
         if up is not None or depth >= 0:
             index.link(e.table[0], [e.key], up, depth)
     for lo in range(0, len(entries), BATCH):

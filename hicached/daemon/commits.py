@@ -221,8 +221,8 @@ class Commits:
             pins[p] -= 1  # unpin
             if pins[p] == 0:
                 slab.pinned -= 1
-        if any(e.stride >= r.journal_grain for e in entries):  # before the masks: journaled
-            r.journal_pages(np.fromiter((e.rec for e in entries), np.int64, len(entries)))
+        r.journal_pages(np.fromiter((e.rec for e in entries), np.int64, len(entries)))
+        # (before the masks: a page an exists sees is journaled)
         if shared is not None:  # each key's mask once, with all its pools of the call: a
             for k, old in masks_before.items():  # reader of the table never sees one without
                 if mask_of[k] != old:  # the others (as ``_publish``)

@@ -11,6 +11,7 @@ for the shared presence table. It decides nothing: the operations on a call's pa
 from __future__ import annotations
 
 import secrets
+import struct
 from array import array
 from collections.abc import Iterator, Sequence
 
@@ -31,7 +32,7 @@ from hicached.daemon.entry import (
     key_fps,
 )
 from hicached.daemon.eviction.interface import EvictionPolicy
-from hicached.daemon.journal import GRAIN, Journal, NullJournal, page_bodies
+from hicached.daemon.journal import GRAIN, Journal, NullJournal
 from hicached.daemon.slabs import SlabAllocator
 from hicached.presence import (
     MAX_LOAD,
@@ -40,6 +41,7 @@ from hicached.presence import (
     namespace_seed,
 )
 
+JOURNAL_BATCH_MIN = 8  # commits of fewer pages are journaled page by page (``journal_each``)
 REPUBLISH_MAX = 32768  # keys a full presence table is refilled with at most (one pause of ~0.1 s)
 
 
@@ -105,7 +107,7 @@ class Records:
         self.ns_names: list[str] = []
         self.ns_ids: dict[str, int] = {}
         self.ns_trail: list[int] = []  # per namespace id: the bits of its trailing pools
-        self.t_jid: list[int] = []  # per table id: its id in the journal (-1: not journaled)
+        self.t_jid = array("i")  # per table id: its id in the journal (-1: not journaled)
         self.t_state = bytearray()  # per table id: 1 if its pool is one of its namespace's
         # trailing pools (its pages are states; ``t_bit[tid] & ns_trail[ns]`` in one lookup)
         self.key_tables: list[_Keys] = []
@@ -522,32 +524,80 @@ class Records:
 
     def journal_pages(self, ps: np.ndarray) -> None:
         """Journal committed page records ``ps`` (int64; ``journal.py``): those of a stride of
-        at least the journal's grain, of a table it names. One numpy pass a call, but for the
-        stable fingerprints of keys the presence table has not fingerprinted yet."""
+        at least the journal's grain, of a table it names. Few pages one by one in Python
+        (``journal_each``), more in one numpy pass of ~20 calls."""
+        if len(ps) < JOURNAL_BATCH_MIN:
+            return self.journal_each(ps.tolist())
         cols = self.np
-        ps = ps[cols["p_stride"][ps] >= self.journal_grain]
-        if not len(ps):
-            return
-        jt = np.asarray(self.t_jid, np.int64)[cols["p_tid"][ps]]
-        ps, jt = ps[jt >= 0], jt[jt >= 0]
-        if not len(ps):
-            return
+        strides = cols["p_stride"][ps]
+        jt = np.frombuffer(self.t_jid, np.int32)[cols["p_tid"][ps]]
+        keep = (strides >= self.journal_grain) & (jt >= 0)
+        if not keep.all():
+            ps, strides, jt = ps[keep], strides[keep], jt[keep]
+            if not len(ps):
+                return
+        n = len(ps)
         krecs = cols["p_krec"][ps]
-        sfps = cols["k_sfp"][krecs]
-        for i in np.flatnonzero(sfps == 0).tolist():
-            sfps[i] = self.sfp(int(krecs[i]))
+        offs = cols["p_off"][ps]
+        body = np.empty((n, 16), np.uint64)
+        body[:, 0] = cols["p_used"][ps]
+        body[:, 1] = cols["p_gen"][ps]
+        body[:, 2] = offs
         pfps = cols["k_parent"][krecs]
-        parents = np.zeros(len(ps), np.uint64)
+        body[:, 3] = np.uint64(2**64 - 1)  # -1: no parent
+        body[:, 4] = 0
         has = np.flatnonzero(pfps)
-        if len(has):
+        if len(has):  # a chain: each key's parent, by a page of it (``_parent_slot``)
             nss = cols["k_ns"][krecs[has]]
-            for nsid in np.unique(nss).tolist():
-                sel = has[nss == nsid]
+            uniq = np.unique(nss)
+            for nsid in uniq.tolist():
+                sel = has if len(uniq) == 1 else has[nss == nsid]
                 pks = self.key_tables[nsid].table.get_many(pfps[sel]).astype(np.int64)
-                for j, pk in zip(sel.tolist(), pks.tolist()):
-                    if pk >= 0:
-                        parents[j] = self.k_sfp[pk] or self.sfp(pk)
-        self.journal.write(cols["p_off"][ps], page_bodies(self, ps, jt, sfps, parents))
+                heads = np.where(pks >= 0, cols["k_head"][np.maximum(pks, 0)], -1)
+                held = heads >= 0
+                rows, heads = sel[held], heads[held]
+                body[rows, 3] = cols["p_off"][heads]
+                body[rows, 4] = cols["p_gen"][heads]
+        depth = cols["k_depth"][krecs].astype(np.int64) & 0xFFFFFFFF
+        body[:, 5] = depth.astype(np.uint64) | (
+            cols["p_pbytes"][ps].astype(np.uint64) << np.uint64(32))
+        lens = cols["k_len"][krecs].astype(np.uint64)
+        lens[lens == 255] = 0
+        flags = (cols["p_flags"][ps] & (COMMITTED | IN_L3)).astype(np.uint64)
+        body[:, 6] = (strides.astype(np.uint64) | (jt.astype(np.uint64) << np.uint64(32))
+                      | (lens << np.uint64(48)) | (flags << np.uint64(56)))
+        body[:, 7:15] = cols["k_bytes"].view(np.uint64).reshape(-1, 8)[krecs]
+        self.journal.write(offs, body)
+
+    def journal_each(self, ps: list[int]) -> None:
+        """``journal_pages`` of a few pages (page records ``ps``), one by one: Python ints, no
+        numpy call (``Commits``' page-by-page path)."""
+        grain, t_jid, journal = self.journal_grain, self.t_jid, self.journal
+        kb = self.k_bytes
+        for p in ps:
+            stride = self.p_stride[p]
+            if stride < grain:
+                continue
+            jt = t_jid[self.p_tid[p]]
+            if jt < 0:
+                continue
+            k = self.p_krec[p]
+            pf = self.k_parent[k]
+            poff, pgen = self._parent_slot(k, pf) if pf else (2**64 - 1, 0)
+            n = self.k_len[k]
+            words = [self.p_used[p], self.p_gen[p], self.p_off[p], poff, pgen,
+                     (self.k_depth[k] & 0xFFFFFFFF) | (self.p_pbytes[p] << 32),
+                     stride | (jt << 32) | ((0 if n == 255 else n) << 48)
+                     | ((self.p_flags[p] & (COMMITTED | IN_L3)) << 56)]
+            words += struct.unpack_from("<8Q", kb, k * KEY_BYTES)
+            journal.write_one(self.p_off[p], words)
+
+    def _parent_slot(self, k: int, pfp: int) -> tuple[int, int]:
+        """(slot offset, tag) of a page of key record ``k``'s parent (its fingerprint ``pfp``
+        in the key table): the journal's name for it; (2**64 - 1, 0): none held."""
+        pk = self.key_tables[self.k_ns[k]].table.get(pfp)
+        p = self.k_head[pk] if pk >= 0 else -1
+        return (self.p_off[p], self.p_gen[p]) if p >= 0 else (2**64 - 1, 0)
 
     # ------------------------------------------------------------ the shared presence table
 
