@@ -63,7 +63,7 @@ class Adopted:
     dropped: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     cold_reason: str | None = None
-    kept_on_stop: bool = False
+    kept_on_stop: bool = False  # this daemon keeps the arena at a clean stop (on_stop = keep)
     clean: bool = False  # the previous daemon stopped cleanly (not a crash)
     fenced_slots: int = 0
     geometry: dict[tuple[str, str], int] = field(default_factory=dict)  # table -> page bytes

@@ -180,6 +180,7 @@ class Daemon:
                 slicer=Slicer(waiting=self._request_waits))
             if kept is not None:
                 self._adopt(kept)
+            self.adopted.kept_on_stop = config.on_stop == "keep"  # (what this one will do)
             log.info("%s", self.adopted.line())
             self.ctx = zmq.Context()
             self.sock = self.files.bind(self.ctx, config.endpoint)
@@ -213,6 +214,7 @@ class Daemon:
                                      self.presence, self._stop.is_set, lambda: self.draining,
                                      lambda: self.requests, self.adopted.stats)
         self._drained = False  # the drain ran to its end (a clean stop: ``close``)
+        self.kept_pages = 0  # committed pages left in a kept arena (``close``)
         self.metrics = make_metrics(self, enabled=bool(config.admin_port))
 
     # ------------------------------------------------------------ setup
@@ -679,7 +681,7 @@ class Daemon:
                      "`hicached arena free --state-dir %s` frees it", self.config.arena_path,
                      self.config.arena_path, (self.arena.size_bytes + journal_bytes(
                          self.arena.size_bytes, self.config.slab_size)) / (1 << 30),
-                     self.adopted_on_stop, self.config.state_dir)
+                     self.kept_pages, self.config.state_dir)
 
     def _keep_journal(self) -> None:
         """A stop that keeps the arena: every committed page's exact recency in the journal,
@@ -690,7 +692,6 @@ class Daemon:
         cols = r.np
         ps = np.flatnonzero((cols["p_flags"][:top] & COMMITTED)
                             & (cols["p_stride"][:top] >= GRAIN))
-        self.adopted_on_stop = len(ps)
-        self.adopted.kept_on_stop = True
+        self.kept_pages = len(ps)
         if self._drained:
             self.journal.stop(cols["p_used"][ps], cols["p_off"][ps])

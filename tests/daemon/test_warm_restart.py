@@ -109,6 +109,7 @@ def test_sigterm_with_on_stop_keep_brings_every_committed_page_back(make_daemon)
     d = make_daemon(extra=KEEP)
     stored = fill(d)
     pages = sum(len(keys) for _, _, keys, _, _ in stored)
+    assert stats(d)["adoption"]["kept_on_stop"] is True
     assert d.stop(signal.SIGTERM) == 0
     assert shm_files(d) == [os.path.basename(d.cfg.arena_path),
                             os.path.basename(d.cfg.arena_path) + ".meta"]
