@@ -113,40 +113,36 @@ def adopt(index: PageIndex, kept: Kept, fence, half_ttl_s: float,
     alloc = index.alloc
     capacity = alloc.capacity_bytes
     entries: list[Entry] = []
-    parents: list[tuple[int, int]] = []
-    depths: list[int] = []
+    chain: list[tuple[int, int, int]] = []  # per entry: (parent's old slot, its old tag, depth)
     at: dict[int, tuple[int, str, str]] = {}  # old slot offset -> (old tag, ns, key)
-    key_len = recs["key_len"].tolist()
-    tids = recs["table"].tolist()
-    offs = recs["offset"].tolist()
-    strides = recs["stride"].tolist()
-    pbytes = recs["page_bytes"].tolist()
-    flags = recs["flags"].tolist()
+    seen: set[tuple[tuple[str, str], str]] = set()
+    in_l3: list[bool] = []
+    cols = [recs[name].tolist() for name in ("key_len", "table", "offset", "stride",
+                                             "page_bytes", "flags", "gen", "parent_off",
+                                             "parent_gen", "depth")]
+    raw = recs["key"].tolist()  # (bytes, trailing NULs stripped: cut at key_len below)
 
     def drop(why: str) -> None:
         dropped[why] = dropped.get(why, 0) + 1
 
-    in_l3: list[bool] = []
-    for i in range(len(recs)):
-        n = key_len[i]
+    for n, tid, off, stride, page_bytes, flag, gen, poff, pgen, depth, kb in zip(*cols, raw):
         if not n:
             drop("long_key")
             continue
-        table = tables[tids[i]] if tids[i] < len(tables) else None
+        table = tables[tid] if tid < len(tables) else None
         if table is None:
             drop("table")
             continue
-        off, stride, page_bytes = offs[i], strides[i], pbytes[i]
         if (stride < GRAIN or stride != stride_for(page_bytes) or off < 0
                 or off + stride > capacity or off % 64):
             drop("slot")
             continue
         try:
-            key = bytes(recs["key"][i][:n]).decode()
+            key = kb.ljust(n, b"\0")[:n].decode()
         except UnicodeDecodeError:
             drop("slot")
             continue
-        if index.get(table, key) is not None or index.get_pending(table, key) is not None:
+        if (table, key) in seen:
             drop("duplicate")
             continue
         try:
@@ -160,17 +156,13 @@ def adopt(index: PageIndex, kept: Kept, fence, half_ttl_s: float,
                 index.abort(e)
             drop("duplicate")
             continue
+        seen.add((table, key))
         entries.append(e)
-        parents.append((int(recs["parent_off"][i]), int(recs["parent_gen"][i])))
-        depths.append(int(recs["depth"][i]))
-        in_l3.append(bool(flags[i] & IN_L3))
-        at[off] = (int(recs["gen"][i]), table[0], key)
+        chain.append((poff, pgen, depth))
+        in_l3.append(bool(flag & IN_L3))
+        at[off] = (gen, table[0], key)
         out.geometry.setdefault(table, page_bytes)
-    for e, (poff, pgen), depth in zip(entries, parents, depths):  # chains: before the commits
-        held = at.get(poff)
-        up = held[2] if held is not None and held[:2] == (pgen, e.table[0]) else None
-        if up is not None or depth >= 0:
-            index.link(e.table[0], [e.key], up, depth)
+    _link(index, entries, chain, at)
     for lo in range(0, len(entries), BATCH):
         index.commit_many(entries[lo:lo + BATCH])
     for e, known in zip(entries, in_l3):
@@ -181,6 +173,32 @@ def adopt(index: PageIndex, kept: Kept, fence, half_ttl_s: float,
     out.fenced_slots = _fence_handed_out(index, kept.stamps, now, half_ttl_s, fence)
     out.seconds = time.perf_counter() - t0
     return out, entries
+
+
+def _link(index: PageIndex, entries: list[Entry], chain: list[tuple[int, int, int]],
+          at: dict[int, tuple[int, str, str]]) -> None:
+    """The adopted keys' chains, before their commits (as a set links its pending keys): a
+    run of entries each the child of the one before goes in one ``link`` call."""
+    run: list[str] = []
+    head: tuple[str, str | None, int] | None = None  # (ns, the run's parent, its depth)
+    last_depth = -1
+
+    def flush() -> None:
+        if run and head is not None and (head[1] is not None or head[2] >= 0):
+            index.link(head[0], run, head[1], head[2])
+
+    for e, (poff, pgen, depth) in zip(entries, chain):
+        ns = e.table[0]
+        held = at.get(poff)
+        up = held[2] if held is not None and held[:2] == (pgen, ns) else None
+        if (run and head is not None and head[0] == ns and up == run[-1]
+                and (depth == last_depth + 1 if depth >= 0 else last_depth < 0)):
+            run.append(e.key)
+        elif not (run and run[-1] == e.key and head is not None and head[0] == ns):
+            flush()  # (a key's page of another pool: linked with its first)
+            run, head = [e.key], (ns, up, depth)
+        last_depth = depth
+    flush()
 
 
 def _fence_handed_out(index: PageIndex, stamps: np.ndarray, now: float, half_ttl_s: float,
