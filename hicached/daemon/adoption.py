@@ -27,7 +27,10 @@ A daemon stops (SIGTERM with ``on_stop = "keep"``, or a crash at any instant) an
    slot not adopted of a slab stamped within the last half TTL is fenced for half a TTL
    (``LeaseTable.fence_until``: unbound, pinned slots, freed when the fence ends), a slab with
    no adopted page as one slab-sized slot. Slots of other slabs were last handed out long
-   enough ago that no old client writes them.
+   enough ago that no old client writes them. Not fenced: adopted pages an old client was
+   reading under a lease when its daemon died (a lease is not journaled); such a page is
+   evicted and its slot reused only when the new daemon needs room, and the old client's copy
+   finished long before in every case but a client stalled mid-copy across the whole restart.
 
 What is dropped, and counted by reason (``Adopted.dropped``): ``torn`` (check mismatch),
 ``long_key`` (a key longer than ``KEY_BYTES``: not inline in the record), ``table`` (a table

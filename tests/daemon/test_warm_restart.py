@@ -173,6 +173,8 @@ def test_sigkill_while_idle_brings_back_what_was_committed_and_an_old_client_rea
     d2 = make_daemon(extra=FREE)
     adoption = stats(d2)["adoption"]
     assert adoption["pages"] == 37 and adoption["cold_reason"] is None
+    base = os.path.basename(d.cfg.arena_path)  # only the current arena's files
+    assert shm_files(d2) == [base, base + ".meta", base + ".presence"]
     assert "adopted the kept arena (after a crash): 37 pages" in d2.output()
     read_back(d2, stored)
     # a client that lived through the kill joins the new daemon and reads the right bytes
@@ -242,3 +244,29 @@ def test_slots_reserved_and_not_committed_when_killed_are_dropped_and_fenced(
         read_back(d2, stored)
     arena.close()
     c.close()
+
+
+def test_write_back_pages_not_yet_written_are_dirty_again_after_a_crash(make_daemon):
+    """Write-back pages that were dirty when the daemon was killed are written by the daemon
+    that adopts them (here: at its drain), not forgotten: a cold daemon reads them from L3."""
+    wb = ("--l3-backend", "file", "--write-policy", "write_back")
+    d = make_daemon(extra=wb)
+    kv = kv_pool(11)
+    keys = [f"w{i}" for i in range(8)]
+    with d.client("model-a") as c:
+        c.register_mem_host_pool_v2(kv, "kv")
+        assert all(c.batch_set_v2([PoolTransfer("kv", tokens(0, 8), keys=keys)])["kv"])
+        c.wait_committed()
+    assert stats(d)["l3_tier"]["dirty_pages"] == 8  # (nothing written yet)
+    d.stop(signal.SIGKILL)
+    d2 = make_daemon(extra=wb)
+    assert stats(d2)["adoption"]["pages"] == 8
+    assert stats(d2)["l3_tier"]["dirty_pages"] == 8
+    assert d2.stop() == 0  # the drain writes dirty pages
+    d3 = make_daemon(extra=wb)  # (d2 freed the arena: a cold start, L3 only)
+    with d3.client("model-a") as c:
+        dst = kv_pool(12)
+        c.register_mem_host_pool_v2(dst, "kv")
+        assert c.batch_get_v2([PoolTransfer("kv", tokens(0, 8), keys=keys)])["kv"] == [True] * 8
+        assert torch.equal(kv.kv_buffer[:, :32], dst.kv_buffer[:, :32])
+    assert stats(d3)["adoption"]["cold_reason"] == "no arena kept"
