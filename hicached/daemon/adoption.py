@@ -41,7 +41,6 @@ Counters of the past (hits, evictions, requests) start at zero; what is held com
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -51,8 +50,6 @@ from hicached.daemon.index import IN_L3, Entry, PageIndex
 from hicached.daemon.journal import GRAIN, Kept
 from hicached.daemon.slabs import stride_for
 from hicached.errors import ArenaError
-
-log = logging.getLogger(__name__)
 
 BATCH = 4096  # pages committed in one call while adopting
 

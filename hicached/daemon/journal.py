@@ -206,8 +206,9 @@ class Journal:
         if w[H_SLAB] != slab_bytes:
             return (f"slab_size changed: the kept arena has slabs of {w[H_SLAB]} bytes, this "
                     f"daemon asks for {slab_bytes}")
-        if size != file_bytes(arena_bytes, slab_bytes):
-            return f"journal {path} has {size} bytes, expected {file_bytes(arena_bytes, slab_bytes)}"
+        want = file_bytes(arena_bytes, slab_bytes)
+        if size != want:
+            return f"journal {path} has {size} bytes, expected {want}"
         return None
 
     @staticmethod

@@ -8,14 +8,12 @@ instant of a store: ``test_journal.py``.)"""
 import os
 import signal
 
-import pytest
 import torch
 from inproc_daemon import inproc_daemon
 
 from hicached import Client, HostPool, PoolTransfer
 from hicached import protocol as P
 from hicached.arena import Arena
-from hicached.daemon.config import load_config
 
 KEEP = ("--on-stop", "keep", "--l3-backend", "none")
 FREE = ("--l3-backend", "none")
