@@ -334,7 +334,7 @@ STORE_ENV_PREFIXES = ("MOONCAKE_", "SGLANG_MOONCAKE_")
 STORE_ENV_NAMES = ("LOCAL_HOSTNAME",)
 # HICACHED_* variables that are not daemon settings: the engine side's and the tests'
 OTHER_ENV = ("HICACHED_CLIENT_TOKEN", "HICACHED_TEST_DEVICE", "HICACHED_TEST_PAUSE_AT",
-             "HICACHED_BENCH_")
+             "HICACHED_TEST_CRASH_AT", "HICACHED_BENCH_")
 
 
 def absolute_ipc(endpoint: str) -> str:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import struct
 import time
 from array import array
@@ -68,6 +69,7 @@ import numpy as np
 
 from hicached.arena import adopt_mapped, create_mapped, keep_mapped, release_mapped
 from hicached.daemon.entry import IN_L3, KEY_BYTES
+from hicached.errors import ConfigError
 
 MAGIC = int.from_bytes(b"HCJRNL01", "little")
 LAYOUT = 1  # bumped whenever the file's format or the index's meaning of it changes
@@ -123,6 +125,37 @@ def check_of(words: list[int]) -> int:
     return x or 1
 
 
+CRASH_ENV = "HICACHED_TEST_CRASH_AT"  # read by the CLI only (``ops/phases.py``)
+
+
+class CrashPoint:
+    """A test's SIGKILL of the daemon at a named instant of the journal's writes, off unless a
+    test sets ``HICACHED_TEST_CRASH_AT=POINT[:N]`` (the CLI reads it; ``Daemon(crash_at=)``):
+
+        commit   the Nth commit call's records are written, their checks not yet
+        free     the Nth slot's record is cleared, the slot not yet freed (an eviction, a
+                 flush, an abort)
+
+    so that a test kills a daemon mid-commit, mid-eviction or mid-flush deterministically."""
+
+    POINTS = ("commit", "free")
+
+    def __init__(self, spec: str):
+        name, _, count = spec.partition(":")
+        if name not in self.POINTS or (count and not count.isdigit()) or count == "0":
+            raise ConfigError(f"{CRASH_ENV}={spec!r}: expected POINT or POINT:N (N >= 1), "
+                              f"POINT one of {list(self.POINTS)}")
+        self.name = name
+        self.left = int(count or 1)
+
+    def reach(self, name: str) -> None:
+        """The journal is at point ``name``: the process dies here the Nth time."""
+        if name == self.name:
+            self.left -= 1
+            if self.left == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Kept(NamedTuple):
     """What a journal held when it was opened (``Journal.kept``): the valid records in commit
     order, the tables, the slab stamps, how the last daemon stopped, and the records dropped."""
@@ -141,8 +174,10 @@ class Journal:
     only by the control loop: ``write`` (commit), ``clear`` (before a free), ``set_in_l3``,
     ``handed_out`` (the allocator), ``stop`` (a clean exit). Not thread-safe."""
 
-    def __init__(self, path: str, buf: mmap.mmap, arena_bytes: int, slab_bytes: int):
+    def __init__(self, path: str, buf: mmap.mmap, arena_bytes: int, slab_bytes: int,
+                 crash: CrashPoint | None = None):
         self.path = path
+        self.crash = crash  # a test's kill at a named point (None: none)
         self.arena_bytes = arena_bytes
         self.slab_bytes = slab_bytes
         self._buf = buf
@@ -172,11 +207,11 @@ class Journal:
 
     @classmethod
     def create(cls, path: str, arena_bytes: int, slab_bytes: int, incarnation: int,
-               mode: int = 0o600) -> Journal:
+               mode: int = 0o600, crash: CrashPoint | None = None) -> Journal:
         """A fresh, empty journal (replacing a stale one), for a fresh arena of this geometry;
         ArenaError as ``arena.create_mapped``."""
         buf = create_mapped(path, file_bytes(arena_bytes, slab_bytes), mode, "arena journal")
-        j = cls(path, buf, arena_bytes, slab_bytes)
+        j = cls(path, buf, arena_bytes, slab_bytes, crash)
         h = j.header
         h[H_MAGIC], h[H_LAYOUT], h[H_ARENA], h[H_SLAB] = MAGIC, LAYOUT, arena_bytes, slab_bytes
         h[H_GRAIN], h[H_INCARNATION], h[H_STATE] = GRAIN, incarnation, RUNNING
@@ -226,11 +261,12 @@ class Journal:
         return w[H_INCARNATION] if w[H_MAGIC] == MAGIC and w[H_INCARNATION] < 1 << 22 else 0
 
     @classmethod
-    def adopt(cls, path: str, arena_bytes: int, slab_bytes: int) -> Journal:
+    def adopt(cls, path: str, arena_bytes: int, slab_bytes: int,
+              crash: CrashPoint | None = None) -> Journal:
         """The journal a previous daemon left at ``path`` (``mismatch`` said None), mapped and
         locked; its incarnation is counted up and its state set RUNNING by ``begin``."""
         buf = adopt_mapped(path, file_bytes(arena_bytes, slab_bytes), "arena journal")
-        return cls(path, buf, arena_bytes, slab_bytes)
+        return cls(path, buf, arena_bytes, slab_bytes, crash)
 
     @property
     def incarnation(self) -> int:
@@ -301,6 +337,8 @@ class Journal:
         words = self.words
         words[idx, 15] = 0
         words[idx, :15] = body[:, :15]
+        if self.crash is not None:
+            self.crash.reach("commit")
         words[idx, 15] = checks(body)
 
     def write_one(self, offset: int, words: list[int]) -> None:
@@ -310,12 +348,16 @@ class Journal:
         mv = self._check
         mv[at + 15] = 0
         mv[at:at + 15] = array("Q", words)
+        if self.crash is not None:
+            self.crash.reach("commit")
         mv[at + 15] = check_of(words)
 
     def clear(self, offset: int) -> None:
         """The slot at ``offset`` (stride >= GRAIN) is about to be freed: its record is no
         longer valid (before the free: the slot may be handed out right after)."""
         self._check[(offset // GRAIN) * 16 + 15] = 0
+        if self.crash is not None:
+            self.crash.reach("free")
 
     def set_in_l3(self, offset: int, on: bool) -> None:
         """The page at ``offset`` is (not) known to be in L3 (one byte: never torn)."""

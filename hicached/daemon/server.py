@@ -39,7 +39,7 @@ from hicached.daemon.files import DaemonFiles
 from hicached.daemon.handshake import Handshakes
 from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.index import COMMITTED, PageIndex
-from hicached.daemon.journal import GEN_SHIFT, GRAIN, Journal
+from hicached.daemon.journal import GEN_SHIFT, GRAIN, CrashPoint, Journal
 from hicached.daemon.journal import file_bytes as journal_bytes
 from hicached.daemon.kv_events import make_kv_events
 from hicached.daemon.l3.tier import L3Tier, close_quietly
@@ -93,12 +93,13 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig,
                  on_phase: Callable[[str], None] | None = None,
-                 notifier: NullNotifier | None = None):
+                 notifier: NullNotifier | None = None, crash_at: str | None = None):
         """Make the daemon: state lock, arena, index, L3 backend, socket. ``on_phase(name)`` is
         called as the start reaches "lock", "arena" (after each step of the reservation), "l3"
         and "socket" (``ops/phases.py``); whatever it raises abandons the start, which undoes
         what it made (lock, arena file, backend, socket) and lets the exception go on.
-        ``notifier``: what the service manager is told (``notifier.py``; None: nothing)."""
+        ``notifier``: what the service manager is told (``notifier.py``; None: nothing);
+        ``crash_at``: a test's kill at a point of the journal (``journal.CrashPoint``)."""
         self.config = config
         self.notifier = notifier or NullNotifier()
         self._stop = threading.Event()
@@ -112,6 +113,7 @@ class Daemon:
 
         self.files = DaemonFiles(config)  # the state dir's lock, taken
         kept = None  # the journal's records, when the arena is adopted (``adoption.py``)
+        crash = CrashPoint(crash_at) if crash_at else None
         meta = config.arena_path + ".meta"
         adopting = False
         try:
@@ -124,7 +126,7 @@ class Daemon:
             if cold is None:
                 adopting = True
                 self.arena = Arena.adopt(config.arena_path, config.l2_size)
-                self.journal = Journal.adopt(meta, config.l2_size, config.slab_size)
+                self.journal = Journal.adopt(meta, config.l2_size, config.slab_size, crash)
                 kept = self.journal.kept()
                 self.journal.reset()  # re-journaled as adopted: a record dropped stays dropped
             else:
@@ -135,7 +137,7 @@ class Daemon:
                 self.arena = Arena.create(config.arena_path, config.l2_size,
                                           mode=config.access_mode, progress=progress)
                 self.journal = Journal.create(meta, config.l2_size, config.slab_size,
-                                              incarnation, mode=config.access_mode)
+                                              incarnation, config.access_mode, crash)
             self.adopted = Adopted(cold_reason=cold)
             self.files.record_arena(config.arena_path)
             self.files.set_group(config.arena_path)

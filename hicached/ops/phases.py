@@ -43,6 +43,7 @@ from hicached.errors import ConfigError
 from hicached.ops import interrupts
 
 PAUSE_ENV = "HICACHED_TEST_PAUSE_AT"
+CRASH_ENV = "HICACHED_TEST_CRASH_AT"  # a test's kill at a point of the journal (not a phase)
 PAUSE_LIMIT_S = 60.0  # a test that never signals: the start goes on
 NAMED = ("start", "config", "imported", "lock", "arena", "l3", "socket", "admin")
 WATCHED = ("import:", "inside:")
@@ -52,7 +53,14 @@ class Phases:
     """Where ``hicached serve``'s start is (see the module docstring); ``reach`` is called at each
     phase by the CLI, ``serve`` and the ``Daemon`` (its ``on_phase``)."""
 
-    def __init__(self, pause_at: str | None = None):
+    def __init__(self, pause_at: str | None = None, crash_at: str | None = None):
+        """``crash_at``: not a phase of the start, carried to the daemon for a test's kill at a
+        point of its journal (``HICACHED_TEST_CRASH_AT``: ``daemon/journal.CrashPoint``)."""
+        if crash_at:  # (imported only then: the CLI's start imports nothing of the daemon)
+            from hicached.daemon.journal import CrashPoint
+
+            CrashPoint(crash_at)  # (ConfigError naming the variable, before anything starts)
+        self.crash_at = crash_at or None
         if pause_at and pause_at not in NAMED and not pause_at.startswith(WATCHED):
             raise ConfigError(f"{PAUSE_ENV}={pause_at!r}: not a phase; phases: "
                              f"{', '.join(NAMED)}, import:MODULE, inside:FUNCTION")
@@ -65,8 +73,9 @@ class Phases:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Phases:
-        """The phases of a start whose test pause, if any, is ``env[PAUSE_ENV]``."""
-        return cls(env.get(PAUSE_ENV))
+        """The phases of a start whose test pause, if any, is ``env[PAUSE_ENV]`` (and its
+        test kill ``env[CRASH_ENV]``)."""
+        return cls(env.get(PAUSE_ENV), env.get(CRASH_ENV))
 
     def reach(self, name: str) -> None:
         """The start is at phase ``name``: pause there if a test asked (once), then raise

@@ -117,7 +117,7 @@ def serve(config: DaemonConfig, notifier: NullNotifier | None = None,
 
         admin_api.check_admin_port(config.admin_host, config.admin_port)  # before arena and L3
     interrupts.switch(interrupts.RECORD)  # from here the start makes things it must undo
-    daemon = Daemon(config, on_phase=phases.reach, notifier=notifier)
+    daemon = Daemon(config, on_phase=phases.reach, notifier=notifier, crash_at=phases.crash_at)
     admin = None
     reloads: list[threading.Thread] = []
     try:  # (a Ctrl-C before the handlers below are in place still closes the daemon)

@@ -182,3 +182,16 @@ def test_a_slot_is_claimed_exactly_or_refused_with_its_numbers():
     with pytest.raises(ArenaError, match="is not a slot of class 8192 \\(slab 3 has class 4096"):
         a.claim(3 * SLAB, 8192)
     assert a.alloc(8192) == 0  # the lowest free slab still comes first
+
+
+def test_a_crash_point_is_checked_and_off_unless_set():
+    from hicached.daemon.journal import CrashPoint
+    from hicached.errors import ConfigError
+
+    for bad in ("nowhere", "commit:0", "free:x"):
+        with pytest.raises(ConfigError, match=f"HICACHED_TEST_CRASH_AT='{bad}': expected POINT"):
+            CrashPoint(bad)
+    point = CrashPoint("free:3")
+    point.reach("commit")
+    point.reach("free")
+    assert (point.name, point.left) == ("free", 2)  # (the third free would kill this process)

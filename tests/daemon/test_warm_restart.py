@@ -8,12 +8,14 @@ instant of a store: ``test_journal.py``.)"""
 import os
 import signal
 
+import pytest
 import torch
 from inproc_daemon import inproc_daemon
 
 from hicached import Client, HostPool, PoolTransfer
 from hicached import protocol as P
 from hicached.arena import Arena
+from hicached.errors import HicachedError
 
 KEEP = ("--on-stop", "keep", "--l3-backend", "none")
 FREE = ("--l3-backend", "none")
@@ -268,3 +270,116 @@ def test_write_back_pages_not_yet_written_are_dirty_again_after_a_crash(make_dae
         assert c.batch_get_v2([PoolTransfer("kv", tokens(0, 8), keys=keys)])["kv"] == [True] * 8
         assert torch.equal(kv.kv_buffer[:, :32], dst.kv_buffer[:, :32])
     assert stats(d3)["adoption"]["cold_reason"] == "no arena kept"
+
+
+def crash_at(point):
+    return {"HICACHED_TEST_CRASH_AT": point}
+
+
+def wait_killed(d, timeout_s=30.0):
+    """The daemon killed itself at its crash point (SIGKILL)."""
+    assert d.proc.wait(timeout_s) == -signal.SIGKILL, d.output()
+
+
+def test_sigkill_mid_commit_serves_nothing_of_that_commit_and_keeps_the_ones_before(
+        make_daemon):
+    d = make_daemon(extra=FREE, env=crash_at("commit:3"))  # the third commit call
+    kv = kv_pool(21)
+    calls = [[f"m{c}-{i}" for i in range(16)] for c in range(3)]
+    with d.client("model-a") as c:
+        c.register_mem_host_pool_v2(kv, "kv")
+        for n, keys in enumerate(calls):
+            c.batch_set_v2([PoolTransfer("kv", tokens(16 * n, 16), keys=keys)])
+        wait_killed(d)  # its records written, their checks not: never valid
+    d2 = make_daemon(extra=FREE)
+    adoption = stats(d2)["adoption"]
+    assert (adoption["pages"], adoption["dropped"]) == (32, {})
+    read_back(d2, [("model-a", "kv", calls[0] + calls[1], kv, tokens(0, 32))])
+    with d2.client("model-a") as c:
+        c.register_mem_host_pool_v2(kv_pool(22), "kv")
+        assert c.batch_exists(calls[2]) == 0
+        assert c.batch_get_v2([PoolTransfer("kv", tokens(0, 16), keys=calls[2])])["kv"] == [
+            False] * 16
+    assert stats(d2)["fenced_bytes"] >= 16 * 8192  # its slots: an old client may still copy
+
+
+def test_sigkill_mid_flush_keeps_the_pages_the_walk_had_not_reached(make_daemon):
+    d = make_daemon(extra=FREE, env=crash_at("free:10"))  # the flush's tenth page
+    stored = fill(d)
+    with d.client("model-b") as c:
+        with pytest.raises(HicachedError):  # never answered
+            c.flush("l2", timeout_s=5.0)
+    wait_killed(d)
+    d2 = make_daemon(extra=FREE)
+    held = stats(d2)["adoption"]["pages"]
+    assert held == 37 - 10  # nine freed, the tenth's record cleared before its free
+    hits = 0
+    for ns, pool, keys, src, where in stored:  # what is held is exact; the rest is a miss
+        with Client(d2.endpoint, ns) as c:
+            dst = state_pool(31) if pool == "mamba" else kv_pool(
+                32, head_dim=src.kv_buffer.shape[-1])
+            if pool == "mamba":
+                c.register_mem_host_pool_v2(kv_pool(33), "kv")
+            c.register_mem_host_pool_v2(dst, pool)
+            got = c.batch_get_v2([PoolTransfer(pool, where, keys=keys)])[pool]
+            for i, ok in enumerate(got):
+                if not ok:
+                    continue
+                hits += 1
+                if pool == "mamba":
+                    assert all(torch.equal(a[3], b[3]) for a, b in zip(src.buffers, dst.buffers))
+                else:
+                    t = slice(i * PAGE, (i + 1) * PAGE)
+                    assert torch.equal(src.kv_buffer[:, t], dst.kv_buffer[:, t]), (ns, i)
+    assert hits == held
+
+
+def test_sigkill_mid_eviction_leaks_no_slot_and_serves_exact_bytes(make_daemon, tmp_path):
+    # 16 MiB of 8 KiB pages (2048 slots): the third call of 1024 evicts; killed at its 5th free
+    d = make_daemon(extra=FREE, env=crash_at("free:5"))
+    kv = kv_pool(41, num_pages=1024)
+    calls = [[f"e{c}-{i}" for i in range(1024)] for c in range(3)]
+    with d.client("model-a") as c:
+        c.register_mem_host_pool_v2(kv, "kv")
+        for keys in calls:
+            try:
+                c.batch_set_v2([PoolTransfer("kv", tokens(0, 1024), keys=keys)])
+            except HicachedError:
+                break
+    wait_killed(d)
+    with inproc_daemon(tmp_path, state_dir=d.cfg.state_dir, l3_backend="none") as d2:
+        daemon = d2.daemon
+        held = daemon.adopted.pages
+        assert 0 < held < 2048
+
+        def classes():
+            fenced = {}
+            for f in daemon.leases.fences.values():
+                for e in f.entries:
+                    fenced[e.stride] = fenced.get(e.stride, 0) + 1
+            used = {}
+            for e in daemon.index.entries():
+                used[e.stride] = used.get(e.stride, 0) + 1
+            out = {}
+            for slab in daemon.allocator.slabs:
+                if slab.stride:
+                    n = out.setdefault(slab.stride, [0, 0])
+                    n[0] += slab.num_slots
+                    n[1] += len(slab.free)
+            return {s: (slots, free + used.get(s, 0) + fenced.get(s, 0))
+                    for s, (slots, free) in out.items()}
+
+        for stride, (slots, accounted) in daemon.call(classes).items():
+            assert slots == accounted, stride  # free + used + fenced = slots
+        with Client(d2.endpoint, "model-a") as c:
+            dst = kv_pool(42, num_pages=1024)
+            c.register_mem_host_pool_v2(dst, "kv")
+            hits = 0
+            for keys in calls[:2]:
+                got = c.batch_get_v2([PoolTransfer("kv", tokens(0, 1024), keys=keys)])["kv"]
+                for i, ok in enumerate(got):
+                    if ok:
+                        hits += 1
+                        t = slice(i * PAGE, (i + 1) * PAGE)
+                        assert torch.equal(kv.kv_buffer[:, t], dst.kv_buffer[:, t])
+            assert hits == held
