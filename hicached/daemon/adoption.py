@@ -11,7 +11,7 @@ A daemon stops (SIGTERM with ``on_stop = "keep"``, or a crash at any instant) an
 2. The arena is mapped as it is (no re-allocation, no pre-fault), the journal read
    (``Journal.kept``: valid records in commit order; a torn one is counted and dropped), its
    records cleared, and a new incarnation begun: this daemon's slot tags start above every
-   tag of the old one (``journal.GEN_SHIFT``).
+   tag of the old one (``journal.first_gen``).
 3. The index is rebuilt through its own operations, one path with a client's set: every table
    registered (``table_id``, ``mark_trailing``), each page's slot claimed
    (``SlabAllocator.claim``: its own slot is the one the next ``alloc`` gives) and reserved

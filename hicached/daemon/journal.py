@@ -50,9 +50,11 @@ What must stay true, and why a torn record is never adopted:
   follows the index's flag, so write-back pages not yet written are written after adoption.
 - **Recency**: ``seq`` is the commit tick (a crash restores commit order); a clean stop
   (``stop``) writes every committed page's exact last use.
-- **Slot tags**: the header's incarnation counts the daemons that used the file; a daemon's
-  generations start at ``incarnation << GEN_SHIFT``, so a successor's tags never equal a tag an
-  old client saw.
+- **Slot tags**: a cold daemon's generations start at random (as before this journal); a
+  successor that adopts starts ``GEN_GAP`` above the newest tag the journal holds
+  (``first_gen``): the old daemon's tags after its newest held commit (reservations, binds,
+  pages committed and evicted since) would need 2**40 generations to reach it, so no tag an old
+  client saw is valid again. The header's incarnation counts the daemons that used the file.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ HEADER_BYTES = 4096
 MAX_TABLES = 4096  # (namespace, pool) pairs a journal names; later ones are not journaled
 TABLE_BYTES = 256
 NS_BYTES, POOL_BYTES = 64, 184
-GEN_SHIFT = 40  # a daemon's generations: [incarnation << GEN_SHIFT, +2**40)
+GEN_GAP = 1 << 40  # an adopting daemon's first generation above the newest kept tag
 RUNNING, CLEAN = 0, 1
 H_MAGIC, H_LAYOUT, H_ARENA, H_SLAB, H_GRAIN, H_INCARNATION, H_STATE, H_STOPPED, H_TABLES = \
     range(9)
@@ -166,6 +168,14 @@ class Kept(NamedTuple):
     clean: bool
     stopped_at: float
     torn: int  # records whose check did not match
+
+
+def first_gen(kept: Kept | None) -> int | None:
+    """Where an adopting daemon's slot generations start: ``GEN_GAP`` above the newest tag of
+    ``kept`` (None: at random, a cold start or nothing kept)."""
+    if kept is None or not len(kept.records):
+        return None
+    return int(kept.records["gen"].max()) + GEN_GAP
 
 
 class Journal:
@@ -270,8 +280,7 @@ class Journal:
 
     @property
     def incarnation(self) -> int:
-        """The daemons that used this file before this one (this one's generations start at
-        ``incarnation << GEN_SHIFT``)."""
+        """The daemons that used this file (this one included, once ``begin`` ran)."""
         return int(self.header[H_INCARNATION])
 
     def kept(self) -> Kept:

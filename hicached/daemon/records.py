@@ -115,8 +115,9 @@ class Records:
         self.slot_recs: dict[int, array] = {}
         self.pending: dict[TableId, dict[str, Entry]] = {}  # pending pages: live handles
         self.tick = 0
-        # Slot generations: the journal's incarnation (``first_gen``), else a random start, so
-        # tags of an earlier daemon never match this one's.
+        # Slot generations: above every tag of the daemon whose arena this one adopted
+        # (``first_gen``: ``journal.first_gen``), else a random start, so tags of an earlier
+        # daemon never match this one's.
         self.gen = first_gen if first_gen is not None else secrets.randbits(48) << 8
         self.evictions = 0
         self.committed_count = 0

@@ -39,7 +39,7 @@ from hicached.daemon.files import DaemonFiles
 from hicached.daemon.handshake import Handshakes
 from hicached.daemon.eviction.registry import make_policy
 from hicached.daemon.index import COMMITTED, PageIndex
-from hicached.daemon.journal import GEN_SHIFT, GRAIN, CrashPoint, Journal
+from hicached.daemon.journal import GRAIN, CrashPoint, Journal, first_gen
 from hicached.daemon.journal import file_bytes as journal_bytes
 from hicached.daemon.kv_events import make_kv_events
 from hicached.daemon.l3.tier import L3Tier, close_quietly
@@ -161,7 +161,7 @@ class Daemon:
                                    presence=self.presence, events=self.kv_events,
                                    ahead=config.evict_ahead,  # evicting ahead in idle turns
                                    busy=self._request_waits, journal=self.journal,
-                                   first_gen=self.journal.incarnation << GEN_SHIFT)
+                                   first_gen=first_gen(kept))  # (None: at random)
             self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
             self.workers = IOWorkers(config.io_queue_depth)
             self.tier = L3Tier(self.index, self.workers, None, config.write_policy,

@@ -13,7 +13,7 @@ import pytest
 
 from hicached.daemon.adoption import adopt
 from hicached.daemon.index import PageIndex
-from hicached.daemon.journal import GEN_SHIFT, GRAIN, Journal, file_bytes
+from hicached.daemon.journal import GEN_GAP, GRAIN, Journal, file_bytes, first_gen
 from hicached.daemon.slabs import SlabAllocator
 from hicached.errors import ArenaError
 
@@ -33,9 +33,9 @@ def meta():
             pass
 
 
-def make(journal):
+def make(journal, kept=None):
     alloc = SlabAllocator(ARENA, SLAB, handed_out=journal.handed_out)
-    return PageIndex(alloc, journal=journal, first_gen=journal.incarnation << GEN_SHIFT)
+    return PageIndex(alloc, journal=journal, first_gen=first_gen(kept))
 
 
 def put(ix, table, keys, page_bytes=PB, depth=None):
@@ -83,7 +83,7 @@ def test_a_commit_is_journaled_and_a_successor_rebuilds_the_index_in_exact_slots
     assert kept.clean and kept.torn == 0 and len(kept.records) == 8
     j2.reset()
     assert j2.incarnation == 2
-    ix2 = make(j2)
+    ix2 = make(j2, kept)
     done, entries = adopt(ix2, kept, lambda es, s: None, 15.0, now=1e12)  # (no fences)
     assert (done.pages, done.dropped) == (8, {})
     assert done.bytes == 6 * PB + 2 * 5000
@@ -92,8 +92,10 @@ def test_a_commit_is_journaled_and_a_successor_rebuilds_the_index_in_exact_slots
     assert ix2.chain("ns-a", "a3") == ("a2", 3)
     assert ix2.trailing("ns-a") == ix2.pool_bit(T2)
     assert ix2.ns_bytes == {"ns-a": 6 * PB, "ns-b": 2 * 5056}
-    assert min(e.gen for e in entries) > 2 << GEN_SHIFT  # tags above every earlier daemon's
-    assert max(e.gen for e in a) < 2 << GEN_SHIFT
+    # tags above every tag the old daemon issued, GEN_GAP above the newest it kept
+    assert min(e.gen for e in entries) == int(kept.records["gen"].max()) + GEN_GAP + 1
+    assert min(e.gen for e in entries) > ix.records.gen
+
     # the adopted pages are journaled again: a third daemon finds them
     assert len(kept_at_crash(j2, meta).records) == 8
     j2.close(keep=False)
