@@ -383,3 +383,16 @@ def test_sigkill_mid_eviction_leaks_no_slot_and_serves_exact_bytes(make_daemon, 
                         t = slice(i * PAGE, (i + 1) * PAGE)
                         assert torch.equal(kv.kv_buffer[:, t], dst.kv_buffer[:, t])
             assert hits == held
+
+
+def test_on_stop_and_cold_are_checked_keys(tmp_path):
+    from hicached.daemon.config import load_config
+    from hicached.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="on_stop: unknown 'later'; valid: \\['free', 'keep'\\]"):
+        load_config(None, {}, {"on_stop": "later", "state_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="cold: expected bool, got 'maybe'"):
+        load_config(None, {"HICACHED_COLD": "maybe"}, {"state_dir": str(tmp_path)})
+    cfg = load_config(None, {"HICACHED_ON_STOP": "keep", "HICACHED_COLD": "1"},
+                      {"state_dir": str(tmp_path)})
+    assert (cfg.on_stop, cfg.cold) == ("keep", True)
