@@ -15,8 +15,8 @@ A daemon stops (SIGTERM with ``on_stop = "keep"``, or a crash at any instant) an
 3. The index is rebuilt through its own operations, one path with a client's set: every table
    registered (``table_id``, ``mark_trailing``), each page's slot claimed
    (``SlabAllocator.claim``: its own slot is the one the next ``alloc`` gives) and reserved
-   (``PageIndex.reserve``), chains linked (``link``: a parent is the adopted record at the
-   slot, with the tag, the child's record names),
+   (``PageIndex.reserve``), chains linked (``link``: a parent is the adopted record of the
+   namespace whose key fingerprint the child's record names),
    and all committed (``commit_many`` in commit order: recency, policy, quotas' bytes per
    namespace, the presence table and the journal follow, as for any set). Write-back pages the
    journal does not know in L3 are handed to the L3 tier as committed (``on_commit``: dirty
@@ -113,19 +113,19 @@ def adopt(index: PageIndex, kept: Kept, fence, half_ttl_s: float,
     alloc = index.alloc
     capacity = alloc.capacity_bytes
     entries: list[Entry] = []
-    chain: list[tuple[int, int, int]] = []  # per entry: (parent's old slot, its old tag, depth)
-    at: dict[int, tuple[int, str, str]] = {}  # old slot offset -> (old tag, ns, key)
+    chain: list[tuple[int, int]] = []  # per entry: (parent's fingerprint, depth)
+    at: dict[tuple[str, int], str] = {}  # (ns, the writer's key fingerprint) -> key
     seen: set[tuple[tuple[str, str], str]] = set()
     in_l3: list[bool] = []
     cols = [recs[name].tolist() for name in ("key_len", "table", "offset", "stride",
-                                             "page_bytes", "flags", "gen", "parent_off",
-                                             "parent_gen", "depth")]
+                                             "page_bytes", "flags", "fp", "parent",
+                                             "depth")]
     raw = recs["key"].tolist()  # (bytes, trailing NULs stripped: cut at key_len below)
 
     def drop(why: str) -> None:
         dropped[why] = dropped.get(why, 0) + 1
 
-    for n, tid, off, stride, page_bytes, flag, gen, poff, pgen, depth, kb in zip(*cols, raw):
+    for n, tid, off, stride, page_bytes, flag, fp, parent, depth, kb in zip(*cols, raw):
         if not n:
             drop("long_key")
             continue
@@ -158,9 +158,9 @@ def adopt(index: PageIndex, kept: Kept, fence, half_ttl_s: float,
             continue
         seen.add((table, key))
         entries.append(e)
-        chain.append((poff, pgen, depth))
+        chain.append((parent, depth))
         in_l3.append(bool(flag & IN_L3))
-        at[off] = (gen, table[0], key)
+        at[(table[0], fp)] = key
         out.geometry.setdefault(table, page_bytes)
     _link(index, entries, chain, at)
     for lo in range(0, len(entries), BATCH):
@@ -175,8 +175,8 @@ def adopt(index: PageIndex, kept: Kept, fence, half_ttl_s: float,
     return out, entries
 
 
-def _link(index: PageIndex, entries: list[Entry], chain: list[tuple[int, int, int]],
-          at: dict[int, tuple[int, str, str]]) -> None:
+def _link(index: PageIndex, entries: list[Entry], chain: list[tuple[int, int]],
+          at: dict[tuple[str, int], str]) -> None:
     """The adopted keys' chains, before their commits (as a set links its pending keys): a
     run of entries each the child of the one before goes in one ``link`` call."""
     run: list[str] = []
@@ -187,10 +187,9 @@ def _link(index: PageIndex, entries: list[Entry], chain: list[tuple[int, int, in
         if run and head is not None and (head[1] is not None or head[2] >= 0):
             index.link(head[0], run, head[1], head[2])
 
-    for e, (poff, pgen, depth) in zip(entries, chain):
+    for e, (parent, depth) in zip(entries, chain):
         ns = e.table[0]
-        held = at.get(poff)
-        up = held[2] if held is not None and held[:2] == (pgen, ns) else None
+        up = at.get((ns, parent)) if parent else None
         if (run and head is not None and head[0] == ns and up == run[-1]
                 and (depth == last_depth + 1 if depth >= 0 else last_depth < 0)):
             run.append(e.key)

@@ -16,12 +16,14 @@ It is not the presence table (fingerprints only, and it may overflow).
             after a crash, the slots a client of the old daemon may still write
     record  per GRAIN bytes of arena: the committed page whose slot starts in that span
 
-    record  seq u64 | gen i64 | offset i64 | parent_off i64 | parent_gen i64 | depth i32
-            | page_bytes u32 | stride u32 | table u16 | key_len u8 | flags u8 | key 64 B | check u64
+    record  seq u64 | gen i64 | offset i64 | fp u64 | parent u64 | depth i32 | page_bytes u32
+            | stride u32 | table u16 | key_len u8 | flags u8 | key 64 B | check u64
 
-The parent is named by a page of the parent key (its slot and tag, -1 and 0: none): a record
-in the same journal whose tag matches is that key; one whose tag does not (the parent's page
-left, its slot reused) names no parent, as a parent L2 does not hold names none today.
+A chain is journaled as the writing process's key-table fingerprints (``Records.fp``: Python's
+hash, seeded per process): the key's own (``fp``) and its parent's (``parent``, 0: none). A
+successor links a record to the adopted record of its namespace whose ``fp`` is its
+``parent``; every valid record was written by one process, since a successor journals what it
+adopts again. A parent L2 does not hold names none, as today.
 
 Why one record per ``GRAIN`` (4 KiB) of arena: a slot of stride >= GRAIN starts in a span of its
 own (two such slots are at least GRAIN apart), so ``offset // GRAIN`` names it with no table to
@@ -86,8 +88,7 @@ H_MAGIC, H_LAYOUT, H_ARENA, H_SLAB, H_GRAIN, H_INCARNATION, H_STATE, H_STOPPED, 
     range(9)
 
 RECORD = np.dtype([
-    ("seq", "<u8"), ("gen", "<i8"), ("offset", "<i8"), ("parent_off", "<i8"),
-    ("parent_gen", "<i8"),
+    ("seq", "<u8"), ("gen", "<i8"), ("offset", "<i8"), ("fp", "<u8"), ("parent", "<u8"),
     ("depth", "<i4"), ("page_bytes", "<u4"), ("stride", "<u4"), ("table", "<u2"),
     ("key_len", "u1"), ("flags", "u1"), ("key", f"S{KEY_BYTES}"), ("check", "<u8")])
 assert RECORD.itemsize == 128

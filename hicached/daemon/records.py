@@ -41,7 +41,9 @@ from hicached.presence import (
     namespace_seed,
 )
 
-JOURNAL_BATCH_MIN = 8  # commits of fewer pages are journaled page by page (``journal_each``)
+# commits of fewer pages are journaled page by page (``journal_each``: ~3.5 us a page here,
+# where the numpy pass costs ~35 us a call, and ~0.1 us a page more)
+JOURNAL_BATCH_MIN = 10
 REPUBLISH_MAX = 32768  # keys a full presence table is refilled with at most (one pause of ~0.1 s)
 
 
@@ -523,18 +525,23 @@ class Records:
 
     # ------------------------------------------------------------ the journal
 
-    def journal_pages(self, ps: np.ndarray) -> None:
-        """Journal committed page records ``ps`` (int64; ``journal.py``): those of a stride of
-        at least the journal's grain, of a table it names. Few pages one by one in Python
-        (``journal_each``), more in one numpy pass of ~20 calls."""
+    def journal_pages(self, ps: np.ndarray, keys: Sequence[str]) -> None:
+        """Journal committed page records ``ps`` (int64; ``journal.py``) of ``keys`` (their
+        keys, in order): those of a stride of at least the journal's grain, of a table it
+        names. Few pages one by one in Python (``journal_each``), more in one numpy pass.
+
+        A chain is journaled as this process's key-table fingerprints, the key's own and its
+        parent's (``k_parent``): the successor matches the two among the records it adopts,
+        all written by one process (it journals what it adopts again, under its own)."""
         if len(ps) < JOURNAL_BATCH_MIN:
-            return self.journal_each(ps.tolist())
+            return self.journal_each(ps.tolist(), keys)
         cols = self.np
         strides = cols["p_stride"][ps]
         jt = np.frombuffer(self.t_jid, np.int32)[cols["p_tid"][ps]]
         keep = (strides >= self.journal_grain) & (jt >= 0)
+        fps = key_fps(keys)
         if not keep.all():
-            ps, strides, jt = ps[keep], strides[keep], jt[keep]
+            ps, strides, jt, fps = ps[keep], strides[keep], jt[keep], fps[keep]
             if not len(ps):
                 return
         n = len(ps)
@@ -544,21 +551,8 @@ class Records:
         body[:, 0] = cols["p_used"][ps]
         body[:, 1] = cols["p_gen"][ps]
         body[:, 2] = offs
-        pfps = cols["k_parent"][krecs]
-        body[:, 3] = np.uint64(2**64 - 1)  # -1: no parent
-        body[:, 4] = 0
-        has = np.flatnonzero(pfps)
-        if len(has):  # a chain: each key's parent, by a page of it (``_parent_slot``)
-            nss = cols["k_ns"][krecs[has]]
-            uniq = np.unique(nss)
-            for nsid in uniq.tolist():
-                sel = has if len(uniq) == 1 else has[nss == nsid]
-                pks = self.key_tables[nsid].table.get_many(pfps[sel]).astype(np.int64)
-                heads = np.where(pks >= 0, cols["k_head"][np.maximum(pks, 0)], -1)
-                held = heads >= 0
-                rows, heads = sel[held], heads[held]
-                body[rows, 3] = cols["p_off"][heads]
-                body[rows, 4] = cols["p_gen"][heads]
+        body[:, 3] = fps
+        body[:, 4] = cols["k_parent"][krecs]
         depth = cols["k_depth"][krecs].astype(np.int64) & 0xFFFFFFFF
         body[:, 5] = depth.astype(np.uint64) | (
             cols["p_pbytes"][ps].astype(np.uint64) << np.uint64(32))
@@ -570,12 +564,12 @@ class Records:
         body[:, 7:15] = cols["k_bytes"].view(np.uint64).reshape(-1, 8)[krecs]
         self.journal.write(offs, body)
 
-    def journal_each(self, ps: list[int]) -> None:
-        """``journal_pages`` of a few pages (page records ``ps``), one by one: Python ints, no
-        numpy call (``Commits``' page-by-page path)."""
+    def journal_each(self, ps: list[int], keys: Sequence[str]) -> None:
+        """``journal_pages`` of a few pages (page records ``ps`` of ``keys``), one by one:
+        Python ints, no numpy call."""
         grain, t_jid, journal = self.journal_grain, self.t_jid, self.journal
         kb = self.k_bytes
-        for p in ps:
+        for p, key in zip(ps, keys):
             stride = self.p_stride[p]
             if stride < grain:
                 continue
@@ -583,22 +577,13 @@ class Records:
             if jt < 0:
                 continue
             k = self.p_krec[p]
-            pf = self.k_parent[k]
-            poff, pgen = self._parent_slot(k, pf) if pf else (2**64 - 1, 0)
             n = self.k_len[k]
-            words = [self.p_used[p], self.p_gen[p], self.p_off[p], poff, pgen,
-                     (self.k_depth[k] & 0xFFFFFFFF) | (self.p_pbytes[p] << 32),
+            words = [self.p_used[p], self.p_gen[p], self.p_off[p], (hash(key) + _TOP) or 1,
+                     self.k_parent[k], (self.k_depth[k] & 0xFFFFFFFF) | (self.p_pbytes[p] << 32),
                      stride | (jt << 32) | ((0 if n == 255 else n) << 48)
                      | ((self.p_flags[p] & (COMMITTED | IN_L3)) << 56)]
             words += struct.unpack_from("<8Q", kb, k * KEY_BYTES)
             journal.write_one(self.p_off[p], words)
-
-    def _parent_slot(self, k: int, pfp: int) -> tuple[int, int]:
-        """(slot offset, tag) of a page of key record ``k``'s parent (its fingerprint ``pfp``
-        in the key table): the journal's name for it; (2**64 - 1, 0): none held."""
-        pk = self.key_tables[self.k_ns[k]].table.get(pfp)
-        p = self.k_head[pk] if pk >= 0 else -1
-        return (self.p_off[p], self.p_gen[p]) if p >= 0 else (2**64 - 1, 0)
 
     # ------------------------------------------------------------ the shared presence table
 
