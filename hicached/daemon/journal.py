@@ -3,9 +3,8 @@ in shared memory (``<arena>.meta``), so that the next daemon can adopt the arena
 
 The arena lives in /dev/shm and outlives the daemon; what dies with the process is the index.
 The journal is the part of the index a successor needs: for every committed slot, the key,
-its table (namespace, pool), page bytes, stride, slot tag, chain parent (the slot and tag of a
-page of the parent key) and a commit sequence.
-It is not the presence table (fingerprints only, and it may overflow).
+its table (namespace, pool), page bytes, stride, slot tag, chain parent and depth, and a commit
+sequence. It is not the presence table (fingerprints only, and it may overflow).
 
     file    | header 4096 B | tables: MAX_TABLES x 256 B | slab stamps: slabs x f64 |
             | records: arena_bytes // GRAIN x 128 B |
@@ -34,8 +33,9 @@ them, as before this journal).
 
 What must stay true, and why a torn record is never adopted:
 
-- **Written at commit, in one numpy pass per call** (``write``, from ``Commits``), before the
-  commit is answered: a commit a client was told of is in the journal. The record's ``check``
+- **Written at commit, in one numpy pass per call** (``write``, from ``Commits``; a few pages
+  one by one, ``write_one``), before the presence table shows the pages and before the commit
+  is answered: a commit a client was told of, or saw, is in the journal. The record's ``check``
   (a multiply-sum over its other words, never 0) is zeroed first, the body written, ``check``
   written last. A daemon killed at any instant leaves each record either whole (its check
   matches) or not (check 0, or a body that does not match): such a slot is dropped. A process
