@@ -304,9 +304,10 @@ def test_a_new_chain_linked_at_once_leaves_the_tree_and_the_victims_of_key_by_ke
     by key, also for chains that continue, rewrite or repeat earlier links."""
     rng = random.Random(11)
     fast, slow = make(24, "hybrid"), make(24, "hybrid")
-    slow.policy._linked_fresh = lambda recs, parent: False
-    real, fresh = fast.policy._linked_fresh, []
-    fast.policy._linked_fresh = lambda recs, parent: fresh.append(real(recs, parent)) or fresh[-1]
+    slow.policy.tree._linked_fresh = lambda recs, parent: False
+    real, fresh = fast.policy.tree._linked_fresh, []
+    fast.policy.tree._linked_fresh = (
+        lambda recs, parent: fresh.append(real(recs, parent)) or fresh[-1])
     calls = []
     for i in range(60):
         n = rng.choice([32, 40, 48, 5])
@@ -317,8 +318,9 @@ def test_a_new_chain_linked_at_once_leaves_the_tree_and_the_victims_of_key_by_ke
             p = parent if parent is not None and ix.get(("ns", "kv"), parent) else None
             store(ix, keys, parent=p, depth=-1, states=[keys[-1]] if with_state else ())
         calls.append(keys)
-        for name in ("_up", "_kid", "_sib", "_psib"):
-            assert bytes(getattr(fast.policy, name)) == bytes(getattr(slow.policy, name)), (i, name)
+        for name in ("up", "kid", "sib", "psib"):
+            fast_col, slow_col = getattr(fast.policy.tree, name), getattr(slow.policy.tree, name)
+            assert bytes(fast_col) == bytes(slow_col), (i, name)
         assert held(fast) == held(slow) and held(fast, "mamba") == held(slow, "mamba"), i
     assert fast.evictions == slow.evictions > 500  # under pressure throughout
     assert orphans(fast.records) == orphans(slow.records)
