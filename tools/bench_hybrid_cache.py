@@ -178,50 +178,85 @@ def policy_args(policy: str) -> list[str]:
 # ----------------------------------------------------------------- orphans
 
 
-class Orphans:
-    """Orphan bytes counted by the client from the daemon's shared presence table (which
-    says, per key, which pools L2 holds it in). Reads client internals (``Client._conn.shared``),
-    as bench_index does: a cross-check of the daemon's own figure."""
+def presence_masks(client, keys: list[str]) -> tuple[np.ndarray, int, int] | None:
+    """(pool bits of each of ``keys``, the ``kv`` pool's bit, the ``mamba`` pool's bit; 0: no
+    such pool) from the daemon's shared presence table (``Client._conn.shared``), or None: no
+    usable table, or no read agreed. The daemon may be evicting in its idle turns while this
+    reads: a slot changing under the read gives None, and pages read before and after a page
+    went can look like a chain without its head; so it reads until two reads a moment apart
+    agree (at most 100)."""
+    shared = client._conn.shared
+    if shared is None or shared.view.usable() is None:
+        return None
+    masks = None
+    for _ in range(100):
+        again = shared.view.lookup(keys)
+        if again is not None and masks is not None and np.array_equal(again, masks):
+            break
+        masks = again
+        time.sleep(0.002)
+    if masks is None:
+        return None
+    return masks, shared.bits.get("kv", 0), shared.bits.get("mamba", 0)
 
-    def __init__(self, trace: Trace, state_bytes: int):
+
+class Orphans:
+    """Orphans counted by the client from the daemon's shared presence table (which says, per
+    key, which pools L2 holds it in: ``presence_masks``). Reads client internals
+    (``Client._conn.shared``), as bench_index does: a cross-check of the daemon's own figure.
+    A KV page is an orphan when an earlier page of its chain is absent; a state when its KV
+    prefix is not all present (no grace). ``trace_bench.py`` counts with it too."""
+
+    def __init__(self, trace: Trace, state_bytes: int = 0):
         self.keys, self.parent, self.state_bytes = trace.keys, trace.parent, state_bytes
         order = np.argsort(trace.depth, kind="stable")
         bounds = np.searchsorted(trace.depth[order], np.arange(trace.depth.max() + 2))
         self.levels = [order[bounds[d]:bounds[d + 1]] for d in range(len(bounds) - 1)]
 
-    def sample(self, client, upto: int) -> dict | None:
-        """Bytes of the first ``upto`` keys' pages no hit can use, or None (no usable table).
-        ``orphan``: KV pages whose chain lost an ancestor, and states whose KV prefix is not
-        whole; ``dead_kv``: KV pages of whole chains with no state at or below them."""
-        shared = client._conn.shared
-        if shared is None or shared.view.usable() is None:
+    def _read(self, client, upto: int, states: bool):
+        """(kv, st, whole, levels) of the first ``upto`` keys (bool per key: KV present, state
+        present, KV pages 0..i all present; the levels cut at ``upto``), or None (no usable
+        table, no KV pool, or ``states`` and no state pool)."""
+        got = presence_masks(client, self.keys[:upto])
+        if got is None:
             return None
-        # the daemon may be evicting in its idle turns while this reads: a slot changing under
-        # the read gives None, and pages read before and after a page went can look like a
-        # chain without its head; read until two reads a moment apart agree
-        masks = None
-        for _ in range(100):
-            again = shared.view.lookup(self.keys[:upto])
-            if again is not None and masks is not None and np.array_equal(again, masks):
-                break
-            masks = again
-            time.sleep(0.002)
-        kv_bit, st_bit = shared.bits.get("kv", 0), shared.bits.get("mamba", 0)
-        if masks is None or not kv_bit or not st_bit:
+        masks, kv_bit, st_bit = got
+        if not kv_bit or (states and not st_bit):
             return None
         kv = (masks & kv_bit) != 0
-        st = (masks & st_bit) != 0
+        st = (masks & st_bit) != 0 if st_bit else np.zeros_like(kv)
         whole = kv.copy()  # KV pages 0..i all in L2
         parent = self.parent[:upto]
         cut = [lv[lv < upto] for lv in self.levels]
         for lv in cut[1:]:
             whole[lv] &= whole[parent[lv]]
+        return kv, st, whole, cut
+
+    def sample(self, client, upto: int) -> dict | None:
+        """Bytes of the first ``upto`` keys' pages no hit can use, or None (no usable table).
+        ``orphan``: KV pages whose chain lost an ancestor, and states whose KV prefix is not
+        whole; ``dead_kv``: KV pages of whole chains with no state at or below them."""
+        got = self._read(client, upto, states=True)
+        if got is None:
+            return None
+        kv, st, whole, cut = got
+        parent = self.parent[:upto]
         useful = st & whole  # a hit can end at this page, or below it
         for lv in reversed(cut[1:]):
             np.logical_or.at(useful, parent[lv], useful[lv])
         return {"orphan": int((kv & ~whole).sum()) * KV_PAGE_BYTES
                 + int((st & ~whole).sum()) * self.state_bytes,
                 "dead_kv": int((whole & ~useful).sum()) * KV_PAGE_BYTES}
+
+    def count(self, client, upto: int) -> tuple[int, int] | None:
+        """(orphan pages, resident pages) among the first ``upto`` keys, or None (no usable
+        table, or no KV pool)."""
+        got = self._read(client, upto, states=False)
+        if got is None:
+            return None
+        kv, st, whole, _ = got
+        orphan = int((kv & ~whole).sum()) + int((st & ~whole).sum())
+        return orphan, int(kv.sum()) + int(st.sum())
 
 
 # ----------------------------------------------------------------- the replay

@@ -75,6 +75,8 @@ def measure(endpoint: str) -> list[ChainKept]:
     docstring says); what it kept of each, from its presence table."""
     import torch
 
+    from bench_hybrid_cache import presence_masks
+
     from hicached import Client, HostPool, PoolHitPolicy, PoolName, PoolTransfer
 
     kv_pool = HostPool.allocate_mha(CHAIN_PAGES, PAGE_TOKENS, KV_LAYERS, KV_HEADS, KV_HEAD_DIM)
@@ -95,13 +97,11 @@ def measure(endpoint: str) -> list[ChainKept]:
                              hit_policy=PoolHitPolicy.TRAILING_PAGES)],
                 parent=None, depth=0, anchor_pool=PoolName.KV)
             c.wait_committed()
-        shared = c._conn.shared  # the presence table, read as bench_hybrid_cache's Orphans does
-        if shared is None or shared.view.usable() is None:
-            raise RuntimeError(f"the daemon at {endpoint} publishes no usable presence table")
-        masks = shared.view.lookup([k for ks in keys for k in ks])
-        if masks is None:
-            raise RuntimeError("the presence table changed under every read")
-        kv_bit, st_bit = shared.bits["kv"], shared.bits["mamba"]
+        got = presence_masks(c, [k for ks in keys for k in ks])  # as bench_hybrid_cache reads
+        if got is None:
+            raise RuntimeError(f"the daemon at {endpoint} publishes no usable presence table, "
+                               "or it changed under every read")
+        masks, kv_bit, st_bit = got
     masks = masks.reshape(CHAINS, CHAIN_PAGES)
     return [kept(i + 1, (m & kv_bit) != 0, (m & st_bit) != 0) for i, m in enumerate(masks)]
 

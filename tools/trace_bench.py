@@ -33,8 +33,7 @@ import tempfile
 import time
 
 import mooncake_trace
-import numpy as np
-from bench_hybrid_cache import pct, policy_args, progress, start_daemon, stop
+from bench_hybrid_cache import Orphans, pct, policy_args, progress, start_daemon, stop
 from hybrid_oracle import simulate
 from hybrid_trace import Trace, states_to_set, summary
 
@@ -145,43 +144,6 @@ class Lane:
             **{k: {"count": len(v), "p50_ms": pct(v, 0.5), "p99_ms": pct(v, 0.99)}
                for k, v in self.lat.items()},
         }
-
-
-class Orphans:
-    """Orphans counted from outside: the first ``upto`` keys' pool bits read from a daemon's
-    shared presence table (``Client._conn.shared``, as ``bench_hybrid_cache.Orphans`` reads it),
-    with no grace. A KV page is an orphan when an earlier page of its chain is absent; a state
-    when its KV prefix is not all present."""
-
-    def __init__(self, trace: Trace):
-        self.keys, self.parent = trace.keys, trace.parent
-        order = np.argsort(trace.depth, kind="stable")
-        bounds = np.searchsorted(trace.depth[order], np.arange(trace.depth.max() + 2))
-        self.levels = [order[bounds[d]:bounds[d + 1]] for d in range(len(bounds) - 1)]
-
-    def count(self, client, upto: int) -> tuple[int, int] | None:
-        """(orphan pages, resident pages) among the first ``upto`` keys, or None."""
-        shared = client._conn.shared
-        if shared is None or shared.view.usable() is None:
-            return None
-        masks = None
-        for _ in range(100):  # two reads a moment apart that agree (idle-turn evictions)
-            again = shared.view.lookup(self.keys[:upto])
-            if again is not None and masks is not None and np.array_equal(again, masks):
-                break
-            masks = again
-            time.sleep(0.002)
-        kv_bit, st_bit = shared.bits.get("kv", 0), shared.bits.get("mamba", 0)
-        if masks is None or not kv_bit:
-            return None
-        kv = (masks & kv_bit) != 0
-        st = (masks & st_bit) != 0 if st_bit else np.zeros_like(kv)
-        whole = kv.copy()  # KV pages 0..i all present
-        for lv in self.levels[1:]:
-            lv = lv[lv < upto]
-            whole[lv] &= whole[self.parent[lv]]
-        orphan = int((kv & ~whole).sum()) + int((st & ~whole).sum())
-        return orphan, int(kv.sum()) + int(st.sum())
 
 
 def arena_bytes(budget: float | None, working_set: int, slab_bytes: int) -> int:

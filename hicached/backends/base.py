@@ -14,11 +14,11 @@ must keep serving from L2. Backends are created by ``create_backend(name, **opti
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from hicached.arena import Arena
+from hicached.classref import is_class_ref, load_class
 from hicached.errors import BackendError
 
 
@@ -115,7 +115,7 @@ BACKENDS = {
 
 def is_backend_name(name: str) -> bool:
     """A registry name, or ``package.module:Class`` naming an out-of-tree backend."""
-    return name in BACKENDS or (":" in name and all(name.split(":", 1)))
+    return name in BACKENDS or is_class_ref(name)
 
 
 def create_backend(name: str, **options) -> L3Backend:
@@ -124,11 +124,4 @@ def create_backend(name: str, **options) -> L3Backend:
     if target is None:
         raise ValueError(f"unknown L3 backend {name!r}; valid: {sorted(BACKENDS)} "
                          "or 'package.module:Class'")
-    module, cls = target.split(":", 1)
-    try:
-        factory = getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"L3 backend {name!r} cannot be loaded: {e}") from None
-    if not (isinstance(factory, type) and issubclass(factory, L3Backend)):
-        raise TypeError(f"L3 backend {name!r} is not an L3Backend subclass")
-    return factory(**options)
+    return load_class(target, L3Backend, "L3 backend", name)(**options)

@@ -8,8 +8,11 @@ answered between the slices.
 
 What a flush drops: every page that was committed and unpinned when the walk reached its slot.
 So each page committed before the flush was asked for is gone when it is answered, unless a
-lease or an L3 write pins it (as before: a page an L3 write pins is dropped once written,
-``L3Writes.drop_when_written``). A page committed while the walk runs may stay. A flush asked
+lease pins it. A page an L3 write pins (write-through, or a dirty page under write_back, which
+the flush has written first) is dropped once written (``L3Writes.drop_when_written``), and the
+walk's waiters are answered only then (``settle``, each turn of the loop): a flush that was
+answered left no page of its scope in L2 but leased ones, whatever the L3 writer's pace. A page
+committed while the walk runs may stay. A flush asked
 for while a walk is under way joins it if the walk has not left its first slab yet; otherwise
 it gets a walk of its own once the running one ends (the running walk already passed slots
 that may hold pages committed before the new request).
@@ -55,6 +58,8 @@ class L2Flush:
         self.dropped_of: dict[str, int] = {}  # pages dropped by this walk, per namespace digest
         self.slices = 0  # slices of the walk so far
         self.started = 0.0
+        # walks done whose waiters wait for pages an L3 write pinned: (those pages, answers)
+        self.settling: list[tuple[set, list[tuple[Callable[[int], None], int]]]] = []
 
     @property
     def active(self) -> bool:
@@ -121,16 +126,38 @@ class L2Flush:
         self._finish()
 
     def finish_now(self) -> None:
-        """Run the walks asked for to their end at once (shutdown: every waiter is answered)."""
+        """Run the walks asked for to their end at once and answer every waiter, also those
+        whose pages wait for an L3 write (shutdown; a flush made on the loop's own thread)."""
         slice_s, self.slice_s = self.slice_s, float("inf")
         try:
             while self.active:
                 self.step()
         finally:
             self.slice_s = slice_s
+        settling, self.settling = self.settling, []
+        for _, answers in settling:
+            self._answer(answers)
+
+    def settle(self) -> None:
+        """Answer the walks done whose pages pinned by L3 writes have left ``drop_when_written``
+        (written and dropped, or the backend detached). The loop calls it each turn while
+        ``settling``: a set lookup per page still waiting."""
+        pending = self.tier.writes.drop_when_written
+        still = []
+        for pages, answers in self.settling:
+            pages.intersection_update(pending)
+            if pages:
+                still.append((pages, answers))
+            else:
+                self._answer(answers)
+        self.settling = still
 
     def _finish(self) -> None:
-        later = collections.Counter(e.table[0] for e in self.tier.writes.drop_when_written)
+        pinned = self.tier.writes.drop_when_written
+        scope = self.scope
+        if scope is not None:
+            pinned = {e for e in pinned if e.table[0] in scope}
+        later = collections.Counter(e.table[0] for e in pinned)
         n = self.dropped + sum(later.values())
         log.info("flushed %d pages from L2 in %.2f s (%d slices of the loop)%s", n,
                  self.clock() - self.started, self.slices,
@@ -141,15 +168,30 @@ class L2Flush:
         if self.queued:
             self.waiters, self.queued = self.queued, []
             self._begin()
-        for ns, done in waiters:
+        answers = [(done, n if ns is None else dropped_of.get(ns, 0) + later[ns])
+                   for ns, done in waiters]
+        if pinned:  # answered once those pages are written and dropped (``settle``)
+            self.settling.append((set(pinned), answers))
+        else:
+            self._answer(answers)
+
+    @staticmethod
+    def _answer(answers: list[tuple[Callable[[int], None], int]]) -> None:
+        for done, n in answers:
             try:
-                done(n if ns is None else dropped_of.get(ns, 0) + later[ns])
+                done(n)
             except Exception:  # one waiter's bug must not cost the others their answer
                 log.exception("answering a flush failed")
 
     def status(self) -> dict | None:
         """The walk under way (stats, ``hicached status``), or None."""
         if not self.active:
+            if self.settling:
+                return {"slab": len(self.index.alloc.slabs),
+                        "slabs": len(self.index.alloc.slabs), "dropped": self.dropped,
+                        "waiting": sum(len(a) for _, a in self.settling),
+                        "seconds": round(self.clock() - self.started, 3),
+                        "writing": sum(len(p) for p, _ in self.settling)}
             return None
         return {"slab": self.slab, "slabs": len(self.index.alloc.slabs), "dropped": self.dropped,
                 "waiting": len(self.waiters) + len(self.queued),

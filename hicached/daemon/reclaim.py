@@ -15,7 +15,7 @@ call first takes them (``settle``) so that the orphans it counts are the ones th
 
 A victim set is evicted in the policy's order (dependants first: a segment from its leaf up), a
 key at a time, and may be stopped between any two keys. A key's pages in the set (they come
-together: ``KeyTree._pages``) go in one go, never some now and the rest in a later turn: a
+together: ``KeyTree.pages``) go in one go, never some now and the rest in a later turn: a
 reader between two turns would see the key's KV page without the INDEXER page its call stored
 with it (the atomic multi-pool commit, whose mirror this is). Before a key's pages go each is
 checked again: the same page (its generation), committed, unpinned, not used since the policy
@@ -118,7 +118,7 @@ class Reclaimer:
         while i < end:
             k, j = krec[victims[i]], i
             while i < end and krec[victims[i]] == k:  # (a key's pages are together: states
-                i += 1  # first, ``KeyTree._pages``)
+                i += 1  # first, ``KeyTree.pages``)
             n += evict_pages(victims[j:i])
             if free_slots(stride) >= need:
                 break

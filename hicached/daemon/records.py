@@ -362,6 +362,12 @@ class Records:
         k = keys.table.get(fp)
         if k >= 0:
             return k if self.same_key(k, key) else -1
+        return self.add_key(keys, fp, self.ns_ids[ns], key)
+
+    def add_key(self, keys: _Keys, fp: int, nsid: int, key: str) -> int:
+        """A new key record for ``key`` of namespace id ``nsid``, with no page, no parent and
+        an unknown depth, entered in ``keys`` (its namespace's key table) under fingerprint
+        ``fp``, which the caller found free there."""
         k = self.new_key()
         b = key.encode()
         if 0 < len(b) <= KEY_BYTES:
@@ -370,11 +376,9 @@ class Records:
         else:  # long (or empty: a length of 0 marks a free record)
             self.k_len[k] = 255
             self.long_keys[k] = key
-        self.k_ns[k] = self.ns_ids[ns]
-        self.k_sfp[k] = 0
-        self.k_mask[k] = 0
+        self.k_ns[k] = nsid
+        self.k_sfp[k] = self.k_mask[k] = self.k_parent[k] = 0
         self.k_head[k] = -1
-        self.k_parent[k] = 0
         self.k_depth[k] = -1
         keys.table.put(fp, k)
         return k

@@ -68,19 +68,7 @@ class Reservations:
         fp = (hash(key) + _TOP) or 1
         k = keys.table.get(fp)
         if k < 0:
-            k = r.new_key()
-            b = key.encode()
-            if 0 < len(b) <= KEY_BYTES:
-                r.k_bytes[k * KEY_BYTES:k * KEY_BYTES + len(b)] = b
-                r.k_len[k] = len(b)
-            else:  # long (or empty: a length of 0 marks a free record)
-                r.k_len[k] = 255
-                r.long_keys[k] = key
-            r.k_ns[k] = r.ns_ids[ns]
-            r.k_sfp[k] = r.k_mask[k] = r.k_parent[k] = 0
-            r.k_head[k] = -1
-            r.k_depth[k] = -1
-            keys.table.put(fp, k)
+            k = r.add_key(keys, fp, r.ns_ids[ns], key)
         elif not r.same_key(k, key):
             alloc.free(offset)
             return None

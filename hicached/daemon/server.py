@@ -382,6 +382,8 @@ class Daemon:
                     os.sched_yield()
                 if self.controller.flusher.active:
                     self._guarded(self.controller.flusher.step)
+                if self.controller.flusher.settling:  # flushes waiting for L3 writes
+                    self._guarded(self.controller.flusher.settle)
                 elif reclaim and self.sock not in events:  # an idle turn: evict ahead
                     self._guarded(self.controller.reclaim.step)
                 now = time.monotonic()

@@ -62,36 +62,17 @@ class Uses:
             self.policy.touched(p)
 
     def touch_many(self, entries: Sequence[Entry]) -> None:
-        """``touch`` of each of ``entries`` in turn, in one pass (a get's pages)."""
-        r = self.records
-        gen, used, flags = r.p_gen, r.p_used, r.p_flags
-        slabs, slab_bytes = self.alloc.slabs, self.alloc.slab_bytes
-        touched: dict = {}  # slab -> None, in the order of their last touch
-        ps, ticks = [], []  # the committed pages, for the policy
-        tick = r.tick
-        for e in entries:
-            p = e.rec
-            if gen[p] != e.gen:
-                continue
-            tick += 1
-            used[p] = tick
-            slab = slabs[e.slot_offset // slab_bytes]
-            slab.last_used = tick
-            touched.pop(slab, None)
-            touched[slab] = None
-            if flags[p] & COMMITTED:
-                ps.append(p)
-                ticks.append(tick)
-        r.tick = tick
-        self.alloc.touched(touched)
-        if ps:
-            self.policy.touched_many(ps, ticks)
+        """``touch`` of each of ``entries`` in turn, in one pass: ``read_many`` of those still
+        in their slot, counting no hit and pinning nothing."""
+        gen = self.records.p_gen
+        self.read_many([e for e in entries if gen[e.rec] == e.gen], pin=False, hit=False)
 
-    def read_many(self, entries: Sequence[Entry], pin: bool = True) -> None:
+    def read_many(self, entries: Sequence[Entry], pin: bool = True, hit: bool = True) -> None:
         """A get's pages, just looked up (each alive): ``touch_many``, ``count_hits`` and
         ``pin_many`` of ``entries`` in one pass, the state they leave called in turn (the
         lease that pins them: ``LeaseTable.new_lease(..., pinned=True)``). ``pin`` False: the
-        caller pinned them already (``pin_many``; the pins do not touch what this writes)."""
+        caller pinned them already (``pin_many``; the pins do not touch what this writes);
+        ``hit`` False: no hit counted (``touch_many``)."""
         r = self.records
         gen, used, flags = r.p_gen, r.p_used, r.p_flags
         hits, pins = r.p_hits, r.p_pins
@@ -111,7 +92,7 @@ class Uses:
             if flags[p] & COMMITTED:
                 ps.append(p)
                 ticks.append(tick)
-            if hits[p] < HITS_MAX:
+            if hit and hits[p] < HITS_MAX:
                 hits[p] += 1
             if pin:
                 if not pins[p]:

@@ -19,7 +19,7 @@ from pools import kv_pool, kv_tokens, pages
 from hicached import Client, PoolTransfer
 from hicached.daemon.entry import COMMITTED
 from hicached.daemon.eviction.interface import EvictionPolicy
-from hicached.daemon.eviction.registry import EVICTIONS, make_policy, policy_class
+from hicached.daemon.eviction.registry import EVICTIONS, make_policy, policy_factory
 from hicached.daemon.sessions import namespace_digest
 
 NS = "model-a"
@@ -61,7 +61,7 @@ POLICIES = [*EVICTIONS, FIFO]
 def test_the_registry_names_every_policy_and_loads_one_from_outside():
     assert EVICTIONS == ("lru", "prefix", "hybrid", "demote")
     assert [make_policy(n).name for n in POLICIES] == ["lru", "prefix", "hybrid", "demote", "fifo"]
-    assert policy_class(FIFO) is Fifo
+    assert policy_factory(FIFO) is Fifo
     assert (make_policy("hybrid", 2.0).alpha, make_policy("prefix", 2.0).alpha) == (2.0, 0.0)
     with pytest.raises(ValueError,
                        match="eviction: 'mru' is not one of lru, prefix, hybrid, demote"):
@@ -113,7 +113,7 @@ def test_a_policy_frees_the_room_sets_need_and_gets_read_the_right_bytes(tmp_pat
         assert c.batch_exists(keys[-CHAIN:]) == CHAIN  # the last set is whole
         st = c.stats()
         assert st["eviction"] == make_policy(policy).name
-        if policy_class(policy).orphan_free:
+        if make_policy(policy).orphan_free:
             assert st["l2_orphan_bytes"] == 0
 
 
@@ -136,7 +136,7 @@ def test_a_policy_never_evicts_a_pinned_page(tmp_path, policy):
         assert c.batch_exists(first) == CHAIN
         assert check_bytes(d.endpoint, src, keys) == 64
         d.daemon.call(lambda: ix.unpin_many(held))
-        if policy_class(policy).orphan_free:
+        if make_policy(policy).orphan_free:
             assert c.stats()["l2_orphan_bytes"] == 0
 
 

@@ -1,6 +1,7 @@
 """Flushing L2 in slices of the control loop (flushing.py): unit tests over a real index and
 tier, and a real daemon that answers other clients while it flushes a large L2."""
 
+import json
 import re
 import threading
 
@@ -70,10 +71,48 @@ def test_pinned_pages_stay_and_pages_being_written_are_dropped_once_written(tier
     got = []
     flush.request(got.append)
     walk(flush)
-    assert got == [2]  # plain dropped now; writing counted: it goes once written
+    assert got == []  # answered once the page being written is written and dropped
     assert tier.index.get(TABLE, "leased") == leased
     assert tier.writes.drop_when_written == {writing}
     assert tier.index.get(TABLE, "plain") is None
+    assert flush.status()["writing"] == 1 and not flush.active
+    flush.settle()
+    assert got == []
+    writing.writing = False  # the write ends, as ``L3Writes.done`` ends it
+    tier.index.unpin(writing)
+    tier.writes._maybe_drop(writing)
+    flush.settle()
+    assert got == [2]  # plain dropped then, writing counted: both gone now
+    assert tier.index.get(TABLE, "writing") is None and flush.status() is None
+
+
+def test_finish_now_answers_a_flush_waiting_for_writes(tier):
+    (writing,) = commit(tier.index, ["writing"])
+    writing.writing = True
+    tier.index.pin(writing)
+    flush = L2Flush(tier)
+    got = []
+    flush.request(got.append)
+    flush.finish_now()  # shutdown: every waiter answered, written or not
+    assert got == [1] and not flush.settling
+
+
+def test_a_flush_answers_after_the_write_through_writes_it_waited_for(make_daemon, tmp_path):
+    """Write-through pages still being written when the walk reaches them are dropped once
+    written, and the flush is answered then: a flushed L2 holds none of them, however slow the
+    store (here each put takes 1 s)."""
+    opts = json.dumps({"root": str(tmp_path / "l3"), "put_delay_s": 1.0})
+    d = make_daemon(extra=("--l3-backend", "l3_doubles:SlowFileBackend", "--l3-options", opts))
+    pool = HostPool.allocate_mla(8, 1, 1, 512, dtype=torch.bfloat16)
+    with d.client() as c:
+        c.register_mem_host_pool_v2(pool, "kv")
+        keys = [f"w{i}" for i in range(4)]
+        assert all(c.batch_set_v2([PoolTransfer("kv", torch.arange(4), keys=keys)])["kv"])
+        assert c.stats()["l2_pages"] == 4
+        c.flush("l2")
+        st = c.stats()
+        assert st["l2_pages"] == 0 and st["l2_flush"] is None
+        assert c.stats()["l3_writes"] == 4  # written first, then dropped
 
 
 def test_a_flush_asked_mid_walk_gets_a_walk_of_its_own(tier):

@@ -304,9 +304,10 @@ def test_a_new_chain_linked_at_once_leaves_the_tree_and_the_victims_of_key_by_ke
     by key, also for chains that continue, rewrite or repeat earlier links."""
     rng = random.Random(11)
     fast, slow = make(24, "hybrid"), make(24, "hybrid")
-    slow.policy._linked_fresh = lambda recs, parent: False
-    real, fresh = fast.policy._linked_fresh, []
-    fast.policy._linked_fresh = lambda recs, parent: fresh.append(real(recs, parent)) or fresh[-1]
+    slow.policy.tree._linked_fresh = lambda recs, parent: False
+    real, fresh = fast.policy.tree._linked_fresh, []
+    fast.policy.tree._linked_fresh = (
+        lambda recs, parent: fresh.append(real(recs, parent)) or fresh[-1])
     calls = []
     for i in range(60):
         n = rng.choice([32, 40, 48, 5])
@@ -317,8 +318,9 @@ def test_a_new_chain_linked_at_once_leaves_the_tree_and_the_victims_of_key_by_ke
             p = parent if parent is not None and ix.get(("ns", "kv"), parent) else None
             store(ix, keys, parent=p, depth=-1, states=[keys[-1]] if with_state else ())
         calls.append(keys)
-        for name in ("_up", "_kid", "_sib", "_psib"):
-            assert bytes(getattr(fast.policy, name)) == bytes(getattr(slow.policy, name)), (i, name)
+        for name in ("up", "kid", "sib", "psib"):
+            fast_col, slow_col = getattr(fast.policy.tree, name), getattr(slow.policy.tree, name)
+            assert bytes(fast_col) == bytes(slow_col), (i, name)
         assert held(fast) == held(slow) and held(fast, "mamba") == held(slow, "mamba"), i
     assert fast.evictions == slow.evictions > 500  # under pressure throughout
     assert orphans(fast.records) == orphans(slow.records)
@@ -341,3 +343,56 @@ def test_the_states_one_call_stored_on_a_chain_go_from_its_deep_end(policy):
     assert held(ix, "mamba") == ["c01", "c03", "m01", "n01"]
     assert held(ix) == sorted(c[:4] + ["m00", "m01", "n00", "n01"])
     assert orphans(ix.records) == (0, 0)
+
+
+# ---------------------------------------------------------------- the key tree, a part
+
+
+class Heard:
+    """A ``TreeListener`` that writes down what the tree told it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def key_moved(self, k):
+        self.calls.append(("moved", k))
+
+    def keys_moved(self, ks):
+        self.calls.append(("moved", list(ks)))
+
+    def parent_now(self, q):
+        self.calls.append(("parent", q))
+
+    def leaf_now(self, q):
+        self.calls.append(("leaf", q))
+
+    def state_gone_alone(self, k):
+        self.calls.append(("state alone", k))
+
+
+def test_a_key_tree_tells_the_listener_it_was_built_with_what_changed():
+    """``KeyTree`` is a part (no policy around it here: the index runs ``lru``): linking a
+    chain key by key, each key moved and its parent a parent now; freeing the leaf, its parent
+    a leaf again. The tree's columns say the same."""
+    from hicached.daemon.eviction.keytree import KeyTree
+
+    ix = make(4, "lru")
+    store(ix, chain("a", 3))
+    r = ix.records
+    a0, a1, a2 = (r.key_record("ns", k) for k in chain("a", 3))
+    heard = Heard()
+    tree = KeyTree(r, heard)
+    tree.grow_keys(len(r.k_len))
+    tree.linked([a0, a1, a2], -1)
+    assert heard.calls == [("moved", a1), ("parent", a0), ("moved", a2), ("parent", a1)]
+    assert [tree.up[k] - 1 for k in (a0, a1, a2)] == [-1, a0, a1]
+    assert [tree.kid[k] - 1 for k in (a0, a1, a2)] == [a1, a2, -1]
+    heard.calls.clear()
+    tree.key_freed(a2)
+    assert heard.calls == [("leaf", a1), ("moved", a2)]
+    assert (tree.kid[a1], tree.up[a2]) == (0, 0)
+    assert tree.doomed(r.page_of(a0, r.p_tid[r.k_head[a0]])) == [r.k_head[a1], r.k_head[a0]]
+    quiet = KeyTree(r)  # the Null listener: hears it all, does nothing
+    quiet.grow_keys(len(r.k_len))
+    quiet.linked([a1, a0], -1)
+    assert quiet.up[a0] - 1 == a1

@@ -47,7 +47,7 @@ def snapshot(ix: PageIndex, shared: PresenceTable | None) -> dict:
         partial={st: [s.index for s in ss] for st, ss in a._partial.items()},
         by_age={st: [s.index for s in ss] for st, ss in a._by_age.items()},
         free_slabs=list(a._free_slabs),
-        lru=(list(pol._prev), list(pol._next), dict(pol._ends)),
+        lru=(list(pol.lru._prev), list(pol.lru._next), dict(pol.lru._ends)),
         shared=shared._w[TABLE_WORD:].tobytes() if shared is not None else None,
         shared_entries=shared.entries if shared is not None else None)
     if hasattr(pol, "_heaps"):
@@ -55,8 +55,8 @@ def snapshot(ix: PageIndex, shared: PresenceTable | None) -> dict:
                    mids={s: list(h) for s, h in pol._mids.items()}, queued=list(pol._queued),
                    tails=live_tails(ix), held=sorted(set(pol._held)),
                    class_ns={s: sorted(n) for s, n in pol._class_ns.items()},
-                   tree=[list(getattr(pol, n)) for n in ("_up", "_kid", "_sib", "_psib",
-                                                         "_kflags")])
+                   tree=[list(getattr(pol.tree, n)) for n in ("up", "kid", "sib", "psib",
+                                                              "kflags")])
     return out
 
 
@@ -66,9 +66,9 @@ def live_tails(ix: PageIndex) -> list[int]:
     queues a tail before the call's state of its key comes; ``commit_many`` judges the key on
     the call's final state: the entries that differ are ones ``stale`` skips, or duplicates.)"""
     pol = ix.policy
-    return sorted({k for _, k in pol._tails if ix.records.k_len[k] and not pol._kid[k]
+    return sorted({k for _, k in pol._tails if ix.records.k_len[k] and not pol.tree.kid[k]
                    and ix.records.ns_trail[ix.records.k_ns[k]]
-                   and not pol._has_state(k, ix.records.ns_trail[ix.records.k_ns[k]])})
+                   and not pol.tree.has_state(k, ix.records.ns_trail[ix.records.k_ns[k]])})
 
 
 def odd_key(rng: random.Random, i: int) -> str:

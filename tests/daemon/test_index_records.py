@@ -107,7 +107,7 @@ def test_a_page_costs_about_200_bytes_of_records():
     assert len(ix) == n
     used = sum(a.nbytes for a in ix.records.np.values())
     used += sum(len(s) * s.itemsize for s in ix.records.slot_recs.values())
-    used += ix.records.key_tables[0].table.nbytes + 2 * 4 * len(ix.policy._prev)
+    used += ix.records.key_tables[0].table.nbytes + 2 * 4 * len(ix.policy.lru)
     assert used / n < 250, used / n
     assert not any(np.asarray(ix.records.np["p_flags"][n:]))  # records past the pages: never used
 

@@ -14,10 +14,7 @@ from hicached.daemon.eviction.hybrid import HybridPolicy
 from hicached.daemon.eviction.reuse import ReuseClasses
 
 
-class DemotePolicy(HybridPolicy):
-    """``HybridPolicy`` that demotes new pages of classes seldom read again (module docstring)."""
-
-    name = "demote"
-
-    def __init__(self, alpha: float = 1.0):
-        super().__init__(alpha, ReuseClasses())
+def demote_policy(alpha: float = 1.0) -> HybridPolicy:
+    """A ``HybridPolicy`` named ``demote`` that demotes new pages of classes seldom read again
+    (module docstring): it owns a fresh ``ReuseClasses``."""
+    return HybridPolicy(alpha, ReuseClasses(), name="demote")

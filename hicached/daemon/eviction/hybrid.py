@@ -43,12 +43,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterator
 
 import numpy as np
 
 from hicached.daemon.columns import grown
 from hicached.daemon.entry import COMMITTED, IN_L3
-from hicached.daemon.eviction.keytree import MAX_WALK, STATE_L3, KeyTree
+from hicached.daemon.eviction.interface import EvictionPolicy, IndexView
+from hicached.daemon.eviction.keytree import MAX_WALK, KeyTree
+from hicached.daemon.eviction.lru import LruOrder
 from hicached.daemon.eviction.reuse import DEMOTE_TICKS, NoReuse, ReuseClasses
 
 CANDIDATES = 16  # leaves scored per eviction
@@ -58,16 +61,36 @@ GRACE_TICKS = 1024  # page uses a state-less leaf waits for its state before it 
 FALLBACK_PAGES = 256  # pages of a class tried, oldest first, when no leaf of it may go
 
 
-class HybridPolicy(KeyTree):
-    """Prefix- and state-aware eviction (module docstring); ``alpha`` 0 is ``PrefixPolicy``.
-    Owns the candidate heaps, the value cache and the tails queue (and, through ``KeyTree``,
-    the key tree and the LRU lists); mutates nothing of the index."""
+class HybridPolicy(EvictionPolicy):
+    """Prefix- and state-aware eviction (module docstring).
+
+    Has, built at ``bind``: an ``LruOrder`` (``lru``: the recency lists, ``order`` and the last
+    fallback read them) and a ``KeyTree`` (``tree``: the chains, ``doomed`` and the segments),
+    whose ``TreeListener`` it is (``key_moved`` ... ``state_gone_alone``: the tree calls them,
+    nothing else does); and, given to its constructor, a ``ReuseClasses`` (``reuse``: which new
+    pages are demoted; ``NoReuse`` by default). It forwards each of the index's events to its
+    parts once per call. Owns the candidate heaps, the value cache and the tails queue; mutates
+    nothing of the index, nor of its parts but through their methods.
+
+    ``alpha``: the weight of a candidate's value against its recency; ``alpha_fixed``: keep it
+    whatever ``set_alpha`` says (``prefix``: recency alone); ``name``: the ``--eviction`` name
+    this configuration answers to (``prefix.py``, ``demote.py`` build theirs).
+    """
+
+    frees_runs = True  # a victim is a leaf segment: tens of slots (``reserve_many``)
+    whole_keys = True  # ``doomed``, segments and tails take a key's pages together
+    orphan_free = True  # a page goes with its dependants, a tail once its grace is over
 
     name = "hybrid"
 
-    def __init__(self, alpha: float = 1.0, reuse: ReuseClasses | None = None):
-        super().__init__()
+    lru: LruOrder
+    tree: KeyTree
+
+    def __init__(self, alpha: float = 1.0, reuse: ReuseClasses | None = None, *,
+                 name: str = "hybrid", alpha_fixed: bool = False):
+        self.name = name
         self.alpha = float(alpha)
+        self.alpha_fixed = alpha_fixed
         # new pages of classes seldom read again go first (``reuse.py``; ``demote.py``): not
         # by default (``NoReuse``)
         self.reuse = NoReuse() if reuse is None else reuse
@@ -97,20 +120,29 @@ class HybridPolicy(KeyTree):
         self._kcall = memoryview(np.zeros(0, np.int32))
         self._calls = 0
 
+    def bind(self, ix: IndexView) -> None:
+        """The index this policy serves, and its parts over it: the recency lists and the key
+        tree (which tells this policy of its changes)."""
+        self.ix = ix
+        self.lru = LruOrder(ix)
+        self.tree = KeyTree(ix, self)
+
     def set_alpha(self, alpha: float) -> None:
-        """The weight of a candidate's value against its recency (``make_room``'s score)."""
-        self.alpha = float(alpha)
+        """The weight of a candidate's value against its recency (``make_room``'s score);
+        ignored when ``alpha_fixed``."""
+        if not self.alpha_fixed:
+            self.alpha = float(alpha)
 
     # ------------------------------------------------------------ the tree's events
 
     def grow_keys(self, n: int) -> None:
-        super().grow_keys(n)
+        self.tree.grow_keys(n)
         self._kcall = memoryview(grown(self._kcall, n, np.int32))
         self.reuse.grow_keys(n)
 
     def linked(self, recs, parent: int) -> None:
         """``KeyTree.linked``, and the keys remember the call that named them."""
-        super().linked(recs, parent)
+        self.tree.linked(recs, parent)
         self._calls += 1
         if isinstance(recs, np.ndarray):
             np.asarray(self._kcall)[recs[recs >= 0]] = self._calls
@@ -120,18 +152,23 @@ class HybridPolicy(KeyTree):
                 if k >= 0:
                     kcall[k] = n
 
-    def _moved(self, k: int) -> None:
+    # ------------------------------------------------------------ the tree's listener
+
+    def key_moved(self, k: int) -> None:
+        """(``TreeListener``) ``k``'s cached values are stale."""
         self._vals.pop(k, None)
         self._vals.pop(~k, None)
 
-    def _moved_many(self, ks: list[int]) -> None:
+    def keys_moved(self, ks: list[int]) -> None:
+        """(``TreeListener``) ``key_moved`` of each."""
         vals = self._vals
         if vals:
             for k in ks:
                 vals.pop(k, None)
                 vals.pop(~k, None)
 
-    def _parent_now(self, q: int) -> None:
+    def parent_now(self, q: int) -> None:
+        """(``TreeListener``) ``q``'s committed states are mid-chain candidates now."""
         ix = self.ix
         p = ix.k_head[q]
         while p >= 0:  # q is no leaf now: its states may go alone
@@ -139,10 +176,12 @@ class HybridPolicy(KeyTree):
                 self._push_mid(p)
             p = ix.p_knext[p]
 
-    def _state_gone_alone(self, k: int) -> None:
+    def state_gone_alone(self, k: int) -> None:
+        """(``TreeListener``) ``stale`` looks at ``k`` again on its next call."""
         self._held.append(k)  # its KV pages are read now: they go once their grace is over
 
-    def _leaf_now(self, q: int) -> None:
+    def leaf_now(self, q: int) -> None:
+        """(``TreeListener``) ``q`` is queued as a leaf before any heap is read."""
         self._vals.pop(q, None)
         self._new_leaves.append(q)  # queued by ``_flush_leaves``, before any heap is read
 
@@ -151,7 +190,7 @@ class HybridPolicy(KeyTree):
         eviction frees a segment from its leaf up: each key above becomes a leaf and goes a
         moment later; queueing each as it came cost a push now and a dead entry to pop later)."""
         if self._new_leaves:
-            ix, kid, new = self.ix, self._kid, self._new_leaves
+            ix, kid, new = self.ix, self.tree.kid, self._new_leaves
             self._new_leaves = []
             for q in dict.fromkeys(new):
                 if ix.k_len[q] and not kid[q]:
@@ -161,15 +200,15 @@ class HybridPolicy(KeyTree):
     # ------------------------------------------------------------ the index's events
 
     def inserted(self, p: int) -> None:
-        super().inserted(p)
+        self.lru.inserted(p)
         ix = self.ix
         k = ix.p_krec[p]
         if not ix.ns_trail[ix.k_ns[k]]:  # (``_classify`` of one page)
             self.reuse.stored_one(p, k, not ix.k_mask[k] & ~ix.t_bit[ix.p_tid[p]],
                                   bool(ix.t_state[ix.p_tid[p]]), int(ix.np["k_depth"][k]),
-                                  self._up[k] - 1, ix.tick)
+                                  self.tree.up[k] - 1, ix.tick)
         self._vals.pop(k, None)
-        if not self._kid[k]:
+        if not self.tree.kid[k]:
             self._push_page(p)
             self._maybe_tail(k)
         else:
@@ -182,14 +221,14 @@ class HybridPolicy(KeyTree):
         tick is final once it is committed). A leaf's tail is judged once, on the call's final
         state: page by page, its KV page may have queued one before the call's state of the
         key came, an entry ``stale`` skips when it comes up (the key has a state)."""
-        super().inserted_many(ps, used_before, mask_before)
+        self.lru.inserted_many(ps)
         self._classify(ps, mask_before)
         ix, vals = self.ix, self._vals
         krecs = ix.np["p_krec"][ps]
         if vals:
             for k in krecs.tolist():
                 vals.pop(k, None)
-        leaf = np.asarray(self._kid)[krecs] == 0
+        leaf = np.asarray(self.tree.kid)[krecs] == 0
         # (the order of the pushes matters not: a heap's entries are distinct ints)
         leaves = {}
         for p, k in zip(ps[leaf].tolist(), krecs[leaf].tolist()):
@@ -216,13 +255,13 @@ class HybridPolicy(KeyTree):
         new = np.asarray(mask_before) == 0
         states = np.array(ix.t_state, np.uint8)[cols["p_tid"][ps]] != 0
         first = int(krecs[np.argmax(new)]) if new.any() else -1
-        parent = self._up[first] - 1 if first >= 0 else -1
+        parent = self.tree.up[first] - 1 if first >= 0 else -1
         self.reuse.stored(ps, krecs, new, states, cols["k_depth"][krecs], parent, ix.tick)
 
     def _maybe_tail(self, k: int) -> None:
         ix = self.ix
         trail = ix.ns_trail[ix.k_ns[k]]
-        if trail and not self._has_state(k, trail):
+        if trail and not self.tree.has_state(k, trail):
             p, t = ix.k_head[k], 0
             while p >= 0:  # its grace runs from its newest use (as ``orphans`` counts it)
                 t = max(t, ix.p_used[p])
@@ -240,9 +279,9 @@ class HybridPolicy(KeyTree):
             due.append(heapq.heappop(tails)[1])
         for k in due:
             trail = ix.ns_trail[ix.k_ns[k]]
-            if not ix.k_len[k] or self._kid[k] or self._has_state(k, trail):
+            if not ix.k_len[k] or self.tree.kid[k] or self.tree.has_state(k, trail):
                 continue
-            pages = self._pages(k)
+            pages = self.tree.pages(k)
             if pages is None:  # read or written now: at the next call once it is not
                 self._held.append(k)
                 continue
@@ -250,7 +289,7 @@ class HybridPolicy(KeyTree):
             if newest > limit:  # used since (or a new key in the record): a new grace
                 heapq.heappush(tails, (newest, k))
                 continue
-            self._trim(self._up[k] - 1, k, trail, pages)
+            self.tree.trim(self.tree.up[k] - 1, k, trail, pages)
             out.extend(pages)
         return out
 
@@ -260,7 +299,7 @@ class HybridPolicy(KeyTree):
         a state)."""
         ix = self.ix
         for k in dict.fromkeys(ix.p_krec[p] for p in pages):
-            if ix.k_len[k] and not self._kid[k]:
+            if ix.k_len[k] and not self.tree.kid[k]:
                 self._maybe_tail(k)
 
     def stale_due(self, early: int = 0) -> bool:
@@ -269,9 +308,9 @@ class HybridPolicy(KeyTree):
             tails and tails[0][0] <= self.ix.tick - GRACE_TICKS + early)
 
     def touched(self, p: int) -> None:
-        super().touched(p)  # (an entry already queued for ``p`` moves when it comes up)
+        self.lru.touched(p)  # (an entry already queued for ``p`` moves when it comes up)
         self.reuse.read_one(p, self.ix.p_krec[p], self.ix.tick)
-        if not self._kid[self.ix.p_krec[p]]:
+        if not self.tree.kid[self.ix.p_krec[p]]:
             self._push_page(p)
         else:
             self._push_mid(p)
@@ -279,12 +318,12 @@ class HybridPolicy(KeyTree):
     def touched_many(self, ps: list[int], ticks: list[int]) -> None:
         """``touched`` of each in turn (a page may come twice: queued once, with the tick of
         its first use in the call, as ``touched`` queues it)."""
-        super().touched_many(ps, ticks)
+        self.lru.touched_many(ps)
         ix = self.ix
         if ps:
             arr = np.asarray(ps, np.int64)
             self.reuse.read(arr, ix.np["p_krec"][arr], ix.tick)
-        kid, krec, tid, state = self._kid, ix.p_krec, ix.p_tid, ix.t_state
+        kid, krec, tid, state = self.tree.kid, ix.p_krec, ix.p_tid, ix.t_state
         for p, t in zip(ps, ticks):
             if not kid[krec[p]]:
                 self._push_page(p, t)
@@ -292,7 +331,7 @@ class HybridPolicy(KeyTree):
                 self._queue(self._mids, _MID, p, t)
 
     def grow(self, n: int) -> None:
-        super().grow(n)
+        self.lru.grow(n)
         self.reuse.grow(n)
         self._queued = memoryview(grown(self._queued, n, np.uint8))
 
@@ -326,14 +365,14 @@ class HybridPolicy(KeyTree):
     def _pop(self, heaps: dict[int, list[int]], bit: int, stride: int) -> tuple[int, int]:
         """The (tick, page record) of class ``stride``'s least recently used candidate, taken
         off its heap (the caller pushes it back with ``_back``), or (0, -1)."""
-        ix, heap = self.ix, heaps.get(stride)
+        ix, heap, kid = self.ix, heaps.get(stride), self.tree.kid
         while heap:
             e = heapq.heappop(heap)
             t, p = e >> 32, e & _LOW
             k = ix.p_krec[p]
             if not ix.p_flags[p] & COMMITTED or ix.p_stride[p] != stride or (
-                    bool(self._kid[k]) != (bit == _MID)) or (bit == _MID and not
-                                                             ix.t_state[ix.p_tid[p]]):
+                    bool(kid[k]) != (bit == _MID)) or (bit == _MID and not
+                                                       ix.t_state[ix.p_tid[p]]):
                 self._queued[p] &= ~bit  # gone, moved, or no candidate of this kind now
                 if ix.p_flags[p] & COMMITTED:
                     self._requeue(p)
@@ -347,7 +386,7 @@ class HybridPolicy(KeyTree):
 
     def _requeue(self, p: int) -> None:
         """Queue committed page ``p`` where it belongs now (its entry was dropped)."""
-        if not self._kid[self.ix.p_krec[p]]:
+        if not self.tree.kid[self.ix.p_krec[p]]:
             self._push_page(p)
         else:
             self._push_mid(p)
@@ -359,12 +398,16 @@ class HybridPolicy(KeyTree):
             heapq.heappush(heap, t << 32 | p)
 
     def removed(self, p: int) -> None:
-        super().removed(p)
+        self.lru.removed(p)
         self.reuse.removed(p)
         ix = self.ix
         k = ix.p_krec[p]
         if ix.p_flags[p] & IN_L3 and ix.t_state[ix.p_tid[p]]:
-            self._kflags[k] |= STATE_L3
+            self.tree.state_in_l3(k)
+
+    def key_freed(self, k: int) -> None:
+        """``KeyTree.key_freed``: off its parent, its children roots."""
+        self.tree.key_freed(k)
 
     def _push(self, k: int) -> None:
         """Key ``k`` became a leaf: each of its committed pages is a candidate in its class."""
@@ -389,16 +432,16 @@ class HybridPolicy(KeyTree):
             rest, up = ranked[2], ranked[3]
             while rest and not self._still(rest[-1]):
                 rest.pop()
-            if up >= 0 and ix.k_len[up] and not self._kid[up]:
-                t = self._newest(up, stride)
+            if up >= 0 and ix.k_len[up] and not self.tree.kid[up]:
+                t = self.tree.newest(up, stride)
                 if t and (not rest or t <= rest[-1][0]):
-                    pages = self._segment(up)
+                    pages = self.tree.segment(up)
                     if pages:
-                        self._ranked = (stride, tick, rest, self._above(pages))
+                        self._ranked = (stride, tick, rest, self.tree.above(pages))
                         return self._whole_if_slab(pages, stride)
             if rest:
                 pages = self._still(rest.pop())
-                self._ranked = (stride, tick, rest, self._above(pages))
+                self._ranked = (stride, tick, rest, self.tree.above(pages))
                 return self._whole_if_slab(pages, stride)
         self._ranked = None
         self._flush_leaves()  # (the path above reads no heap: the key it takes is no entry)
@@ -430,10 +473,10 @@ class HybridPolicy(KeyTree):
             order = self._scored(cands)
             while order:
                 c = order.pop()
-                pages = [c[3]] if c[3] >= 0 else self._segment(c[1])
+                pages = [c[3]] if c[3] >= 0 else self.tree.segment(c[1])
                 if pages:
                     best = (c, self._whole_if_slab(pages, stride))
-                    self._ranked = (stride, tick, order, self._above(pages))
+                    self._ranked = (stride, tick, order, self.tree.above(pages))
                     break
         if leaves:
             self._back(self._heaps, stride, leaves)
@@ -450,7 +493,7 @@ class HybridPolicy(KeyTree):
         self.split_ok = False  # a slab's pages: all of them must go
         if other is not None:  # a slab of another class: the one of its oldest leaf (the
             # deep end of a chain: what it takes with it is mostly in that slab)
-            pages = self._expand([p for p in ix.slab_pages(other[1].index) if p >= 0])
+            pages = self.tree.expand([p for p in ix.slab_pages(other[1].index) if p >= 0])
             if pages:
                 return pages
         if best is not None:
@@ -458,7 +501,7 @@ class HybridPolicy(KeyTree):
             return best[1]
         slab = ix.alloc.oldest_unpinned(stride)  # no leaf anywhere may go: LRU's slab
         if slab is not None:
-            pages = self._expand([p for p in ix.slab_pages(slab.index) if p >= 0])
+            pages = self.tree.expand([p for p in ix.slab_pages(slab.index) if p >= 0])
             if pages:
                 return pages
         for p in itertools.islice(self.unpinned(stride), FALLBACK_PAGES):
@@ -466,6 +509,30 @@ class HybridPolicy(KeyTree):
             if pages:
                 return pages
         return []
+
+    def doomed(self, p: int) -> list[int]:
+        """``KeyTree.doomed``: ``p``'s dependants first, then ``p`` (the rules above)."""
+        return self.tree.doomed(p)
+
+    def may_go_ahead(self, p: int) -> bool:
+        """``KeyTree.may_go_ahead``: nothing resident depends on ``p`` now."""
+        return self.tree.may_go_ahead(p)
+
+    # ------------------------------------------------------------ questions
+
+    def order(self, stride: int) -> Iterator[int]:
+        """Committed page records of class ``stride``, least recently used first (pinned
+        included): ``LruOrder.order``; ``make_room``'s choice is by leaf and score instead."""
+        return self.lru.order(stride)
+
+    def strides(self) -> list[int]:
+        """The classes that have held a committed page."""
+        return self.lru.strides()
+
+    def ranked(self, ns: str) -> list[int]:
+        """Every committed page record of namespace ``ns``, next victim first (quotas):
+        ``KeyTree.ranked`` of them by last use."""
+        return self.tree.ranked(super().ranked(ns))
 
     def upcoming(self, stride: int, n: int) -> list[int]:
         """The pages of class ``stride``'s next leaf segments (the least recently used leaves,
@@ -479,19 +546,20 @@ class HybridPolicy(KeyTree):
                 break
             back.append((t, p))
             k = ix.p_krec[p]
-            seg = self._segment(k) if k not in seen else None
+            seg = self.tree.segment(k) if k not in seen else None
             seen.add(k)
             if seg is None:
                 continue
             out.extend(seg)
             child = ix.p_krec[seg[-1]]  # then the keys above that would be leaves next
-            q = self._up[child] - 1
-            while q >= 0 and len(out) < n and self._kid[q] == child + 1 and not self._sib[child]:
-                pages = self._pages(q)
+            tree = self.tree
+            q = tree.up[child] - 1
+            while q >= 0 and len(out) < n and tree.kid[q] == child + 1 and not tree.sib[child]:
+                pages = tree.pages(q)
                 if pages is None:
                     break
                 out.extend(pages)
-                child, q = q, self._up[q] - 1
+                child, q = q, tree.up[q] - 1
         if back:
             self._back(self._heaps, stride, back)
         return out[:n]
@@ -504,12 +572,12 @@ class HybridPolicy(KeyTree):
         t, k, _, p = c
         if p >= 0:
             if (ix.p_flags[p] & COMMITTED and not ix.p_pins[p] and ix.p_used[p] == t
-                    and self._kid[k]):
+                    and self.tree.kid[k]):
                 return [p]
             return None
-        if not ix.k_len[k] or self._kid[k]:
+        if not ix.k_len[k] or self.tree.kid[k]:
             return None
-        return self._segment(k)
+        return self.tree.segment(k)
 
     def _oldest_leaf_slab(self, stride: int):
         """(tick, slab) of the least recently used leaf page of another class whose slab holds
@@ -532,15 +600,15 @@ class HybridPolicy(KeyTree):
         or None while it may not go: a page pinned or pending, or a state-less leaf in its
         grace (worth 0 after it)."""
         ix = self.ix
-        pages = self._pages(k)
+        pages = self.tree.pages(k)
         if pages is None:
             return None
         trail = ix.ns_trail[ix.k_ns[k]]
-        if trail and not self._has_state(k, trail):
+        if trail and not self.tree.has_state(k, trail):
             return None if tick - t < GRACE_TICKS else 0.0
         got = self._vals.get(k)
         if got is None:
-            self._trim(self._up[k] - 1, k, trail, pages)
+            self.tree.trim(self.tree.up[k] - 1, k, trail, pages)
             got = self._vals[k] = (len({ix.p_krec[p] for p in pages}),
                                    sum(ix.p_stride[p] for p in pages),
                                    self._state_above(ix.p_krec[pages[-1]], trail)[0])
@@ -560,9 +628,11 @@ class HybridPolicy(KeyTree):
     def _state_above(self, k: int, trail: int) -> tuple[int, int]:
         """(the nearest key above key ``k`` with a state, -1 for none; the keys from ``k`` up
         to it, ``k`` included): what a hit ending at ``k``'s state saves over that state."""
-        n, q = 1, self._up[k] - 1
-        while q >= 0 and n < MAX_WALK and not self._has_state(q, trail):
-            n, q = n + 1, self._up[q] - 1
+        tree = self.tree
+        up, has_state = tree.up, tree.has_state
+        n, q = 1, up[k] - 1
+        while q >= 0 and n < MAX_WALK and not has_state(q, trail):
+            n, q = n + 1, up[q] - 1
         return (q if n < MAX_WALK else -1), n
 
     def _scored(self, cands: list[tuple[int, int, float, int]]

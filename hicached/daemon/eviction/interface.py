@@ -41,6 +41,10 @@ a policy naming a pinned page costs a retry, never a lease's bytes.
 
 A new policy is one module in this package (a subclass of ``EvictionPolicy``) plus one line in
 ``registry.py``; an out-of-tree one is named ``module:Class`` (``--eviction mypkg.evict:Fifo``).
+A policy has its parts (``lru.py``'s ``LruOrder``, ``keytree.py``'s ``KeyTree``, ``reuse.py``),
+built in ``bind`` or given to its constructor, and forwards the index's events to them once per
+call; it never subclasses another policy (a variant is a factory in its own module that
+configures one: ``prefix.py``).
 """
 
 from __future__ import annotations

@@ -1,47 +1,106 @@
-"""The chains an eviction policy knows: key records as a tree (``hybrid.py`` and ``prefix.py``
-evict by it).
+"""The chains an eviction policy knows: key records as a tree (``hybrid.py`` evicts by it).
 
-Arrays indexed by key record, grown with the records (``grow_keys``): ``up`` / ``kid`` / ``sib`` /
-``psib`` (parent, first child, next and previous sibling, each +1, 0 for none) and ``kflags``.
-``Records.link`` tells ``linked`` where a call's keys hang; a key record freed leaves the tree
-(``key_freed``), its children becoming roots. A link that would make a cycle (a key under its own
-descendant: a client's bug, or two clients disagreeing) makes the key a root instead: the tree
-is walked by eviction and must stay a tree. ``doomed`` (with ``_pages`` / ``_trim``) says which
-pages must go with a page: the rules of ``hybrid.py``'s docstring. Subclasses hear of the
-changes through ``_moved`` (a key changed place), ``_parent_now`` (a leaf got its first child),
-``_leaf_now`` (a key lost its last child). Reads the index only through ``IndexView``
-(``interface.py``).
+``KeyTree`` keeps arrays indexed by key record, grown with the records (``grow_keys``): ``up`` /
+``kid`` / ``sib`` / ``psib`` (parent, first child, next and previous sibling, each +1, 0 for
+none) and ``kflags``. ``Records.link`` tells ``linked`` where a call's keys hang; a key record
+freed leaves the tree (``key_freed``), its children becoming roots. A link that would make a
+cycle (a key under its own descendant: a client's bug, or two clients disagreeing) makes the key
+a root instead: the tree is walked by eviction and must stay a tree. ``doomed`` (with ``pages`` /
+``trim``) says which pages must go with a page: the rules of ``hybrid.py``'s docstring. The
+policy that owns the tree hears of its changes through the ``TreeListener`` it gave the tree's
+constructor: ``key_moved`` (a key changed place), ``parent_now`` (a leaf got its first child),
+``leaf_now`` (a key lost its last child), ``state_gone_alone`` (a state went without its KV
+pages). Reads the index only through ``IndexView`` (``interface.py``).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 
 from hicached.daemon.columns import grown
 from hicached.daemon.entry import COMMITTED, IN_L3
-from hicached.daemon.eviction.lru import LruPolicy
+from hicached.daemon.eviction.interface import IndexView
 
 STATE_L3 = 1  # key flag: a state of the key left L2 with a copy in L3 (still restorable)
 MAX_WALK = 1 << 20  # keys a cycle check walks at most (a cycle is refused, never followed)
 
 
-class KeyTree(LruPolicy):
-    """LRU lists plus the tree of keys (module docstring)."""
+class TreeListener(Protocol):
+    """What a ``KeyTree`` tells its owner, as the tree changes (each call O(1) but
+    ``keys_moved``: O(len)). A listener reads the tree and the index; it must not change the
+    tree from these calls."""
 
-    frees_runs = True  # a victim is a leaf segment: tens of slots (``reserve_many``)
-    whole_keys = True  # ``doomed``, segments and tails take a key's pages together
-    orphan_free = True  # a page goes with its dependants, a tail once its grace is over
+    def key_moved(self, k: int) -> None:
+        """Key record ``k`` changed place in the tree (linked under a parent, or freed)."""
 
-    def __init__(self):
-        super().__init__()
-        for name in ("_up", "_kid", "_sib", "_psib"):
-            setattr(self, name, memoryview(np.zeros(0, np.int32)))
-        self._kflags = memoryview(np.zeros(0, np.uint8))
+    def keys_moved(self, ks: list[int]) -> None:
+        """``key_moved`` of each of ``ks`` (a new chain linked at once)."""
+
+    def parent_now(self, q: int) -> None:
+        """Key ``q``, a leaf, got its first child."""
+
+    def leaf_now(self, q: int) -> None:
+        """Key ``q`` lost its last child (it is a leaf now, or freed a moment later)."""
+
+    def state_gone_alone(self, k: int) -> None:
+        """``doomed`` named a state of leaf ``k`` without its KV pages (pinned): they go
+        later."""
+
+
+class NoListener:
+    """The Null ``TreeListener``: hears everything, does nothing."""
+
+    def key_moved(self, k: int) -> None:
+        pass
+
+    def keys_moved(self, ks: list[int]) -> None:
+        pass
+
+    def parent_now(self, q: int) -> None:
+        pass
+
+    def leaf_now(self, q: int) -> None:
+        pass
+
+    def state_gone_alone(self, k: int) -> None:
+        pass
+
+
+class KeyTree:
+    """The tree of key records (module docstring).
+
+    Owns the per-key arrays ``up`` / ``kid`` / ``sib`` / ``psib`` / ``kflags`` (read-only to
+    others; replaced when they grow, so read them through the tree at each call) and mutates
+    nothing else; reads the index only through ``IndexView``; calls only its ``listener``
+    (``TreeListener``), given at construction, as the tree changes. The pages it names
+    (``doomed``, ``segment``, ``trim``, ``expand``) are committed and unpinned when named,
+    dependants first.
+    """
+
+    def __init__(self, ix: IndexView, listener: TreeListener | None = None):
+        self.ix = ix
+        listener = NoListener() if listener is None else listener
+        # the listener's calls, bound once (the tree calls them per key)
+        self._moved, self._moved_many = listener.key_moved, listener.keys_moved
+        self._parent_now, self._leaf_now = listener.parent_now, listener.leaf_now
+        self._state_gone_alone = listener.state_gone_alone
+        self.up = memoryview(np.zeros(0, np.int32))
+        self.kid = memoryview(np.zeros(0, np.int32))
+        self.sib = memoryview(np.zeros(0, np.int32))
+        self.psib = memoryview(np.zeros(0, np.int32))
+        self.kflags = memoryview(np.zeros(0, np.uint8))
 
     def grow_keys(self, n: int) -> None:
-        for name, dtype in (("_up", np.int32), ("_kid", np.int32), ("_sib", np.int32),
-                            ("_psib", np.int32), ("_kflags", np.uint8)):
+        """Key records now number ``n`` (the arrays grow; their contents stay)."""
+        for name, dtype in (("up", np.int32), ("kid", np.int32), ("sib", np.int32),
+                            ("psib", np.int32), ("kflags", np.uint8)):
             setattr(self, name, memoryview(grown(getattr(self, name), n, dtype)))
+
+    def state_in_l3(self, k: int) -> None:
+        """A state of key ``k`` left L2 with a copy in L3 (``STATE_L3``: still restorable)."""
+        self.kflags[k] |= STATE_L3
 
     def linked(self, recs, parent: int) -> None:
         """Key records ``recs`` (a list or an int64 array; -1: not in L2) were linked in a
@@ -63,7 +122,7 @@ class KeyTree(LruPolicy):
         n = len(recs)
         if n < 2 or recs.min() < 0:
             return False
-        up, kid = np.asarray(self._up), np.asarray(self._kid)
+        up, kid = np.asarray(self.up), np.asarray(self.kid)
         rest, head = recs[1:], recs[:-1]
         if kid[recs].any() or up[rest].any() or parent in recs:
             return False
@@ -72,8 +131,8 @@ class KeyTree(LruPolicy):
             return False
         self._attach(int(recs[0]), parent)  # (touches no other key of the call)
         up[rest] = head + 1
-        np.asarray(self._sib)[rest] = 0
-        np.asarray(self._psib)[rest] = 0
+        np.asarray(self.sib)[rest] = 0
+        np.asarray(self.psib)[rest] = 0
         kid[head] = rest + 1
         self._moved_many(rest.tolist())
         mask = self.ix.np["k_mask"]
@@ -82,25 +141,25 @@ class KeyTree(LruPolicy):
         return True
 
     def _attach(self, k: int, q: int) -> None:
-        if self._up[k] == q + 1:
+        if self.up[k] == q + 1:
             return
-        if q >= 0 and (q == k or (self._kid[k] and self._below(q, k))):
+        if q >= 0 and (q == k or (self.kid[k] and self._below(q, k))):
             q = -1  # a cycle: k would hang under its own descendant
         self._detach(k)
         if q < 0:
             return
-        first = self._kid[q]
-        self._up[k], self._sib[k], self._psib[k] = q + 1, first, 0
+        first = self.kid[q]
+        self.up[k], self.sib[k], self.psib[k] = q + 1, first, 0
         if first:
-            self._psib[first - 1] = k + 1
-        self._kid[q] = k + 1
+            self.psib[first - 1] = k + 1
+        self.kid[q] = k + 1
         self._moved(k)
         if not first:
             self._parent_now(q)
 
     def _below(self, q: int, k: int) -> bool:
         """Whether ``q`` is ``k`` or hangs under it (walks up from ``q``)."""
-        up, n = self._up, 0
+        up, n = self.up, 0
         while q >= 0 and n < MAX_WALK:
             if q == k:
                 return True
@@ -109,36 +168,36 @@ class KeyTree(LruPolicy):
         return n >= MAX_WALK
 
     def _detach(self, k: int) -> None:
-        q = self._up[k] - 1
+        q = self.up[k] - 1
         if q < 0:
             return
-        s, ps = self._sib[k], self._psib[k]
+        s, ps = self.sib[k], self.psib[k]
         if ps:
-            self._sib[ps - 1] = s
+            self.sib[ps - 1] = s
         else:
-            self._kid[q] = s
+            self.kid[q] = s
         if s:
-            self._psib[s - 1] = ps
-        self._up[k] = self._sib[k] = self._psib[k] = 0
-        if not self._kid[q]:
+            self.psib[s - 1] = ps
+        self.up[k] = self.sib[k] = self.psib[k] = 0
+        if not self.kid[q]:
             self._leaf_now(q)
 
     def key_freed(self, k: int) -> None:
         """Key record ``k`` is freed (its last page left L2): off its parent; its children
         (left only when its pages had L3 copies, or are pinned) become roots."""
         self._detach(k)
-        c = self._kid[k]
+        c = self.kid[k]
         while c:
-            nxt = self._sib[c - 1]
-            self._up[c - 1] = self._sib[c - 1] = self._psib[c - 1] = 0
+            nxt = self.sib[c - 1]
+            self.up[c - 1] = self.sib[c - 1] = self.psib[c - 1] = 0
             c = nxt
-        self._kid[k] = 0
-        self._kflags[k] = 0
+        self.kid[k] = 0
+        self.kflags[k] = 0
         self._moved(k)
 
     # ------------------------------------------------------------ what goes with a page
 
-    def _pages(self, k: int) -> list[int] | None:
+    def pages(self, k: int) -> list[int] | None:
         """Key ``k``'s pages, states first; None when one is pinned or pending."""
         ix = self.ix
         trail = ix.ns_trail[ix.k_ns[k]]
@@ -151,18 +210,18 @@ class KeyTree(LruPolicy):
             p = ix.p_knext[p]
         return states + rest
 
-    def _has_state(self, k: int, trail: int, without: int = 0) -> bool:
-        return bool(self.ix.k_mask[k] & trail & ~without) or bool(self._kflags[k] & STATE_L3)
+    def has_state(self, k: int, trail: int, without: int = 0) -> bool:
+        return bool(self.ix.k_mask[k] & trail & ~without) or bool(self.kflags[k] & STATE_L3)
 
-    def _trim(self, q: int, child: int, trail: int, out: list[int]) -> int:
+    def trim(self, q: int, child: int, trail: int, out: list[int]) -> int:
         """Append the pages of the state-less single-child keys from ``q`` up (``child``: the
         key below ``q`` that goes; each key once: the walk goes up from it), up to the first
-        with a page pinned or pending; returns how many keys. (``_pages`` inlined: a segment
+        with a page pinned or pending; returns how many keys. (``pages`` inlined: a segment
         is tens to hundreds of keys, walked for every candidate ``make_room`` scores.)"""
         if not trail:
             return 0
         ix = self.ix
-        kid, sib, up, kflags = self._kid, self._sib, self._up, self._kflags
+        kid, sib, up, kflags = self.kid, self.sib, self.up, self.kflags
         k_mask, k_head, p_knext, p_pins, p_flags = (ix.k_mask, ix.k_head, ix.p_knext, ix.p_pins,
                                                     ix.p_flags)
         n = 0
@@ -170,7 +229,7 @@ class KeyTree(LruPolicy):
                and not kflags[q] & STATE_L3):
             start = len(out)
             p = k_head[q]
-            while p >= 0:  # no state among them: in list order (``_pages`` puts states first)
+            while p >= 0:  # no state among them: in list order (``pages`` puts states first)
                 if p_pins[p] or not p_flags[p] & COMMITTED:
                     del out[start:]
                     return n
@@ -190,39 +249,39 @@ class KeyTree(LruPolicy):
         bit = ix.t_bit[ix.p_tid[p]]
         out = []
         if bit & trail:  # a state
-            if ix.p_flags[p] & IN_L3 or self._kid[k] or self._has_state(k, trail, bit):
+            if ix.p_flags[p] & IN_L3 or self.kid[k] or self.has_state(k, trail, bit):
                 return [p]
             out.append(p)
-            rest = self._pages(k)
+            rest = self.pages(k)
             if rest is None:  # its KV pages are read now: they go once their grace is over
                 self._state_gone_alone(k)
                 return out
             out.extend(q for q in rest if q != p)
-            self._trim(self._up[k] - 1, k, trail, out)
+            self.trim(self.up[k] - 1, k, trail, out)
             return out
         if ix.p_flags[p] & IN_L3:
             return [p]
-        stack, order = [self._kid[k]], []
+        stack, order = [self.kid[k]], []
         while stack:  # the keys below k, parents before children; reversed: deepest first
             c = stack.pop()
             while c:
                 order.append(c - 1)
-                if self._kid[c - 1]:
-                    stack.append(self._kid[c - 1])
-                c = self._sib[c - 1]
+                if self.kid[c - 1]:
+                    stack.append(self.kid[c - 1])
+                c = self.sib[c - 1]
         for c in reversed(order):
-            pages = self._pages(c)
+            pages = self.pages(c)
             if pages is None:
                 return []  # a dependant is read or written now: ``p`` stays for now
             out.extend(pages)
-        pages = self._pages(k)
+        pages = self.pages(k)
         if pages is None:
             return []
         out.extend(q for q in pages if q != p)
         out.append(p)
-        up = self._up[k] - 1
-        if up >= 0 and self._kid[up] == k + 1 and not self._sib[k]:
-            self._trim(up, k, trail, out)
+        up = self.up[k] - 1
+        if up >= 0 and self.kid[up] == k + 1 and not self.sib[k]:
+            self.trim(up, k, trail, out)
         return out
 
     def may_go_ahead(self, p: int) -> bool:
@@ -231,18 +290,18 @@ class KeyTree(LruPolicy):
         named it does)."""
         ix = self.ix
         k = ix.p_krec[p]
-        return not self._kid[k] or bool(ix.p_flags[p] & IN_L3) or bool(ix.t_state[ix.p_tid[p]])
+        return not self.kid[k] or bool(ix.p_flags[p] & IN_L3) or bool(ix.t_state[ix.p_tid[p]])
 
-    def _segment(self, k: int) -> list[int] | None:
+    def segment(self, k: int) -> list[int] | None:
         """The pages leaf ``k`` takes with it (its own and the state-less single-child keys
         above it), or None when one of its own is pinned or pending."""
-        pages = self._pages(k)
+        pages = self.pages(k)
         if pages is None:
             return None
-        self._trim(self._up[k] - 1, k, self.ix.ns_trail[self.ix.k_ns[k]], pages)
+        self.trim(self.up[k] - 1, k, self.ix.ns_trail[self.ix.k_ns[k]], pages)
         return pages
 
-    def _newest(self, k: int, stride: int) -> int:
+    def newest(self, k: int, stride: int) -> int:
         """The newest use of key ``k``'s committed, unpinned pages of class ``stride`` (0: it
         has none, or one of its pages is pinned)."""
         ix, t = self.ix, 0
@@ -255,11 +314,11 @@ class KeyTree(LruPolicy):
             p = ix.p_knext[p]
         return t
 
-    def _above(self, pages: list[int]) -> int:
+    def above(self, pages: list[int]) -> int:
         """The key above a segment (its last page's key's parent), -1 for none."""
-        return self._up[self.ix.p_krec[pages[-1]]] - 1
+        return self.up[self.ix.p_krec[pages[-1]]] - 1
 
-    def _expand(self, pages: list[int]) -> list[int]:
+    def expand(self, pages: list[int]) -> list[int]:
         """``doomed`` of each of ``pages`` in turn, each page once (a slab reclaimed)."""
         out, seen = [], set()
         for p in pages:
@@ -269,32 +328,16 @@ class KeyTree(LruPolicy):
                     out.append(q)
         return out
 
-    def _moved(self, k: int) -> None:
-        pass
-
-    def _moved_many(self, ks: list[int]) -> None:
-        for k in ks:
-            self._moved(k)
-
-    def _parent_now(self, q: int) -> None:
-        pass
-
-    def _leaf_now(self, q: int) -> None:
-        pass
-
-    def _state_gone_alone(self, k: int) -> None:
-        """A state of leaf ``k`` went without its KV pages (pinned): they go later."""
-
-    def ranked(self, ns: str) -> list[int]:
-        """Every committed page record of namespace ``ns``, next victim first (quotas): by the
-        newest use in their key's subtree, then deepest first, so a chain goes from its leaf
-        and a stem stays while a branch below it is used."""
+    def ranked(self, sel: list[int]) -> list[int]:
+        """Committed page records ``sel`` (a namespace's, by last use: ``EvictionPolicy.ranked``)
+        next victim first (quotas): by the newest use in their key's subtree, then deepest
+        first, so a chain goes from its leaf and a stem stays while a branch below it is
+        used."""
         ix = self.ix
-        sel = super().ranked(ns)
         if not sel:
             return sel
         top = ix.key_top
-        up = np.frombuffer(self._up, np.int32)[:top].astype(np.int64) - 1
+        up = np.frombuffer(self.up, np.int32)[:top].astype(np.int64) - 1
         newest = np.zeros(top, np.int64)
         recs = np.asarray(sel, np.int64)
         krec = ix.np["p_krec"][recs]

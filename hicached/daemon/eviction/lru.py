@@ -1,45 +1,52 @@
 """``lru``: least recently used per size class, the policy every path had before the interface.
 
-One list per size class in the order of last use (a call's pages in call order), linked through
-two arrays indexed by page record, and ``make_room`` evicts either the class's least recently
-used unpinned page or the least recently touched unpinned slab of another class (all its
-pages), whichever was used longer ago (a whole slab frees room for any page size). Pinned pages
-are passed over. A page depends on no other (its key's other pools' pages may stay without it):
-LRU makes orphans (``orphans.py`` counts them). The hooks: ``interface.py``.
+``LruOrder`` keeps one list per size class in the order of last use (a call's pages in call
+order), linked through two arrays indexed by page record; every policy here has one (``order``,
+``strides`` and the fallbacks read it). ``LruPolicy`` is that order alone: ``make_room`` evicts
+either the class's least recently used unpinned page or the least recently touched unpinned slab
+of another class (all its pages), whichever was used longer ago (a whole slab frees room for any
+page size). Pinned pages are passed over. A page depends on no other (its key's other pools'
+pages may stay without it): LRU makes orphans (``orphans.py`` counts them). The hooks:
+``interface.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
 from hicached.daemon.columns import grown
-from hicached.daemon.eviction.interface import EvictionPolicy
+from hicached.daemon.eviction.interface import EvictionPolicy, IndexView
 
 
-class LruPolicy(EvictionPolicy):
-    """Least recently used per size class (see the module docstring). Owns two per-page link
-    arrays and each class's list ends; mutates nothing of the index."""
+class LruOrder:
+    """The recency lists: per size class, the committed page records from least to most
+    recently used.
 
-    frees_runs = False  # a victim is mostly one page (``reserve_many`` goes key by key)
-    whole_keys = False  # pools go one by one: a key's KV page may stay without its INDEXER page
+    Owns two per-page link arrays (``grow``) and each class's list ends; mutates nothing of the
+    index and calls nothing but ``IndexView``'s reads (``p_stride``, ``np["p_stride"]``, and
+    in ``oldest`` ``p_pins``). Its owner (a policy) forwards the index's events to it, once per
+    call: each method is O(1) per page, and the batch twins bind what they need to locals.
+    """
 
-    name = "lru"
-
-    def __init__(self):
+    def __init__(self, ix: IndexView):
+        self.ix = ix
         self._prev = memoryview(np.zeros(0, np.int32))
         self._next = memoryview(np.zeros(0, np.int32))
         self._ends: dict[int, list[int]] = {}  # stride -> [oldest, newest] page record (-1)
 
     def grow(self, n: int) -> None:
         """Page records now number ``n``."""
-        for name in ("_prev", "_next"):
-            setattr(self, name, memoryview(grown(getattr(self, name), n, np.int32)))
+        self._prev = memoryview(grown(self._prev, n, np.int32))
+        self._next = memoryview(grown(self._next, n, np.int32))
 
-    # ------------------------------------------------------------ the index's events
+    def __len__(self) -> int:
+        """The page records the link arrays hold (grown with the records)."""
+        return len(self._prev)
 
     def inserted(self, p: int) -> None:
+        """Committed page record ``p`` goes at the newest end of its class's list."""
         stride = self.ix.p_stride[p]
         ends = self._ends.get(stride)
         if ends is None:
@@ -53,13 +60,9 @@ class LruPolicy(EvictionPolicy):
             ends[0] = p
         ends[1] = p
 
-    def inserted_many(self, ps: np.ndarray, used_before: np.ndarray,
-                      mask_before: np.ndarray) -> None:
-        """``inserted`` of each of page records ``ps`` (int64, each once) in turn, called once
-        the index shows them all committed: each class's list gets its pages appended, in
-        order, in one pass. ``used_before`` / ``mask_before``: per page, its ``p_used`` and its
-        key's ``k_mask`` before the call (what a policy that looks at a page's key while its
-        call is half committed needs: ``HybridPolicy``)."""
+    def inserted_many(self, ps: np.ndarray) -> None:
+        """``inserted`` of each of page records ``ps`` (int64, each once) in turn: each class's
+        list gets its pages appended, in order, in one pass."""
         strides = self.ix.np["p_stride"][ps]
         if strides[0] == strides[-1] and not np.count_nonzero(strides != strides[0]):
             self._append(int(strides[0]), ps)
@@ -85,6 +88,7 @@ class LruPolicy(EvictionPolicy):
         ends[1] = int(ps[-1])
 
     def removed(self, p: int) -> None:
+        """Page record ``p`` leaves its class's list."""
         ends = self._ends[self.ix.p_stride[p]]
         prev, nxt = self._prev[p], self._next[p]
         if prev >= 0:
@@ -97,25 +101,12 @@ class LruPolicy(EvictionPolicy):
             ends[1] = prev
 
     def touched(self, p: int) -> None:
-        ends = self._ends[self.ix.p_stride[p]]
-        last = ends[1]
-        if last == p:
-            return
-        prev_, next_ = self._prev, self._next
-        prev, nxt = prev_[p], next_[p]  # unlink (``nxt`` is a page: ``p`` is not the last)
-        if prev >= 0:
-            next_[prev] = nxt
-        else:
-            ends[0] = nxt
-        prev_[nxt] = prev
-        prev_[p] = last  # and append
-        next_[p] = -1
-        next_[last] = p
-        ends[1] = p
+        """Committed page record ``p`` moves to the newest end of its class's list."""
+        self.touched_many((p,))
 
-    def touched_many(self, ps: list[int], ticks: list[int]) -> None:
+    def touched_many(self, ps: Iterable[int]) -> None:
         """``touched`` of each of committed page records ``ps`` in turn (a page may come more
-        than once), ``ticks``: the tick of each use (``p_used`` now holds each page's last)."""
+        than once)."""
         stride_of, prev_, next_, ends_of = self.ix.p_stride, self._prev, self._next, self._ends
         for p in ps:
             ends = ends_of[stride_of[p]]
@@ -133,10 +124,9 @@ class LruPolicy(EvictionPolicy):
             next_[last] = p
             ends[1] = p
 
-    # ------------------------------------------------------------ questions
-
     def order(self, stride: int) -> Iterator[int]:
-        """Committed page records of class ``stride``, next victim first (pinned included)."""
+        """Committed page records of class ``stride``, least recently used first (pinned
+        included); the caller may remove each page as it is given."""
         ends = self._ends.get(stride)
         p = ends[0] if ends else -1
         nxt = self._next
@@ -145,19 +135,76 @@ class LruPolicy(EvictionPolicy):
             yield p
             p = q
 
+    def oldest_unpinned(self, stride: int) -> int:
+        """Class ``stride``'s least recently used unpinned page record, -1 for none."""
+        ends, pins, nxt = self._ends.get(stride), self.ix.p_pins, self._next
+        page = ends[0] if ends else -1
+        while page >= 0 and pins[page]:
+            page = nxt[page]
+        return page
+
     def strides(self) -> list[int]:
         """The classes that have held a committed page (each has a list)."""
         return list(self._ends)
+
+
+class LruPolicy(EvictionPolicy):
+    """Least recently used per size class (see the module docstring). Has an ``LruOrder``
+    (``lru``, built at ``bind``), which it tells every event; mutates nothing of the index;
+    reads the slab allocator's ``oldest_unpinned`` and ``slab_pages`` for ``make_room``."""
+
+    frees_runs = False  # a victim is mostly one page (``reserve_many`` goes key by key)
+    whole_keys = False  # pools go one by one: a key's KV page may stay without its INDEXER page
+
+    name = "lru"
+
+    lru: LruOrder
+
+    def bind(self, ix: IndexView) -> None:
+        """The index this policy serves, and its recency lists over it."""
+        self.ix = ix
+        self.lru = LruOrder(ix)
+
+    def grow(self, n: int) -> None:
+        """Page records now number ``n``."""
+        self.lru.grow(n)
+
+    # ------------------------------------------------------------ the index's events
+
+    def inserted(self, p: int) -> None:
+        self.lru.inserted(p)
+
+    def inserted_many(self, ps: np.ndarray, used_before: np.ndarray,
+                      mask_before: np.ndarray) -> None:
+        """``LruOrder.inserted_many`` (``used_before`` / ``mask_before`` are not needed)."""
+        self.lru.inserted_many(ps)
+
+    def removed(self, p: int) -> None:
+        self.lru.removed(p)
+
+    def touched(self, p: int) -> None:
+        self.lru.touched(p)
+
+    def touched_many(self, ps: list[int], ticks: list[int]) -> None:
+        """``LruOrder.touched_many`` (the ticks are not needed)."""
+        self.lru.touched_many(ps)
+
+    # ------------------------------------------------------------ questions
+
+    def order(self, stride: int) -> Iterator[int]:
+        """Committed page records of class ``stride``, next victim first (pinned included)."""
+        return self.lru.order(stride)
+
+    def strides(self) -> list[int]:
+        """The classes that have held a committed page (each has a list)."""
+        return self.lru.strides()
 
     def make_room(self, stride: int) -> list[int]:
         """The committed, unpinned page records to evict so that class ``stride`` may get a
         slot: the class's oldest page, or every page of another class's oldest slab; empty when
         nothing can be evicted."""
         ix = self.ix
-        ends, pins, nxt = self._ends.get(stride), ix.p_pins, self._next
-        page = ends[0] if ends else -1
-        while page >= 0 and pins[page]:  # the class's oldest unpinned page (``unpinned``)
-            page = nxt[page]
+        page = self.lru.oldest_unpinned(stride)
         slab = ix.alloc.oldest_unpinned(stride)
         if page >= 0 and (slab is None or ix.p_used[page] <= slab.last_used):
             return [page]
