@@ -53,9 +53,9 @@ def decide(env: Mapping[str, str], job_type: str | None) -> tuple[bool, str]:
     asked: see the module docstring's table). ``ConfigError`` without ``SERVICE_RESULT``."""
     result = env.get("SERVICE_RESULT")
     if not result:
-        raise ConfigError("--after-stop: SERVICE_RESULT is not set: --after-stop runs as the unit's "
-                         "ExecStopPost= (systemd sets it); run `hicached arena free` without "
-                         "--after-stop to free the arena now")
+        raise ConfigError("--after-stop: SERVICE_RESULT is not set: --after-stop runs as the "
+                          "unit's ExecStopPost= (systemd sets it); run `hicached arena free` "
+                          "without --after-stop to free the arena now")
     how = f"SERVICE_RESULT={result}" + "".join(
         f", {k}={env[k]}" for k in ("EXIT_CODE", "EXIT_STATUS") if env.get(k))
     if job_type is None:

@@ -15,9 +15,9 @@ each call also looks at the daemon's ipc socket file::
 A new daemon binds its socket once its arena is mapped and its L3 opened, a moment before
 READY=1, and answers once its loop runs: the first call after that reaches it, within a call of
 the engine (well under a second). A daemon is never hammered: each new socket file earns one
-retry; failing again notes that file and backs off as before (a file nobody listens on yet
-is connected to again at the next call: refused at once, nothing reaches a daemon). A tcp:// endpoint has no file to
-watch: it backs off on time alone.
+retry; failing again notes that file and backs off as before (a file nobody listens on yet is
+connected to again at the next call: refused at once, nothing reaches a daemon). A tcp://
+endpoint has no file to watch: it backs off on time alone.
 """
 
 from __future__ import annotations

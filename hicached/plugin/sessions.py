@@ -19,8 +19,8 @@ rank in a replicated namespace (``namespace.RankNamespace.wire_pool``). A pool t
 
 Failures (``guard``): a daemon that is down, hung or restarting makes the call answer a miss, and
 every call of every thread misses at once for ``retry_interval_s``, doubling up to
-``backoff.MAX_BACKOFF_S`` while it keeps failing; a daemon that binds the endpoint anew (a restart) ends
-the back-off at the next call (``backoff.py``).
+``backoff.MAX_BACKOFF_S`` while it keeps failing; a daemon that binds the endpoint anew (a
+restart) ends the back-off at the next call (``backoff.py``).
 """
 
 from __future__ import annotations
