@@ -32,20 +32,24 @@ def test_a_killed_daemons_arena_is_listed_and_freed(make_daemon):
     d.stop(signal.SIGKILL)
     assert exists(arena) and exists(arena + ".presence")  # a crash keeps them: nobody unlinks
 
+    meta = exists(arena + ".meta")  # (a daemon with warm restarts journals there)
+    files = [arena, arena + ".presence"] + [arena + ".meta"] * meta
+    held = sum(os.stat(p).st_blocks * 512 for p in files)
     out = arena_cli("list", "--state-dir", d.state_dir)
     assert out.returncode == 0, out.stderr
-    held = os.stat(arena).st_blocks * 512 + os.stat(arena + ".presence").st_blocks * 512
-    assert out.stdout == (f"{arena} ({held / (1 << 30):.2f} GiB: arena, presence); daemon "
-                          "stopped; no meta file: a daemon starts cold beside it\n")
+    assert out.stdout == (f"{arena} ({held / (1 << 30):.2f} GiB: arena, presence"
+                          + (", meta); daemon stopped\n" if meta else
+                             "); daemon stopped; no meta file: a daemon starts cold beside it\n"))
     [kept] = kept_arenas(d.state_dir, arena)
     assert (kept.recorded, kept.daemon_running, kept.made_by_hicached, kept.has_meta) == (
-        True, False, True, False)
+        True, False, True, meta)
     assert kept.held_bytes == held and held >= 16 << 20  # the whole 16 MiB arena is held
 
     out = arena_cli("free", "--state-dir", d.state_dir)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith(f"freed {arena} (") and "arena, presence)" in out.stdout
-    assert not exists(arena) and not exists(arena + ".presence")
+    assert out.stdout.startswith(f"freed {arena} (") and (
+        "arena, presence, meta)" if meta else "arena, presence)") in out.stdout
+    assert not any(exists(p) for p in files)
     assert recorded_arena(d.state_dir) == ""  # a file made there later is nobody's arena
     out = arena_cli("free", "--state-dir", d.state_dir)
     assert (out.returncode, out.stdout) == (0, f"nothing to free for state dir {d.state_dir}\n")
@@ -168,3 +172,52 @@ def test_the_lock_is_not_taken_by_list_while_a_daemon_holds_it(make_daemon):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
         os.close(fd)
+
+
+def test_a_kept_arena_is_listed_adopted_and_freed(make_daemon):
+    """With the daemon's warm restart (``on_stop = "keep"``): a SIGTERM keeps the arena, its
+    presence table and its ``.meta``; ``list`` shows them; the next daemon adopts its pages
+    (``/stats``, ``/metrics``, ``hicached status`` say so); after another stop, ``free`` removes
+    all three and the daemon after it starts cold."""
+    import dataclasses
+
+    import torch
+    from admin_helpers import admin_daemon, http, sample, scrape
+    from pools import pages
+
+    from hicached import HostPool, PoolTransfer
+    from hicached.daemon.config import DaemonConfig
+    from hicached.ops.adminctl import format_status
+
+    if "on_stop" not in {f.name for f in dataclasses.fields(DaemonConfig)}:
+        pytest.skip("needs the daemon's warm restart (on_stop, the .meta journal)")
+    d, url = admin_daemon(make_daemon, key="", name="warm", extra=["--on-stop", "keep", "--l3-backend", "none"])
+    arena = d.cfg.arena_path
+    keys = [f"warm-{i}" for i in range(4)]
+    with d.client() as c:
+        kv = HostPool.allocate_mha(8, 4, layers=4, heads=4, head_dim=16, layout="page_first",
+                                   dtype=torch.float32)  # 8 KiB pages (journaled: >= 4 KiB)
+        c.register_mem_host_pool_v2(kv, "kv")
+        assert c.batch_set_v2([PoolTransfer("kv", pages(0, 4), keys=keys)])["kv"] == [True] * 4
+        c.wait_committed()
+    assert d.stop(signal.SIGTERM) == 0
+    assert exists(arena) and exists(arena + ".meta"), d.output()  # (+ .presence, if kept)
+    out = arena_cli("list", "--state-dir", d.state_dir)
+    assert out.stdout.startswith(f"{arena} (") and "meta); daemon stopped\n" in out.stdout, out
+
+    d.start()
+    _, stats = http("GET", url + "/stats")
+    assert (stats["adoption"]["pages"], stats["adoption"]["cold_reason"]) == (4, None), stats
+    samples = scrape(url)
+    assert sample(samples, "hicached_adopted_pages_total") == 4
+    assert sample(samples, "hicached_adoption_cold") == 0
+    assert "  start   warm start: adopted 4 pages (" in format_status(url, {}, {}, stats)
+
+    assert d.stop(signal.SIGTERM) == 0
+    out = arena_cli("free", "--state-dir", d.state_dir)
+    assert out.returncode == 0 and out.stdout.startswith(f"freed {arena} (") \
+        and "meta)" in out.stdout, out
+    assert not any(exists(arena + s) for s in ("", ".presence", ".meta"))
+    d.start()
+    _, stats = http("GET", url + "/stats")
+    assert stats["adoption"]["pages"] == 0 and stats["adoption"]["cold_reason"], stats

@@ -335,7 +335,7 @@ def test_an_arena_path_naming_someone_elses_file_never_deletes_it(tmp_path):
             if p.poll() is None:
                 p.kill()
             p.communicate()
-        for path in (precious, arena, arena + ".presence"):
+        for path in (precious, arena, arena + ".presence", arena + ".meta"):
             if os.path.exists(path):
                 os.unlink(path)
 
@@ -365,6 +365,6 @@ def test_after_a_clean_exit_a_file_made_later_at_the_arena_path_is_not_replaced(
         if p.poll() is None:
             p.kill()
             p.communicate()
-        for path in (arena, arena + ".presence"):
+        for path in (arena, arena + ".presence", arena + ".meta"):
             if os.path.exists(path):
                 os.unlink(path)
