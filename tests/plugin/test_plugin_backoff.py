@@ -9,8 +9,15 @@ import signal
 import socket
 import time
 
+import dataclasses
+
+import pytest
+import torch
 from conftest import sigstop
-from sglang_env import idx, keys_of, kv_pool
+from sglang_env import PAGE, fill_random, idx, keys_of, kv_bytes, kv_pool
+
+from hicached import HostPool
+from hicached.daemon.config import DaemonConfig
 
 from hicached.plugin.backoff import MAX_BACKOFF_S, RetryClock, socket_ident
 from hicached.plugin.health import PluginHealth
@@ -105,6 +112,30 @@ def test_sglang_plugin_hits_within_a_second_of_a_restarted_daemons_ready(sg, plu
     assert b.batch_exists(keys) == 4
     counters = b.get_stats().counters
     assert counters["episodes"] == 1 and counters["errors"] == 0
+
+
+def test_sglang_plugin_hits_adopted_pages_within_a_second_of_a_warm_restart(sg, plugin,
+                                                                            make_daemon):
+    """A warm restart (``on_stop = "keep"``: the next daemon adopts the arena): the engine's
+    exists and gets hit the pages it wrote before, within 1 s of the new daemon's ready, with
+    their bytes; nothing is written again."""
+    if "on_stop" not in {f.name for f in dataclasses.fields(DaemonConfig)}:
+        pytest.skip("needs the daemon's warm restart (on_stop)")
+    d = make_daemon(name="warm", extra=["--on-stop", "keep", "--l3-backend", "none"])
+    pool = fill_random(HostPool.allocate_mha(16, PAGE, layers=4, heads=4, head_dim=16,
+                                             layout="page_first", dtype=torch.float32), 41)
+    keys = keys_of("warm-", 4)  # 8 KiB pages: journaled (the daemon keeps pages >= 4 KiB)
+    b = plugin(d.endpoint, {"kv": pool}, extra={"timeout_s": 2.0, "retry_interval_s": 8.0})
+    assert b.batch_set_v1(keys, idx(0, 4)) == [True] * 4
+    b.client().wait_committed()
+    assert d.stop(signal.SIGTERM) == 0  # kept
+    assert b.batch_exists(keys) == 0 and b._sessions.backing_off_s > 5.0
+    d.start()
+    ready = time.monotonic()
+    hits, _ = call_until(lambda: b.batch_exists(keys), lambda n: n == 4, 1.0)
+    assert hits == 4 and time.monotonic() - ready < 1.0, d.output()
+    assert b.batch_get_v1(keys, idx(8, 4)) == [True] * 4
+    assert torch.equal(kv_bytes(pool, 8, 4), kv_bytes(pool, 0, 4))
 
 
 def test_vllm_sessions_reach_a_restarted_daemon_within_a_second(make_daemon):
