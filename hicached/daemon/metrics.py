@@ -409,6 +409,7 @@ class _Collector:
         yield from self._l3_store(st.get("l3") or {}, C, G)
         yield from self._l3_integrity(tier["backend"], st.get("l3") or {}, C)
         yield from self._namespaces(snap["namespaces"], C, G)
+        yield from self._adoption(st.get("adoption"), C, G)
 
     @staticmethod
     def _l3(tier: dict, C, G):
@@ -477,6 +478,27 @@ class _Collector:
                 for key, fam in fams.items():
                     fam.add_metric([n["namespace"]], n[key])
         yield from (held, clients, *fams.values())
+
+
+    @staticmethod
+    def _adoption(adoption: dict | None, C, G):
+        """What this daemon adopted at its start from the arena a previous one kept (a warm
+        restart: ``/stats``'s ``adoption``). A daemon that reports none adopted nothing: zeros,
+        and ``hicached_adoption_cold`` 1."""
+        a = adoption or {}
+        yield C("hicached_adopted_pages", "Committed pages this daemon adopted at its start from "
+                "the arena a previous daemon kept (warm restart)", value=a.get("pages", 0))
+        yield C("hicached_adopted_bytes", "Page bytes of those pages", value=a.get("bytes", 0))
+        dropped = C("hicached_adoption_dropped_pages", "Pages of the kept arena not adopted, "
+                    "per reason (never served)", labels=["reason"])
+        for reason, n in sorted((a.get("dropped") or {}).items()):
+            dropped.add_metric([reason], n)
+        yield dropped
+        yield G("hicached_adoption_seconds", "Seconds the adoption took at start (0: a cold "
+                "start)", value=a.get("seconds", 0.0))
+        yield G("hicached_adoption_cold", "1 when this daemon started cold (no arena kept, "
+                "another geometry, --cold): nothing adopted",
+                value=int(not a or a.get("cold_reason") is not None))
 
 
 def make_metrics(daemon, enabled: bool) -> NullMetrics:

@@ -222,8 +222,11 @@ def format_status(url: str, health: dict, ready: dict, stats: dict | None) -> st
     lines = [f"hicached at {url}: {health.get('status', '?')}, {state}"]
     if not stats:
         return "\n".join(lines)
+    from hicached.ops.status import adoption_line
+
     l2, l3 = stats["tiers"]["l2"], stats["tiers"]["l3"]
     cap = l2["capacity_bytes"] or 1
+    lines.append(f"  start   {adoption_line(stats.get('adoption'))}")
     lines.append(f"  L2      {_count(l2['pages'], 'page')}, {human_bytes(l2['used_bytes'])} "
                  f"used of {human_bytes(cap)} ({100 * l2['used_bytes'] / cap:.1f}%), "
                  f"{_count(l2['free_slabs'], 'free slab')}")

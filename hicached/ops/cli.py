@@ -6,6 +6,8 @@
                                      flags (over its control socket, at the endpoint serve
                                      uses by default, or --endpoint), remotely with --url
                                      (its admin HTTP API; admin_port set)
+  hicached arena list | free         the arenas stopped daemons kept in shared memory (a crash,
+                                     on_stop = "keep"): shown, or freed with no daemon running
   hicached demo                      the reference engine's multi-turn demo
 
 python -m hicached works the same."""
@@ -239,9 +241,14 @@ def _main(argv: list[str] | None, env: Mapping[str, str], phases: Phases) -> int
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub, env)
     adminctl.add_parsers(sub)
+    from hicached.ops import arenas
+
+    arenas.add_parser(sub)
     sub.add_parser("demo", help="multi-turn demo of the reference engine through hicached "
                                 "(hicached demo --help)")
     args = parser.parse_args(argv)
+    if args.command == "arena":
+        return arenas.run(args, env)
     if args.command != "serve":
         return adminctl.run(args, env)
     try:

@@ -314,6 +314,23 @@ class Sampler:
             await asyncio.sleep(max(0.0, started + self.ring.interval_s - loop.time()))
 
 
+# ------------------------------------------------------------ the adoption line
+
+
+def adoption_line(adoption: dict | None) -> str:
+    """How this daemon started, from ``/stats``'s ``adoption`` (None: a daemon that reports no
+    adoption, a cold start): what ``hicached status`` and the page (``renderAdoption``, the
+    same words) show."""
+    if not adoption or (adoption.get("cold_reason") is not None and not adoption.get("pages")):
+        reason = (adoption or {}).get("cold_reason")
+        return "cold start" + (f": {reason}" if reason else "")
+    dropped = adoption.get("dropped") or {}
+    gone = ", ".join(f"{n:,} {why}" for why, n in sorted(dropped.items()))
+    return (f"warm start: adopted {adoption['pages']:,} pages "
+            f"({adoption['bytes'] / (1 << 30):.2f} GiB) in {adoption['seconds']:.2f} s; "
+            + (f"dropped {sum(dropped.values()):,} ({gone})" if dropped else "none dropped"))
+
+
 # ------------------------------------------------------------ the page
 
 

@@ -19,27 +19,27 @@ rank in a replicated namespace (``namespace.RankNamespace.wire_pool``). A pool t
 
 Failures (``guard``): a daemon that is down, hung or restarting makes the call answer a miss, and
 every call of every thread misses at once for ``retry_interval_s``, doubling up to
-``MAX_BACKOFF_S`` while it keeps failing.
+``backoff.MAX_BACKOFF_S`` while it keeps failing; a daemon that binds the endpoint anew (a
+restart) ends the back-off at the next call (``backoff.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from hicached.client.api import Client
 from hicached.errors import DaemonUnavailable, HicachedError, UnknownPool
+from hicached.plugin.backoff import RetryClock
 from hicached.plugin.health import PluginHealth
 from hicached.plugin.namespace import RankNamespace, build_namespace
 from hicached.plugin.pools import MarkerPages, page_source, rank_sharing
 from hicached.plugin.settings import PluginSettings
 
 T = TypeVar("T")
-MAX_BACKOFF_S = 30.0  # longest a failing daemon is left alone (calls miss meanwhile)
 
 
 class Backoff(DaemonUnavailable):
@@ -76,8 +76,8 @@ class RankSessions:
         self._sharded: dict[str, bool] = {}  # pool -> its pages differ per TP rank
         self._broken: dict[str, str] = {}  # pools the daemon refused -> why
         self._threads: dict[int, ThreadSession] = {}  # thread ident -> its session
-        self._retry_at = 0.0  # calls answer misses without trying until then
-        self._backoff = settings.retry_interval_s  # doubles per failure, up to MAX_BACKOFF_S
+        # calls answer misses without trying while it backs off (up to ``backoff.MAX_BACKOFF_S``)
+        self._backoff = RetryClock(settings.endpoint, settings.retry_interval_s)
         self._closed = False
         self._lock = threading.Lock()  # pools, namespace, the sessions table
 
@@ -139,10 +139,9 @@ class RankSessions:
     def connect(self) -> Client:
         """This thread's client with every pool registered; raises DaemonUnavailable (or
         ``Backoff``) and typed errors, which ``guard`` turns into misses."""
-        now = time.monotonic()
-        if now < self._retry_at:  # the daemon failed a call lately: misses, at once
-            raise Backoff(f"not retrying {self.settings.endpoint} for "
-                          f"{self._retry_at - now:.1f} s")
+        wait_s = self._backoff.wait_s()
+        if wait_s > 0:  # the daemon failed a call lately: misses, at once
+            raise Backoff(f"not retrying {self.settings.endpoint} for {wait_s:.1f} s")
         me = threading.current_thread()
         mine = self._threads.get(me.ident)
         if mine is not None and mine.thread is me and not mine.pending:
@@ -201,16 +200,19 @@ class RankSessions:
             return miss()
         except DaemonUnavailable as e:  # down, hung or restarting: every call would wait its
             self.health.unavailable(op, e)  # timeout; answer misses at once for a while
-            self._retry_at = time.monotonic() + self._backoff
-            self._backoff = min(2 * self._backoff, max(MAX_BACKOFF_S,
-                                                       self.settings.retry_interval_s))
+            self._backoff.failed()
             return miss()
         except Exception as e:  # noqa: BLE001 - I/O methods answer misses, never raise
             self.health.error(op, e)
             return miss()
         self.health.ok()
-        self._backoff = self.settings.retry_interval_s
+        self._backoff.succeeded()
         return result
+
+    @property
+    def backing_off_s(self) -> float:
+        """Seconds calls still answer misses without trying the daemon (0: they try)."""
+        return self._backoff.wait_s()
 
     @property
     def sessions(self) -> int:

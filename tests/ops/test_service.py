@@ -30,7 +30,10 @@ def test_systemd_unit_verifies(tmp_path):
         text = f.read()
     for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "RuntimeDirectory=hicached",
                  "LimitMEMLOCK=infinity", "NoNewPrivileges=yes", "ProtectSystem=strict",
-                 "PrivateTmp=no", "ExecReload=/bin/kill -HUP $MAINPID"):
+                 "PrivateTmp=no", "ExecReload=/bin/kill -HUP $MAINPID", "RemoveIPC=no",
+                 "--on-stop keep",  # warm restarts: the stop's ExecStopPost= decides
+                 "ExecStopPost=-/usr/local/bin/hicached arena free --config "
+                 "/etc/hicached/hicached.toml --after-stop %n"):
         assert line in text, line
     # systemd-analyze checks that ExecStart's binary exists: point it at this venv's hicached
     exe = shutil.which("hicached") or os.path.join(os.path.dirname(sys.executable), "hicached")
