@@ -170,6 +170,8 @@ class HybridPolicy(EvictionPolicy):
     def parent_now(self, q: int) -> None:
         """(``TreeListener``) ``q``'s committed states are mid-chain candidates now."""
         ix = self.ix
+        if not ix.ns_trail[ix.k_ns[q]]:
+            return  # no trailing pool: no state (``_push_mid`` would queue none)
         p = ix.k_head[q]
         while p >= 0:  # q is no leaf now: its states may go alone
             if ix.p_flags[p] & COMMITTED:
@@ -203,7 +205,7 @@ class HybridPolicy(EvictionPolicy):
         self.lru.inserted(p)
         ix = self.ix
         k = ix.p_krec[p]
-        if not ix.ns_trail[ix.k_ns[k]]:  # (``_classify`` of one page)
+        if self.reuse.learns and not ix.ns_trail[ix.k_ns[k]]:  # (``_classify`` of one page)
             self.reuse.stored_one(p, k, not ix.k_mask[k] & ~ix.t_bit[ix.p_tid[p]],
                                   bool(ix.t_state[ix.p_tid[p]]), int(ix.np["k_depth"][k]),
                                   self.tree.up[k] - 1, ix.tick)
@@ -248,6 +250,8 @@ class HybridPolicy(EvictionPolicy):
         no trailing pool: the rule was judged on attention-only traces; with states, a demoted
         leaf segment takes its state, and a chain's prefix is worth more than its pages say
         (issue 48's pressure pattern keeps the head of the chain it cuts, as ``prefix`` does)."""
+        if not self.reuse.learns:
+            return
         ix, cols = self.ix, self.ix.np
         krecs = cols["p_krec"][ps]
         if not len(ps) or ix.ns_trail[ix.k_ns[int(krecs[0])]]:
@@ -320,7 +324,7 @@ class HybridPolicy(EvictionPolicy):
         its first use in the call, as ``touched`` queues it)."""
         self.lru.touched_many(ps)
         ix = self.ix
-        if ps:
+        if ps and self.reuse.learns:
             arr = np.asarray(ps, np.int64)
             self.reuse.read(arr, ix.np["p_krec"][arr], ix.tick)
         kid, krec, tid, state = self.tree.kid, ix.p_krec, ix.p_tid, ix.t_state
@@ -360,7 +364,8 @@ class HybridPolicy(EvictionPolicy):
         while it is demoted (``reuse.py``: older than any page that is not, in their order of
         use; negative, which a heap entry ``t << 32 | p`` holds as well)."""
         t = self.ix.p_used[p]
-        return t - DEMOTE_TICKS if self.reuse.demoted(p) else t
+        reuse = self.reuse
+        return t - DEMOTE_TICKS if reuse.learns and reuse.demoted(p) else t
 
     def _pop(self, heaps: dict[int, list[int]], bit: int, stride: int) -> tuple[int, int]:
         """The (tick, page record) of class ``stride``'s least recently used candidate, taken
@@ -430,8 +435,8 @@ class HybridPolicy(EvictionPolicy):
             # scored for its last slot keep their order): the key above the segment that went,
             # if it is a leaf now and no younger than the next candidate, else that candidate
             rest, up = ranked[2], ranked[3]
-            while rest and not self._still(rest[-1]):
-                rest.pop()
+            while rest and not self._still(rest[-1], whole=False):  # (its key's pages: enough
+                rest.pop()  # to tell whether it may go; its segment once it is taken)
             if up >= 0 and ix.k_len[up] and not self.tree.kid[up]:
                 t = self.tree.newest(up, stride)
                 if t and (not rest or t <= rest[-1][0]):
@@ -564,10 +569,11 @@ class HybridPolicy(EvictionPolicy):
             self._back(self._heaps, stride, back)
         return out[:n]
 
-    def _still(self, c: tuple[int, int, float, int]) -> list[int] | None:
+    def _still(self, c: tuple[int, int, float, int], whole: bool = True) -> list[int] | None:
         """The pages candidate ``c`` of an earlier ``make_room`` (same tick) takes, if it may
         still go: a leaf not evicted since (its record not reused: a new key's pages are
-        pending), or a state still mid-chain and unpinned."""
+        pending), or a state still mid-chain and unpinned. ``whole`` False: a leaf's own pages
+        only (as telling: its segment is them and maybe the keys above)."""
         ix = self.ix
         t, k, _, p = c
         if p >= 0:
@@ -577,7 +583,7 @@ class HybridPolicy(EvictionPolicy):
             return None
         if not ix.k_len[k] or self.tree.kid[k]:
             return None
-        return self.tree.segment(k)
+        return self.tree.segment(k) if whole else self.tree.pages(k)
 
     def _oldest_leaf_slab(self, stride: int):
         """(tick, slab) of the least recently used leaf page of another class whose slab holds
@@ -609,9 +615,11 @@ class HybridPolicy(EvictionPolicy):
         got = self._vals.get(k)
         if got is None:
             self.tree.trim(self.tree.up[k] - 1, k, trail, pages)
+            # (no trailing pool: no key of the namespace has a state, so none is above)
             got = self._vals[k] = (len({ix.p_krec[p] for p in pages}),
                                    sum(ix.p_stride[p] for p in pages),
-                                   self._state_above(ix.p_krec[pages[-1]], trail)[0])
+                                   self._state_above(ix.p_krec[pages[-1]], trail)[0]
+                                   if trail else -1)
         return got[0] / got[1]
 
     def _state_value(self, k: int, p: int) -> float:
@@ -670,7 +678,8 @@ class HybridPolicy(EvictionPolicy):
                 j = at.get(got[2], -1) if got is not None else -1
         # demoted candidates (``reuse.py``) go before the others; each group scored on its own
         ix, demoted = self.ix, self.reuse.demoted
-        up = [not demoted(c[3] if c[3] >= 0 else ix.k_head[c[1]]) for c in cands]
+        up = ([not demoted(c[3] if c[3] >= 0 else ix.k_head[c[1]]) for c in cands]
+              if self.reuse.learns else [True] * n)
         top = max(c[2] for c in cands) or 1.0
         alpha, span = self.alpha, {}
         for g in (False, True):

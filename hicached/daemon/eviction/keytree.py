@@ -201,13 +201,23 @@ class KeyTree:
         """Key ``k``'s pages, states first; None when one is pinned or pending."""
         ix = self.ix
         trail = ix.ns_trail[ix.k_ns[k]]
-        states, rest = [], []
+        pins, flags, knext = ix.p_pins, ix.p_flags, ix.p_knext
         p = ix.k_head[k]
+        if not trail:  # no state: list order
+            out = []
+            while p >= 0:
+                if pins[p] or not flags[p] & COMMITTED:
+                    return None
+                out.append(p)
+                p = knext[p]
+            return out
+        states, rest = [], []
+        t_bit, tid = ix.t_bit, ix.p_tid
         while p >= 0:
-            if ix.p_pins[p] or not ix.p_flags[p] & COMMITTED:
+            if pins[p] or not flags[p] & COMMITTED:
                 return None
-            (states if ix.t_bit[ix.p_tid[p]] & trail else rest).append(p)
-            p = ix.p_knext[p]
+            (states if t_bit[tid[p]] & trail else rest).append(p)
+            p = knext[p]
         return states + rest
 
     def has_state(self, k: int, trail: int, without: int = 0) -> bool:
