@@ -404,7 +404,8 @@ class HybridPolicy(EvictionPolicy):
 
     def removed(self, p: int) -> None:
         self.lru.removed(p)
-        self.reuse.removed(p)
+        if self.reuse.learns:
+            self.reuse.removed(p)
         ix = self.ix
         k = ix.p_krec[p]
         if ix.p_flags[p] & IN_L3 and ix.t_state[ix.p_tid[p]]:
@@ -695,12 +696,16 @@ class HybridPolicy(EvictionPolicy):
         empty a slab of another class whole: then they go together, and the slab, free, serves
         ``stride`` (a state's reservation that splits the leaf segment it took keeps the KV
         slab the segment filled, and takes the next state, or the head of a chain's slab)."""
-        ix, counts = self.ix, {}
-        p_stride, p_off, slab_of = ix.p_stride, ix.p_off, ix.alloc.slab_of
-        for p in pages:
-            if p_stride[p] != stride:
-                slab = slab_of(p_off[p])
-                counts[slab] = counts.get(slab, 0) + 1
+        ix = self.ix
+        p_stride = ix.p_stride
+        others = [p for p in pages if p_stride[p] != stride]
+        if not others:  # (mostly: a segment of the class that asked)
+            self.split_ok = True
+            return pages
+        counts, p_off, slab_of = {}, ix.p_off, ix.alloc.slab_of
+        for p in others:
+            slab = slab_of(p_off[p])
+            counts[slab] = counts.get(slab, 0) + 1
         self.split_ok = not any(slab.used == m for slab, m in counts.items())
         return pages
 
