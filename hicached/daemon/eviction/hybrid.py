@@ -156,16 +156,19 @@ class HybridPolicy(EvictionPolicy):
 
     def key_moved(self, k: int) -> None:
         """(``TreeListener``) ``k``'s cached values are stale."""
-        self._vals.pop(k, None)
-        self._vals.pop(~k, None)
+        vals = self._vals
+        if vals:
+            vals.pop(k, None)
+            vals.pop(~k, None)
 
     def keys_moved(self, ks: list[int]) -> None:
         """(``TreeListener``) ``key_moved`` of each."""
         vals = self._vals
         if vals:
+            pop = vals.pop
             for k in ks:
-                vals.pop(k, None)
-                vals.pop(~k, None)
+                pop(k, None)
+                pop(~k, None)
 
     def parent_now(self, q: int) -> None:
         """(``TreeListener``) ``q``'s committed states are mid-chain candidates now."""
@@ -436,18 +439,19 @@ class HybridPolicy(EvictionPolicy):
             # scored for its last slot keep their order): the key above the segment that went,
             # if it is a leaf now and no younger than the next candidate, else that candidate
             rest, up = ranked[2], ranked[3]
-            while rest and not self._still(rest[-1], whole=False):  # (its key's pages: enough
-                rest.pop()  # to tell whether it may go; its segment once it is taken)
-            if up >= 0 and ix.k_len[up] and not self.tree.kid[up]:
-                t = self.tree.newest(up, stride)
+            tree, still = self.tree, self._still
+            while rest and not still(rest[-1], False):  # (its key's pages: enough to tell
+                rest.pop()  # whether it may go; its segment once it is taken)
+            if up >= 0 and ix.k_len[up] and not tree.kid[up]:
+                t = tree.newest(up, stride)
                 if t and (not rest or t <= rest[-1][0]):
-                    pages = self.tree.segment(up)
+                    pages = tree.segment(up)
                     if pages:
-                        self._ranked = (stride, tick, rest, self.tree.above(pages))
+                        self._ranked = (stride, tick, rest, tree.above(pages))
                         return self._whole_if_slab(pages, stride)
             if rest:
-                pages = self._still(rest.pop())
-                self._ranked = (stride, tick, rest, self.tree.above(pages))
+                pages = still(rest.pop())
+                self._ranked = (stride, tick, rest, tree.above(pages))
                 return self._whole_if_slab(pages, stride)
         self._ranked = None
         self._flush_leaves()  # (the path above reads no heap: the key it takes is no entry)
