@@ -443,12 +443,19 @@ class HybridPolicy(EvictionPolicy):
             while rest and not still(rest[-1], False):  # (its key's pages: enough to tell
                 rest.pop()  # whether it may go; its segment once it is taken)
             if up >= 0 and ix.k_len[up] and not tree.kid[up]:
-                t = tree.newest(up, stride)
-                if t and (not rest or t <= rest[-1][0]):
-                    pages = tree.segment(up)
+                if ix.ns_trail[ix.k_ns[up]]:
+                    t = tree.newest(up, stride)
+                    pages = tree.segment(up) if t and (not rest or t <= rest[-1][0]) else None
+                else:  # its segment is its pages (None: one is pinned or pending, ``newest``
+                    pages = tree.pages(up)  # 0), whose newest use of the class one walk tells
                     if pages:
-                        self._ranked = (stride, tick, rest, tree.above(pages))
-                        return self._whole_if_slab(pages, stride)
+                        used, p_stride = ix.p_used, ix.p_stride
+                        t = max([used[p] for p in pages if p_stride[p] == stride], default=0)
+                        if not t or (rest and t > rest[-1][0]):
+                            pages = None
+                if pages:
+                    self._ranked = (stride, tick, rest, tree.above(pages))
+                    return self._whole_if_slab(pages, stride)
             if rest:
                 pages = still(rest.pop())
                 self._ranked = (stride, tick, rest, tree.above(pages))
