@@ -374,18 +374,18 @@ class HybridPolicy(EvictionPolicy):
         """The (tick, page record) of class ``stride``'s least recently used candidate, taken
         off its heap (the caller pushes it back with ``_back``), or (0, -1)."""
         ix, heap, kid = self.ix, heaps.get(stride), self.tree.kid
+        krec, flags, strides, used = ix.p_krec, ix.p_flags, ix.p_stride, ix.p_used
+        mid, learns = bit == _MID, self.reuse.learns
         while heap:
             e = heapq.heappop(heap)
             t, p = e >> 32, e & _LOW
-            k = ix.p_krec[p]
-            if not ix.p_flags[p] & COMMITTED or ix.p_stride[p] != stride or (
-                    bool(kid[k]) != (bit == _MID)) or (bit == _MID and not
-                                                       ix.t_state[ix.p_tid[p]]):
+            if not flags[p] & COMMITTED or strides[p] != stride or (
+                    bool(kid[krec[p]]) != mid) or (mid and not ix.t_state[ix.p_tid[p]]):
                 self._queued[p] &= ~bit  # gone, moved, or no candidate of this kind now
-                if ix.p_flags[p] & COMMITTED:
+                if flags[p] & COMMITTED:
                     self._requeue(p)
                 continue
-            now = self._at(p)
+            now = self._at(p) if learns else used[p]  # (``_at``)
             if now != t:  # used since: back in its place
                 heapq.heappush(heap, now << 32 | p)
                 continue
