@@ -156,20 +156,25 @@ class HybridPolicy(EvictionPolicy):
 
     def key_moved(self, k: int) -> None:
         """(``TreeListener``) ``k``'s cached values are stale."""
-        self._vals.pop(k, None)
-        self._vals.pop(~k, None)
+        vals = self._vals
+        if vals:
+            vals.pop(k, None)
+            vals.pop(~k, None)
 
     def keys_moved(self, ks: list[int]) -> None:
         """(``TreeListener``) ``key_moved`` of each."""
         vals = self._vals
         if vals:
+            pop = vals.pop
             for k in ks:
-                vals.pop(k, None)
-                vals.pop(~k, None)
+                pop(k, None)
+                pop(~k, None)
 
     def parent_now(self, q: int) -> None:
         """(``TreeListener``) ``q``'s committed states are mid-chain candidates now."""
         ix = self.ix
+        if not ix.ns_trail[ix.k_ns[q]]:
+            return  # no trailing pool: no state (``_push_mid`` would queue none)
         p = ix.k_head[q]
         while p >= 0:  # q is no leaf now: its states may go alone
             if ix.p_flags[p] & COMMITTED:
@@ -203,7 +208,7 @@ class HybridPolicy(EvictionPolicy):
         self.lru.inserted(p)
         ix = self.ix
         k = ix.p_krec[p]
-        if not ix.ns_trail[ix.k_ns[k]]:  # (``_classify`` of one page)
+        if self.reuse.learns and not ix.ns_trail[ix.k_ns[k]]:  # (``_classify`` of one page)
             self.reuse.stored_one(p, k, not ix.k_mask[k] & ~ix.t_bit[ix.p_tid[p]],
                                   bool(ix.t_state[ix.p_tid[p]]), int(ix.np["k_depth"][k]),
                                   self.tree.up[k] - 1, ix.tick)
@@ -248,6 +253,8 @@ class HybridPolicy(EvictionPolicy):
         no trailing pool: the rule was judged on attention-only traces; with states, a demoted
         leaf segment takes its state, and a chain's prefix is worth more than its pages say
         (issue 48's pressure pattern keeps the head of the chain it cuts, as ``prefix`` does)."""
+        if not self.reuse.learns:
+            return
         ix, cols = self.ix, self.ix.np
         krecs = cols["p_krec"][ps]
         if not len(ps) or ix.ns_trail[ix.k_ns[int(krecs[0])]]:
@@ -320,7 +327,7 @@ class HybridPolicy(EvictionPolicy):
         its first use in the call, as ``touched`` queues it)."""
         self.lru.touched_many(ps)
         ix = self.ix
-        if ps:
+        if ps and self.reuse.learns:
             arr = np.asarray(ps, np.int64)
             self.reuse.read(arr, ix.np["p_krec"][arr], ix.tick)
         kid, krec, tid, state = self.tree.kid, ix.p_krec, ix.p_tid, ix.t_state
@@ -360,24 +367,25 @@ class HybridPolicy(EvictionPolicy):
         while it is demoted (``reuse.py``: older than any page that is not, in their order of
         use; negative, which a heap entry ``t << 32 | p`` holds as well)."""
         t = self.ix.p_used[p]
-        return t - DEMOTE_TICKS if self.reuse.demoted(p) else t
+        reuse = self.reuse
+        return t - DEMOTE_TICKS if reuse.learns and reuse.demoted(p) else t
 
     def _pop(self, heaps: dict[int, list[int]], bit: int, stride: int) -> tuple[int, int]:
         """The (tick, page record) of class ``stride``'s least recently used candidate, taken
         off its heap (the caller pushes it back with ``_back``), or (0, -1)."""
         ix, heap, kid = self.ix, heaps.get(stride), self.tree.kid
+        krec, flags, strides, used = ix.p_krec, ix.p_flags, ix.p_stride, ix.p_used
+        mid, learns = bit == _MID, self.reuse.learns
         while heap:
             e = heapq.heappop(heap)
             t, p = e >> 32, e & _LOW
-            k = ix.p_krec[p]
-            if not ix.p_flags[p] & COMMITTED or ix.p_stride[p] != stride or (
-                    bool(kid[k]) != (bit == _MID)) or (bit == _MID and not
-                                                       ix.t_state[ix.p_tid[p]]):
+            if not flags[p] & COMMITTED or strides[p] != stride or (
+                    bool(kid[krec[p]]) != mid) or (mid and not ix.t_state[ix.p_tid[p]]):
                 self._queued[p] &= ~bit  # gone, moved, or no candidate of this kind now
-                if ix.p_flags[p] & COMMITTED:
+                if flags[p] & COMMITTED:
                     self._requeue(p)
                 continue
-            now = self._at(p)
+            now = self._at(p) if learns else used[p]  # (``_at``)
             if now != t:  # used since: back in its place
                 heapq.heappush(heap, now << 32 | p)
                 continue
@@ -399,7 +407,8 @@ class HybridPolicy(EvictionPolicy):
 
     def removed(self, p: int) -> None:
         self.lru.removed(p)
-        self.reuse.removed(p)
+        if self.reuse.learns:
+            self.reuse.removed(p)
         ix = self.ix
         k = ix.p_krec[p]
         if ix.p_flags[p] & IN_L3 and ix.t_state[ix.p_tid[p]]:
@@ -430,18 +439,26 @@ class HybridPolicy(EvictionPolicy):
             # scored for its last slot keep their order): the key above the segment that went,
             # if it is a leaf now and no younger than the next candidate, else that candidate
             rest, up = ranked[2], ranked[3]
-            while rest and not self._still(rest[-1]):
-                rest.pop()
-            if up >= 0 and ix.k_len[up] and not self.tree.kid[up]:
-                t = self.tree.newest(up, stride)
-                if t and (not rest or t <= rest[-1][0]):
-                    pages = self.tree.segment(up)
+            tree, still = self.tree, self._still
+            while rest and not still(rest[-1], False):  # (its key's pages: enough to tell
+                rest.pop()  # whether it may go; its segment once it is taken)
+            if up >= 0 and ix.k_len[up] and not tree.kid[up]:
+                if ix.ns_trail[ix.k_ns[up]]:
+                    t = tree.newest(up, stride)
+                    pages = tree.segment(up) if t and (not rest or t <= rest[-1][0]) else None
+                else:  # its segment is its pages (None: one is pinned or pending, ``newest``
+                    pages = tree.pages(up)  # 0), whose newest use of the class one walk tells
                     if pages:
-                        self._ranked = (stride, tick, rest, self.tree.above(pages))
-                        return self._whole_if_slab(pages, stride)
+                        used, p_stride = ix.p_used, ix.p_stride
+                        t = max([used[p] for p in pages if p_stride[p] == stride], default=0)
+                        if not t or (rest and t > rest[-1][0]):
+                            pages = None
+                if pages:
+                    self._ranked = (stride, tick, rest, tree.above(pages))
+                    return self._whole_if_slab(pages, stride)
             if rest:
-                pages = self._still(rest.pop())
-                self._ranked = (stride, tick, rest, self.tree.above(pages))
+                pages = still(rest.pop())
+                self._ranked = (stride, tick, rest, tree.above(pages))
                 return self._whole_if_slab(pages, stride)
         self._ranked = None
         self._flush_leaves()  # (the path above reads no heap: the key it takes is no entry)
@@ -564,10 +581,11 @@ class HybridPolicy(EvictionPolicy):
             self._back(self._heaps, stride, back)
         return out[:n]
 
-    def _still(self, c: tuple[int, int, float, int]) -> list[int] | None:
+    def _still(self, c: tuple[int, int, float, int], whole: bool = True) -> list[int] | None:
         """The pages candidate ``c`` of an earlier ``make_room`` (same tick) takes, if it may
         still go: a leaf not evicted since (its record not reused: a new key's pages are
-        pending), or a state still mid-chain and unpinned."""
+        pending), or a state still mid-chain and unpinned. ``whole`` False: a leaf's own pages
+        only (as telling: its segment is them and maybe the keys above)."""
         ix = self.ix
         t, k, _, p = c
         if p >= 0:
@@ -577,7 +595,7 @@ class HybridPolicy(EvictionPolicy):
             return None
         if not ix.k_len[k] or self.tree.kid[k]:
             return None
-        return self.tree.segment(k)
+        return self.tree.segment(k) if whole else self.tree.pages(k)
 
     def _oldest_leaf_slab(self, stride: int):
         """(tick, slab) of the least recently used leaf page of another class whose slab holds
@@ -609,9 +627,11 @@ class HybridPolicy(EvictionPolicy):
         got = self._vals.get(k)
         if got is None:
             self.tree.trim(self.tree.up[k] - 1, k, trail, pages)
+            # (no trailing pool: no key of the namespace has a state, so none is above)
             got = self._vals[k] = (len({ix.p_krec[p] for p in pages}),
                                    sum(ix.p_stride[p] for p in pages),
-                                   self._state_above(ix.p_krec[pages[-1]], trail)[0])
+                                   self._state_above(ix.p_krec[pages[-1]], trail)[0]
+                                   if trail else -1)
         return got[0] / got[1]
 
     def _state_value(self, k: int, p: int) -> float:
@@ -670,7 +690,8 @@ class HybridPolicy(EvictionPolicy):
                 j = at.get(got[2], -1) if got is not None else -1
         # demoted candidates (``reuse.py``) go before the others; each group scored on its own
         ix, demoted = self.ix, self.reuse.demoted
-        up = [not demoted(c[3] if c[3] >= 0 else ix.k_head[c[1]]) for c in cands]
+        up = ([not demoted(c[3] if c[3] >= 0 else ix.k_head[c[1]]) for c in cands]
+              if self.reuse.learns else [True] * n)
         top = max(c[2] for c in cands) or 1.0
         alpha, span = self.alpha, {}
         for g in (False, True):
@@ -686,12 +707,16 @@ class HybridPolicy(EvictionPolicy):
         empty a slab of another class whole: then they go together, and the slab, free, serves
         ``stride`` (a state's reservation that splits the leaf segment it took keeps the KV
         slab the segment filled, and takes the next state, or the head of a chain's slab)."""
-        ix, counts = self.ix, {}
-        p_stride, p_off, slab_of = ix.p_stride, ix.p_off, ix.alloc.slab_of
-        for p in pages:
-            if p_stride[p] != stride:
-                slab = slab_of(p_off[p])
-                counts[slab] = counts.get(slab, 0) + 1
+        ix = self.ix
+        p_stride = ix.p_stride
+        others = [p for p in pages if p_stride[p] != stride]
+        if not others:  # (mostly: a segment of the class that asked)
+            self.split_ok = True
+            return pages
+        counts, p_off, slab_of = {}, ix.p_off, ix.alloc.slab_of
+        for p in others:
+            slab = slab_of(p_off[p])
+            counts[slab] = counts.get(slab, 0) + 1
         self.split_ok = not any(slab.used == m for slab, m in counts.items())
         return pages
 

@@ -168,30 +168,35 @@ class KeyTree:
         return n >= MAX_WALK
 
     def _detach(self, k: int) -> None:
-        q = self.up[k] - 1
+        up = self.up
+        q = up[k] - 1
         if q < 0:
             return
-        s, ps = self.sib[k], self.psib[k]
+        sib, psib, kid = self.sib, self.psib, self.kid
+        s, ps = sib[k], psib[k]
         if ps:
-            self.sib[ps - 1] = s
+            sib[ps - 1] = s
         else:
-            self.kid[q] = s
+            kid[q] = s
         if s:
-            self.psib[s - 1] = ps
-        self.up[k] = self.sib[k] = self.psib[k] = 0
-        if not self.kid[q]:
+            psib[s - 1] = ps
+        up[k] = sib[k] = psib[k] = 0
+        if not kid[q]:
             self._leaf_now(q)
 
     def key_freed(self, k: int) -> None:
         """Key record ``k`` is freed (its last page left L2): off its parent; its children
         (left only when its pages had L3 copies, or are pinned) become roots."""
         self._detach(k)
-        c = self.kid[k]
-        while c:
-            nxt = self.sib[c - 1]
-            self.up[c - 1] = self.sib[c - 1] = self.psib[c - 1] = 0
-            c = nxt
-        self.kid[k] = 0
+        kid = self.kid
+        c = kid[k]
+        if c:
+            up, sib, psib = self.up, self.sib, self.psib
+            while c:
+                nxt = sib[c - 1]
+                up[c - 1] = sib[c - 1] = psib[c - 1] = 0
+                c = nxt
+            kid[k] = 0
         self.kflags[k] = 0
         self._moved(k)
 
@@ -201,13 +206,23 @@ class KeyTree:
         """Key ``k``'s pages, states first; None when one is pinned or pending."""
         ix = self.ix
         trail = ix.ns_trail[ix.k_ns[k]]
-        states, rest = [], []
+        pins, flags, knext = ix.p_pins, ix.p_flags, ix.p_knext
         p = ix.k_head[k]
+        if not trail:  # no state: list order
+            out = []
+            while p >= 0:
+                if pins[p] or not flags[p] & COMMITTED:
+                    return None
+                out.append(p)
+                p = knext[p]
+            return out
+        states, rest = [], []
+        t_bit, tid = ix.t_bit, ix.p_tid
         while p >= 0:
-            if ix.p_pins[p] or not ix.p_flags[p] & COMMITTED:
+            if pins[p] or not flags[p] & COMMITTED:
                 return None
-            (states if ix.t_bit[ix.p_tid[p]] & trail else rest).append(p)
-            p = ix.p_knext[p]
+            (states if t_bit[tid[p]] & trail else rest).append(p)
+            p = knext[p]
         return states + rest
 
     def has_state(self, k: int, trail: int, without: int = 0) -> bool:
@@ -298,20 +313,25 @@ class KeyTree:
         pages = self.pages(k)
         if pages is None:
             return None
-        self.trim(self.up[k] - 1, k, self.ix.ns_trail[self.ix.k_ns[k]], pages)
+        ix = self.ix
+        trail = ix.ns_trail[ix.k_ns[k]]
+        if trail:  # (``trim`` takes nothing in a namespace without trailing pools)
+            self.trim(self.up[k] - 1, k, trail, pages)
         return pages
 
     def newest(self, k: int, stride: int) -> int:
         """The newest use of key ``k``'s committed, unpinned pages of class ``stride`` (0: it
         has none, or one of its pages is pinned)."""
         ix, t = self.ix, 0
+        pins, flags, strides = ix.p_pins, ix.p_flags, ix.p_stride
+        used, knext = ix.p_used, ix.p_knext
         p = ix.k_head[k]
         while p >= 0:
-            if ix.p_pins[p]:
+            if pins[p]:
                 return 0
-            if ix.p_flags[p] & COMMITTED and ix.p_stride[p] == stride:
-                t = max(t, ix.p_used[p])
-            p = ix.p_knext[p]
+            if flags[p] & COMMITTED and strides[p] == stride and used[p] > t:
+                t = used[p]
+            p = knext[p]
         return t
 
     def above(self, pages: list[int]) -> int:

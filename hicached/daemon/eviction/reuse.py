@@ -47,6 +47,10 @@ class ReuseClasses:
     """The demotion rule (module docstring). ``stored`` / ``read`` / ``removed`` as the index
     tells the policy; ``demoted`` per page record. O(pages of the call), numpy."""
 
+    #: whether ``stored`` / ``read`` learn anything (``NoReuse``: no, and nothing is ever
+    #: demoted: its owner may skip building their arguments)
+    learns = True
+
     def __init__(self, theta: float = THETA):
         self.theta = float(theta)
         self._pcls = np.zeros(0, np.int16)  # page -> its class + 1 until first read (0: none)
@@ -155,6 +159,8 @@ class ReuseClasses:
 
 class NoReuse(ReuseClasses):
     """The Null rule: nothing is demoted, nothing counted (``prefix``)."""
+
+    learns = False
 
     def grow(self, n: int) -> None:
         self._pdem = grown(self._pdem, n, np.bool_)
