@@ -31,7 +31,7 @@ import zmq
 
 from hicached import protocol as P
 from hicached.arena import Arena, arena_progress, release_if_made
-from hicached.daemon.adoption import Adopted, adopt
+from hicached.daemon.adoption import Adopted, adopt, read_window
 from hicached.daemon.auth import make_auth
 from hicached.daemon.config import DaemonConfig
 from hicached.daemon.controller import Controller
@@ -246,6 +246,9 @@ class Daemon:
         self.adopted, entries = adopt(
             self.index, kept, lambda es, s: self.leases.fence_until(es, now + s),
             self.config.reservation_ttl_s / 2)
+        self.adopted.held_s = read_window(self.adopted.clean, self.adopted.stopped_at,
+                                          self.config.lease_ttl_s / 2, time.time())
+        self.leases.hold(entries if self.adopted.held_s > 0 else [], now + self.adopted.held_s)
         self.controller.know_geometry(self.adopted.geometry)
         if self.tier.attached and self.config.write_policy == "write_back":
             self.tier.writes.on_commit([e for e in entries if not e.in_l3])
