@@ -456,6 +456,7 @@ def test_adopted_slots_an_old_client_may_still_read_are_not_reused_before_half_a
                 got = c.batch_set_v2([PoolTransfer("kv", tokens(0, 1024),
                                                    keys=[f"n{n}-{i}" for i in range(1024)])])
                 stored += sum(got["kv"])
+            c.batch_exists(["n1-0"])  # (through the daemon: the last commit is in)
             now = daemon.call(look)
             assert stats(d2)["leases"] == 1  # still inside the window: no adopted slot reused
             assert stored < 2048  # the pressure reached the adopted pages, which stay
@@ -469,6 +470,7 @@ def test_adopted_slots_an_old_client_may_still_read_are_not_reused_before_half_a
                 keys = [f"m{n}-{i}" for i in range(1024)]
                 got = c.batch_set_v2([PoolTransfer("kv", tokens(0, 1024), keys=keys)])["kv"]
                 assert all(got)
+            assert c.batch_exists(keys) == 1024  # (through the daemon: the commits are in)
             now = daemon.call(look)
             assert not set(adopted) & set(now)  # all evicted: the oldest pages
             assert set(now[k] for k in keys) & set(adopted.values())  # their slots reused
