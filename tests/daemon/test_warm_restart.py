@@ -7,6 +7,7 @@ instant of a store: ``test_journal.py``.)"""
 
 import os
 import signal
+import struct
 import time
 
 import pytest
@@ -478,3 +479,73 @@ def test_adopted_slots_an_old_client_may_still_read_are_not_reused_before_half_a
             c.register_mem_host_pool_v2(dst, "kv")
             assert all(c.batch_get_v2([PoolTransfer("kv", tokens(0, 1024), keys=keys)])["kv"])
             assert torch.equal(src.kv_buffer, dst.kv_buffer)
+
+
+def corrupt_tables_used(meta):
+    """A header whose magic, layout and geometry are right but whose table count is nonsense."""
+    with open(meta, "r+b") as f:
+        f.seek(8 * 8)  # H_TABLES
+        f.write(struct.pack("<Q", 1 << 40))
+
+
+def corrupt_table_name(meta):
+    """A table of names that does not parse (not UTF-8), its length in range."""
+    with open(meta, "r+b") as f:
+        f.seek(4096 + 8)  # the first table's ns
+        f.write(b"\xff\xfe\xfd")
+
+
+@pytest.mark.parametrize("corrupt", [corrupt_tables_used, corrupt_table_name])
+def test_a_journal_that_does_not_parse_starts_cold_and_serves(make_daemon, corrupt):
+    """Adoption never stops the daemon from starting: the kept arena is discarded, the start
+    goes on cold and says why, and /dev/shm holds only the new arena's files."""
+    d = make_daemon(extra=FREE)
+    fill(d)
+    arena = d.cfg.arena_path
+    old_inode = os.stat(arena).st_ino
+    d.stop(signal.SIGKILL)
+    corrupt(arena + ".meta")
+    d2 = make_daemon(extra=FREE)
+    adoption = stats(d2)["adoption"]
+    assert adoption["pages"] == 0
+    assert adoption["cold_reason"].startswith("adoption failed (")
+    assert adoption["cold_reason"].endswith("the kept arena is discarded")
+    assert "starting cold: adoption failed" in d2.output()
+    assert os.stat(arena).st_ino != old_inode  # a new file: old clients re-map
+    base = os.path.basename(arena)
+    assert shm_files(d2) == [base, base + ".meta", base + ".presence"]
+    stored = fill(d2)  # it serves
+    read_back(d2, stored)
+    assert d2.stop() == 0 and shm_files(d2) == []
+
+
+def test_adoption_failing_part_way_starts_cold(make_daemon, tmp_path, monkeypatch):
+    """A bug in adoption after the index was half rebuilt (injected: the real adoption runs,
+    then raises): the half-built index and the kept arena are dropped, the start goes on cold."""
+    from hicached.daemon import server
+
+    d = make_daemon(extra=FREE)
+    fill(d)
+    arena = d.cfg.arena_path
+    old_inode = os.stat(arena).st_ino
+    d.stop(signal.SIGKILL)
+    real = server.adopt
+
+    def adopt_then_fail(*args, **kwargs):
+        out, entries = real(*args, **kwargs)
+        assert out.pages == 37  # the index was rebuilt before the failure
+        raise RuntimeError("injected: a bug after 37 pages")
+
+    monkeypatch.setattr(server, "adopt", adopt_then_fail)
+    with inproc_daemon(tmp_path, state_dir=d.cfg.state_dir, l3_backend="none") as d2:
+        adoption = stats(d2)["adoption"]
+        assert adoption["pages"] == 0 and adoption["cold_reason"] == (
+            "adoption failed (RuntimeError('injected: a bug after 37 pages')): the kept arena "
+            "is discarded")
+        assert os.stat(arena).st_ino != old_inode
+        base = os.path.basename(arena)
+        assert shm_files(d) == [base, base + ".meta", base + ".presence"]  # (same state dir)
+        assert stats(d2)["l2_pages"] == 0 and stats(d2)["leases"] == 0
+        d2.client = lambda ns: Client(d2.endpoint, ns)  # (as ``make_daemon``'s, no token)
+        stored = fill(d2)
+        read_back(d2, stored)
