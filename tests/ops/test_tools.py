@@ -332,3 +332,13 @@ def test_chaos_atomic_tiny_run_checks_every_get_and_finds_no_torn_key():
     assert r["churn"]["gets"] > 0 and r["check"]["gets"] > 0 and r["check"]["keys"] > 0
     assert r["check"]["torn"] == r["check"]["wrong"] == r["churn"]["wrong"] == 0
     assert r["crashes"] == 0 and r["processes"] > 4  # at least one killed and started again
+
+
+def test_bench_warm_restart_kills_under_load_find_no_wrong_byte_and_no_leaked_slot():
+    r = _run("bench_warm_restart.py", "--kills", "3", "--l2-size", "32MiB", "--slab-size",
+             "4MiB", "--clients", "2", timeout=180)
+    assert r["kills"] == 3 and len(r["per_kill"]) == 3
+    assert r["wrong_pages"] == 0 and r["leaked_bytes"] == 0 and r["shm_ok"] is True
+    assert r["cold_starts"] == 0  # every restart adopted the arena the kill left
+    assert all(k["adopted"] > 0 and k["evictions_before"] > 0 for k in r["per_kill"])
+    assert r["pages_compared_by_old_clients"] > 0 and r["pages_read_back_by_new_clients"] > 0
