@@ -549,3 +549,15 @@ def test_adoption_failing_part_way_starts_cold(make_daemon, tmp_path, monkeypatc
         d2.client = lambda ns: Client(d2.endpoint, ns)  # (as ``make_daemon``'s, no token)
         stored = fill(d2)
         read_back(d2, stored)
+
+
+def test_the_read_window_of_old_clients_after_a_clean_stop_and_a_crash():
+    """Half a lease TTL from the clean stop's recorded time; from now after a crash (its
+    instant is not known); never negative, never longer than half a TTL."""
+    from hicached.daemon.adoption import read_window
+
+    now = 1_000_000.0
+    assert read_window(True, now - 20.0, 15.0, now) == 0.0  # stopped long ago: nothing held
+    assert read_window(True, now - 5.0, 15.0, now) == 10.0
+    assert read_window(True, now + 60.0, 15.0, now) == 15.0  # a clock stepped back: capped
+    assert read_window(False, 0.0, 15.0, now) == 15.0
