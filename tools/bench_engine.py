@@ -20,6 +20,13 @@ policy (``pressure``): what each policy leaves of a base prompt after unrelated 
 TTFT it gives.
 
     python tools/bench_engine.py --pressure --prompt-tokens 1024 --noise 3
+
+``--warm-restart`` (issue 49) runs instead: a daemon without L3 (``--on-stop keep``) holds the
+base prompt; TTFT of fresh engines asking prompts sharing ``--hit`` of it before the daemon's
+restart, right after a warm restart (SIGTERM, then after a SIGKILL: a crash), and after a cold
+restart (``--cold``, no L3: the prefix is recomputed), against recompute.
+
+    python tools/bench_engine.py --warm-restart --prompt-tokens 4096 --hit 0.9
 """
 
 from __future__ import annotations
@@ -64,9 +71,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policies", default="lru,prefix,hybrid",
                    help="--pressure: the daemon's --eviction for each run")
     p.add_argument("--unbounded-l2", default="2GiB",
-                   help="--pressure: the L2 of the run without pressure, which must hold every "
+                   help="--pressure: the L2 of the run without pressure (--warm-restart: of "
+                        "the daemon), which must hold every "
                         "prompt (the daemon and each engine map it pre-faulted: a tiny run "
                         "takes seconds less with a few MiB)")
+    p.add_argument("--warm-restart", action="store_true",
+                   help="instead: TTFT before and right after a warm restart, and after a "
+                   "cold one (no L3)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (tiny models gain nothing from more, and on a "
                         "shared machine spinning OpenMP threads make timings erratic)")
@@ -78,6 +89,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     if args.pressure:
         return pressure(args)
+    if args.warm_restart:
+        return warm_restart(args)
     n, ps = args.prompt_tokens, args.page_size
     unbounded = parse_size(args.unbounded_l2, "--unbounded-l2")  # (a ConfigError before work)
     shared = int(n * args.hit)
@@ -153,6 +166,69 @@ def main(argv=None) -> int:
     l2 = statistics.median(r[0] for r in results["L2"]) / ref
     verdict = "met" if l2 <= args.target else "NOT met"
     print(f"target L2 TTFT <= {args.target} x recompute: {l2:.3f} ({verdict})")
+    return 0
+
+
+def warm_restart(args: argparse.Namespace) -> int:
+    """The run around a daemon restart (issue 49; module docstring): TTFT of fresh engines
+    (empty device: the prefix comes from L2 or is computed) at each stage, median of
+    ``--repeats`` prompts with fresh tails."""
+    import signal
+
+    n, ps = args.prompt_tokens, args.page_size
+    shared = int(n * args.hit)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 256, (n,), generator=g).tolist()
+    pages = 4 * (n // ps + 2) * 2
+    lm = load_model("qwen3_next", device=args.device, hidden_size=args.hidden,
+                    num_hidden_layers=args.layers)
+    lm.warmup(ps)
+    daemon = DaemonLauncher(l2_size=args.unbounded_l2, slab_size="16MiB",
+                            extra=["--l3-backend", "none", "--on-stop", "keep"])
+    rows = []
+    try:
+        def engine(**kw) -> Engine:
+            return Engine(lm, EngineConfig(**{
+                "page_size": ps, "kv_pages": pages, "state_slots": 256,
+                "track_interval": args.track_interval,
+                "prefill_chunk_pages": args.prefill_chunk_pages, "device": args.device,
+                "storage_backend": "hicached", "hicached_endpoint": daemon.endpoint, **kw}))
+
+        def measure(stage: str, ready_s: float | None = None, flush: bool = False,
+                    **kw) -> None:
+            runs = []
+            for _ in range(args.repeats):
+                p = base[:shared] + torch.randint(0, 256, (n - shared,), generator=g).tolist()
+                if flush:  # each ask as the first after the restart (the one before stored
+                    with Client(daemon.endpoint, "admin") as admin:  # the prefix again)
+                        admin.flush("l2")
+                eng = engine(**kw)
+                req = eng.add_request(p, 1)
+                while not req.done:
+                    eng.step()
+                runs.append((req.ttft_s, req.cached_tokens))
+                eng.close()
+            rows.append((stage, statistics.median(r[0] for r in runs),
+                         statistics.median(r[1] for r in runs) / n, ready_s))
+
+        measure("recompute", disable_radix_cache=True, storage_backend="none")
+        eng = engine()  # computes the base prompt, writes it to the daemon
+        eng.generate(base, 1)
+        eng.close()
+        measure("before the restart")
+        measure("after a warm restart (SIGTERM)", daemon.restart(signal.SIGTERM))
+        measure("after a crash (SIGKILL)", daemon.restart(signal.SIGKILL))
+        measure("after a cold restart, no L3", daemon.restart(signal.SIGTERM, ["--cold"]),
+                flush=True)
+    finally:
+        daemon.close()
+    ref = rows[0][1]
+    print(f"qwen3_next hidden {args.hidden}, {args.layers} layers, {n}-token prompts, "
+          f"{args.hit:.0%} shared, page {ps}, {args.device}, median of {args.repeats}")
+    print(f"{'stage':<32} {'hit rate':>8} {'ttft ms':>9} {'vs recompute':>13} {'ready s':>8}")
+    for stage, ttft, hit, ready in rows:
+        r = f"{ready:.2f}" if ready is not None else "-"
+        print(f"{stage:<32} {hit:>8.1%} {ttft * 1e3:>9.1f} {ttft / ref:>12.3f}x {r:>8}")
     return 0
 
 

@@ -30,7 +30,22 @@ A daemon stops (SIGTERM with ``on_stop = "keep"``, or a crash at any instant) an
    enough ago that no old client writes them. Not fenced: adopted pages an old client was
    reading under a lease when its daemon died (a lease is not journaled); such a page is
    evicted and its slot reused only when the new daemon needs room, and the old client's copy
-   finished long before in every case but a client stalled mid-copy across the whole restart.
+   finished long before in every case but a client stalled mid-copy across the whole restart;
+   step 5 keeps that case right.
+5. Reads of old clients: a client of the old daemon may still copy *from* the slots of a get
+   it was leased, for up to half a lease TTL after it sent the get (``client/get.py``
+   discards a get that took longer). Leases are not journaled, so every adopted page is
+   pinned until half a lease TTL after the adoption (``LeaseTable.hold``: a lease of no
+   session, ended by the sweep; ``read_window`` says how long), counted in ``/stats``
+   ``adoption.held_pages`` and ``leases``. That is enough: every lease the old daemon granted
+   was granted before it died, so before this adoption began, and its reads end within half
+   a TTL of it; a pinned page is never evicted, flushed or its slot reused, so no writer is
+   handed a slot an old client may still read. After a clean stop the window ends half a TTL
+   after the recorded stop time (a stop long ago pins nothing). Why a pin rather than fencing
+   an adopted slot when it is freed: eviction picks unpinned pages, so pressure evicts the
+   pages set since the restart instead of draining the adopted ones into fences that no one
+   can use before the same instant; the adopted pages stay hits meanwhile. A set that finds
+   only pinned pages gets the answer it gets under any clients' leases (no room).
 
 What is dropped, and counted by reason (``Adopted.dropped``): ``torn`` (check mismatch),
 ``long_key`` (a key longer than ``KEY_BYTES``: not inline in the record), ``table`` (a table
@@ -66,13 +81,17 @@ class Adopted:
     kept_on_stop: bool = False  # this daemon keeps the arena at a clean stop (on_stop = keep)
     clean: bool = False  # the previous daemon stopped cleanly (not a crash)
     fenced_slots: int = 0
+    held_s: float = 0.0  # adopted pages pinned this long for old clients' reads (step 5)
+    stopped_at: float = 0.0  # wall clock of the previous daemon's clean stop (0: a crash)
     geometry: dict[tuple[str, str], int] = field(default_factory=dict)  # table -> page bytes
 
     def stats(self) -> dict:
         """The ``/stats`` body of ``adoption``."""
         return {"pages": self.pages, "bytes": self.bytes, "dropped": dict(self.dropped),
                 "seconds": round(self.seconds, 4), "cold_reason": self.cold_reason,
-                "kept_on_stop": self.kept_on_stop}
+                "kept_on_stop": self.kept_on_stop,
+                "held_pages": self.pages if self.held_s > 0 else 0,
+                "held_s": round(self.held_s, 3)}
 
     def line(self) -> str:
         """The start-up log line."""
@@ -91,7 +110,7 @@ def adopt(index: PageIndex, kept: Kept, fence, half_ttl_s: float,
     ``fence(entries, seconds)``: keep those unbound slots from writers that long."""
     t0 = time.perf_counter()
     now = time.time() if now is None else now
-    out = Adopted(clean=kept.clean)
+    out = Adopted(clean=kept.clean, stopped_at=kept.stopped_at if kept.clean else 0.0)
     dropped = out.dropped
     if kept.torn:
         dropped["torn"] = kept.torn
@@ -173,6 +192,15 @@ def adopt(index: PageIndex, kept: Kept, fence, half_ttl_s: float,
     out.fenced_slots = _fence_handed_out(index, kept.stamps, now, half_ttl_s, fence)
     out.seconds = time.perf_counter() - t0
     return out, entries
+
+
+def read_window(clean: bool, stopped_at: float, half_lease_s: float, now: float) -> float:
+    """Seconds from ``now`` (wall clock) during which a client of the previous daemon may still
+    read a slot leased to it (step 5): half a lease TTL after its clean stop at ``stopped_at``,
+    or after ``now`` when it crashed (the instant of a crash is not known)."""
+    if not clean:
+        return half_lease_s
+    return max(0.0, min(half_lease_s, stopped_at + half_lease_s - now))
 
 
 def _link(index: PageIndex, entries: list[Entry], chain: list[tuple[int, int]],

@@ -207,6 +207,15 @@ class LeaseTable:
         self.leases[g.id] = g
         return g
 
+    def hold(self, entries: list[Entry], until: float) -> None:
+        """Pin committed ``entries`` until ``until`` under a lease of no session (0: none
+        releases it; ``sweep`` ends it): a previous daemon's clients may still read them under
+        leases it granted (``adoption.py``, step 5)."""
+        if entries:
+            self.index.pin_many(entries)
+            g = LeaseGrant(next(self._ids), 0, until, entries)
+            self.leases[g.id] = g
+
     def take_lease(self, lease_id: int, session: int) -> LeaseGrant | None:
         """Remove and return a lease of ``session`` without unpinning its pages (the caller
         does: a release in slices); None if unknown (expired, foreign or released twice)."""

@@ -31,7 +31,7 @@ import zmq
 
 from hicached import protocol as P
 from hicached.arena import Arena, arena_progress, release_if_made
-from hicached.daemon.adoption import Adopted, adopt
+from hicached.daemon.adoption import Adopted, adopt, read_window
 from hicached.daemon.auth import make_auth
 from hicached.daemon.config import DaemonConfig
 from hicached.daemon.controller import Controller
@@ -114,7 +114,6 @@ class Daemon:
         self.files = DaemonFiles(config)  # the state dir's lock, taken
         kept = None  # the journal's records, when the arena is adopted (``adoption.py``)
         crash = CrashPoint(crash_at) if crash_at else None
-        meta = config.arena_path + ".meta"
         adopting = False
         try:
             on_phase("lock")
@@ -125,85 +124,44 @@ class Daemon:
                 close_left(config.arena_path + ".presence")  # its clients: before any slot
             if cold is None:
                 adopting = True
-                self.arena = Arena.adopt(config.arena_path, config.l2_size)
-                self.journal = Journal.adopt(meta, config.l2_size, config.slab_size, crash)
-                kept = self.journal.kept()
-                self.journal.reset()  # re-journaled as adopted: a record dropped stays dropped
-            else:
-                incarnation = Journal.incarnation_at(meta) + 1
-                self._check_room(config)  # an arena the node cannot back: refused before it is made
-                log.info("reserving the arena: %.1f GiB of shared memory at %s (about a second "
-                         "per GiB)", config.l2_size / (1 << 30), config.arena_path)
-                self.arena = Arena.create(config.arena_path, config.l2_size,
-                                          mode=config.access_mode, progress=progress)
-                self.journal = Journal.create(meta, config.l2_size, config.slab_size,
-                                              incarnation, config.access_mode, crash)
+                kept, cold = self._open_kept(config, crash)
+                adopting = kept is not None
+            if cold is not None:
+                self._make_arena(config, crash, progress)
             self.adopted = Adopted(cold_reason=cold)
             self.files.record_arena(config.arena_path)
             self.files.set_group(config.arena_path)
-            self.files.set_group(meta)
+            self.files.set_group(config.arena_path + ".meta")
         except BaseException:
             if hasattr(self, "journal"):
                 self.journal.close(keep=adopting)
             if hasattr(self, "arena"):
                 self.arena.close(keep=adopting)
             else:
-                release_if_made(meta)
+                release_if_made(config.arena_path + ".meta")
             self.files.close(keep=adopting)
             raise
         try:
-            self.allocator = SlabAllocator(config.l2_size, config.slab_size,
-                                           handed_out=self.journal.handed_out)
-            self.presence = self._presence_table(config)
-            self.kv_events = make_kv_events(config)  # KV events for routers
-            self.index = PageIndex(self.allocator,
-                                   policy=make_policy(config.eviction, config.eviction_alpha),
-                                   presence=self.presence, events=self.kv_events,
-                                   ahead=config.evict_ahead,  # evicting ahead in idle turns
-                                   busy=self._request_waits, journal=self.journal,
-                                   first_gen=first_gen(kept))  # (None: at random)
-            self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
-            self.workers = IOWorkers(config.io_queue_depth)
-            self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
-                               config.write_through_threshold, config.prefetch,
-                               config.l3_load_chunk, config.l3_audit_s, self.kv_events)
-            if config.l3_backend != "none":
-                self.tier.attach(open_backend(config.l3_backend, config, self.arena, None))
-            on_phase("l3")
-            if self.presence is not None:  # before any client reads it (a restart with L3)
-                self.presence.beat(time.monotonic(), self.tier.attached)
-            self.controller = Controller(
-                self.index, self.leases, self.tier, time.monotonic, config.get_wait_s,
-                quotas=make_quotas(self.index, config.namespace_quotas),
-                ahead_session_bytes=config.set_ahead_bytes,
-                ahead_total_bytes=config.l2_size // 8,  # idle set-ahead slots: at most 1/8
-                kv_events=self.kv_events,
-                books=[],  # answer first, keep the books after (controller.py)
-                slicer=Slicer(waiting=self._request_waits))
+            self._compose(config, kept, on_phase)
             if kept is not None:
-                self._adopt(kept)
+                try:
+                    self._adopt(kept)
+                except Exception as e:  # adoption never stops the start: cold instead
+                    self._go_cold(config, crash, progress, on_phase,
+                                  f"adoption failed ({e!r})")
             self.adopted.kept_on_stop = config.on_stop == "keep"  # (what this one will do)
             log.info("%s", self.adopted.line())
             self.ctx = zmq.Context()
             self.sock = self.files.bind(self.ctx, config.endpoint)
             on_phase("socket")
         except BaseException:
-            if hasattr(self, "kv_events"):
-                self.kv_events.close()
-            if hasattr(self, "workers"):
-                self.workers.close()
-            if getattr(self, "tier", None) is not None:
-                self.tier.close()
+            self._close_composed()
             if hasattr(self, "sock"):  # (ctx.term waits for every socket to be closed)
                 self.sock.close(linger=0)
                 self.files.remove_socket_file()
             if hasattr(self, "ctx"):
                 self.ctx.term()
-            if getattr(self, "presence", None) is not None:
-                self.presence.close()
-            release_if_made(config.arena_path + ".presence")  # interrupted while made
-            self.journal.close(keep=False)
-            self.arena.close()
+            self._discard(config)
             self.files.close()
             raise
         self.requests = 0
@@ -239,6 +197,108 @@ class Daemon:
                     f"{config.l2_size}")
         return Journal.mismatch(path + ".meta", config.l2_size, config.slab_size)
 
+    def _open_kept(self, config: DaemonConfig, crash: CrashPoint | None):
+        """Map the kept arena and its journal and read the journal's records: ``(kept,
+        None)``; or, when any of that fails (a journal whose header or tables do not parse, a
+        bug), ``(None, why)`` with the kept files removed: the start goes on cold."""
+        meta = config.arena_path + ".meta"
+        try:
+            self.arena = Arena.adopt(config.arena_path, config.l2_size)
+            self.journal = Journal.adopt(meta, config.l2_size, config.slab_size, crash)
+            kept = self.journal.kept()
+            self.journal.reset()  # re-journaled as adopted: a record dropped stays dropped
+            return kept, None
+        except Exception as e:  # (Ctrl-C and exits go on: the outer handler keeps the files)
+            why = f"adoption failed ({e!r})"
+            log.warning("%s: the kept arena %s is discarded", why, config.arena_path)
+            self._discard(config)
+            return None, f"{why}: the kept arena is discarded"
+
+    def _discard(self, config: DaemonConfig) -> None:
+        """Remove the arena and its journal this daemon mapped: a cold start makes new files
+        (new inodes: an old client re-maps, and never writes into the new arena)."""
+        for name, path in (("journal", config.arena_path + ".meta"),
+                           ("arena", config.arena_path)):
+            made = self.__dict__.pop(name, None)
+            if made is not None:
+                made.close(keep=False)
+            release_if_made(path)  # (mapped, no object yet; a file not mapped is replaced)
+
+    def _make_arena(self, config: DaemonConfig, crash: CrashPoint | None, progress) -> None:
+        """A fresh arena and journal (a cold start): the room checked first."""
+        meta = config.arena_path + ".meta"
+        incarnation = Journal.incarnation_at(meta) + 1
+        self._check_room(config)  # an arena the node cannot back: refused before it is made
+        log.info("reserving the arena: %.1f GiB of shared memory at %s (about a second "
+                 "per GiB)", config.l2_size / (1 << 30), config.arena_path)
+        self.arena = Arena.create(config.arena_path, config.l2_size,
+                                  mode=config.access_mode, progress=progress)
+        self.journal = Journal.create(meta, config.l2_size, config.slab_size,
+                                      incarnation, config.access_mode, crash)
+
+    def _compose(self, config: DaemonConfig, kept, on_phase: Callable[[str], None]) -> None:
+        """The index and everything built on it, over ``self.arena`` and ``self.journal``:
+        allocator, presence table, KV events, index, leases, I/O workers, L3 tier, controller
+        (``kept``: the journal's records to be adopted, for the slot tags' start)."""
+        self.allocator = SlabAllocator(config.l2_size, config.slab_size,
+                                       handed_out=self.journal.handed_out)
+        self.presence = self._presence_table(config)
+        self.kv_events = make_kv_events(config)  # KV events for routers
+        self.index = PageIndex(self.allocator,
+                               policy=make_policy(config.eviction, config.eviction_alpha),
+                               presence=self.presence, events=self.kv_events,
+                               ahead=config.evict_ahead,  # evicting ahead in idle turns
+                               busy=self._request_waits, journal=self.journal,
+                               first_gen=first_gen(kept))  # (None: at random)
+        self.leases = LeaseTable(self.index, config.reservation_ttl_s, config.lease_ttl_s)
+        self.workers = IOWorkers(config.io_queue_depth)
+        self.tier = L3Tier(self.index, self.workers, None, config.write_policy,
+                           config.write_through_threshold, config.prefetch,
+                           config.l3_load_chunk, config.l3_audit_s, self.kv_events)
+        if config.l3_backend != "none":
+            self.tier.attach(open_backend(config.l3_backend, config, self.arena, None))
+        on_phase("l3")
+        if self.presence is not None:  # before any client reads it (a restart with L3)
+            self.presence.beat(time.monotonic(), self.tier.attached)
+        self.controller = Controller(
+            self.index, self.leases, self.tier, time.monotonic, config.get_wait_s,
+            quotas=make_quotas(self.index, config.namespace_quotas),
+            ahead_session_bytes=config.set_ahead_bytes,
+            ahead_total_bytes=config.l2_size // 8,  # idle set-ahead slots: at most 1/8
+            kv_events=self.kv_events,
+            books=[],  # answer first, keep the books after (controller.py)
+            slicer=Slicer(waiting=self._request_waits))
+
+    def _close_composed(self) -> None:
+        """Undo ``_compose`` (what of it was made): threads, backend, the presence file."""
+        if hasattr(self, "kv_events"):
+            self.kv_events.close()
+        if hasattr(self, "workers"):
+            self.workers.close()
+        if getattr(self, "tier", None) is not None:
+            self.tier.close()
+        if getattr(self, "presence", None) is not None:
+            self.presence.close()
+        release_if_made(self.config.arena_path + ".presence")  # interrupted while made
+        for name in ("allocator", "presence", "kv_events", "index", "leases", "workers",
+                     "tier", "controller"):
+            self.__dict__.pop(name, None)
+
+    def _go_cold(self, config: DaemonConfig, crash: CrashPoint | None, progress,
+                 on_phase: Callable[[str], None], why: str) -> None:
+        """Adoption failed part way (``why``): the half-built index and the kept arena are
+        dropped, and the daemon is built again on a fresh arena (``/stats``
+        ``adoption.cold_reason`` says why)."""
+        log.warning("%s: the kept arena %s is discarded, starting cold", why,
+                    config.arena_path)
+        self._close_composed()
+        self._discard(config)
+        self._make_arena(config, crash, progress)
+        self.files.set_group(config.arena_path)
+        self.files.set_group(config.arena_path + ".meta")
+        self.adopted = Adopted(cold_reason=f"{why}: the kept arena is discarded")
+        self._compose(config, None, on_phase)
+
     def _adopt(self, kept) -> None:
         """Rebuild the index from the journal's records (``adoption.py``); the L3 tier is given
         the adopted pages it may lack (write-back: dirty again, so they are written)."""
@@ -246,6 +306,9 @@ class Daemon:
         self.adopted, entries = adopt(
             self.index, kept, lambda es, s: self.leases.fence_until(es, now + s),
             self.config.reservation_ttl_s / 2)
+        self.adopted.held_s = read_window(self.adopted.clean, self.adopted.stopped_at,
+                                          self.config.lease_ttl_s / 2, time.time())
+        self.leases.hold(entries if self.adopted.held_s > 0 else [], now + self.adopted.held_s)
         self.controller.know_geometry(self.adopted.geometry)
         if self.tier.attached and self.config.write_policy == "write_back":
             self.tier.writes.on_commit([e for e in entries if not e.in_l3])

@@ -68,12 +68,23 @@ class DaemonLauncher:
         self.endpoint = f"ipc://{self.dir}/hicached.sock"
         # the child writes here for its whole life; closed in close()
         self.log = open(os.path.join(self.dir, "daemon.log"), "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hicached", "serve", "--endpoint", self.endpoint,
-             "--l2-size", l2_size, "--slab-size", slab_size, "--state-dir",
-             os.path.join(self.dir, "state"), *extra], stdout=self.log,
-            stderr=subprocess.STDOUT)
+        self.argv = [sys.executable, "-m", "hicached", "serve", "--endpoint", self.endpoint,
+                     "--l2-size", l2_size, "--slab-size", slab_size, "--state-dir",
+                     os.path.join(self.dir, "state"), *extra]
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
         wait_for_daemon(self.endpoint, self.proc)
+
+    def restart(self, sig: int, extra: Sequence[str] = ()) -> float:
+        """Stop the daemon with ``sig`` (SIGTERM: a clean stop; SIGKILL: a crash) and start it
+        again on the same state dir, ``extra`` flags added (``--cold``); returns the seconds
+        from the new process's start to its first answered ping."""
+        self.proc.send_signal(sig)
+        self.proc.wait(30)
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen([*self.argv, *extra], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        wait_for_daemon(self.endpoint, self.proc)
+        return time.monotonic() - t0
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -7,6 +7,8 @@ instant of a store: ``test_journal.py``.)"""
 
 import os
 import signal
+import struct
+import time
 
 import pytest
 import torch
@@ -138,7 +140,8 @@ def test_on_stop_free_is_todays_behaviour_and_the_next_start_is_cold(make_daemon
     assert d.stop() == 0 and shm_files(d) == []
     d2 = make_daemon(extra=FREE)
     assert stats(d2)["adoption"] == {"pages": 0, "bytes": 0, "dropped": {}, "seconds": 0.0,
-                                     "cold_reason": "no arena kept", "kept_on_stop": False}
+                                     "cold_reason": "no arena kept", "kept_on_stop": False,
+                                         "held_pages": 0, "held_s": 0.0}
     assert "starting cold: no arena kept" in d2.output()
 
 
@@ -396,3 +399,165 @@ def test_on_stop_and_cold_are_checked_keys(tmp_path):
     cfg = load_config(None, {"HICACHED_ON_STOP": "keep", "HICACHED_COLD": "1"},
                       {"state_dir": str(tmp_path)})
     assert (cfg.on_stop, cfg.cold) == ("keep", True)
+
+
+def test_adopted_slots_an_old_client_may_still_read_are_not_reused_before_half_a_lease_ttl(
+        make_daemon, tmp_path):
+    """A client of the dead daemon may copy from slots it was leased for half a lease TTL: the
+    adopted pages stay pinned that long (``adoption.py`` step 5), so a writer that needs room
+    right after the restart is never handed one of their slots; after it, they are evicted."""
+    d = make_daemon(extra=FREE)
+    kv = kv_pool(61, num_pages=1024)
+    full = [[f"f{c}-{i}" for i in range(1024)] for c in range(2)]  # 2048 slots of 8 KiB
+    with d.client("model-a") as c:
+        c.register_mem_host_pool_v2(kv, "kv")
+        for keys in full:
+            assert all(c.batch_set_v2([PoolTransfer("kv", tokens(0, 1024), keys=keys)])["kv"])
+    d.stop(signal.SIGKILL)
+    with inproc_daemon(tmp_path, state_dir=d.cfg.state_dir, l3_backend="none",
+                       lease_ttl_s=10.0) as d2:
+        daemon = d2.daemon
+
+        def look():
+            offsets = {e.key: e.slot_offset for e in daemon.index.entries()}
+            classes = {}
+            for slab in daemon.allocator.slabs:
+                if slab.stride:
+                    n = classes.setdefault(slab.stride, [0, 0])
+                    n[0] += slab.num_slots
+                    n[1] += len(slab.free)
+            used = {}
+            for e in daemon.index.entries():
+                used[e.stride] = used.get(e.stride, 0) + 1
+            fenced = {}
+            for f in daemon.leases.fences.values():
+                for e in f.entries:
+                    fenced[e.stride] = fenced.get(e.stride, 0) + 1
+            for a in daemon.leases.ahead.values():  # a client's set-ahead slots: handed out
+                for slots in a.pools.values():
+                    for e in slots.values():
+                        used[e.stride] = used.get(e.stride, 0) + 1
+            for stride, (slots, free) in classes.items():  # free + used + fenced = slots
+                assert free + used.get(stride, 0) + fenced.get(stride, 0) == slots, (
+                    stride, slots, free, used, fenced, len(daemon.index),
+                    len(daemon.leases.reservations), daemon.leases.ahead_bytes)
+            return offsets
+
+        adopted = daemon.call(look)
+        held = daemon.adopted.pages
+        assert len(adopted) == held >= 1024  # (evicting ahead may have made a little room)
+        st = stats(d2)
+        assert st["adoption"]["held_pages"] == held and 0 < st["adoption"]["held_s"] <= 5.0
+        assert st["leases"] == 1
+        src = kv_pool(62, num_pages=1024)
+        with Client(d2.endpoint, "model-a") as c:
+            c.register_mem_host_pool_v2(src, "kv")
+            stored = 0
+            for n in range(2):  # 2048 new pages: more than the room beside the adopted ones
+                got = c.batch_set_v2([PoolTransfer("kv", tokens(0, 1024),
+                                                   keys=[f"n{n}-{i}" for i in range(1024)])])
+                stored += sum(got["kv"])
+            c.batch_exists(["n1-0"])  # (through the daemon: the last commit is in)
+            now = daemon.call(look)
+            assert stats(d2)["leases"] == 1  # still inside the window: no adopted slot reused
+            assert stored < 2048  # the pressure reached the adopted pages, which stay
+            assert {k: now[k] for k in adopted} == adopted  # every adopted page, its slot
+            assert not {v for k, v in now.items() if k not in adopted} & set(adopted.values())
+            deadline = time.monotonic() + 30
+            while stats(d2)["leases"]:  # the window ends (the sweep releases the hold)
+                assert time.monotonic() < deadline, "adopted pages still pinned after 30 s"
+                time.sleep(0.05)
+            for n in range(2):
+                keys = [f"m{n}-{i}" for i in range(1024)]
+                got = c.batch_set_v2([PoolTransfer("kv", tokens(0, 1024), keys=keys)])["kv"]
+                assert all(got)
+            assert c.batch_exists(keys) == 1024  # (through the daemon: the commits are in)
+            now = daemon.call(look)
+            assert not set(adopted) & set(now)  # all evicted: the oldest pages
+            assert set(now[k] for k in keys) & set(adopted.values())  # their slots reused
+            dst = kv_pool(63, num_pages=1024)
+            c.register_mem_host_pool_v2(dst, "kv")
+            assert all(c.batch_get_v2([PoolTransfer("kv", tokens(0, 1024), keys=keys)])["kv"])
+            assert torch.equal(src.kv_buffer, dst.kv_buffer)
+
+
+def corrupt_tables_used(meta):
+    """A header whose magic, layout and geometry are right but whose table count is nonsense."""
+    with open(meta, "r+b") as f:
+        f.seek(8 * 8)  # H_TABLES
+        f.write(struct.pack("<Q", 1 << 40))
+
+
+def corrupt_table_name(meta):
+    """A table of names that does not parse (not UTF-8), its length in range."""
+    with open(meta, "r+b") as f:
+        f.seek(4096 + 8)  # the first table's ns
+        f.write(b"\xff\xfe\xfd")
+
+
+@pytest.mark.parametrize("corrupt", [corrupt_tables_used, corrupt_table_name])
+def test_a_journal_that_does_not_parse_starts_cold_and_serves(make_daemon, corrupt):
+    """Adoption never stops the daemon from starting: the kept arena is discarded, the start
+    goes on cold and says why, and /dev/shm holds only the new arena's files."""
+    d = make_daemon(extra=FREE)
+    fill(d)
+    arena = d.cfg.arena_path
+    old_inode = os.stat(arena).st_ino
+    d.stop(signal.SIGKILL)
+    corrupt(arena + ".meta")
+    d2 = make_daemon(extra=FREE)
+    adoption = stats(d2)["adoption"]
+    assert adoption["pages"] == 0
+    assert adoption["cold_reason"].startswith("adoption failed (")
+    assert adoption["cold_reason"].endswith("the kept arena is discarded")
+    assert "starting cold: adoption failed" in d2.output()
+    assert os.stat(arena).st_ino != old_inode  # a new file: old clients re-map
+    base = os.path.basename(arena)
+    assert shm_files(d2) == [base, base + ".meta", base + ".presence"]
+    stored = fill(d2)  # it serves
+    read_back(d2, stored)
+    assert d2.stop() == 0 and shm_files(d2) == []
+
+
+def test_adoption_failing_part_way_starts_cold(make_daemon, tmp_path, monkeypatch):
+    """A bug in adoption after the index was half rebuilt (injected: the real adoption runs,
+    then raises): the half-built index and the kept arena are dropped, the start goes on cold."""
+    from hicached.daemon import server
+
+    d = make_daemon(extra=FREE)
+    fill(d)
+    arena = d.cfg.arena_path
+    old_inode = os.stat(arena).st_ino
+    d.stop(signal.SIGKILL)
+    real = server.adopt
+
+    def adopt_then_fail(*args, **kwargs):
+        out, entries = real(*args, **kwargs)
+        assert out.pages == 37  # the index was rebuilt before the failure
+        raise RuntimeError("injected: a bug after 37 pages")
+
+    monkeypatch.setattr(server, "adopt", adopt_then_fail)
+    with inproc_daemon(tmp_path, state_dir=d.cfg.state_dir, l3_backend="none") as d2:
+        adoption = stats(d2)["adoption"]
+        assert adoption["pages"] == 0 and adoption["cold_reason"] == (
+            "adoption failed (RuntimeError('injected: a bug after 37 pages')): the kept arena "
+            "is discarded")
+        assert os.stat(arena).st_ino != old_inode
+        base = os.path.basename(arena)
+        assert shm_files(d) == [base, base + ".meta", base + ".presence"]  # (same state dir)
+        assert stats(d2)["l2_pages"] == 0 and stats(d2)["leases"] == 0
+        d2.client = lambda ns: Client(d2.endpoint, ns)  # (as ``make_daemon``'s, no token)
+        stored = fill(d2)
+        read_back(d2, stored)
+
+
+def test_the_read_window_of_old_clients_after_a_clean_stop_and_a_crash():
+    """Half a lease TTL from the clean stop's recorded time; from now after a crash (its
+    instant is not known); never negative, never longer than half a TTL."""
+    from hicached.daemon.adoption import read_window
+
+    now = 1_000_000.0
+    assert read_window(True, now - 20.0, 15.0, now) == 0.0  # stopped long ago: nothing held
+    assert read_window(True, now - 5.0, 15.0, now) == 10.0
+    assert read_window(True, now + 60.0, 15.0, now) == 15.0  # a clock stepped back: capped
+    assert read_window(False, 0.0, 15.0, now) == 15.0

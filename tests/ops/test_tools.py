@@ -332,3 +332,29 @@ def test_chaos_atomic_tiny_run_checks_every_get_and_finds_no_torn_key():
     assert r["churn"]["gets"] > 0 and r["check"]["gets"] > 0 and r["check"]["keys"] > 0
     assert r["check"]["torn"] == r["check"]["wrong"] == r["churn"]["wrong"] == 0
     assert r["crashes"] == 0 and r["processes"] > 4  # at least one killed and started again
+
+
+def test_bench_warm_restart_kills_under_load_find_no_wrong_byte_and_no_leaked_slot():
+    r = _run("bench_warm_restart.py", "--kills", "3", "--l2-size", "32MiB", "--slab-size",
+             "4MiB", "--clients", "2", timeout=180)
+    assert r["kills"] == 3 and len(r["per_kill"]) == 3
+    assert r["wrong_pages"] == 0 and r["leaked_bytes"] == 0 and r["shm_ok"] is True
+    assert r["cold_starts"] == 0  # every restart adopted the arena the kill left
+    assert all(k["adopted"] > 0 and k["evictions_before"] > 0 for k in r["per_kill"])
+    assert r["pages_compared_by_old_clients"] > 0 and r["pages_read_back_by_new_clients"] > 0
+
+
+def test_bench_engine_warm_restart_hits_the_prefix_right_after_it_and_not_after_a_cold_one():
+    """``bench_engine.py --warm-restart``: fresh engines right after a warm restart (and after
+    a crash) find the same prefix as before it in L2; after a cold restart without L3, none."""
+    proc = subprocess.run([sys.executable, str(TOOLS / "bench_engine.py"), "--warm-restart",
+                           "--prompt-tokens", "256", "--repeats", "1",
+                           "--unbounded-l2", "64MiB"],
+                          check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hit = {line[:32].strip(): float(line[32:].split()[0].rstrip("%"))
+           for line in proc.stdout.splitlines()[2:] if "%" in line}
+    assert hit["recompute"] == 0.0 < hit["before the restart"], proc.stdout
+    assert hit["after a warm restart (SIGTERM)"] == hit["before the restart"], proc.stdout
+    assert hit["after a crash (SIGKILL)"] == hit["before the restart"], proc.stdout
+    assert hit["after a cold restart, no L3"] == 0.0, proc.stdout
