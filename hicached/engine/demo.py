@@ -87,6 +87,9 @@ class DaemonLauncher:
         return time.monotonic() - t0
 
     def close(self) -> None:
+        """Stop the daemon and remove its files: the temp dir, and the arena it kept in /dev/shm
+        (``--on-stop keep``, or a kill) — the state dir that records it goes with the temp dir,
+        so nothing else could find it afterwards."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -95,6 +98,15 @@ class DaemonLauncher:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        from hicached.ops.arenas import free_arenas, recorded_arena
+
+        state = os.path.join(self.dir, "state")
+        try:
+            recorded = recorded_arena(state)
+            if recorded:
+                free_arenas(state, recorded)
+        except Exception as e:  # (a demo's cleanup: say it, never hide the run's own error)
+            print(f"warning: the demo daemon's arena was not freed: {e}", file=sys.stderr)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
