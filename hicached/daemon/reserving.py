@@ -161,7 +161,8 @@ class Reservations:
 
     def reserve_many(self, table: TableId, keys: Sequence[str], page_bytes: int,
                      stride: int, owner: int = 0, fps: np.ndarray | None = None,
-                     recs: np.ndarray | None = None) -> list[Entry | None]:
+                     recs: np.ndarray | None = None, evict_first: bool = True
+                     ) -> list[Entry | None]:
         """``reserve`` of each of ``keys`` in turn, each then owned by session ``owner``
         (``Entry.owner``; 0: none set). The caller checks first that no key is committed or
         pending, and that none comes twice; ``fps`` / ``recs``: the keys' ``lookup`` when no
@@ -174,9 +175,12 @@ class Reservations:
         keys go one by one); a key for which nothing may go gets no slot, as on its own. Few
         keys, keys of several lengths, non-ASCII or longer than ``KEY_BYTES``, and keys whose
         fingerprint another key has, go one by one throughout."""
-        r, reclaimer = self.records, self.reclaimer
+        r = self.records
         n = len(keys)
         width = len(keys[0]) if n else 0
+        evicted = False  # (then ``recs``, looked up before, may name freed key records)
+        if evict_first and self.policy.frees_runs and self.alloc.free_slots(stride) < n:
+            evicted = self.evict_for(stride, n) > 0  # the call's victims first
         if n < BATCH_MIN or not 0 < width <= KEY_BYTES or not (
                 self.alloc.has_free(stride) or self.policy.frees_runs):
             return self._reserve_each(table, keys, page_bytes, stride, owner)
@@ -195,16 +199,12 @@ class Reservations:
             return self._reserve_each(table, keys, page_bytes, stride, owner)
         mine = np.frombuffer(blob, np.uint8).reshape(n, width)
         out: list[Entry | None] = []
-        at, evicted = 0, False
+        at = 0
         while at < n:
             free = self.alloc.free_slots(stride)
             if not free:  # what reserving keys[at] on its own would evict (``_make_room``)
-                reclaimer.pressed.add(stride)
-                if reclaimer.tails and reclaimer.take(stride, n - at):
-                    evicted = True  # the dead tails a split segment left (``reclaim.py``)
-                    continue
-                victims = self.policy.make_room(stride)
-                if not victims or not reclaimer.evict_victims(victims, stride, n - at):
+                got = self.evict_for(stride, n - at, evict_first)
+                if not got:
                     out.append(None)  # nothing may go: no room for keys[at]
                     at += 1
                     continue
@@ -224,6 +224,35 @@ class Reservations:
         if at < n:
             out += self._reserve_each(table, keys[at:], page_bytes, stride, owner)
         return out
+
+    def evict_for(self, stride: int, need: int, many: bool = True) -> int:
+        """Evict, for a call whose class ``stride`` is short, what reserving its next ``need``
+        keys one by one would evict, before any of them is reserved: the dead tails a split
+        segment left (``reclaim.py``), then the victims the policy names (``make_room_many``:
+        several sets a call where it can tell them), until the class has ``need`` free slots
+        or nothing more may go. The victims are the same (a reservation changes nothing a
+        policy reads: pending pages are no candidates, and the tick counts uses), and the keys
+        then take the freed slots as one run. A policy whose victims are mostly one slot
+        (not ``frees_runs``: LRU) gets one set a call, its keys then reserved one by one as
+        before. Returns the pages evicted (0: nothing may go)."""
+        reclaimer, policy, free_slots = self.reclaimer, self.policy, self.alloc.free_slots
+        # (else one victim set a call, as for one key: a slot handed out moves its slab's
+        # last use, which LRU's ``make_room`` weighs; and ``many`` False: a caller that
+        # evicted first for a whole call (``set_control.py``) keeps the rest key by key)
+        runs = many and policy.frees_runs
+        reclaimer.pressed.add(stride)
+        done = 0
+        while True:
+            got = reclaimer.take(stride, need) if reclaimer.tails else 0
+            if not got:
+                victims = (policy.make_room_many(stride, need - free_slots(stride)) if runs
+                           else policy.make_room(stride))
+                got = reclaimer.evict_victims(victims, stride, need) if victims else 0
+                if not got:
+                    return done
+            done += got
+            if not runs or free_slots(stride) >= need:
+                return done
 
     def _reserve_run(self, table: TableId, tid: int, keys: Sequence[str],
                      mine: np.ndarray, fps: np.ndarray, recs: np.ndarray | None,

@@ -100,6 +100,7 @@ class SetControl:
                 claims = msg.ahead[p] if ahead is not None and p < len(msg.ahead) else ()
                 n = len(t.keys)
                 row, tag_row, bound_row = [0] * n, [0] * n, [False] * n
+                self._evict_first(s, t, spec, claims)
                 lo, step = 0, max(1, chunk // 4) if chunk else n  # (eviction may be dear)
                 while lo < n:
                     if chunk and (p or lo):  # (a chunk before this one)
@@ -155,6 +156,26 @@ class SetControl:
         if ahead is not None:
             ahead.deadline = r.deadline
 
+    def _evict_first(self, s: Session, t: P.PoolKeys, spec: PoolSpec, claims) -> None:
+        """Under a policy whose victims free runs of slots (``prefix`` / ``hybrid``), a
+        transfer whose class is short of slots for its new keys (neither in L2 nor pending, no
+        set-ahead slot named; as many as its namespace's quota admits at once) evicts their
+        victims first, set after set (``Reservations.evict_for``), so that its runs of keys
+        then take free slots: the same victims as key by key, named and evicted at a fraction
+        of the cost, and the same whether the call is worked at once or in slices (it is done
+        before the first chunk). What it could not free, the keys evict one by one."""
+        index, n = self.index, len(t.keys)
+        if not index.policy.frees_runs or index.alloc.free_slots(spec.stride) >= n:
+            return
+        table = (s.ns, t.pool)
+        got, _, _ = index.lookup(table, t.keys)
+        new = {key for i, (key, e) in enumerate(zip(t.keys, got))
+               if e is None and (i >= len(claims) or claims[i] < 0)
+               and index.get_pending(table, key) is None}
+        want = self.quotas.admit_many(s.ns, spec.stride, len(new))
+        if want > index.alloc.free_slots(spec.stride):
+            index.evict_for(spec.stride, want)
+
     def _reserve_transfer(self, s: Session, r: Reservation, p: int, t: P.PoolKeys,
                           spec: PoolSpec, claims, ahead, present: list[Entry],
                           rows: tuple[list[int], list[int], list[bool]], lo: int, hi: int
@@ -200,7 +221,8 @@ class SetControl:
             at = [i - lo for i in run[:admitted]] if lo else run[:admitted]
             fps, recs = looked_up[0][at], looked_up[1][at]
         got = self.index.reserve_many(table, [keys[i] for i in run[:admitted]],
-                                      spec.page_bytes, spec.stride, s.id, fps, recs)
+                                      spec.page_bytes, spec.stride, s.id, fps, recs,
+                                      evict_first=False)  # (``_evict_first`` did)
         for i in run[admitted:]:
             got.append(self.index.reserve(table, keys[i], spec.page_bytes, spec.stride)
                        if self.quotas.admit(s.ns, spec.stride) else None)

@@ -1,5 +1,6 @@
 """The index's per-call paths (``hicached/daemon/commits.py``, ``reserving.py``) leave exactly
-the state of their scalar twins called page by page: records, slots, generations, recency, slab
+the state of their scalar twins called page by page (``one_by_one``: under ``prefix`` /
+``hybrid`` a call whose class is short evicts its keys' victims first, set by set): records, slots, generations, recency, slab
 ages, the presence table's bytes and every policy's own state, under both policies, with
 evictions, keys of several pools and kinds, chains and states; so does the controller's set path
 (``set_control.py``) with them. And the batch calls under them (``alloc_many``,
@@ -60,6 +61,21 @@ def snapshot(ix: PageIndex, shared: PresenceTable | None) -> dict:
     return out
 
 
+def one_by_one(ix: PageIndex, table, keys: list[str], page_bytes: int, stride: int) -> list:
+    """The reference ``reserve_many`` is held to: under a policy whose victims free runs of
+    slots (``prefix`` / ``hybrid``), a call whose class is short first evicts what its keys
+    need, one victim set at a time (``make_room``, each set evicted before the next is named),
+    then reserves its keys one by one; under LRU each key evicts its own victim as it comes."""
+    pol, free_slots = ix.policy, ix.alloc.free_slots
+    if pol.frees_runs and free_slots(stride) < len(keys):
+        ix.reclaimer.pressed.add(stride)
+        while free_slots(stride) < len(keys):
+            victims = pol.make_room(stride)
+            if not victims or not ix.reclaimer.evict_victims(victims, stride, len(keys)):
+                break
+    return [ix.reserve(table, k, page_bytes, stride) for k in keys]
+
+
 def live_tails(ix: PageIndex) -> list[int]:
     """The key records the hybrid policy's tails hold that ``stale`` may take: live,
     state-less leaves of a namespace with trailing pools. (Page by page, a leaf's KV page
@@ -117,7 +133,7 @@ def replay(plan: Plan, many: bool, policy: str, tmp_path) -> list[dict]:
         if many:
             entries = ix.reserve_many(table, live, size, size, owner=7)
         else:
-            entries = [ix.reserve(table, k, size, size) for k in live]
+            entries = one_by_one(ix, table, live, size, size)
             for e in entries:
                 if e is not None:
                     e.owner = 7
@@ -209,7 +225,7 @@ def test_a_full_class_with_pages_pinned_refuses_keys_as_one_by_one(policy):
             ix.pin(e)
         keys = [f"b{i:063x}" for i in range(200)]
         got = (ix.reserve_many(KV, keys, 256, 256) if many
-               else [ix.reserve(KV, k, 256, 256) for k in keys])
+               else one_by_one(ix, KV, keys, 256, 256))
         assert sum(e is not None for e in got) == 128 and got[-1] is None
         states.append((snapshot(ix, None), [e is None for e in got]))
     assert states[0] == states[1]

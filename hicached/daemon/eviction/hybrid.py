@@ -527,6 +527,68 @@ class HybridPolicy(EvictionPolicy):
                 return pages
         return []
 
+    def make_room_many(self, stride: int, need: int) -> list[int]:
+        """``make_room``'s victim sets for ``need`` slots of class ``stride`` at once: what
+        calling it again after each set went would name, one chain walk for many sets.
+
+        After the first set (``make_room``), each next one is what its ranked path would take
+        once the sets before went (the candidates scored for this tick, and the key above the
+        set that went once all its children go), while that can be told without evicting: in
+        namespaces with no trailing pool (a segment is a key's pages), every page of the class
+        asked. It stops (the caller evicts and asks again) where the next set would need a
+        fresh scoring (it reads the heaps, which the evictions feed), a state, another class's
+        slot, or a page of a set already named."""
+        victims = self.make_room(stride)
+        ranked = self._ranked
+        if need <= 1 or not victims or not self.split_ok or ranked is None:
+            return victims
+        ix, tree = self.ix, self.tree
+        trail, k_ns, krec, p_stride, used = (ix.ns_trail, ix.k_ns, ix.p_krec, ix.p_stride,
+                                             ix.p_used)
+        if any(p_stride[p] != stride for p in victims) or trail[k_ns[krec[victims[-1]]]]:
+            return victims
+        going = {krec[p] for p in victims}
+        got = len(victims)
+        rest, up = ranked[2], ranked[3]
+        kid, sib, k_len, pages_of = tree.kid, tree.sib, ix.k_len, tree.pages
+        while got < need:
+            nxt = None  # the next candidate's pages (``make_room`` drops those gone)
+            while rest:
+                c = rest[-1]
+                k = c[1]
+                if c[3] >= 0 or trail[k_ns[k]]:
+                    if self._still(c, False):
+                        return victims  # a state, a trailing namespace's leaf: ``make_room``
+                elif k not in going and k_len[k] and not kid[k]:
+                    nxt = pages_of(k)
+                    if nxt is not None:
+                        break
+                rest.pop()
+            pages = None
+            if up >= 0 and k_len[up] and up not in going and not trail[k_ns[up]]:
+                c = kid[up]
+                while c and c - 1 in going:  # a leaf once its children in the sets went
+                    c = sib[c - 1]
+                if not c:
+                    pages = pages_of(up)
+                    if pages:
+                        if any(p_stride[p] != stride for p in pages):
+                            return victims
+                        t = max([used[p] for p in pages])
+                        if not t or (rest and t > rest[-1][0]):
+                            pages = None
+            if not pages:
+                if not nxt or any(p_stride[p] != stride for p in nxt):
+                    return victims  # no candidate left (a fresh scoring next), or another
+                pages = nxt  # class's page: the caller evicts and asks again
+                rest.pop()
+            victims += pages
+            got += len(pages)
+            going.add(krec[pages[0]])
+            up = tree.above(pages)
+            self._ranked = (stride, ranked[1], rest, up)
+        return victims
+
     def doomed(self, p: int) -> list[int]:
         """``KeyTree.doomed``: ``p``'s dependants first, then ``p`` (the rules above)."""
         return self.tree.doomed(p)

@@ -23,6 +23,7 @@ back into the index's mutating calls; each is given page records, ints indexing 
     linked(recs, parent)        a set named its chain (Records.link)   O(len)
     key_freed(k)                a key record is freed                  O(children)
     make_room(stride)           a reservation found class full         O(candidates), < 1 ms
+    make_room_many(stride, n)   a call's keys found their class full   O(candidates + victims)
     doomed(p)                   evict / flush of page p                O(dependants)
     may_go_ahead(p)             reclaim.py, before a named page goes   O(1)
     stale(early) / stale_due    after commits / each idle turn         stale_due O(1)
@@ -220,6 +221,15 @@ class EvictionPolicy(ABC):
         """The committed, unpinned page records to evict, in order (dependants first), so
         that class ``stride`` may get a slot (one of its pages, or every page of a slab of
         another class); empty when nothing can be evicted. Sets ``split_ok``."""
+
+    def make_room_many(self, stride: int, need: int) -> list[int]:
+        """``make_room`` for a reservation that needs ``need`` (> 0) slots of class
+        ``stride``: the victim sets it would name one after the other, each once the ones
+        before went, as far as the policy can tell them without the evictions; at least the
+        first set, and no more than ``need`` slots' worth but for the last set's own pages.
+        The caller evicts them and asks again while the class is short. Sets ``split_ok`` as
+        ``make_room``. Default: ``make_room`` (one set a call)."""
+        return self.make_room(stride)
 
     def doomed(self, p: int) -> list[int]:
         """The page records to evict, in order, for page record ``p`` to go (its dependants
