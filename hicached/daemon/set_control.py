@@ -12,7 +12,11 @@ goes to ``later`` (the controller's books). Control loop only; ``reload`` change
 A Reserve's new keys (neither in L2 nor pending, no set-ahead slot named) are reserved a run at
 a time (``PageIndex.reserve_many``: one numpy pass for the pages that get a slot without
 eviction); the keys between runs (present, in flight, bound to a set-ahead slot) are answered
-one by one where they come, so the state is exactly that of answering every key in turn.
+one by one where they come, so the state is that of answering every key in turn. Under
+``prefix`` / ``hybrid``, a transfer whose class is short of slots for its new keys evicts their
+victims first, before its first chunk (``_evict_first``: the same victims, named several a
+policy call, and the same slots whether the call is worked at once or in slices); its runs
+then take free slots.
 """
 
 from __future__ import annotations

@@ -208,6 +208,65 @@ def test_a_full_class_reserves_the_slots_each_victim_frees_together_as_one_by_on
         assert len(after) >= 2 and max(after) >= BATCH_MIN
 
 
+@pytest.mark.parametrize("policy", ["hybrid", "prefix"])
+def test_chains_with_no_state_name_many_victim_sets_a_policy_call_as_set_by_set(
+        tmp_path, policy, monkeypatch):
+    """Chains of a namespace with no trailing pool (attention-only): a call whose class is full
+    gets several victim sets from one ``make_room_many`` (the ranked candidates, and the key
+    above a leaf once it goes), and the index ends exactly as after ``one_by_one``, where the
+    policy names one set at a time, each evicted before the next is named."""
+    from hicached.daemon.eviction.hybrid import HybridPolicy
+    sets, real = [], HybridPolicy.make_room_many
+
+    def counted(self, stride, need):
+        out = real(self, stride, need)
+        sets.append(len({self.ix.p_krec[p] for p in out}))
+        return out
+
+    monkeypatch.setattr(HybridPolicy, "make_room_many", counted)
+    plan = Plan(9, calls=0, slab=16384)
+    rng = random.Random(9)
+    stored: list[str] = []
+    for i in range(40):  # chains of fresh keys, some continuing a stored prefix, reads between
+        keys = [f"{i:04d}{j:060x}" for j in range(rng.choice([20, 40, 70, 130]))]
+        stored += keys
+        plan.calls.append((OTHER, keys, [], rng.sample(stored, 40), True))
+    single, batched = replay(plan, False, policy, tmp_path), replay(plan, True, policy, tmp_path)
+    for i, (a, b) in enumerate(zip(single, batched, strict=True)):
+        diff = [k for k in a if a[k] != b[k]]
+        assert not diff, (i, diff)
+    assert sets and max(sets) >= 8  # (single: ``one_by_one`` never calls it)
+
+
+def test_a_call_that_evicts_first_looks_its_keys_up_again(monkeypatch):
+    """``fps`` / ``recs`` from a lookup before the call, of keys another pool holds: evicting
+    first frees those keys' records (their pages in the other pool were the victims), so the
+    run looks its keys up again (not the records the stale lookup names, which would make it
+    fall back to one by one); every page is its key's."""
+    runs, real = [], reserving.Reservations._reserve_run
+
+    def counted(self, *args):
+        got = real(self, *args)
+        runs.append(None if got is None else len(got))
+        return got
+
+    monkeypatch.setattr(reserving.Reservations, "_reserve_run", counted)
+    idx, kv = ("ns", "idx"), ("ns", "kv")
+    ix = PageIndex(SlabAllocator(2 * 4096, 4096), policy=make_policy("hybrid"))
+    olds = [f"a{i:063x}" for i in range(32)]  # the class's 32 slots, another pool's pages
+    ix.commit_many([ix.reserve(idx, k, 256, 256) for k in olds])
+    ix.records.table_id(kv)  # (a pool the index knows: ``lookup`` answers at once)
+    keys = olds[:16] + [f"b{i:063x}" for i in range(16)]
+    _, fps, recs = ix.lookup(kv, keys)
+    assert (recs[:16] >= 0).all()  # looked up while the idx pool held them
+    got = ix.reserve_many(kv, keys, 256, 256, 0, fps, recs)
+    r = ix.records
+    assert ix.evictions == 32 and all(e is not None for e in got) and runs == [32]
+    assert [r.key_of(r.p_krec[e.rec]) for e in got] == keys
+    assert len({r.p_krec[e.rec] for e in got}) == len(keys)
+    assert all(ix.get_pending(kv, k) is e for k, e in zip(keys, got))
+
+
 @pytest.mark.parametrize("policy", ["lru", "hybrid"])
 def test_a_full_class_with_pages_pinned_refuses_keys_as_one_by_one(policy):
     """Half the arena's pages pinned (read now): the keys past the room the other half gives get

@@ -34,7 +34,10 @@ it frees (cached per key: a hint). The lowest score goes (``alpha`` 0, the ``pre
 the least recently used; the states one call stored on a chain go from its deep end: ``_scored``).
 A victim set that empties a slab of another class goes whole, never split (the freed slab serves
 the class that asked: a state's slot takes the KV slab of a leaf segment, not the chain's head).
-A class with no candidate, or whose oldest candidate is younger than
+A call that needs many slots (``make_room_many``) gets the sets the ranked path would name one
+after the other, in one walk up the chains, as far as it can tell them without the evictions
+(in namespaces with no trailing pool: a segment is then a key's pages). A class with no
+candidate, or whose oldest candidate is younger than
 the oldest leaf of a class holding other namespaces only (another model, idle), takes the slab
 of that leaf (the deep end of a chain) with every page's dependants.
 """

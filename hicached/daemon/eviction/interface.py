@@ -1,7 +1,7 @@
 """The eviction policy's contract: the hooks the page index calls, and what a policy may read.
 
 One policy object answers every path that frees L2 pages: eviction on reserve
-(``Reclaimer.make_room``, ``reserve_many``), slab reclaim (a class takes a whole slab from
+(``Reclaimer.make_room`` for a key, ``Reservations.evict_for`` for a call's keys), slab reclaim (a class takes a whole slab from
 another), the idle turns' eviction ahead (``reclaim.py``), namespace quotas (``quotas.py``:
 ``ranked``), the L3 audit (``l3/audit.py``: ``strides`` / ``upcoming``), a flush (``doomed``) and
 stats (``orphans.py`` counts what the policy left). The index tells it every change of the
