@@ -27,6 +27,8 @@ class Lookups:
 
     def __init__(self, records: Records):
         self.records = records
+        self._pending = records.pending  # (the records' own dict, never replaced: one hop
+        # less on a set's path, a lookup per key)
 
     def get(self, table: TableId, key: str) -> Entry | None:
         """The committed entry of ``key`` or None."""
@@ -148,7 +150,7 @@ class Lookups:
 
     def get_pending(self, table: TableId, key: str) -> Entry | None:
         """The pending entry of ``key`` in ``table`` (its live handle) or None."""
-        p = self.records.pending.get(table)
+        p = self._pending.get(table)
         return p.get(key) if p else None
 
     def contains(self, table: TableId, keys: Sequence[str]) -> np.ndarray:

@@ -173,10 +173,15 @@ class SetControl:
             return
         table = (s.ns, t.pool)
         got, _, _ = index.lookup(table, t.keys)
-        new = {key for i, (key, e) in enumerate(zip(t.keys, got))
-               if e is None and (i >= len(claims) or claims[i] < 0)
-               and index.get_pending(table, key) is None}
-        want = self.quotas.admit_many(s.ns, spec.stride, len(new))
+        if claims:
+            new = [key for i, (key, e) in enumerate(zip(t.keys, got))
+                   if e is None and (i >= len(claims) or claims[i] < 0)]
+        else:
+            new = [key for key, e in zip(t.keys, got) if e is None]
+        pending = index.pending.get(table)
+        if pending:
+            new = [key for key in new if key not in pending]
+        want = self.quotas.admit_many(s.ns, spec.stride, len(set(new)))
         if want > index.alloc.free_slots(spec.stride):
             index.evict_for(spec.stride, want)
 

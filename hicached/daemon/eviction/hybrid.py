@@ -553,20 +553,25 @@ class HybridPolicy(EvictionPolicy):
         going = {krec[p] for p in victims}
         got = len(victims)
         rest, up = ranked[2], ranked[3]
-        kid, sib, k_len, pages_of = tree.kid, tree.sib, ix.k_len, tree.pages
-        while got < need:
-            nxt = None  # the next candidate's pages (``make_room`` drops those gone)
+        kid, sib, k_len, t_up, pages_of = tree.kid, tree.sib, ix.k_len, tree.up, tree.pages
+        top, nxt = None, None  # the next candidate and its pages (``make_room`` drops those
+        while got < need:  # gone; its pages are kept while it stays the next)
             while rest:
                 c = rest[-1]
+                if c is top:
+                    break
                 k = c[1]
                 if c[3] >= 0 or trail[k_ns[k]]:
                     if self._still(c, False):
-                        return victims  # a state, a trailing namespace's leaf: ``make_room``
+                        break  # a state, a trailing namespace's leaf: ``make_room``'s
                 elif k not in going and k_len[k] and not kid[k]:
                     nxt = pages_of(k)
                     if nxt is not None:
+                        top = c
                         break
                 rest.pop()
+            if rest and rest[-1] is not top:
+                break
             pages = None
             if up >= 0 and k_len[up] and up not in going and not trail[k_ns[up]]:
                 c = kid[up]
@@ -575,21 +580,27 @@ class HybridPolicy(EvictionPolicy):
                 if not c:
                     pages = pages_of(up)
                     if pages:
-                        if any(p_stride[p] != stride for p in pages):
-                            return victims
-                        t = max([used[p] for p in pages])
-                        if not t or (rest and t > rest[-1][0]):
+                        if len(pages) == 1:
+                            if p_stride[pages[0]] != stride:
+                                break
+                            t = used[pages[0]]
+                        elif any(p_stride[p] != stride for p in pages):
+                            break
+                        else:
+                            t = max([used[p] for p in pages])
+                        if not t or (top is not None and t > top[0]):
                             pages = None
             if not pages:
-                if not nxt or any(p_stride[p] != stride for p in nxt):
-                    return victims  # no candidate left (a fresh scoring next), or another
-                pages = nxt  # class's page: the caller evicts and asks again
+                if top is None or any(p_stride[p] != stride for p in nxt):
+                    break  # no candidate left (a fresh scoring next), or another class's
+                pages = nxt  # page: the caller evicts and asks again
                 rest.pop()
+                top = None
             victims += pages
             got += len(pages)
             going.add(krec[pages[0]])
-            up = tree.above(pages)
-            self._ranked = (stride, ranked[1], rest, up)
+            up = t_up[krec[pages[-1]]] - 1  # (``KeyTree.above``)
+        self._ranked = (stride, ranked[1], rest, up)
         return victims
 
     def doomed(self, p: int) -> list[int]:
@@ -735,6 +746,14 @@ class HybridPolicy(EvictionPolicy):
         earlier call (a conversation's earlier turn, mid-chain now) is not raised: it goes
         first, as its own last use says."""
         n = len(cands)
+        if not self.reuse.learns and not any(self.ix.ns_trail):
+            # no trailing pool anywhere: no candidate has a state above it (nothing to raise)
+            # and none is demoted: one group, by recency and value alone (the same order)
+            lo = min(c[0] for c in cands)
+            span = (max(c[0] for c in cands) - lo) or 1
+            top, alpha = max(c[2] for c in cands) or 1.0, self.alpha
+            return sorted(cands, key=lambda c: (c[0] - lo) / span + alpha * c[2] / top,
+                          reverse=True)
         vals, eff, below = self._vals, [c[0] for c in cands], [0] * n
         at = {}
         for i, c in enumerate(cands):

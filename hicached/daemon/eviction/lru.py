@@ -161,9 +161,12 @@ class LruPolicy(EvictionPolicy):
     lru: LruOrder
 
     def bind(self, ix: IndexView) -> None:
-        """The index this policy serves, and its recency lists over it."""
+        """The index this policy serves, and its recency lists over it. The one-page events
+        are the lists' own methods (bound here: no forwarding frame on a set's path, a call
+        per page)."""
         self.ix = ix
-        self.lru = LruOrder(ix)
+        self.lru = lru = LruOrder(ix)
+        self.inserted, self.removed, self.touched = lru.inserted, lru.removed, lru.touched
 
     def grow(self, n: int) -> None:
         """Page records now number ``n``."""
