@@ -104,7 +104,7 @@ class SetControl:
                 claims = msg.ahead[p] if ahead is not None and p < len(msg.ahead) else ()
                 n = len(t.keys)
                 row, tag_row, bound_row = [0] * n, [0] * n, [False] * n
-                self._evict_first(s, t, spec, claims)
+                yield from self._evict_first(s, r, ahead, t, spec, claims, chunk)
                 lo, step = 0, max(1, chunk // 4) if chunk else n  # (eviction may be dear)
                 while lo < n:
                     if chunk and (p or lo):  # (a chunk before this one)
@@ -160,30 +160,45 @@ class SetControl:
         if ahead is not None:
             ahead.deadline = r.deadline
 
-    def _evict_first(self, s: Session, t: P.PoolKeys, spec: PoolSpec, claims) -> None:
+    def _evict_first(self, s: Session, r: Reservation, ahead, t: P.PoolKeys, spec: PoolSpec,
+                     claims, chunk: int | None) -> Steps:
         """Under a policy whose victims free runs of slots (``prefix`` / ``hybrid``), a
         transfer whose class is short of slots for its new keys (neither in L2 nor pending, no
         set-ahead slot named; as many as its namespace's quota admits at once) evicts their
         victims first, set after set (``Reservations.evict_for``), so that its runs of keys
         then take free slots: the same victims as key by key, named and evicted at a fraction
-        of the cost, and the same whether the call is worked at once or in slices (it is done
-        before the first chunk). What it could not free, the keys evict one by one."""
-        index, n = self.index, len(t.keys)
-        if not index.policy.frees_runs or index.alloc.free_slots(spec.stride) >= n:
+        of the cost, and the same whether the call is worked at once or in slices (before its
+        first chunk; in slices, ``chunk`` keys looked up, then a quarter chunk's slots freed, a
+        step). What it could not free, the keys evict one by one."""
+        index, n, stride = self.index, len(t.keys), spec.stride
+        alloc = index.alloc
+        if not index.policy.frees_runs or alloc.free_slots(stride) >= n:
             return
         table = (s.ns, t.pool)
-        got, _, _ = index.lookup(table, t.keys)
-        if claims:
-            new = [key for i, (key, e) in enumerate(zip(t.keys, got))
-                   if e is None and (i >= len(claims) or claims[i] < 0)]
-        else:
-            new = [key for key, e in zip(t.keys, got) if e is None]
+        step = chunk or n
+        new: list[str] = []
+        for lo in range(0, n, step):
+            if lo:
+                yield
+                self._resume_reserve(s, r, ahead)
+            keys = t.keys[lo:lo + step]
+            got, _, _ = index.lookup(table, keys)
+            if claims:
+                new += [key for i, (key, e) in enumerate(zip(keys, got), lo)
+                        if e is None and (i >= len(claims) or claims[i] < 0)]
+            else:
+                new += [key for key, e in zip(keys, got) if e is None]
         pending = index.pending.get(table)
         if pending:
             new = [key for key in new if key not in pending]
-        want = self.quotas.admit_many(s.ns, spec.stride, len(set(new)))
-        if want > index.alloc.free_slots(spec.stride):
-            index.evict_for(spec.stride, want)
+        want = self.quotas.admit_many(s.ns, stride, len(set(new)))
+        step = max(1, chunk // 4) if chunk else want  # (evicting may be dear)
+        while alloc.free_slots(stride) < want:
+            if chunk:
+                yield
+                self._resume_reserve(s, r, ahead)
+            if not index.evict_for(stride, min(want, alloc.free_slots(stride) + step)):
+                break
 
     def _reserve_transfer(self, s: Session, r: Reservation, p: int, t: P.PoolKeys,
                           spec: PoolSpec, claims, ahead, present: list[Entry],
