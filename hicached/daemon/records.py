@@ -69,6 +69,7 @@ class Records:
         # cleared here before a slot is freed; pages of a stride below its grain are not in it
         self.journal = journal if journal is not None else NullJournal()
         self.journal_grain = GRAIN if journal is not None else 1 << 62
+        self.journaling = journal is not None  # (none: a commit builds nothing for it)
         # page and key records: numpy columns, each in a mapping of its own (``columns.py``:
         # zeroed lazily by the kernel, so capacity not yet used costs no memory; ``np`` gives
         # vectorised reads), read and written one item at a time through memoryviews (``p_*``,
