@@ -9,14 +9,18 @@ for one thing below: under ``prefix`` / ``hybrid`` a call whose class is short e
 The keys that get a free slot are reserved together: a run of slots off a slab's free stack
 (``SlabAllocator.alloc_many``), each record column written once. Under a policy whose victims
 free runs of slots (``policy.frees_runs``: ``prefix`` / ``hybrid``, a victim a leaf segment), a
-call whose class is short of slots for its keys first evicts what they need (``evict_for``:
+call of a namespace with no trailing pool (attention-only: no state) whose class is short of
+slots for its keys first evicts what they need (``evict_for``:
 the victim sets the policy names one after the other, several a policy call where it can tell
 them, ``make_room_many``; the same victims as key by key, since a reservation changes nothing a
 policy reads), then reserves its keys in one run; which of the freed slots and records each key
 gets differs from key by key, nothing else (``tests/daemon/test_index_batch.py``'s
 ``one_by_one`` is the reference). Under LRU (an LRU victim is one page, and a slot handed out
-moves its slab's last use, which LRU weighs) a call that finds its class full evicts what its
-next key would evict and reserves the keys that get the freed slots, key by key. A fingerprint
+moves its slab's last use, which LRU weighs), and in a namespace with trailing pools (a state's
+reservation evicts the state and its key's KV page and hands the rest of the segment to the
+idle turns, a decision per key: evicting for several keys at once would take more), a call that
+finds its class full evicts what its next key would evict and reserves the keys that get the
+freed slots, key by key. A fingerprint
 collision, keys of several lengths, non-ASCII or longer than ``KEY_BYTES``, and calls of few
 keys go page by page (``reserve``: a numpy call costs ~1-2 us, a page ~3-5).
 """
@@ -170,8 +174,8 @@ class Reservations:
                      recs: np.ndarray | None = None, evict_first: bool = True
                      ) -> list[Entry | None]:
         """``reserve`` of each of ``keys`` in turn, each then owned by session ``owner``
-        (``Entry.owner``; 0: none set), after, under ``prefix`` / ``hybrid``, evicting what
-        they need first when the class is short (``evict_first``; False: a caller that did,
+        (``Entry.owner``; 0: none set), after, under ``prefix`` / ``hybrid`` in a namespace
+        with no trailing pool, evicting what they need first when the class is short (``evict_first``; False: a caller that did,
         ``set_control.py``, the rest key by key). The caller checks first that no key is committed or
         pending, and that none comes twice; ``fps`` / ``recs``: the keys' ``lookup`` when no
         record came or went since (else they are looked up here).
@@ -187,7 +191,8 @@ class Reservations:
         n = len(keys)
         width = len(keys[0]) if n else 0
         evicted = False  # (then ``recs``, looked up before, may name freed key records)
-        if evict_first and self.policy.frees_runs and self.alloc.free_slots(stride) < n:
+        first = evict_first and self.policy.frees_runs and not r.trailing(table[0])
+        if first and self.alloc.free_slots(stride) < n:
             evicted = self.evict_for(stride, n) > 0  # the call's victims first
         if n < BATCH_MIN or not 0 < width <= KEY_BYTES or not (
                 self.alloc.has_free(stride) or self.policy.frees_runs):
@@ -211,7 +216,7 @@ class Reservations:
         while at < n:
             free = self.alloc.free_slots(stride)
             if not free:  # what reserving keys[at] on its own would evict (``_make_room``)
-                got = self.evict_for(stride, n - at, evict_first)
+                got = self.evict_for(stride, n - at, first)
                 if not got:
                     out.append(None)  # nothing may go: no room for keys[at]
                     at += 1

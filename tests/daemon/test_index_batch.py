@@ -63,11 +63,11 @@ def snapshot(ix: PageIndex, shared: PresenceTable | None) -> dict:
 
 def one_by_one(ix: PageIndex, table, keys: list[str], page_bytes: int, stride: int) -> list:
     """The reference ``reserve_many`` is held to: under a policy whose victims free runs of
-    slots (``prefix`` / ``hybrid``), a call whose class is short first evicts what its keys
-    need, one victim set at a time (``make_room``, each set evicted before the next is named),
+    slots (``prefix`` / ``hybrid``), in a namespace with no trailing pool, a call whose class is
+    short first evicts what its keys need, one victim set at a time (``make_room``, each set evicted before the next is named),
     then reserves its keys one by one; under LRU each key evicts its own victim as it comes."""
     pol, free_slots = ix.policy, ix.alloc.free_slots
-    if pol.frees_runs and free_slots(stride) < len(keys):
+    if pol.frees_runs and free_slots(stride) < len(keys) and not ix.trailing(table[0]):
         ix.reclaimer.pressed.add(stride)
         while free_slots(stride) < len(keys):
             victims = pol.make_room(stride)
