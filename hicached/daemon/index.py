@@ -142,7 +142,7 @@ class PageIndex:
         self.get_pending, self.contains = lookups.get_pending, lookups.contains
         self.presence = lookups.presence
         self.reserve, self.reserve_many = reservations.reserve, reservations.reserve_many
-        self.evict_for = reservations.evict_for
+        self.evict_for = reclaimer.evict_for
         self.reserve_unbound, self.bind = reservations.reserve_unbound, reservations.bind
         self.abort = reservations.abort
         self.commit, self.commit_many = commits.commit, commits.commit_many

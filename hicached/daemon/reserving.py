@@ -4,15 +4,16 @@ A page is reserved pending and pinned (``reserve``, the keys of a call: ``reserv
 as an unbound slot a client holds ahead of its keys (``reserve_unbound``, then ``bind``), and
 dropped again before its commit (``abort``). A key reserved either way leaves the same state:
 ``reserve_many`` is ``reserve`` of each key in turn (the contract of ``commits.py`` too), but
-for one thing below: under ``prefix`` / ``hybrid`` a call whose class is short evicts first.
+for one thing below: under ``prefix`` / ``hybrid``, in a namespace with no trailing pool, a call
+whose class is short evicts first.
 
 The keys that get a free slot are reserved together: a run of slots off a slab's free stack
 (``SlabAllocator.alloc_many``), each record column written once. Under a policy whose victims
 free runs of slots (``policy.frees_runs``: ``prefix`` / ``hybrid``, a victim a leaf segment), a
 call of a namespace with no trailing pool (attention-only: no state) whose class is short of
-slots for its keys first evicts what they need (``evict_for``:
-the victim sets the policy names one after the other, several a policy call where it can tell
-them, ``make_room_many``; the same victims as key by key, since a reservation changes nothing a
+slots for its keys first evicts what they need (``Reclaimer.evict_for``: the victim sets the
+policy names one after the other, several a policy call where it can tell them,
+``make_room_many``; the same victims as key by key, since a reservation changes nothing a
 policy reads), then reserves its keys in one run; which of the freed slots and records each key
 gets differs from key by key, nothing else (``tests/daemon/test_index_batch.py``'s
 ``one_by_one`` is the reference). Under LRU (an LRU victim is one page, and a slot handed out
@@ -20,9 +21,9 @@ moves its slab's last use, which LRU weighs), and in a namespace with trailing p
 reservation evicts the state and its key's KV page and hands the rest of the segment to the
 idle turns, a decision per key: evicting for several keys at once would take more), a call that
 finds its class full evicts what its next key would evict and reserves the keys that get the
-freed slots, key by key. A fingerprint
-collision, keys of several lengths, non-ASCII or longer than ``KEY_BYTES``, and calls of few
-keys go page by page (``reserve``: a numpy call costs ~1-2 us, a page ~3-5).
+freed slots, key by key. A fingerprint collision, keys of several lengths, non-ASCII or longer
+than ``KEY_BYTES``, and calls of few keys go page by page (``reserve``: a numpy call costs ~1-2
+us, a page ~3-5).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Reservations:
     """Reserves slots for pages (module docstring). Owns nothing: it writes the records
     (``records``: new page and key records, pending handles, owners, bytes per namespace),
     takes slots off the allocator (``records.alloc``) and, when a class is full, asks the
-    reclaimer for room (``Reclaimer.make_room``, ``take``, ``evict_victims``: which evict). It
+    reclaimer for room (``Reclaimer.make_room``, ``evict_for``: which evict). It
     reads the policy's ``frees_runs`` and asks its ``make_room`` for a call's victims."""
 
     def __init__(self, records: Records, policy: EvictionPolicy, reclaimer: Reclaimer):
@@ -175,10 +176,11 @@ class Reservations:
                      ) -> list[Entry | None]:
         """``reserve`` of each of ``keys`` in turn, each then owned by session ``owner``
         (``Entry.owner``; 0: none set), after, under ``prefix`` / ``hybrid`` in a namespace
-        with no trailing pool, evicting what they need first when the class is short (``evict_first``; False: a caller that did,
-        ``set_control.py``, the rest key by key). The caller checks first that no key is committed or
-        pending, and that none comes twice; ``fps`` / ``recs``: the keys' ``lookup`` when no
-        record came or went since (else they are looked up here).
+        with no trailing pool, evicting what they need first when the class is short
+        (``evict_first``; False: a caller that did, ``set_control.py``, the rest key by key).
+        The caller checks first that no key is committed or pending, and that none comes
+        twice; ``fps`` / ``recs``: the keys' ``lookup`` when no record came or went since (else
+        they are looked up here).
 
         The keys that get a free slot are reserved together (a run of slots off the
         allocator, one assignment per column); when the class is full, the victims the next
@@ -193,7 +195,7 @@ class Reservations:
         evicted = False  # (then ``recs``, looked up before, may name freed key records)
         first = evict_first and self.policy.frees_runs and not r.trailing(table[0])
         if first and self.alloc.free_slots(stride) < n:
-            evicted = self.evict_for(stride, n) > 0  # the call's victims first
+            evicted = self.reclaimer.evict_for(stride, n) > 0  # the call's victims first
         if n < BATCH_MIN or not 0 < width <= KEY_BYTES or not (
                 self.alloc.has_free(stride) or self.policy.frees_runs):
             return self._reserve_each(table, keys, page_bytes, stride, owner)
@@ -216,7 +218,7 @@ class Reservations:
         while at < n:
             free = self.alloc.free_slots(stride)
             if not free:  # what reserving keys[at] on its own would evict (``_make_room``)
-                got = self.evict_for(stride, n - at, first)
+                got = self.reclaimer.evict_for(stride, n - at, first)
                 if not got:
                     out.append(None)  # nothing may go: no room for keys[at]
                     at += 1
@@ -237,35 +239,6 @@ class Reservations:
         if at < n:
             out += self._reserve_each(table, keys[at:], page_bytes, stride, owner)
         return out
-
-    def evict_for(self, stride: int, need: int, many: bool = True) -> int:
-        """Evict, for a call whose class ``stride`` is short, what reserving its next ``need``
-        keys one by one would evict, before any of them is reserved: the dead tails a split
-        segment left (``reclaim.py``), then the victims the policy names (``make_room_many``:
-        several sets a call where it can tell them), until the class has ``need`` free slots
-        or nothing more may go. The victims are the same (a reservation changes nothing a
-        policy reads: pending pages are no candidates, and the tick counts uses), and the keys
-        then take the freed slots as one run. A policy whose victims are mostly one slot
-        (not ``frees_runs``: LRU) gets one set a call, its keys then reserved one by one as
-        before. Returns the pages evicted (0: nothing may go)."""
-        reclaimer, policy, free_slots = self.reclaimer, self.policy, self.alloc.free_slots
-        # (else one victim set a call, as for one key: a slot handed out moves its slab's
-        # last use, which LRU's ``make_room`` weighs; and ``many`` False: a caller that
-        # evicted first for a whole call (``set_control.py``) keeps the rest key by key)
-        runs = many and policy.frees_runs
-        reclaimer.pressed.add(stride)
-        done = 0
-        while True:
-            got = reclaimer.take(stride, need) if reclaimer.tails else 0
-            if not got:
-                victims = (policy.make_room_many(stride, need - free_slots(stride)) if runs
-                           else policy.make_room(stride))
-                got = reclaimer.evict_victims(victims, stride, need) if victims else 0
-                if not got:
-                    return done
-            done += got
-            if not runs or free_slots(stride) >= need:
-                return done
 
     def _reserve_run(self, table: TableId, tid: int, keys: Sequence[str],
                      mine: np.ndarray, fps: np.ndarray, recs: np.ndarray | None,

@@ -13,10 +13,10 @@ A Reserve's new keys (neither in L2 nor pending, no set-ahead slot named) are re
 a time (``PageIndex.reserve_many``: one numpy pass for the pages that get a slot without
 eviction); the keys between runs (present, in flight, bound to a set-ahead slot) are answered
 one by one where they come, so the state is that of answering every key in turn. Under
-``prefix`` / ``hybrid``, in a namespace with no trailing pool, a transfer whose class is short of
-slots for its new keys evicts their victims first, before its first chunk (``_evict_first``: the same victims, named several a
-policy call, and the same slots whether the call is worked at once or in slices); its runs
-then take free slots.
+``prefix`` / ``hybrid``, in a namespace with no trailing pool, a transfer whose class is short
+of slots for its new keys evicts their victims first, before its first chunk (``_evict_first``:
+the same victims, named several a policy call, and the same slots whether the call is worked at
+once or in slices); its runs then take free slots.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class SetControl:
         namespace with no trailing pool (``reserving.py``), a transfer whose class is short of
         slots for its new keys (neither in L2 nor pending, no
         set-ahead slot named; as many as its namespace's quota admits at once) evicts their
-        victims first, set after set (``Reservations.evict_for``), so that its runs of keys
+        victims first, set after set (``Reclaimer.evict_for``), so that its runs of keys
         then take free slots: the same victims as key by key, named and evicted at a fraction
         of the cost, and the same whether the call is worked at once or in slices (before its
         first chunk; in slices, ``chunk`` keys looked up, then a quarter chunk's slots freed, a

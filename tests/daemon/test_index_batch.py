@@ -1,9 +1,9 @@
-"""The index's per-call paths (``hicached/daemon/commits.py``, ``reserving.py``) leave exactly
-the state of their scalar twins called page by page (``one_by_one``: under ``prefix`` /
-``hybrid`` a call whose class is short evicts its keys' victims first, set by set): records, slots, generations, recency, slab
-ages, the presence table's bytes and every policy's own state, under both policies, with
-evictions, keys of several pools and kinds, chains and states; so does the controller's set path
-(``set_control.py``) with them. And the batch calls under them (``alloc_many``,
+"""The index's per-call paths (``hicached/daemon/commits.py``, ``reserving.py``) leave exactly the
+state of their scalar twins called page by page (``one_by_one``: under ``prefix`` / ``hybrid`` a
+call whose class is short evicts its keys' victims first, set by set): records, slots, generations,
+recency, slab ages, the presence table's bytes and every policy's own state, under both policies,
+with evictions, keys of several pools and kinds, chains and states; so does the controller's set
+path (``set_control.py``) with them. And the batch calls under them (``alloc_many``,
 ``FpTable.put_many``, ``PresenceTable.set_many``) against their one-by-one twins."""
 
 import random
@@ -62,10 +62,11 @@ def snapshot(ix: PageIndex, shared: PresenceTable | None) -> dict:
 
 
 def one_by_one(ix: PageIndex, table, keys: list[str], page_bytes: int, stride: int) -> list:
-    """The reference ``reserve_many`` is held to: under a policy whose victims free runs of
-    slots (``prefix`` / ``hybrid``), in a namespace with no trailing pool, a call whose class is
-    short first evicts what its keys need, one victim set at a time (``make_room``, each set evicted before the next is named),
-    then reserves its keys one by one; under LRU each key evicts its own victim as it comes."""
+    """The reference ``reserve_many`` is held to: under a policy whose victims free runs of slots
+    (``prefix`` / ``hybrid``), in a namespace with no trailing pool, a call whose class is short
+    first evicts what its keys need, one victim set at a time (``make_room``, each set evicted
+    before the next is named), then reserves its keys one by one; under LRU each key evicts its own
+    victim as it comes."""
     pol, free_slots = ix.policy, ix.alloc.free_slots
     if pol.frees_runs and free_slots(stride) < len(keys) and not ix.trailing(table[0]):
         ix.reclaimer.pressed.add(stride)

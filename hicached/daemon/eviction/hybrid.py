@@ -531,16 +531,13 @@ class HybridPolicy(EvictionPolicy):
         return []
 
     def make_room_many(self, stride: int, need: int) -> list[int]:
-        """``make_room``'s victim sets for ``need`` slots of class ``stride`` at once: what
-        calling it again after each set went would name, one chain walk for many sets.
-
-        After the first set (``make_room``), each next one is what its ranked path would take
-        once the sets before went (the candidates scored for this tick, and the key above the
-        set that went once all its children go), while that can be told without evicting: in
-        namespaces with no trailing pool (a segment is a key's pages), every page of the class
-        asked. It stops (the caller evicts and asks again) where the next set would need a
-        fresh scoring (it reads the heaps, which the evictions feed), a state, another class's
-        slot, or a page of a set already named."""
+        """``make_room``'s victim sets for ``need`` slots of class ``stride``: after the
+        first set, each next one its ranked path would take once the sets before went (the
+        candidates scored for this tick; the key above a set once all its children go), in one
+        walk, while that can be told without evicting: in a namespace with no trailing pool (a
+        segment is a key's pages), every page of the class asked. It stops (the caller evicts
+        and asks again) where the next set needs a fresh scoring (the evictions feed the
+        heaps), a state, another class's slot, or a page of a set already named."""
         victims = self.make_room(stride)
         ranked = self._ranked
         if need <= 1 or not victims or not self.split_ok or ranked is None:
@@ -580,14 +577,10 @@ class HybridPolicy(EvictionPolicy):
                 if not c:
                     pages = pages_of(up)
                     if pages:
-                        if len(pages) == 1:
-                            if p_stride[pages[0]] != stride:
-                                break
-                            t = used[pages[0]]
-                        elif any(p_stride[p] != stride for p in pages):
+                        if p_stride[pages[0]] != stride or len(pages) > 1 and any(
+                                p_stride[p] != stride for p in pages):
                             break
-                        else:
-                            t = max([used[p] for p in pages])
+                        t = used[pages[0]] if len(pages) == 1 else max([used[p] for p in pages])
                         if not t or (top is not None and t > top[0]):
                             pages = None
             if not pages:

@@ -1,12 +1,12 @@
 """The eviction policy's contract: the hooks the page index calls, and what a policy may read.
 
 One policy object answers every path that frees L2 pages: eviction on reserve
-(``Reclaimer.make_room`` for a key, ``Reservations.evict_for`` for a call's keys), slab reclaim (a class takes a whole slab from
-another), the idle turns' eviction ahead (``reclaim.py``), namespace quotas (``quotas.py``:
-``ranked``), the L3 audit (``l3/audit.py``: ``strides`` / ``upcoming``), a flush (``doomed``) and
-stats (``orphans.py`` counts what the policy left). The index tells it every change of the
-committed set (``inserted`` / ``touched`` / ``removed``, their batch twins, the chains' links)
-and asks it questions (``make_room``, ``doomed``, ``stale``, ...).
+(``Reclaimer.make_room`` for a key, ``Reclaimer.evict_for`` for a call's keys), slab reclaim (a
+class takes a whole slab from another), the idle turns' eviction ahead (``reclaim.py``), namespace
+quotas (``quotas.py``: ``ranked``), the L3 audit (``l3/audit.py``: ``strides`` / ``upcoming``), a
+flush (``doomed``) and stats (``orphans.py`` counts what the policy left). The index tells it every
+change of the committed set (``inserted`` / ``touched`` / ``removed``, their batch twins, the
+chains' links) and asks it questions (``make_room``, ``doomed``, ``stale``, ...).
 
 Who calls what, and when (all on the daemon's control loop: no hook may block, none may call
 back into the index's mutating calls; each is given page records, ints indexing the index's
