@@ -32,7 +32,7 @@ from hicached.daemon.entry import (
     key_fps,
 )
 from hicached.daemon.eviction.interface import EvictionPolicy
-from hicached.daemon.journal import GRAIN, Journal, NullJournal
+from hicached.daemon.journal import GRAIN, RECORD, Journal, NullJournal
 from hicached.daemon.slabs import SlabAllocator
 from hicached.presence import (
     MAX_LOAD,
@@ -543,29 +543,28 @@ class Records:
         cols = self.np
         strides = cols["p_stride"][ps]
         jt = np.frombuffer(self.t_jid, np.int32)[cols["p_tid"][ps]]
-        keep = (strides >= self.journal_grain) & (jt >= 0)
         fps = key_fps(keys)
-        if not keep.all():
+        if strides.min() < self.journal_grain or jt.min() < 0:
+            keep = (strides >= self.journal_grain) & (jt >= 0)
             ps, strides, jt, fps = ps[keep], strides[keep], jt[keep], fps[keep]
             if not len(ps):
                 return
-        n = len(ps)
         krecs = cols["p_krec"][ps]
-        offs = cols["p_off"][ps]
-        body = np.empty((n, 16), np.uint64)
-        body[:, 0] = cols["p_used"][ps]
-        body[:, 1] = cols["p_gen"][ps]
-        body[:, 2] = offs
-        body[:, 3] = fps
-        body[:, 4] = cols["k_parent"][krecs]
-        depth = cols["k_depth"][krecs].astype(np.int64) & 0xFFFFFFFF
-        body[:, 5] = depth.astype(np.uint64) | (
-            cols["p_pbytes"][ps].astype(np.uint64) << np.uint64(32))
-        lens = cols["k_len"][krecs].astype(np.uint64)
+        rec = np.empty(len(ps), RECORD)  # field by field: numpy casts as it stores
+        rec["seq"] = cols["p_used"][ps]
+        rec["gen"] = cols["p_gen"][ps]
+        rec["offset"] = offs = cols["p_off"][ps]
+        rec["fp"] = fps
+        rec["parent"] = cols["k_parent"][krecs]
+        rec["depth"] = cols["k_depth"][krecs]
+        rec["page_bytes"] = cols["p_pbytes"][ps]
+        rec["stride"] = strides
+        rec["table"] = jt
+        lens = rec["key_len"]
+        lens[:] = cols["k_len"][krecs]
         lens[lens == 255] = 0
-        flags = (cols["p_flags"][ps] & (COMMITTED | IN_L3)).astype(np.uint64)
-        body[:, 6] = (strides.astype(np.uint64) | (jt.astype(np.uint64) << np.uint64(32))
-                      | (lens << np.uint64(48)) | (flags << np.uint64(56)))
+        rec["flags"] = cols["p_flags"][ps] & (COMMITTED | IN_L3)
+        body = rec.view(np.uint64).reshape(-1, 16)
         body[:, 7:15] = cols["k_bytes"].view(np.uint64).reshape(-1, 8)[krecs]
         self.journal.write(offs, body)
 

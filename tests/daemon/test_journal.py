@@ -197,3 +197,39 @@ def test_a_crash_point_is_checked_and_off_unless_set():
     point.reach("commit")
     point.reach("free")
     assert (point.name, point.left) == ("free", 2)  # (the third free would kill this process)
+
+
+def test_a_batch_commit_journals_the_same_records_as_one_by_one(meta):
+    """``journal_pages`` (one numpy pass, from ``JOURNAL_BATCH_MIN`` pages) and
+    ``journal_each`` (Python ints) write the same bytes: chains and depths, a long key, a
+    page of a stride not journaled, two tables, the in-L3 flag; and the checks ``kept`` reads
+    are the Python ``check_of``'s."""
+    from hicached.daemon.journal import check_of
+    from hicached.daemon.records import JOURNAL_BATCH_MIN
+
+    keys = [f"k{i:02d}" for i in range(14)] + ["x" * 80]  # (the last: longer than KEY_BYTES)
+    words = []
+    for batch in (True, False):
+        j = Journal.create(f"{meta}.{batch}", ARENA, SLAB, incarnation=1)
+        try:
+            ix = PageIndex(SlabAllocator(ARENA, SLAB, handed_out=j.handed_out), journal=j,
+                           first_gen=1 << 20)
+            es = [ix.reserve(T1, k, PB, PB) for k in keys]
+            es += [ix.reserve(T3, "b0", PB, PB), ix.reserve(T3, "small", 100, 128)]
+            ix.link(T1[0], keys[:9], "root", 4)
+            ix.link(T1[0], keys[9:], None, -1)
+            ix.records.p_flags[es[3].rec] |= 4  # (IN_L3: the flag the journal keeps)
+            if batch:
+                assert len(es) >= JOURNAL_BATCH_MIN
+                ix.commit_many(es)
+            else:
+                for e in es:
+                    ix.commit(e)
+            used = np.flatnonzero(j.words[:, 15])
+            words.append((used, j.words[used].copy()))
+        finally:
+            j.close(keep=False)
+    (at_a, a), (at_b, b) = words
+    assert at_a.tolist() == at_b.tolist() and len(at_a) == len(keys) + 1  # (not the small page)
+    assert (a == b).all()
+    assert [check_of(w[:15].tolist()) for w in a] == a[:, 15].tolist()
