@@ -113,7 +113,7 @@ class Commits:
         used[ps] = np.arange(tick + 1, tick + 1 + n, dtype=np.int64)
         r.tick = tick + n
         if r.journaling:  # before the presence table and the answer: a commit a client may
-            r.journal_pages(ps, [e.key for e in entries])  # see (exists, a Committed) is journaled
+            r.journal_pages(ps, entries)  # see (exists, a Committed) is journaled
         if r.shared is not None:
             self._publish(entries, ps, krecs, mask_before, firsts)
         self.policy.inserted_many(ps, used_before, mask_before)
@@ -223,7 +223,7 @@ class Commits:
                 slab.pinned -= 1
         if r.journaling:
             r.journal_pages(np.fromiter((e.rec for e in entries), np.int64, len(entries)),
-                            [e.key for e in entries])
+                            entries)
         # (before the masks: a page an exists sees is journaled)
         if shared is not None:  # each key's mask once, with all its pools of the call: a
             for k, old in masks_before.items():  # reader of the table never sees one without

@@ -20,6 +20,8 @@ GROW_MIN = 1 << 12  # records added at least when the arrays grow (then an eight
 
 # page flags
 COMMITTED, PENDING, IN_L3, WRITING, FROM_L3 = 1, 2, 4, 8, 16
+JOURNALED = 32  # its journal record's fixed part was written when it was reserved (its check
+# still 0: ``Records.journal_reserved``); its commit writes the rest (``journal_pages``)
 _TOP = 1 << 63  # Python's hash (int64) + 2**63: the same bits as uint64, the top one flipped
 
 

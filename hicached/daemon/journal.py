@@ -33,15 +33,18 @@ them, as before this journal).
 
 What must stay true, and why a torn record is never adopted:
 
-- **Written at commit, in one numpy pass per call** (``write``, from ``Commits``; a few pages
-  one by one, ``write_one``), before the presence table shows the pages and before the commit
-  is answered: a commit a client was told of, or saw, is in the journal. The record's ``check``
-  (a multiply-sum over its other words, never 0) is zeroed first, the body written, ``check``
-  written last. A daemon killed at any instant leaves each record either whole (its check
-  matches) or not (check 0, or a body that does not match): such a slot is dropped. A process
-  dying loses none of its stores to shared memory (they are the page cache's), so the order of
-  writes is the whole argument; the checksum also turns away a record of another layout and
-  random bytes.
+- **Valid from commit, in one numpy pass per call** (``write``, from ``Commits``; a few pages one
+  by one, ``write_one``), before the presence table shows the pages and before the commit is
+  answered: a commit a client was told of, or saw, is in the journal. The record's ``check`` (a
+  multiply-sum over its other words, never 0) is zeroed first, the body written, ``check`` written
+  last. A run of reservations (``Reservations``) writes its records' fixed part (key, table, slot,
+  tag, sizes: what it has in hand) at once with the check 0 (``write_fixed``), and its commit only
+  the rest and the check (``write_rest``): the same order of writes, cut in two, the record not
+  valid in between (half the numpy calls of a commit). A daemon killed at any instant leaves each
+  record either whole (its check matches) or not (check 0, or a body that does not match): such a
+  slot is dropped. A process dying loses none of its stores to shared memory (they are the page
+  cache's), so the order of writes is the whole argument; the checksum also turns away a record of
+  another layout and random bytes.
 - **Cleared before its slot is freed** (``clear``, from ``Records.free_page``): eviction, flush,
   slab reclaim all free slots there, and a slot is handed out again only after it is freed. So a
   valid record always names a slot whose bytes are the committed page's: a committed slot is
@@ -115,8 +118,7 @@ def checks(body: np.ndarray) -> np.ndarray:
     out = body[:, :_WORDS] @ _MULT
     out -= (body[:, _FLAGS_WORD] & ~_FLAGS_MASK) * _MULT[_FLAGS_WORD]
     out ^= out >> np.uint64(29)
-    out[out == 0] = 1
-    return out
+    return np.maximum(out, 1, out=out)  # (0 -> 1)
 
 
 def check_of(words: list[int]) -> int:
@@ -182,7 +184,8 @@ def first_gen(kept: Kept | None) -> int | None:
 class Journal:
     """The journal file (module docstring). ``create`` makes a fresh one for a fresh arena;
     ``adopt`` opens the one a previous daemon left (geometry checked: ``mismatch``). Written
-    only by the control loop: ``write`` (commit), ``clear`` (before a free), ``set_in_l3``,
+    only by the control loop: ``write`` (commit; or ``write_fixed`` at a run of reservations
+    and ``write_rest`` at its commit), ``clear`` (before a free), ``set_in_l3``,
     ``handed_out`` (the allocator), ``stop`` (a clean exit). Not thread-safe."""
 
     def __init__(self, path: str, buf: mmap.mmap, arena_bytes: int, slab_bytes: int,
@@ -351,6 +354,31 @@ class Journal:
             self.crash.reach("commit")
         words[idx, 15] = checks(body)
 
+    def write_fixed(self, offsets: np.ndarray, body: np.ndarray) -> None:
+        """Slots just reserved at ``offsets``: their records' fixed part, ``body`` (uint64
+        words, shape (n, 16); ``seq``, ``parent``, ``depth``, ``flags`` and ``check`` 0), the
+        check zeroed first (it is already: a slot's record is cleared before its slot is
+        freed). Not valid until ``write_rest`` writes the rest and the check at commit."""
+        idx = offsets // GRAIN
+        words = self.words
+        words[idx, 15] = 0
+        words[idx, :15] = body[:, :15]
+
+    def write_rest(self, offsets: np.ndarray, seq: np.ndarray, parent: np.ndarray,
+                   depth: np.ndarray, flags: np.ndarray) -> None:
+        """Journal committed pages whose fixed part ``write_fixed`` wrote at their
+        reservation: the rest of each record, then its check (last)."""
+        idx = offsets // GRAIN
+        recs = self.records
+        recs["seq"][idx] = seq
+        recs["parent"][idx] = parent
+        recs["depth"][idx] = depth
+        recs["flags"][idx] = flags
+        if self.crash is not None:
+            self.crash.reach("commit")
+        words = self.words
+        words[idx, 15] = checks(words[idx])
+
     def write_one(self, offset: int, words: list[int]) -> None:
         """``write`` of one record (its first 15 words as Python ints), without numpy: a
         commit of a few pages costs ~5 us a page here, where a numpy pass costs ~30."""
@@ -419,6 +447,13 @@ class NullJournal:
         pass
 
     def write_one(self, offset: int, words: list[int]) -> None:
+        pass
+
+    def write_fixed(self, offsets: np.ndarray, body: np.ndarray) -> None:
+        pass
+
+    def write_rest(self, offsets: np.ndarray, seq: np.ndarray, parent: np.ndarray,
+                   depth: np.ndarray, flags: np.ndarray) -> None:
         pass
 
     def clear(self, offset: int) -> None:

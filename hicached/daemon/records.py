@@ -23,6 +23,7 @@ from hicached.daemon.entry import (
     COMMITTED,
     GROW_MIN,
     IN_L3,
+    JOURNALED,
     KEY_BYTES,
     MAX_POOLS,
     MAX_TABLES,
@@ -44,6 +45,7 @@ from hicached.presence import (
 # commits of fewer pages are journaled page by page (``journal_each``: ~3.5 us a page here,
 # where the numpy pass costs ~35 us a call, and ~0.1 us a page more)
 JOURNAL_BATCH_MIN = 10
+_KEY_AT = RECORD.fields["key"][1]  # (the key's bytes in a journal record)
 REPUBLISH_MAX = 32768  # keys a full presence table is refilled with at most (one pause of ~0.1 s)
 
 
@@ -530,20 +532,56 @@ class Records:
 
     # ------------------------------------------------------------ the journal
 
-    def journal_pages(self, ps: np.ndarray, keys: Sequence[str]) -> None:
-        """Journal committed page records ``ps`` (int64; ``journal.py``) of ``keys`` (their
-        keys, in order): those of a stride of at least the journal's grain, of a table it
-        names. Few pages one by one in Python (``journal_each``), more in one numpy pass.
+    def journal_reserved(self, offsets: np.ndarray, gens: np.ndarray, fps: np.ndarray,
+                         mine: np.ndarray, tid: int, stride: int, page_bytes: int) -> bool:
+        """Slots just reserved in one run (``Reservations``), for keys of ``mine``'s bytes
+        (one row each) with fingerprints ``fps``, of table ``tid``: write their journal
+        records' fixed part now, from what the run has in hand (``Journal.write_fixed``:
+        not valid until their commit), and say whether it did (the pages are then flagged
+        ``JOURNALED``: their commit writes the rest, ``journal_pages``)."""
+        n = len(offsets)
+        if not self.journaling or stride < self.journal_grain or n < JOURNAL_BATCH_MIN:
+            return False
+        jt = self.t_jid[tid]
+        if jt < 0:
+            return False
+        rec = np.zeros(n, RECORD)
+        rec["gen"] = gens
+        rec["offset"] = offsets
+        rec["fp"] = fps
+        rec["page_bytes"] = page_bytes
+        rec["stride"] = stride
+        rec["table"] = jt
+        rec["key_len"] = width = mine.shape[1]
+        rec.view(np.uint8).reshape(n, RECORD.itemsize)[:, _KEY_AT:_KEY_AT + width] = mine
+        self.journal.write_fixed(offsets, rec.view(np.uint64).reshape(n, 16))
+        return True
+
+    def journal_pages(self, ps: np.ndarray, entries: Sequence[Entry]) -> None:
+        """Journal committed page records ``ps`` (int64; ``journal.py``) of ``entries`` (their
+        handles, in order): those of a stride of at least the journal's grain, of a table it
+        names. Pages whose reservation wrote their record's fixed part (all ``JOURNALED``):
+        the rest (``Journal.write_rest``); else few pages one by one in Python
+        (``journal_each``), more in one numpy pass.
 
         A chain is journaled as this process's key-table fingerprints, the key's own and its
         parent's (``k_parent``): the successor matches the two among the records it adopts,
         all written by one process (it journals what it adopts again, under its own)."""
         if len(ps) < JOURNAL_BATCH_MIN:
-            return self.journal_each(ps.tolist(), keys)
+            return self.journal_each(ps.tolist(), [e.key for e in entries])
         cols = self.np
+        flags = cols["p_flags"][ps]
+        if np.bitwise_and.reduce(flags) & JOURNALED:
+            krecs = cols["p_krec"][ps]
+            self.journal.write_rest(cols["p_off"][ps], cols["p_used"][ps],
+                                    cols["k_parent"][krecs], cols["k_depth"][krecs],
+                                    flags & (COMMITTED | IN_L3))
+            return
+        keys = [e.key for e in entries]
         strides = cols["p_stride"][ps]
         jt = np.frombuffer(self.t_jid, np.int32)[cols["p_tid"][ps]]
         fps = key_fps(keys)
+        keep = None
         if strides.min() < self.journal_grain or jt.min() < 0:
             keep = (strides >= self.journal_grain) & (jt >= 0)
             ps, strides, jt, fps = ps[keep], strides[keep], jt[keep], fps[keep]
@@ -563,7 +601,8 @@ class Records:
         lens = rec["key_len"]
         lens[:] = cols["k_len"][krecs]
         lens[lens == 255] = 0
-        rec["flags"] = cols["p_flags"][ps] & (COMMITTED | IN_L3)
+        rec["flags"] = flags[keep] & (COMMITTED | IN_L3) if keep is not None else (
+            flags & (COMMITTED | IN_L3))
         body = rec.view(np.uint64).reshape(-1, 16)
         body[:, 7:15] = cols["k_bytes"].view(np.uint64).reshape(-1, 8)[krecs]
         self.journal.write(offs, body)

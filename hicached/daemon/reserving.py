@@ -33,7 +33,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hicached.daemon.entry import _TOP, COMMITTED, KEY_BYTES, PENDING, Entry, TableId, key_fps
+from hicached.daemon.entry import (
+    _TOP,
+    COMMITTED,
+    JOURNALED,
+    KEY_BYTES,
+    PENDING,
+    Entry,
+    TableId,
+    key_fps,
+)
 from hicached.daemon.eviction.interface import EvictionPolicy
 from hicached.daemon.reclaim import Reclaimer
 from hicached.daemon.records import Records
@@ -289,7 +298,8 @@ class Reservations:
         for name in ("p_used", "p_hits"):
             cols[name][ps] = 0
         cols["p_pins"][ps] = 1  # pinned while pending
-        cols["p_flags"][ps] = PENDING
+        journaled = r.journal_reserved(offsets, gens, fps[:m], mine[:m], tid, stride, page_bytes)
+        cols["p_flags"][ps] = PENDING | JOURNALED if journaled else PENDING
         cols["p_knext"][ps] = cols["k_head"][recs]
         cols["k_head"][recs] = ps
         at = 0

@@ -200,36 +200,62 @@ def test_a_crash_point_is_checked_and_off_unless_set():
 
 
 def test_a_batch_commit_journals_the_same_records_as_one_by_one(meta):
-    """``journal_pages`` (one numpy pass, from ``JOURNAL_BATCH_MIN`` pages) and
-    ``journal_each`` (Python ints) write the same bytes: chains and depths, a long key, a
-    page of a stride not journaled, two tables, the in-L3 flag; and the checks ``kept`` reads
-    are the Python ``check_of``'s."""
+    """Three ways to journal a commit write the same bytes: a run of reservations that wrote
+    their records' fixed part (``journal_reserved``) then a batch commit (``write_rest``); a
+    batch commit of pages reserved one by one (``journal_pages``' numpy pass); one commit per
+    page (``journal_each``, Python ints). Chains and depths, a long key, a page of a stride
+    not journaled, two tables, the in-L3 flag; and the checks ``kept`` reads are the Python
+    ``check_of``'s."""
+    from hicached.daemon.entry import JOURNALED
     from hicached.daemon.journal import check_of
-    from hicached.daemon.records import JOURNAL_BATCH_MIN
+    from hicached.daemon.reserving import BATCH_MIN
 
-    keys = [f"k{i:02d}" for i in range(14)] + ["x" * 80]  # (the last: longer than KEY_BYTES)
+    keys = [f"k{i:03d}" for i in range(BATCH_MIN + 3)]
     words = []
-    for batch in (True, False):
-        j = Journal.create(f"{meta}.{batch}", ARENA, SLAB, incarnation=1)
+    for way in ("run", "batch", "each"):
+        j = Journal.create(f"{meta}.{way}", ARENA, SLAB, incarnation=1)
         try:
             ix = PageIndex(SlabAllocator(ARENA, SLAB, handed_out=j.handed_out), journal=j,
                            first_gen=1 << 20)
-            es = [ix.reserve(T1, k, PB, PB) for k in keys]
-            es += [ix.reserve(T3, "b0", PB, PB), ix.reserve(T3, "small", 100, 128)]
-            ix.link(T1[0], keys[:9], "root", 4)
-            ix.link(T1[0], keys[9:], None, -1)
-            ix.records.p_flags[es[3].rec] |= 4  # (IN_L3: the flag the journal keeps)
-            if batch:
-                assert len(es) >= JOURNAL_BATCH_MIN
-                ix.commit_many(es)
+            if way == "run":
+                chain = ix.reserve_many(T1, keys, PB, PB)
+                assert all(ix.records.p_flags[e.rec] & JOURNALED for e in chain)
             else:
-                for e in es:
+                chain = [ix.reserve(T1, k, PB, PB) for k in keys]
+                assert not any(ix.records.p_flags[e.rec] & JOURNALED for e in chain)
+            rest = [ix.reserve(T1, "x" * 80, PB, PB),  # (longer than KEY_BYTES)
+                    ix.reserve(T3, "b0", PB, PB), ix.reserve(T3, "small", 100, 128)]
+            ix.link(T1[0], keys[:20], "root", 4)
+            ix.link(T1[0], keys[20:], None, -1)
+            ix.records.p_flags[chain[3].rec] |= 4  # (IN_L3: the flag the journal keeps)
+            if way == "each":
+                for e in chain + rest:
                     ix.commit(e)
+            else:
+                ix.commit_many(chain)
+                ix.commit_many(rest)
             used = np.flatnonzero(j.words[:, 15])
             words.append((used, j.words[used].copy()))
         finally:
             j.close(keep=False)
-    (at_a, a), (at_b, b) = words
-    assert at_a.tolist() == at_b.tolist() and len(at_a) == len(keys) + 1  # (not the small page)
-    assert (a == b).all()
+    (at, a), *others = words
+    assert len(at) == len(keys) + 2  # (not the small page)
+    for at_b, b in others:
+        assert at.tolist() == at_b.tolist()
+        assert (a == b).all()
     assert [check_of(w[:15].tolist()) for w in a] == a[:, 15].tolist()
+
+
+def test_a_reservation_run_is_not_journaled_valid_before_its_commit(meta):
+    """A run's fixed part is written at reservation with its check 0: a daemon killed then
+    leaves nothing a successor adopts; its commit makes the records valid."""
+    from hicached.daemon.reserving import BATCH_MIN
+
+    j = Journal.create(meta, ARENA, SLAB, incarnation=1)
+    ix = make(j)
+    es = ix.reserve_many(T1, [f"k{i:03d}" for i in range(BATCH_MIN)], PB, PB)
+    assert j.words[:, :15].any() and not j.words[:, 15].any()
+    assert len(kept_at_crash(j, meta).records) == 0
+    ix.commit_many(es)
+    assert len(kept_at_crash(j, meta).records) == BATCH_MIN
+    j.close(keep=False)
