@@ -105,6 +105,13 @@ class Reclaimer:
             if offset is not None:
                 return offset
 
+    def evicts_first(self, ns: str) -> bool:
+        """Whether a call of namespace ``ns`` whose class is short evicts its keys' victims
+        before reserving them (``evict_for``): under a policy whose victims free runs of slots
+        (``frees_runs``), in a namespace with no trailing pool (a state's reservation decides
+        per key)."""
+        return self.policy.frees_runs and not self.records.trailing(ns)
+
     def evict_for(self, stride: int, need: int, many: bool = True) -> int:
         """Evict for a reservation of ``need`` slots of class ``stride``: the dead tails a
         split segment left (``take``), then the victims the policy names, until the class has

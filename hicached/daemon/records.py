@@ -581,10 +581,9 @@ class Records:
         strides = cols["p_stride"][ps]
         jt = np.frombuffer(self.t_jid, np.int32)[cols["p_tid"][ps]]
         fps = key_fps(keys)
-        keep = None
         if strides.min() < self.journal_grain or jt.min() < 0:
             keep = (strides >= self.journal_grain) & (jt >= 0)
-            ps, strides, jt, fps = ps[keep], strides[keep], jt[keep], fps[keep]
+            ps, strides, jt, fps, flags = ps[keep], strides[keep], jt[keep], fps[keep], flags[keep]
             if not len(ps):
                 return
         krecs = cols["p_krec"][ps]
@@ -601,8 +600,7 @@ class Records:
         lens = rec["key_len"]
         lens[:] = cols["k_len"][krecs]
         lens[lens == 255] = 0
-        rec["flags"] = flags[keep] & (COMMITTED | IN_L3) if keep is not None else (
-            flags & (COMMITTED | IN_L3))
+        rec["flags"] = flags & (COMMITTED | IN_L3)
         body = rec.view(np.uint64).reshape(-1, 16)
         body[:, 7:15] = cols["k_bytes"].view(np.uint64).reshape(-1, 8)[krecs]
         self.journal.write(offs, body)

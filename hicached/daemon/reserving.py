@@ -202,7 +202,7 @@ class Reservations:
         n = len(keys)
         width = len(keys[0]) if n else 0
         evicted = False  # (then ``recs``, looked up before, may name freed key records)
-        first = evict_first and self.policy.frees_runs and not r.trailing(table[0])
+        first = evict_first and self.reclaimer.evicts_first(table[0])
         if first and self.alloc.free_slots(stride) < n:
             evicted = self.reclaimer.evict_for(stride, n) > 0  # the call's victims first
         if n < BATCH_MIN or not 0 < width <= KEY_BYTES or not (

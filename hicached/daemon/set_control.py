@@ -173,8 +173,7 @@ class SetControl:
         step). What it could not free, the keys evict one by one."""
         index, n, stride = self.index, len(t.keys), spec.stride
         alloc = index.alloc
-        if (not index.policy.frees_runs or alloc.free_slots(stride) >= n
-                or index.trailing(s.ns)):
+        if alloc.free_slots(stride) >= n or not index.reclaimer.evicts_first(s.ns):
             return
         table = (s.ns, t.pool)
         step = chunk or n
