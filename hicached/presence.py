@@ -298,6 +298,13 @@ class PresenceTable:
         if self._t is not None and stride >= self.grain:
             self._t[offset // self.grain] = 0
 
+    def clear_tags(self, offsets: np.ndarray, strides: np.ndarray) -> None:
+        """``clear_tag`` of each (int64 arrays: an eviction's pages, ``Evictor``)."""
+        if self._t is not None:
+            tagged = strides >= self.grain
+            if tagged.any():
+                np.asarray(self._t)[offsets[tagged] // self.grain] = 0
+
     def take_session(self) -> int:
         """A free session word, zeroed (-1: none left)."""
         if not self._free_sessions or self._w is None:

@@ -397,6 +397,15 @@ class Journal:
         if self.crash is not None:
             self.crash.reach("free")
 
+    def clear_many(self, offsets: np.ndarray) -> None:
+        """``clear`` of each of ``offsets`` (int64; strides >= GRAIN) at once. A test's kill at
+        ``free`` counts each record (``crash``: cleared one by one)."""
+        if self.crash is not None:
+            for offset in offsets.tolist():
+                self.clear(offset)
+            return
+        self.words[offsets // GRAIN, 15] = 0
+
     def set_in_l3(self, offset: int, on: bool) -> None:
         """The page at ``offset`` is (not) known to be in L3 (one byte: never torn)."""
         at = (offset // GRAIN) * 128 + 55
@@ -457,6 +466,9 @@ class NullJournal:
         pass
 
     def clear(self, offset: int) -> None:
+        pass
+
+    def clear_many(self, offsets: np.ndarray) -> None:
         pass
 
     def set_in_l3(self, offset: int, on: bool) -> None:

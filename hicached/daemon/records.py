@@ -283,6 +283,51 @@ class Records:
         self.owners.pop(p, None)
         self.page_free.append(p)
 
+    def free_pages(self, ps: list[int], arr: np.ndarray) -> None:
+        """``free_page`` of each of page records ``ps`` (``arr``: the same, int64; each once,
+        each of a bound table: an eviction's committed pages, ``Evictor``) in turn, in one pass:
+        the columns at once, then the slots freed and the keys unlinked (their records freed
+        with their last page) in the order of ``ps``: the same state, to the free lists'
+        order. (Every journal record is cleared before the first slot is freed.)"""
+        cols = self.np
+        tids, offs, strides = cols["p_tid"][arr], cols["p_off"][arr], cols["p_stride"][arr]
+        ns_bytes, table_of = self.ns_bytes, self.table_of
+        if tids[0] == tids[-1] and not np.count_nonzero(tids != tids[0]):
+            ns_bytes[table_of[int(tids[0])][0]] -= int(strides.sum())
+        else:
+            for tid, stride in zip(tids.tolist(), strides.tolist()):
+                ns_bytes[table_of[tid][0]] -= stride
+        journaled = strides >= self.journal_grain
+        if journaled.any():
+            self.journal.clear_many(offs[journaled])
+        sb = self.alloc.slab_bytes
+        slabs = offs // sb
+        slots = (offs - slabs * sb) // strides  # (a committed page's stride is its slab's)
+        for si in np.unique(slabs).tolist():
+            mine = slabs == si
+            np.frombuffer(self.slot_recs[si], np.int32)[slots[mine]] = -1
+        self.alloc.free_many(offs.tolist())
+        k_head, knext, free_key = self.k_head, self.p_knext, self._free_key
+        for p, k in zip(ps, cols["p_krec"][arr].tolist()):  # unlink from its key's pages
+            nxt = knext[p]
+            q = k_head[k]
+            if q == p:
+                k_head[k] = nxt
+                if nxt < 0:
+                    free_key(k)
+            else:
+                while knext[q] != p:
+                    q = knext[q]
+                knext[q] = nxt
+        cols["p_gen"][arr] = 0
+        cols["p_flags"][arr] = 0
+        cols["p_pins"][arr] = 0
+        owners = self.owners
+        if owners:
+            for p in ps:
+                owners.pop(p, None)
+        self.page_free.extend(ps)
+
     def _free_key(self, k: int) -> None:
         self.policy.key_freed(k)
         self.key_tables[self.k_ns[k]].table.remove((hash(self.key_of(k)) + _TOP) or 1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from hicached.errors import ArenaError
 
@@ -217,20 +217,44 @@ class SlabAllocator:
         partial = self._partial[slab.stride]
         slab.free.append(rel // slab.stride)
         if len(slab.free) == slab.num_slots:
-            self._free_slots[slab.stride] -= slab.num_slots - 1
-            if slab.in_partial:
-                partial.remove(slab)
-                slab.in_partial = False
-            del self._by_age[slab.stride][slab]
-            slab.stride = slab.num_slots = 0
-            slab.free = array("i")
-            slab.last_used = 0.0
-            heapq.heappush(self._free_slabs, slab.index)
+            self._emptied(slab)
         else:
             self._free_slots[slab.stride] += 1
             if not slab.in_partial:
                 slab.in_partial = True
                 partial.append(slab)
+
+    def _emptied(self, slab: Slab) -> None:
+        """``slab``, its last slot just freed, goes back to the global free list."""
+        self._free_slots[slab.stride] -= slab.num_slots - 1
+        if slab.in_partial:
+            self._partial[slab.stride].remove(slab)
+            slab.in_partial = False
+        del self._by_age[slab.stride][slab]
+        slab.stride = slab.num_slots = 0
+        slab.free = array("i")
+        slab.last_used = 0.0
+        heapq.heappush(self._free_slabs, slab.index)
+
+    def free_many(self, offsets: Sequence[int]) -> None:
+        """``free`` of each of ``offsets`` in turn (an eviction's pages: ``Evictor``), in one
+        loop: the same free lists, partial lists and free slabs, in the same order."""
+        slabs, sb = self.slabs, self.slab_bytes
+        free_slots, partials = self._free_slots, self._partial
+        for offset in offsets:
+            slab = slabs[offset // sb]
+            stride = slab.stride
+            rel = offset - slab.offset
+            if stride == 0 or rel % stride or rel // stride >= slab.num_slots:
+                raise ArenaError(f"offset {offset} is not a slot of slab {slab.index}")
+            slab.free.append(rel // stride)
+            if len(slab.free) == slab.num_slots:
+                self._emptied(slab)
+            else:
+                free_slots[stride] += 1
+                if not slab.in_partial:
+                    slab.in_partial = True
+                    partials[stride].append(slab)
 
     def touch(self, offset: int, tick: int) -> None:
         """The entry at ``offset`` was used at ``tick`` (ticks only grow)."""

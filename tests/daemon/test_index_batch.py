@@ -1,10 +1,11 @@
-"""The index's per-call paths (``hicached/daemon/commits.py``, ``reserving.py``) leave exactly the
-state of their scalar twins called page by page (``one_by_one``: under ``prefix`` / ``hybrid`` a
-call whose class is short evicts its keys' victims first, set by set): records, slots, generations,
-recency, slab ages, the presence table's bytes and every policy's own state, under both policies,
-with evictions, keys of several pools and kinds, chains and states; so does the controller's set
-path (``set_control.py``) with them. And the batch calls under them (``alloc_many``,
-``FpTable.put_many``, ``PresenceTable.set_many``) against their one-by-one twins."""
+"""The index's per-call paths (``hicached/daemon/commits.py``, ``reserving.py``, the pages
+``evict.py`` takes in one pass) leave exactly the state of their scalar twins called page by page
+(``one_by_one``: under ``prefix`` / ``hybrid`` a call whose class is short evicts its keys' victims
+first, set by set): records, slots, generations, recency, slab ages, the presence table's bytes
+and every policy's own state, under both policies, with evictions, keys of several pools and
+kinds, chains and states; so does the controller's set path (``set_control.py``) with them. And
+the batch calls under them (``alloc_many``, ``FpTable.put_many``, ``PresenceTable.set_many``)
+against their one-by-one twins."""
 
 import random
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from hicached import protocol as P
-from hicached.daemon import commits, reserving
+from hicached.daemon import commits, evict, reserving
 from hicached.daemon.reserving import BATCH_MIN
 from hicached.daemon.controller import Controller
 from hicached.daemon.eviction.hybrid import GRACE_TICKS
@@ -48,7 +49,8 @@ def snapshot(ix: PageIndex, shared: PresenceTable | None) -> dict:
         partial={st: [s.index for s in ss] for st, ss in a._partial.items()},
         by_age={st: [s.index for s in ss] for st, ss in a._by_age.items()},
         free_slabs=list(a._free_slabs),
-        lru=(list(pol.lru._prev), list(pol.lru._next), dict(pol.lru._ends)),
+        lru=(list(pol.lru._prev), list(pol.lru._next),
+             {st: list(ends) for st, ends in pol.lru._ends.items()}),  # (ends: lists changed in place)
         shared=shared._w[TABLE_WORD:].tobytes() if shared is not None else None,
         shared_entries=shared.entries if shared is not None else None)
     if hasattr(pol, "_heaps"):
@@ -98,6 +100,7 @@ class Plan:
     def __init__(self, seed: int, calls: int = 40, sizes=(1, 5, BATCH_MIN - 1, BATCH_MIN, 40, 70,
                                                               130), slab: int = 4096):
         self.slab = slab
+        self.state_bytes = 512  # (a state's page)
         rng = random.Random(seed)
         self.calls = []
         fresh = iter(range(10**9))
@@ -119,16 +122,30 @@ class Plan:
             self.calls.append((table, keys, states, touch, rng.random() < 0.5))
 
 
-def replay(plan: Plan, many: bool, policy: str, tmp_path) -> list[dict]:
+def replay(plan: Plan, many: bool, policy: str, tmp_path, busy: bool = False) -> list[dict]:
+    """The plan's calls, by call (``many``) or page by page; ``busy``: the index of a daemon
+    (its reclaimer told whether a request waits: a reservation splits a leaf segment and
+    defers its rest)."""
     shared = PresenceTable(str(tmp_path / f"p{many}"), 4096, 1, arena_bytes=24 * plan.slab,
                            grain=512)  # a state's slot is tagged
     ix = PageIndex(SlabAllocator(24 * plan.slab, plan.slab), policy=make_policy(policy),
-                   presence=shared)
+                   presence=shared, busy=(lambda: False) if busy else None)
     ix.records.gen = 0  # slot generations start at random
+    if not many:
+        ix.evictor.batch_min = 1 << 30  # evictions page by page too (``Evictor``)
+    else:
+        real = ix.evictor._unpublish_many
+        plan.passes = 0
+
+        def counted(live):
+            plan.passes += 1
+            real(live)
+
+        ix.evictor._unpublish_many = counted
     states_seen = []
     for table, keys, states, touch, link in plan.calls:
         live = [k for k in keys if ix.get(table, k) is None and ix.get_pending(table, k) is None]
-        size = 512 if table == MAMBA else 256
+        size = plan.state_bytes if table == MAMBA else 256
         if table == MAMBA:
             ix.mark_trailing(MAMBA)
         if many:
@@ -142,7 +159,7 @@ def replay(plan: Plan, many: bool, policy: str, tmp_path) -> list[dict]:
             ix.mark_trailing(MAMBA)
             for k in states:
                 if ix.get(MAMBA, k) is None and ix.get_pending(MAMBA, k) is None:
-                    entries.append(ix.reserve(MAMBA, k, 512, 512))
+                    entries.append(ix.reserve(MAMBA, k, plan.state_bytes, plan.state_bytes))
         if link:
             ix.link(table[0], keys, None, 0)
         done = [e for e in entries if e is not None]
@@ -177,6 +194,8 @@ def test_calls_leave_exactly_the_state_of_pages_one_by_one(tmp_path, policy, see
     for i, (a, b) in enumerate(zip(single, batched, strict=True)):
         diff = [k for k in a if a[k] != b[k]]
         assert not diff, (i, diff)
+    if policy != "lru":
+        assert plan.passes  # victim sets taken in one pass (``Evictor._unpublish_many``)
 
 
 @pytest.mark.parametrize("policy", ["lru", "hybrid", "prefix"])
@@ -237,6 +256,45 @@ def test_chains_with_no_state_name_many_victim_sets_a_policy_call_as_set_by_set(
         diff = [k for k in a if a[k] != b[k]]
         assert not diff, (i, diff)
     assert sets and max(sets) >= 8  # (single: ``one_by_one`` never calls it)
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "prefix"])
+def test_a_daemon_evicts_the_keys_a_split_segment_needs_in_one_call_as_key_by_key(
+        tmp_path, policy, monkeypatch):
+    """A daemon's reservation evicts a leaf segment only as far as its class needs, the rest
+    deferred (``Reclaimer.evict_victims``): the keys that go are counted first and evicted in
+    one call (one pass), leaving exactly the state of one call a key, page by page."""
+    from hicached.daemon import reclaim
+
+    calls, real = [], reclaim.Reclaimer.evict_victims
+
+    def counted(self, victims, stride, need):
+        before = len(self._queue)
+        out = real(self, victims, stride, need)
+        calls.append((out, len(self._queue) > before))
+        return out
+
+    monkeypatch.setattr(reclaim.Reclaimer, "evict_victims", counted)
+    plan = Plan(9, calls=0, slab=16384)
+    plan.state_bytes = 256  # states in the KV pages' class: a segment is of one class
+    rng = random.Random(9)
+    stored: list[str] = []
+    for i in range(40):  # chains of fresh keys, a state at the end of most, reads between
+        keys = [f"{i:04d}{j:060x}" for j in range(rng.choice([3, 20, 40, 70, 130]))]
+        stored += keys
+        states = [keys[-1]] if rng.random() < 0.8 else []
+        plan.calls.append((KV, keys, states, rng.sample(stored, 40), True))
+    with monkeypatch.context() as m:  # the reference: a call a key, each page on its own
+        m.setattr(reclaim, "ONE_CALL", False)
+        m.setattr(evict, "BATCH_MIN", 1 << 30)
+        (tmp_path / "each").mkdir()
+        single = replay(plan, True, policy, tmp_path / "each", busy=True)
+    assert not plan.passes
+    batched = replay(plan, True, policy, tmp_path, busy=True)
+    for i, (a, b) in enumerate(zip(single, batched, strict=True)):
+        diff = [k for k in a if a[k] != b[k]]
+        assert not diff, (i, diff)
+    assert plan.passes and any(deferred for _, deferred in calls)  # segments split
 
 
 def test_a_call_that_evicts_first_looks_its_keys_up_again(monkeypatch):
@@ -387,6 +445,7 @@ def controller_run(monkeypatch, tmp_path, batched: bool, policy: str) -> tuple[l
     if not batched:
         monkeypatch.setattr(commits, "BATCH_MIN", 1 << 30)
         monkeypatch.setattr(reserving, "BATCH_MIN", 1 << 30)
+        monkeypatch.setattr(evict, "BATCH_MIN", 1 << 30)
     shared = PresenceTable(str(tmp_path / f"c{batched}"), 2048, 1)
     ix = PageIndex(SlabAllocator(40 * 4096, 4096), policy=make_policy(policy), presence=shared)
     ix.records.gen = 0

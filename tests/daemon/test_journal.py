@@ -259,3 +259,39 @@ def test_a_reservation_run_is_not_journaled_valid_before_its_commit(meta):
     ix.commit_many(es)
     assert len(kept_at_crash(j, meta).records) == BATCH_MIN
     j.close(keep=False)
+
+
+def test_an_eviction_in_one_pass_clears_its_records_before_a_slot_is_freed(meta):
+    """A victim set evicted in one pass (``Evictor._unpublish_many``) clears every record of
+    it before the first of its slots is freed, and leaves the journal's bytes of one by one."""
+    from hicached.daemon.eviction.registry import make_policy
+
+    keys = [f"c{i:02d}" for i in range(12)]
+    words = []
+    for way in ("pass", "each"):
+        j = Journal.create(f"{meta}.{way}", ARENA, SLAB, incarnation=1)
+        try:
+            ix = PageIndex(SlabAllocator(ARENA, SLAB, handed_out=j.handed_out), journal=j,
+                           policy=make_policy("hybrid"), first_gen=1 << 20)
+            if way == "each":
+                ix.evictor.batch_min = 1 << 30
+            chain = put(ix, T1, keys, depth=0)
+            put(ix, T3, ["b0", "b1"])  # (another namespace: kept)
+            seen = []
+            if way == "pass":
+                real = ix.alloc.free_many
+
+                def free_and_look(offsets):  # the instant of the first free: a crash here
+                    seen.append(sorted(kept_at_crash(j, meta).records["key"].tolist()))
+                    real(offsets)
+
+                ix.alloc.free_many = free_and_look
+            assert ix.evict(chain[0]) == len(keys)  # the head takes its chain, deepest first
+            if way == "pass":
+                assert seen == [[b"b0", b"b1"]]
+            used = np.flatnonzero(j.words[:, 15])
+            words.append((used.tolist(), j.words.copy()))
+        finally:
+            j.close(keep=False)
+    (at, a), (at_b, b) = words
+    assert len(at) == 2 and at == at_b and (a == b).all()

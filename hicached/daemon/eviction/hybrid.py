@@ -417,6 +417,19 @@ class HybridPolicy(EvictionPolicy):
         if ix.p_flags[p] & IN_L3 and ix.t_state[ix.p_tid[p]]:
             self.tree.state_in_l3(k)
 
+    def removed_many(self, ps: list[int], arr: np.ndarray) -> None:
+        """``removed`` of each in turn: the lists in one loop; the states with an L3 copy
+        (their keys still restorable) found at once."""
+        self.lru.removed_many(ps)
+        reuse, ix = self.reuse, self.ix
+        if reuse.learns:
+            for p in ps:
+                reuse.removed(p)
+        l3 = arr[(ix.np["p_flags"][arr] & IN_L3) != 0]
+        for p in l3.tolist():
+            if ix.t_state[ix.p_tid[p]]:
+                self.tree.state_in_l3(ix.p_krec[p])
+
     def key_freed(self, k: int) -> None:
         """``KeyTree.key_freed``: off its parent, its children roots."""
         self.tree.key_freed(k)

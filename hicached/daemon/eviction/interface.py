@@ -206,6 +206,13 @@ class EvictionPolicy(ABC):
         """Committed page record ``p`` leaves L2 (evicted, dropped): still readable now,
         freed right after."""
 
+    def removed_many(self, ps: list[int], arr: np.ndarray) -> None:
+        """``removed`` of each of committed page records ``ps`` (``arr``: the same, int64; each
+        once) in turn, all called before the first of them is freed (an eviction's pages, in
+        one pass: ``Evictor``). Default: ``removed`` of each."""
+        for p in ps:
+            self.removed(p)
+
     def linked(self, recs: Sequence[int] | np.ndarray, parent: int) -> None:
         """Key records ``recs`` (a list or an int64 array; -1: not in L2) were linked in a
         chain, the first under key record ``parent`` (-1: a root or not in L2). Default:

@@ -100,6 +100,20 @@ class LruOrder:
         else:
             ends[1] = prev
 
+    def removed_many(self, ps: list[int]) -> None:
+        """``removed`` of each of ``ps`` in turn (the same links left in each, gone or not)."""
+        stride_of, prev_, next_, ends_of = self.ix.p_stride, self._prev, self._next, self._ends
+        for p in ps:
+            prev, nxt = prev_[p], next_[p]
+            if prev >= 0:
+                next_[prev] = nxt
+            else:
+                ends_of[stride_of[p]][0] = nxt
+            if nxt >= 0:
+                prev_[nxt] = prev
+            else:
+                ends_of[stride_of[p]][1] = prev
+
     def touched(self, p: int) -> None:
         """Committed page record ``p`` moves to the newest end of its class's list."""
         self.touched_many((p,))
@@ -184,6 +198,9 @@ class LruPolicy(EvictionPolicy):
 
     def removed(self, p: int) -> None:
         self.lru.removed(p)
+
+    def removed_many(self, ps: list[int], arr: np.ndarray) -> None:
+        self.lru.removed_many(ps)
 
     def touched(self, p: int) -> None:
         self.lru.touched(p)
