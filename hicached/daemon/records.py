@@ -303,9 +303,11 @@ class Records:
         sb = self.alloc.slab_bytes
         slabs = offs // sb
         slots = (offs - slabs * sb) // strides  # (a committed page's stride is its slab's)
-        for si in np.unique(slabs).tolist():
-            mine = slabs == si
-            np.frombuffer(self.slot_recs[si], np.int32)[slots[mine]] = -1
+        if slabs[0] == slabs[-1] and not np.count_nonzero(slabs != slabs[0]):  # (one slab)
+            np.frombuffer(self.slot_recs[int(slabs[0])], np.int32)[slots] = -1
+        else:
+            for si in dict.fromkeys(slabs.tolist()):
+                np.frombuffer(self.slot_recs[si], np.int32)[slots[slabs == si]] = -1
         self.alloc.free_many(offs.tolist())
         k_head, knext, free_key = self.k_head, self.p_knext, self._free_key
         for p, k in zip(ps, cols["p_krec"][arr].tolist()):  # unlink from its key's pages

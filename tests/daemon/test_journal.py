@@ -264,9 +264,10 @@ def test_a_reservation_run_is_not_journaled_valid_before_its_commit(meta):
 def test_an_eviction_in_one_pass_clears_its_records_before_a_slot_is_freed(meta):
     """A victim set evicted in one pass (``Evictor._unpublish_many``) clears every record of
     it before the first of its slots is freed, and leaves the journal's bytes of one by one."""
+    from hicached.daemon.evict import BATCH_MIN
     from hicached.daemon.eviction.registry import make_policy
 
-    keys = [f"c{i:02d}" for i in range(12)]
+    keys = [f"c{i:02d}" for i in range(BATCH_MIN + 4)]
     words = []
     for way in ("pass", "each"):
         j = Journal.create(f"{meta}.{way}", ARENA, SLAB, incarnation=1)
