@@ -81,6 +81,8 @@ class Evictor:
         return n
 
     def _unpublish_each(self, live: list[int], evicting: bool) -> int:
+        """``_unpublish`` of each of ``live`` in turn, ``on_evict`` first (a page named twice
+        goes once); how many went."""
         r = self.records
         flags = r.p_flags
         n = 0

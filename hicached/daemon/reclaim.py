@@ -46,8 +46,8 @@ EARLY = 512
 CHECK_EVERY = 2  # pages between two looks at whether a request waits (at a key's end)
 TAILS_WAIT_S = 0.01  # a commit takes the tails due itself once the loop had no idle turn as long
 SPLIT_MIN = 8  # pages of a leaf segment below which it goes whole (``evict_victims``)
-# a split set of pages of the class alone goes in one call (the keys it needs counted first),
-# leaving the state of key by key (a test sets it off to compare)
+# a split set goes in one call, the keys it needs counted first, leaving the state of key by
+# key (a test sets it off to compare)
 ONE_CALL = True
 
 
@@ -155,18 +155,27 @@ class Reclaimer:
         r = self.records
         krec, free_slots = r.p_krec, r.alloc.free_slots
         end = len(victims)
-        if ONE_CALL and all(r.p_stride[p] == stride for p in victims) and len(
-                set(victims)) == end:
-            # each page of the class that goes frees one of its slots: the keys that go are
-            # known before, and go in one call (``Evictor``: one pass), as key by key
-            flags, pins = r.p_flags, r.p_pins
-            short, i = need - free_slots(stride), 0
+        if ONE_CALL and len(set(victims)) == end:
+            # the keys that go are counted first, as key by key would stop (each page of the
+            # class frees one of its slots; a page of another class, only when it empties its
+            # slab: a free slab for any class), and go in one call (``Evictor``: one pass)
+            flags, pins, p_stride, p_off = r.p_flags, r.p_pins, r.p_stride, r.p_off
+            slab_of, per_slab = r.alloc.slab_of, r.alloc.slab_bytes // stride
+            short, i, freed = need - free_slots(stride), 0, {}
             while i < end and (not i or short > 0):
                 k = krec[victims[i]]
                 while i < end and krec[victims[i]] == k:
-                    if flags[victims[i]] & COMMITTED and not pins[victims[i]]:
-                        short -= 1
+                    p = victims[i]
                     i += 1
+                    if not flags[p] & COMMITTED or pins[p]:
+                        continue  # (gone another way: ``evict_pages`` skips it)
+                    if p_stride[p] == stride:
+                        short -= 1
+                        continue
+                    slab = slab_of(p_off[p])
+                    got = freed[slab] = freed.get(slab, 0) + 1
+                    if got + len(slab.free) == slab.num_slots:
+                        short -= per_slab
             if i < end:
                 n = evict_pages(victims[:i])
                 self.defer(victims[i:])

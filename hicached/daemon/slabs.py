@@ -210,19 +210,7 @@ class SlabAllocator:
 
     def free(self, offset: int) -> None:
         """Return a slot; a slab left empty goes back to the global free list."""
-        slab = self.slab_of(offset)
-        rel = offset - slab.offset
-        if slab.stride == 0 or rel % slab.stride or rel // slab.stride >= slab.num_slots:
-            raise ArenaError(f"offset {offset} is not a slot of slab {slab.index}")
-        partial = self._partial[slab.stride]
-        slab.free.append(rel // slab.stride)
-        if len(slab.free) == slab.num_slots:
-            self._emptied(slab)
-        else:
-            self._free_slots[slab.stride] += 1
-            if not slab.in_partial:
-                slab.in_partial = True
-                partial.append(slab)
+        self.free_many((offset,))
 
     def _emptied(self, slab: Slab) -> None:
         """``slab``, its last slot just freed, goes back to the global free list."""
@@ -237,8 +225,8 @@ class SlabAllocator:
         heapq.heappush(self._free_slabs, slab.index)
 
     def free_many(self, offsets: Sequence[int]) -> None:
-        """``free`` of each of ``offsets`` in turn (an eviction's pages: ``Evictor``), in one
-        loop: the same free lists, partial lists and free slabs, in the same order."""
+        """``free`` of each of ``offsets`` in turn (an eviction's pages: ``Evictor``): each slot
+        back on its slab's free stack, a slab left empty back on the global free list."""
         slabs, sb = self.slabs, self.slab_bytes
         free_slots, partials = self._free_slots, self._partial
         for offset in offsets:

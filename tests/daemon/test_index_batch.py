@@ -259,11 +259,13 @@ def test_chains_with_no_state_name_many_victim_sets_a_policy_call_as_set_by_set(
 
 
 @pytest.mark.parametrize("policy", ["hybrid", "prefix"])
+@pytest.mark.parametrize("state_bytes", [256, 512])
 def test_a_daemon_evicts_the_keys_a_split_segment_needs_in_one_call_as_key_by_key(
-        tmp_path, policy, monkeypatch):
+        tmp_path, policy, state_bytes, monkeypatch):
     """A daemon's reservation evicts a leaf segment only as far as its class needs, the rest
     deferred (``Reclaimer.evict_victims``): the keys that go are counted first and evicted in
-    one call (one pass), leaving exactly the state of one call a key, page by page."""
+    one call (one pass), leaving exactly the state of one call a key, page by page. States in
+    the KV pages' class, and in another (a segment of two classes)."""
     from hicached.daemon import reclaim
 
     calls, real = [], reclaim.Reclaimer.evict_victims
@@ -276,7 +278,7 @@ def test_a_daemon_evicts_the_keys_a_split_segment_needs_in_one_call_as_key_by_ke
 
     monkeypatch.setattr(reclaim.Reclaimer, "evict_victims", counted)
     plan = Plan(9, calls=0, slab=16384)
-    plan.state_bytes = 256  # states in the KV pages' class: a segment is of one class
+    plan.state_bytes = state_bytes
     rng = random.Random(9)
     stored: list[str] = []
     for i in range(40):  # chains of fresh keys, a state at the end of most, reads between
@@ -295,6 +297,37 @@ def test_a_daemon_evicts_the_keys_a_split_segment_needs_in_one_call_as_key_by_ke
         diff = [k for k in a if a[k] != b[k]]
         assert not diff, (i, diff)
     assert plan.passes and any(deferred for _, deferred in calls)  # segments split
+
+
+@pytest.mark.parametrize("one_call", [False, True])
+def test_a_split_set_that_empties_a_slab_of_another_class_stops_where_key_by_key_does(
+        tmp_path, monkeypatch, one_call):
+    """A split victim set whose state empties its slab (a state a slab): the free slab is room
+    for the KV pages asked, so the set stops after that key, counted first as key by key stops
+    (the policies name such a set whole, ``split_ok`` False: this asks the reclaimer alone)."""
+    from hicached.daemon import reclaim
+
+    monkeypatch.setattr(reclaim, "ONE_CALL", one_call)
+    slab = 16384
+    ix = PageIndex(SlabAllocator(8 * slab, slab), policy=make_policy("hybrid"),
+                   busy=lambda: False)
+    ix.mark_trailing(MAMBA)
+    keys = [f"c{i:03d}" for i in range(40)]
+    es = ix.reserve_many(KV, keys, 256, 256)
+    ix.link("ns", keys, None, 0)
+    es.append(ix.reserve(MAMBA, keys[-1], slab, slab))  # a slab of its own
+    ix.commit_many(es)
+    while ix.alloc.free_slots(256):  # another namespace takes the rest of the arena
+        e = ix.reserve(OTHER, f"o{ix.records.gen}", 256, 256)
+        ix.commit(e)
+    ix.reclaimer.pressed.add(256)
+    victims = ix.policy.tree.segment(ix.records.find_key("ns", keys[-1]))
+    assert [ix.records.p_stride[p] for p in victims[:2]] == [slab, 256]
+    ix.policy.split_ok = True
+    before = ix.evictions
+    assert ix.reclaimer.evict_victims(victims, 256, 10) == 2  # the state and its key's page
+    assert ix.evictions - before == 2 and ix.alloc.free_slots(256) >= 10
+    assert [p for p, _, _ in reversed(ix.reclaimer._queue)] == victims[2:]  # the rest deferred
 
 
 def test_a_call_that_evicts_first_looks_its_keys_up_again(monkeypatch):

@@ -12,7 +12,7 @@ pages may stay without it): LRU makes orphans (``orphans.py`` counts them). The 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -89,19 +89,11 @@ class LruOrder:
 
     def removed(self, p: int) -> None:
         """Page record ``p`` leaves its class's list."""
-        ends = self._ends[self.ix.p_stride[p]]
-        prev, nxt = self._prev[p], self._next[p]
-        if prev >= 0:
-            self._next[prev] = nxt
-        else:
-            ends[0] = nxt
-        if nxt >= 0:
-            self._prev[nxt] = prev
-        else:
-            ends[1] = prev
+        self.removed_many((p,))
 
-    def removed_many(self, ps: list[int]) -> None:
-        """``removed`` of each of ``ps`` in turn (the same links left in each, gone or not)."""
+    def removed_many(self, ps: Sequence[int]) -> None:
+        """``removed`` of each of ``ps`` in turn (a page gone keeps its links: the order of
+        the calls shows in them)."""
         stride_of, prev_, next_, ends_of = self.ix.p_stride, self._prev, self._next, self._ends
         for p in ps:
             prev, nxt = prev_[p], next_[p]
