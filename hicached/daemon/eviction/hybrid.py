@@ -31,7 +31,8 @@ key is a leaf and one of its pages still has that tick) and as many mid-chain st
 (tick, page)), scored Marconi-style as ``recency + alpha x value``, both normalised over the
 candidates to [0, 1]: value = the KV keys a hit at it saves over the state above it / the bytes
 it frees (cached per key: a hint). The lowest score goes (``alpha`` 0, the ``prefix`` policy:
-the least recently used; the states one call stored on a chain go from its deep end: ``_scored``).
+the least recently used; the states one call stored on a chain go from its deep end:
+``scoring.py``).
 A victim set that empties a slab of another class goes whole, never split (the freed slab serves
 the class that asked: a state's slot takes the KV slab of a leaf segment, not the chain's head).
 A call that needs many slots (``make_room_many``) gets the sets the ranked path would name one
@@ -56,6 +57,7 @@ from hicached.daemon.eviction.interface import EvictionPolicy, IndexView
 from hicached.daemon.eviction.keytree import MAX_WALK, KeyTree
 from hicached.daemon.eviction.lru import LruOrder
 from hicached.daemon.eviction.reuse import DEMOTE_TICKS, NoReuse, ReuseClasses
+from hicached.daemon.eviction.scoring import rank_candidates
 
 CANDIDATES = 16  # leaves scored per eviction
 _LEAF, _MID = 1, 2  # ``_queued`` bits: the page record has an entry in its leaf / mid heap
@@ -119,7 +121,7 @@ class HybridPolicy(EvictionPolicy):
         self._held: list[int] = []  # such leaves found pinned: looked at on every call
         self._new_leaves: list[int] = []  # keys that became leaves: ``_flush_leaves``
         # key record -> the ``linked`` call that last named it (1, 2, ...; 0: none): a call's
-        # keys are used at once, whatever order their ticks say (``_scored``)
+        # keys are used at once, whatever order their ticks say (``scoring.rank_candidates``)
         self._kcall = memoryview(np.zeros(0, np.int32))
         self._calls = 0
 
@@ -503,7 +505,7 @@ class HybridPolicy(EvictionPolicy):
         best = None
         if cands:
             lo = min(c[0] for c in cands)
-            order = self._scored(cands)
+            order = rank_candidates(cands, ix, self.reuse, self._vals, self._kcall, self.alpha)
             while order:
                 c = order.pop()
                 pages = [c[3]] if c[3] >= 0 else self.tree.segment(c[1])
@@ -736,61 +738,6 @@ class HybridPolicy(EvictionPolicy):
         while q >= 0 and n < MAX_WALK and not has_state(q, trail):
             n, q = n + 1, up[q] - 1
         return (q if n < MAX_WALK else -1), n
-
-    def _scored(self, cands: list[tuple[int, int, float, int]]
-                ) -> list[tuple[int, int, float, int]]:
-        """``cands`` (tick, key, value, state page or -1) sorted best to keep first (the next
-        victim last) by ``recency + alpha x value``, both normalised over the candidates.
-
-        The states one call stored on a chain go from its deep end, as its KV pages do: a
-        candidate's recency is raised to that of the candidates below it on its chain named by
-        the same call (the state whose nearest state above is this one, and so on down), and
-        among equals the one with fewer such candidates below goes first. A call's pages are
-        used at once, their ticks in chain order only because they are counted one by one: so
-        a chain set in one call loses its leaf segment and deep states before its shallow ones,
-        and what is left of it is still a prefix a hit can restore. A state stored by an
-        earlier call (a conversation's earlier turn, mid-chain now) is not raised: it goes
-        first, as its own last use says."""
-        n = len(cands)
-        if not self.reuse.learns and not any(self.ix.ns_trail):
-            # no trailing pool anywhere: no candidate has a state above it (nothing to raise)
-            # and none is demoted: one group, by recency and value alone (the same order)
-            lo = min(c[0] for c in cands)
-            span = (max(c[0] for c in cands) - lo) or 1
-            top, alpha = max(c[2] for c in cands) or 1.0, self.alpha
-            return sorted(cands, key=lambda c: (c[0] - lo) / span + alpha * c[2] / top,
-                          reverse=True)
-        vals, eff, below = self._vals, [c[0] for c in cands], [0] * n
-        at = {}
-        for i, c in enumerate(cands):
-            at[c[1]] = i
-        kcall = self._kcall
-        for i, c in enumerate(cands):
-            got = vals.get(c[1] if c[3] < 0 else ~c[1])
-            j, t, d = at.get(got[2], -1) if got is not None else -1, eff[i], 0
-            call = kcall[c[1]]
-            while j >= 0 and d < n and call and kcall[cands[j][1]] == call:
-                d += 1  # up the chain of candidates of the same call, one state at a time
-                if eff[j] < t:
-                    eff[j] = t
-                t = eff[j]
-                if below[j] < d:
-                    below[j] = d
-                got = vals.get(cands[j][1] if cands[j][3] < 0 else ~cands[j][1])
-                j = at.get(got[2], -1) if got is not None else -1
-        # demoted candidates (``reuse.py``) go before the others; each group scored on its own
-        ix, demoted = self.ix, self.reuse.demoted
-        up = ([not demoted(c[3] if c[3] >= 0 else ix.k_head[c[1]]) for c in cands]
-              if self.reuse.learns else [True] * n)
-        top = max(c[2] for c in cands) or 1.0
-        alpha, span = self.alpha, {}
-        for g in (False, True):
-            ts = [eff[i] for i in range(n) if up[i] == g]
-            if ts:
-                span[g] = (min(ts), (max(ts) - min(ts)) or 1)
-        keys = [(up[i], (eff[i] - span[up[i]][0]) / span[up[i]][1]
-                 + alpha * cands[i][2] / top, below[i]) for i in range(n)]
-        return [cands[i] for i in sorted(range(n), key=keys.__getitem__, reverse=True)]
 
     def _whole_if_slab(self, pages: list[int], stride: int) -> list[int]:
         """``pages`` (a victim set for class ``stride``), with ``split_ok`` False when they
