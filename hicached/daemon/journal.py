@@ -45,11 +45,12 @@ What must stay true, and why a torn record is never adopted:
   slot is dropped. A process dying loses none of its stores to shared memory (they are the page
   cache's), so the order of writes is the whole argument; the checksum also turns away a record of
   another layout and random bytes.
-- **Cleared before its slot is freed** (``clear``, from ``Records.free_page``): eviction, flush,
-  slab reclaim all free slots there, and a slot is handed out again only after it is freed. So a
-  valid record always names a slot whose bytes are the committed page's: a committed slot is
-  never written (clients write only reserved slots), and it is reserved again only after its
-  record is cleared. Hence adopted pages are not verified against a hash: a crash cannot leave a
+- **Cleared before its slot is freed** (``clear``, from ``Records.free_page``; ``clear_many``,
+  from ``Records.free_pages``, every record of an eviction's pass before its first slot is
+  freed): eviction, flush, slab reclaim all free slots there, and a slot is handed out again only
+  after it is freed. So a valid record always names a slot whose bytes are the committed page's:
+  a committed slot is never written (clients write only reserved slots), and it is reserved again
+  only after its record is cleared. Hence adopted pages are not verified against a hash: a crash cannot leave a
   committed page's bytes wrong, and a page whose commit was cut off has no valid record.
 - **Flags** (in L3) are one byte outside the checksum (a byte store is never torn): ``in_l3``
   follows the index's flag, so write-back pages not yet written are written after adoption.
