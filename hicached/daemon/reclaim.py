@@ -111,9 +111,17 @@ class Reclaimer:
     def evicts_first(self, ns: str) -> bool:
         """Whether a call of namespace ``ns`` whose class is short evicts its keys' victims
         before reserving them (``evict_for``): under a policy whose victims free runs of slots
-        (``frees_runs``), in a namespace with no trailing pool (a state's reservation decides
-        per key)."""
-        return self.policy.frees_runs and not self.records.trailing(ns)
+        (``frees_runs``). (Under LRU each key evicts its own victim as it comes: a slot handed
+        out moves its slab's last use, which LRU's ``make_room`` weighs.)"""
+        return self.policy.frees_runs
+
+    def names_many(self, ns: str) -> bool:
+        """Whether ``evict_for`` may name several victim sets a policy call for a call of
+        namespace ``ns`` (``many``): not with trailing pools, where the sets go one at a time,
+        each split where the class has room for the call's keys (what its keys, reserved one
+        by one, would evict in turn: a state's reservation evicts the state and its key's KV
+        page, the rest of the segment is deferred)."""
+        return not self.records.trailing(ns)
 
     def evict_for(self, stride: int, need: int, many: bool = True) -> int:
         """Evict for a reservation of ``need`` slots of class ``stride``: the dead tails a
@@ -141,6 +149,22 @@ class Reclaimer:
             done += got
             if not runs or free_slots(stride) >= need:
                 return done
+
+    def evict_first(self, stride: int, need: int, ns: str) -> int:
+        """A call's eviction before its keys of namespace ``ns`` are reserved
+        (``evicts_first``): victim sets until class ``stride`` has ``need`` free slots or
+        nothing more may go, several a policy call where ``names_many``, else one at a time
+        (``evict_for`` of one set; ``evict_victims`` splits it where the class has room for
+        ``need``); the pages evicted."""
+        if self.names_many(ns):
+            return self.evict_for(stride, need)
+        done, free_slots = 0, self.records.alloc.free_slots
+        while free_slots(stride) < need:
+            got = self.evict_for(stride, need, False)
+            if not got:
+                break
+            done += got
+        return done
 
     def evict_victims(self, victims: list[int], stride: int, need: int) -> int:
         """Evict ``victims`` (``policy.make_room``'s, in order); returns how many went. A leaf

@@ -203,8 +203,9 @@ class Reservations:
         width = len(keys[0]) if n else 0
         evicted = False  # (then ``recs``, looked up before, may name freed key records)
         first = evict_first and self.reclaimer.evicts_first(table[0])
-        if first and self.alloc.free_slots(stride) < n:
-            evicted = self.reclaimer.evict_for(stride, n) > 0  # the call's victims first
+        if first and self.alloc.free_slots(stride) < n:  # the call's victims first
+            evicted = self.reclaimer.evict_first(stride, n, table[0]) > 0
+        many = first and self.reclaimer.names_many(table[0])
         if n < BATCH_MIN or not 0 < width <= KEY_BYTES or not (
                 self.alloc.has_free(stride) or self.policy.frees_runs):
             return self._reserve_each(table, keys, page_bytes, stride, owner)
@@ -227,7 +228,7 @@ class Reservations:
         while at < n:
             free = self.alloc.free_slots(stride)
             if not free:  # what reserving keys[at] on its own would evict (``_make_room``)
-                got = self.reclaimer.evict_for(stride, n - at, first)
+                got = self.reclaimer.evict_for(stride, n - at, many)
                 if not got:
                     out.append(None)  # nothing may go: no room for keys[at]
                     at += 1

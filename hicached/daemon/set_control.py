@@ -198,7 +198,8 @@ class SetControl:
             if chunk:
                 yield
                 self._resume_reserve(s, r, ahead)
-            if not index.evict_for(stride, min(want, alloc.free_slots(stride) + step)):
+            if not index.reclaimer.evict_first(stride, min(want, alloc.free_slots(stride) + step),
+                                               s.ns):
                 break
 
     def _reserve_transfer(self, s: Session, r: Reservation, p: int, t: P.PoolKeys,

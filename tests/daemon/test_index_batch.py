@@ -65,16 +65,19 @@ def snapshot(ix: PageIndex, shared: PresenceTable | None) -> dict:
 
 def one_by_one(ix: PageIndex, table, keys: list[str], page_bytes: int, stride: int) -> list:
     """The reference ``reserve_many`` is held to: under a policy whose victims free runs of slots
-    (``prefix`` / ``hybrid``), in a namespace with no trailing pool, a call whose class is short
-    first evicts what its keys need, one victim set at a time (``make_room``, each set evicted
-    before the next is named), then reserves its keys one by one; under LRU each key evicts its own
-    victim as it comes."""
-    pol, free_slots = ix.policy, ix.alloc.free_slots
-    if pol.frees_runs and free_slots(stride) < len(keys) and not ix.trailing(table[0]):
-        ix.reclaimer.pressed.add(stride)
+    (``prefix`` / ``hybrid``), a call whose class is short first evicts what its keys need, one
+    victim set at a time (``make_room``, each set evicted before the next is named; with trailing
+    pools, in a daemon, the rest of a split segment first), then reserves its keys one by one;
+    under LRU each key evicts its own victim as it comes."""
+    pol, free_slots, rc = ix.policy, ix.alloc.free_slots, ix.reclaimer
+    if pol.frees_runs and free_slots(stride) < len(keys):
+        rc.pressed.add(stride)
+        trailing = ix.trailing(table[0])
         while free_slots(stride) < len(keys):
+            if trailing and rc.tails and rc.take(stride, len(keys)):
+                continue
             victims = pol.make_room(stride)
-            if not victims or not ix.reclaimer.evict_victims(victims, stride, len(keys)):
+            if not victims or not rc.evict_victims(victims, stride, len(keys)):
                 break
     return [ix.reserve(table, k, page_bytes, stride) for k in keys]
 
@@ -546,3 +549,65 @@ def test_the_controller_answers_and_leaves_what_it_did_page_by_page(monkeypatch,
     for answer in (P.SLOT_PRESENT, P.SLOT_INFLIGHT, P.SLOT_NO_SPACE):  # every kind of key
         assert answer in offsets
     assert any(b for a in reserved for row in a[4] for b in row)  # a set-ahead slot bound
+
+
+def resident(ix: PageIndex) -> list[tuple[str, str]]:
+    """(pool, key) of every committed page, sorted."""
+    r = ix.records
+    return sorted((r.table_of[r.p_tid[p]][1], r.key_of(r.p_krec[p])) for p in range(r.page_top)
+                  if r.p_flags[p] & commits.COMMITTED)
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "prefix"])
+@pytest.mark.parametrize("busy", [False, True])
+@pytest.mark.parametrize("state_bytes", [256, 512])
+def test_a_trailing_namespace_evicting_first_keeps_what_key_by_key_keeps(
+        tmp_path, policy, busy, state_bytes, monkeypatch):
+    """With trailing pools a call whose class is short evicts first too, one victim set at a time
+    (``Reclaimer.evict_first``: split where the class has room for the call's keys, the rest
+    deferred in a daemon): the pages that go, in their order, are those its keys evict reserved
+    one by one (each key's ``make_room``), and so is what stays after every call: states in the
+    KV pages' class and in another. (Which freed slot a key takes differs.)"""
+    from hicached.daemon import reclaim
+
+    def run(first: bool) -> tuple[list, list]:
+        with monkeypatch.context() as m:
+            if not first:
+                m.setattr(reclaim.Reclaimer, "evicts_first", lambda self, ns: False)
+            ix = PageIndex(SlabAllocator(24 * 4096, 4096), policy=make_policy(policy),
+                           busy=(lambda: False) if busy else None)
+            ix.mark_trailing(MAMBA)
+            gone, real = [], ix.evictor.evict_pages
+            r = ix.records
+
+            def logged(pages, *a, **k):  # the pages that went, in their order
+                live = {p: (r.p_gen[p], r.p_tid[p], r.key_of(r.p_krec[p])) for p in pages
+                        if r.p_flags[p] & commits.COMMITTED}
+                out = real(pages, *a, **k)
+                gone.extend(live.pop(p)[1:] for p in pages
+                            if p in live and r.p_gen[p] != live[p][0])
+                return out
+
+            ix.evictor.evict_pages = logged
+            rng, stored, seen = random.Random(5), [], []
+            for i in range(60):  # chains, a state at the end of most, reads between
+                keys = [f"{i:04d}{j:060x}" for j in range(rng.choice([3, 9, 20, 40, 70]))]
+                stored += keys
+                got = ix.reserve_many(KV, keys, 256, 256)
+                if rng.random() < 0.8:
+                    got += ix.reserve_many(MAMBA, keys[-1:], state_bytes, state_bytes)
+                ix.link("ns", keys, None, 0)
+                ix.commit_many([e for e in got if e is not None])
+                found = [e for e in ix.get_many(KV, rng.sample(stored, 30)) if e is not None]
+                ix.read_many(found)
+                ix.unpin_many(found)
+                if busy:
+                    while ix.reclaimer.wanted() and ix.reclaimer.step(pages=rng.choice([2, 64])):
+                        pass
+                seen.append(resident(ix))
+            assert ix.evictions > 500
+            return gone, seen
+
+    each, first = run(False), run(True)
+    assert each[0] == first[0]  # the same pages evicted, in the same order
+    assert each[1] == first[1]
