@@ -132,8 +132,9 @@ class Reclaimer:
         set, several a policy call (``make_room_many``), before any key is reserved
         (``reserving.py``: the same victims as key by key, since a reservation changes nothing
         a policy reads); else one set (what one key's reservation evicts: LRU, where a slot
-        handed out moves its slab's last use, which its ``make_room`` weighs; a namespace with
-        trailing pools; a caller that evicted first for a whole call, ``set_control.py``)."""
+        handed out moves its slab's last use, which its ``make_room`` weighs; ``evict_first``'s
+        sets in a namespace with trailing pools; a caller that evicted first for a whole call,
+        ``set_control.py``)."""
         self.pressed.add(stride)
         policy, free_slots = self.policy, self.records.alloc.free_slots
         runs = many and policy.frees_runs

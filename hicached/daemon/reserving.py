@@ -4,26 +4,26 @@ A page is reserved pending and pinned (``reserve``, the keys of a call: ``reserv
 as an unbound slot a client holds ahead of its keys (``reserve_unbound``, then ``bind``), and
 dropped again before its commit (``abort``). A key reserved either way leaves the same state:
 ``reserve_many`` is ``reserve`` of each key in turn (the contract of ``commits.py`` too), but
-for one thing below: under ``prefix`` / ``hybrid``, in a namespace with no trailing pool, a call
-whose class is short evicts first.
+for one thing below: under ``prefix`` / ``hybrid`` a call whose class is short evicts first.
 
 The keys that get a free slot are reserved together: a run of slots off a slab's free stack
 (``SlabAllocator.alloc_many``), each record column written once. Under a policy whose victims
 free runs of slots (``policy.frees_runs``: ``prefix`` / ``hybrid``, a victim a leaf segment), a
-call of a namespace with no trailing pool (attention-only: no state) whose class is short of
-slots for its keys first evicts what they need (``Reclaimer.evict_for``: the victim sets the
-policy names one after the other, several a policy call where it can tell them,
-``make_room_many``; the same victims as key by key, since a reservation changes nothing a
-policy reads), then reserves its keys in one run; which of the freed slots and records each key
+call whose class is short of slots for its keys first evicts what they need
+(``Reclaimer.evict_first``), then reserves its keys in one run. The victims are those of key by
+key, since a reservation changes nothing a policy reads: in a namespace with no trailing pool
+(attention-only: no state) the sets the policy names one after the other, several a policy call
+where it can tell them (``make_room_many``); with trailing pools one set at a time, each split
+where the class has room for the call's keys (a state's reservation evicts the state and its
+key's KV page; in a daemon the rest of the segment is deferred to the idle turns), so exactly
+what its keys, one by one, would evict in turn. Which of the freed slots and records each key
 gets differs from key by key, nothing else (``tests/daemon/test_index_batch.py``'s
-``one_by_one`` is the reference). Under LRU (an LRU victim is one page, and a slot handed out
-moves its slab's last use, which LRU weighs), and in a namespace with trailing pools (a state's
-reservation evicts the state and its key's KV page and hands the rest of the segment to the
-idle turns, a decision per key: evicting for several keys at once would take more), a call that
-finds its class full evicts what its next key would evict and reserves the keys that get the
-freed slots, key by key. A fingerprint collision, keys of several lengths, non-ASCII or longer
-than ``KEY_BYTES``, and calls of few keys go page by page (``reserve``: a numpy call costs ~1-2
-us, a page ~3-5).
+``one_by_one`` is the reference; what stays after each call is key by key's). Under LRU (an LRU
+victim is one page, and a slot handed out moves its slab's last use, which LRU weighs), a call
+that finds its class full evicts what its next key would evict and reserves the keys that get
+the freed slots, key by key. A fingerprint collision, keys of several lengths, non-ASCII or
+longer than ``KEY_BYTES``, and calls of few keys go page by page (``reserve``: a numpy call
+costs ~1-2 us, a page ~3-5).
 """
 
 from __future__ import annotations
@@ -184,9 +184,9 @@ class Reservations:
                      recs: np.ndarray | None = None, evict_first: bool = True
                      ) -> list[Entry | None]:
         """``reserve`` of each of ``keys`` in turn, each then owned by session ``owner``
-        (``Entry.owner``; 0: none set), after, under ``prefix`` / ``hybrid`` in a namespace
-        with no trailing pool, evicting what they need first when the class is short
-        (``evict_first``; False: a caller that did, ``set_control.py``, the rest key by key).
+        (``Entry.owner``; 0: none set), after, under ``prefix`` / ``hybrid``, evicting what
+        they need first when the class is short (``evict_first``; False: a caller that did,
+        ``set_control.py``, the rest key by key).
         The caller checks first that no key is committed or pending, and that none comes
         twice; ``fps`` / ``recs``: the keys' ``lookup`` when no record came or went since (else
         they are looked up here).

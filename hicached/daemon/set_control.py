@@ -13,10 +13,10 @@ A Reserve's new keys (neither in L2 nor pending, no set-ahead slot named) are re
 a time (``PageIndex.reserve_many``: one numpy pass for the pages that get a slot without
 eviction); the keys between runs (present, in flight, bound to a set-ahead slot) are answered
 one by one where they come, so the state is that of answering every key in turn. Under
-``prefix`` / ``hybrid``, in a namespace with no trailing pool, a transfer whose class is short
-of slots for its new keys evicts their victims first, before its first chunk (``_evict_first``:
-the same victims, named several a policy call, and the same slots whether the call is worked at
-once or in slices); its runs then take free slots.
+``prefix`` / ``hybrid`` a transfer whose class is short of slots for its new keys evicts their
+victims first, before its first chunk (``_evict_first``: the same victims, named several a
+policy call in a namespace with no trailing pool, one set at a time with trailing pools, and the
+same slots whether the call is worked at once or in slices); its runs then take free slots.
 """
 
 from __future__ import annotations
@@ -162,15 +162,14 @@ class SetControl:
 
     def _evict_first(self, s: Session, r: Reservation, ahead, t: P.PoolKeys, spec: PoolSpec,
                      claims, chunk: int | None) -> Steps:
-        """Under a policy whose victims free runs of slots (``prefix`` / ``hybrid``), in a
-        namespace with no trailing pool (``reserving.py``), a transfer whose class is short of
-        slots for its new keys (neither in L2 nor pending, no
-        set-ahead slot named; as many as its namespace's quota admits at once) evicts their
-        victims first, set after set (``Reclaimer.evict_for``), so that its runs of keys
-        then take free slots: the same victims as key by key, named and evicted at a fraction
-        of the cost, and the same whether the call is worked at once or in slices (before its
-        first chunk; in slices, ``chunk`` keys looked up, then a quarter chunk's slots freed, a
-        step). What it could not free, the keys evict one by one."""
+        """Under a policy whose victims free runs of slots (``prefix`` / ``hybrid``;
+        ``reserving.py``), a transfer whose class is short of slots for its new keys (neither
+        in L2 nor pending, no set-ahead slot named; as many as its namespace's quota admits at
+        once) evicts their victims first, set after set (``Reclaimer.evict_first``), so that
+        its runs of keys then take free slots: the same victims as key by key, named and
+        evicted at a fraction of the cost, and the same whether the call is worked at once or
+        in slices (before its first chunk; in slices, ``chunk`` keys looked up, then a quarter
+        chunk's slots freed, a step). What it could not free, the keys evict one by one."""
         index, n, stride = self.index, len(t.keys), spec.stride
         alloc = index.alloc
         if alloc.free_slots(stride) >= n or not index.reclaimer.evicts_first(s.ns):
