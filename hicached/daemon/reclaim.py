@@ -178,20 +178,29 @@ class Reclaimer:
         if not self.tails or len(victims) <= SPLIT_MIN or not self.policy.split_ok:
             return evict_pages(victims)
         r = self.records
-        krec, free_slots = r.p_krec, r.alloc.free_slots
+        krec, p_stride, free_slots = r.p_krec, r.p_stride, r.alloc.free_slots
         end = len(victims)
+        # Key by key, the reservation that asked takes keys until the class has a slot; the
+        # next ones take the rest of the set only through ``take``: the keys with a page of the
+        # class, and only if nothing queued comes before them (the rest goes after it). So once
+        # the first slot is free, a key with no page of the class, or anything queued, ends it.
+        free0, rest = free_slots(stride), not self._queue
         if ONE_CALL and len(set(victims)) == end:
             # the keys that go are counted first, as key by key would stop (each page of the
             # class frees one of its slots; a page of another class, only when it empties its
             # slab: a free slab for any class), and go in one call (``Evictor``: one pass)
-            flags, pins, p_stride, p_off = r.p_flags, r.p_pins, r.p_stride, r.p_off
+            flags, pins, p_off = r.p_flags, r.p_pins, r.p_off
             slab_of, per_slab = r.alloc.slab_of, r.alloc.slab_bytes // stride
-            short, i, freed = need - free_slots(stride), 0, {}
+            short, i, freed = need - free0, 0, {}
+            first = short - 1  # (short once the first slot is free)
             while i < end and (not i or short > 0):
-                k = krec[victims[i]]
-                while i < end and krec[victims[i]] == k:
-                    p = victims[i]
-                    i += 1
+                k, j = krec[victims[i]], i
+                while j < end and krec[victims[j]] == k:
+                    j += 1
+                if short <= first and (not rest or stride not in [
+                        p_stride[p] for p in victims[i:j]]):
+                    break
+                for p in victims[i:j]:
                     if not flags[p] & COMMITTED or pins[p]:
                         continue  # (gone another way: ``evict_pages`` skips it)
                     if p_stride[p] == stride:
@@ -201,6 +210,7 @@ class Reclaimer:
                     got = freed[slab] = freed.get(slab, 0) + 1
                     if got + len(slab.free) == slab.num_slots:
                         short -= per_slab
+                i = j
             if i < end:
                 n = evict_pages(victims[:i])
                 self.defer(victims[i:])
@@ -211,6 +221,10 @@ class Reclaimer:
             k, j = krec[victims[i]], i
             while i < end and krec[victims[i]] == k:  # (a key's pages are together: states
                 i += 1  # first, ``KeyTree.pages``)
+            if free_slots(stride) > free0 and (not rest or stride not in [
+                    p_stride[p] for p in victims[j:i]]):
+                i = j
+                break
             n += evict_pages(victims[j:i])
             if free_slots(stride) >= need:
                 break
@@ -234,7 +248,75 @@ class Reclaimer:
         """Evict queued pages of class ``stride`` (the next ones in the queue, while they are of
         it) until the class has ``need`` free slots: a reservation takes the dead tails left
         for the idle turns before the policy names live pages. Returns the pages evicted (on
-        the reservation's path: not counted in ``evicted``, the pages evicted ahead)."""
+        the reservation's path: not counted in ``evicted``, the pages evicted ahead).
+
+        The keys that go are counted first, as ``_next`` a key at a time would take them (each
+        checked as it would be once the keys before it went), and go in one call
+        (``ONE_CALL``); at the first key that check or count cannot tell (one that may not go,
+        or a page named twice), the keys before it go and the rest key by key."""
+        ix, queue = self.records, self._queue
+        if not ONE_CALL:
+            return self._take_each(stride, need)
+        alloc = ix.alloc
+        short = need - alloc.free_slots(stride)
+        if not queue or short <= 0:
+            return 0
+        gen_of, flags, krec, p_stride, pins, used_of = (ix.p_gen, ix.p_flags, ix.p_krec,
+                                                        ix.p_stride, ix.p_pins, ix.p_used)
+        policy = self.policy
+        whole, tree_ok = policy.whole_keys, policy.may_go_ahead
+        slab_of, per_slab = alloc.slab_of, alloc.slab_bytes // stride
+        batch: list[int] = []
+        named: set[int] = set()  # the pages in ``batch``
+        going: set[int] = set()  # key records all of whose pages are in ``batch``
+        freed: dict = {}  # slab of another class -> its slots the batch frees
+        at = len(queue)
+        while at and short > 0:
+            j, k = at, -1
+            while j:  # the next key's run (``_key_run``)
+                p, gen, _ = queue[j - 1]
+                if gen_of[p] == gen and flags[p] & COMMITTED:
+                    if k < 0:
+                        k = krec[p]
+                    elif krec[p] != k:
+                        break
+                j -= 1
+            run = queue[j:at]
+            if stride not in [p_stride[p] for p, _, _ in run]:
+                break
+            live = [(p, used) for p, gen, used in reversed(run)
+                    if gen_of[p] == gen and flags[p] & COMMITTED]
+            if live:
+                if any(p in named or pins[p] or used_of[p] != used
+                       or not tree_ok(p, going) for p, used in live) or (
+                        whole and self._more_pages(live)):
+                    break  # (key by key from here: ``_next`` tells)
+                mine = [p for p, _ in live]
+                batch += mine
+                named.update(mine)
+                if self._all_of_key(k, named):
+                    going.add(k)
+                for p in mine:
+                    if p_stride[p] == stride:
+                        short -= 1
+                        continue
+                    slab = slab_of(ix.p_off[p])
+                    got = freed[slab] = freed.get(slab, 0) + 1
+                    if got + len(slab.free) == slab.num_slots:
+                        short -= per_slab
+            at = j
+        del queue[at:]
+        done = 0
+        if batch:
+            done = self.evictor.evict_pages(batch)
+            self._queue_evicted += done
+        if short > 0 and queue:
+            done += self._take_each(stride, need)
+        return done
+
+    def _take_each(self, stride: int, need: int) -> int:
+        """``take`` a key at a time (``_next``): the reference, and where ``take`` cannot
+        count the keys that go."""
         ix, queue, done = self.records, self._queue, 0
         while queue and stride in (ix.p_stride[p] for p, _, _ in self._key_run()):
             if ix.alloc.free_slots(stride) >= need:
@@ -244,6 +326,17 @@ class Reclaimer:
                 break
             done += got
         return done
+
+    def _all_of_key(self, k: int, named: set[int]) -> bool:
+        """Whether every page of key ``k`` (pending ones too) is in ``named``: the key record
+        goes with them."""
+        ix = self.records
+        p = ix.k_head[k]
+        while p >= 0:
+            if p not in named:
+                return False
+            p = ix.p_knext[p]
+        return True
 
     def _key_run(self) -> list[tuple[int, int, int]]:
         """The queue's next entries that belong to one key (its pages in the set, with the

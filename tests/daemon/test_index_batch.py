@@ -559,15 +559,23 @@ def resident(ix: PageIndex) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("policy", ["hybrid", "prefix"])
-@pytest.mark.parametrize("busy", [False, True])
-@pytest.mark.parametrize("state_bytes", [256, 512])
-def test_a_trailing_namespace_evicting_first_keeps_what_key_by_key_keeps(
-        tmp_path, policy, busy, state_bytes, monkeypatch):
+@pytest.mark.parametrize("state_bytes,most,busy", [(256, 3, False), (256, 3, True),
+                                                   (512, 1, False)])
+def test_a_trailing_namespace_evicting_first_evicts_what_key_by_key_evicts(
+        tmp_path, policy, busy, state_bytes, most, monkeypatch):
     """With trailing pools a call whose class is short evicts first too, one victim set at a time
     (``Reclaimer.evict_first``: split where the class has room for the call's keys, the rest
-    deferred in a daemon): the pages that go, in their order, are those its keys evict reserved
-    one by one (each key's ``make_room``), and so is what stays after every call: states in the
-    KV pages' class and in another. (Which freed slot a key takes differs.)"""
+    deferred in a daemon; once the first slot is free, a set goes on only through keys with a
+    page of the class, as the next keys' ``take`` would): the pages that go, in their order,
+    are those its keys evict reserved one by one (each key's ``make_room``), and so is what
+    stays after every call, with states in the KV pages' class (several a call, whole sets or
+    split ones) or in another (whole sets). What differs is which freed slot a key takes, and
+    that key by key a reservation holds its slot (pinned, counted used) before the next set is
+    named: with states in another class and split sets, the choices that weigh slabs
+    (``_oldest_leaf_slab`` skips a slab with a pinned page; a set that empties a slab of
+    another class goes whole) see other slabs, and may differ, as they did for calls of
+    ``BATCH_MIN`` keys or more, which evicted a set's keys before reserving them, already. The
+    benchmarks on the real traces judge those (``docs/benchmarks.md``)."""
     from hicached.daemon import reclaim
 
     def run(first: bool) -> tuple[list, list]:
@@ -594,15 +602,19 @@ def test_a_trailing_namespace_evicting_first_keeps_what_key_by_key_keeps(
                 keys = [f"{i:04d}{j:060x}" for j in range(rng.choice([3, 9, 20, 40, 70]))]
                 stored += keys
                 got = ix.reserve_many(KV, keys, 256, 256)
-                if rng.random() < 0.8:
-                    got += ix.reserve_many(MAMBA, keys[-1:], state_bytes, state_bytes)
+                if rng.random() < 0.8:  # states: the last key's, and some branch points
+                    mine = sorted({len(keys) - 1} | {rng.randrange(len(keys))
+                                                     for _ in range(rng.choice([0, 0, 1, 2]))})
+                    mine = mine[-most:]
+                    got += ix.reserve_many(MAMBA, [keys[j] for j in mine], state_bytes,
+                                           state_bytes)
                 ix.link("ns", keys, None, 0)
                 ix.commit_many([e for e in got if e is not None])
                 found = [e for e in ix.get_many(KV, rng.sample(stored, 30)) if e is not None]
                 ix.read_many(found)
                 ix.unpin_many(found)
                 if busy:
-                    while ix.reclaimer.wanted() and ix.reclaimer.step(pages=rng.choice([2, 64])):
+                    while ix.reclaimer.wanted() and ix.reclaimer.step(pages=2 if i % 2 else 64):
                         pass
                 seen.append(resident(ix))
             assert ix.evictions > 500
@@ -611,3 +623,193 @@ def test_a_trailing_namespace_evicting_first_keeps_what_key_by_key_keeps(
     each, first = run(False), run(True)
     assert each[0] == first[0]  # the same pages evicted, in the same order
     assert each[1] == first[1]
+
+
+@pytest.mark.parametrize("state_bytes,seed", [(256, 11), (512, 11), (512, 12)])
+def test_a_reservation_takes_the_deferred_keys_it_needs_in_one_call_as_key_by_key(
+        tmp_path, state_bytes, seed, monkeypatch):
+    """The rest of split segments waits in the reclaimer's queue; a reservation that needs many
+    slots takes its next keys (``Reclaimer.take``): counted first, each checked as it would be
+    once the keys before it went, and evicted in one call, leaving exactly the state of a key at
+    a time (``_take_each``), where keys of the queue were read since (its set ends there), are
+    pinned now, or had a chain continued from them (``may_go_ahead``)."""
+    from hicached.daemon import reclaim
+
+    def run(one_call: bool, where) -> tuple[list, dict]:
+        seen: dict = {"batches": 0, "each": 0}
+        with monkeypatch.context() as m:
+            m.setattr(reclaim, "ONE_CALL", one_call)
+            real_each = reclaim.Reclaimer._take_each
+
+            def each(self, stride, need):
+                seen["each"] += 1
+                return real_each(self, stride, need)
+
+            m.setattr(reclaim.Reclaimer, "_take_each", each)
+            where.mkdir()
+            shared = PresenceTable(str(where / "p"), 4096, 1, arena_bytes=24 * 16384, grain=256)
+            ix = PageIndex(SlabAllocator(24 * 16384, 16384), policy=make_policy("hybrid"),
+                           presence=shared, busy=lambda: False)
+            ix.records.gen = 0
+            ix.mark_trailing(MAMBA)
+            real_evict = ix.evictor.evict_pages
+
+            def evict_pages(pages, *a, **k):
+                if len({ix.records.p_krec[p] for p in pages}) > 1:
+                    seen["batches"] += 1
+                return real_evict(pages, *a, **k)
+
+            ix.evictor.evict_pages = evict_pages
+            rng, chains, states = random.Random(seed), [], []
+            for i in range(120):
+                n = rng.choice([2, 5, 9, 40, 70, 130])
+                r, queued = ix.records, ix.reclaimer._queue
+                queued = [r.key_of(r.p_krec[p]) for p, gen, _ in queued
+                          if r.p_gen[p] == gen and r.p_flags[p] & commits.COMMITTED]
+                parent, depth, early = None, 0, []
+                if queued and rng.random() < 0.3:  # a chain continued from a deferred key
+                    parent, depth = rng.choice(queued), -1
+                if queued and rng.random() < 0.3:  # a deferred key's state, set meanwhile
+                    early = [ix.reserve(MAMBA, rng.choice(queued), state_bytes, state_bytes)]
+                keys = [f"{i:04d}{j:060x}" for j in range(n)]
+                if queued and rng.random() < 0.3:  # deferred keys read since
+                    found = [e for e in ix.get_many(KV, rng.sample(queued, min(3, len(queued)))) if e]
+                    ix.read_many(found)
+                    ix.unpin_many(found)
+                pinned = []
+                if queued and rng.random() < 0.3:  # a read holds deferred keys' pages now
+                    pinned = [e for e in ix.get_many(KV, rng.sample(queued, min(3, len(queued)))) if e]
+                    ix.pin_many(pinned)
+                got = ix.reserve_many(KV, keys, 256, 256)
+                if rng.random() < 0.8:
+                    got += ix.reserve_many(MAMBA, keys[-1:], state_bytes, state_bytes)
+                ix.unpin_many(pinned)
+                got += [e for e in early if e is not None and e.alive]
+                ix.link("ns", keys, parent, depth)
+                ix.commit_many([e for e in got if e is not None])
+                chains.append(keys)
+                for _ in range(rng.choice([0, 1, 3])):  # reads, some of deferred keys
+                    found = [e for e in ix.get_many(KV, rng.choice(chains)[:30]) if e]
+                    ix.read_many(found)
+                    ix.unpin_many(found)
+                states.append(snapshot(ix, shared))
+            shared.close()
+            assert ix.evictions > 1000
+            return states, seen
+
+    each, first = run(False, tmp_path / "each"), run(True, tmp_path / "first")
+    for i, (a, b) in enumerate(zip(each[0], first[0], strict=True)):
+        diff = [k for k in a if a[k] != b[k]]
+        assert not diff, (i, diff)
+    assert first[1]["batches"] > each[1]["batches"]  # keys taken together
+    assert first[1]["each"] > 0  # and some a key at a time (a check it could not count on)
+
+
+def test_a_page_queued_twice_ends_the_keys_taken_together_where_key_by_key_goes_on():
+    """A victim set may name a page twice (two tails whose walks up meet): ``take`` counts the
+    keys before it and leaves the rest to ``_take_each``, which skips it once gone: both leave
+    the same index."""
+    from hicached.daemon import reclaim
+
+    states = []
+    for one_call in (False, True):
+        ix = PageIndex(SlabAllocator(4 * 4096, 4096), policy=make_policy("hybrid"),
+                       busy=lambda: False)
+        ix.records.gen = 0
+        keys = [f"{i:064x}" for i in range(64)]
+        es = ix.reserve_many(KV, keys, 256, 256)
+        ix.link("ns", keys, None, 0)
+        ix.commit_many(es)
+        pages = [e.rec for e in reversed(es)]  # the chain from its leaf up
+        ix.reclaimer.defer(pages[:10] + pages[5:6] + pages[10:30])
+        rc, take = ix.reclaimer, (ix.reclaimer.take if one_call else
+                                  ix.reclaimer._take_each)
+        old = reclaim.ONE_CALL
+        reclaim.ONE_CALL = one_call
+        try:
+            got = take(256, 20)
+        finally:
+            reclaim.ONE_CALL = old
+        assert got == 20 and ix.alloc.free_slots(256) == 20
+        states.append((snapshot(ix, None), [(p, g) for p, g, _ in rc._queue]))
+    assert states[0] == states[1]
+
+
+@pytest.mark.parametrize("one_call", [False, True])
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_set_split_for_several_states_stops_where_the_next_state_would_name_its_own(
+        tmp_path, monkeypatch, one_call, queued):
+    """Two states' slots asked of a state-led leaf segment (a state, then KV keys): key by key
+    the first state's reservation takes the state and its key's KV page, and the second's
+    finds no state among the rest (``take`` goes on only through keys with a page of the
+    class), so the policy names it another set. Asked for both at once, the set stops there
+    too, and the rest is deferred; so it does after the first slot whenever something is
+    queued before the rest (it would go after it)."""
+    from hicached.daemon import reclaim
+
+    monkeypatch.setattr(reclaim, "ONE_CALL", one_call)
+    slab = 16384
+    ix = PageIndex(SlabAllocator(8 * slab, slab), policy=make_policy("hybrid"),
+                   busy=lambda: False)
+    ix.mark_trailing(MAMBA)
+    keys = [f"c{i:03d}" for i in range(40)]
+    es = ix.reserve_many(KV, keys, 256, 256)
+    ix.link("ns", keys, None, 0)
+    es.append(ix.reserve(MAMBA, keys[-1], 512, 512))
+    es += [ix.reserve(MAMBA, f"s{i}", 512, 512) for i in range(31)]  # the state slab, full
+    ix.commit_many(es)
+    r = ix.records
+    victims = ix.policy.tree.segment(r.find_key("ns", keys[-1]))
+    assert [r.p_stride[p] for p in victims[:3]] == [512, 256, 256]
+    rc = ix.reclaimer
+    rc.pressed.add(512)
+    ix.policy.split_ok = True
+    more = ix.reserve_many(OTHER, [f"o{i:03d}" for i in range(8)], 256, 256)
+    ix.commit_many(more)
+    if queued:  # the rest of an older set, queued: state-less keys of another chain
+        rc.defer([e.rec for e in more])
+    while ix.alloc.free_slots(256):  # another namespace takes the rest of the arena
+        ix.commit(ix.reserve(OTHER, f"x{r.gen}", 256, 256))
+    assert ix.alloc.free_slots(512) == 0
+    assert rc.evict_victims(victims, 512, 2) == 2  # the state and its key's KV page
+    assert ix.alloc.free_slots(512) == 1
+    assert [p for p, _, _ in reversed(rc._queue)][-len(victims) + 2:] == victims[2:]
+    assert rc.take(512, 2) == 0  # no state among the rest: the next one names its own set
+
+
+@pytest.mark.parametrize("one_call", [False, True])
+def test_a_split_set_goes_on_for_the_keys_asked_only_when_nothing_is_queued_before_it(
+        monkeypatch, one_call):
+    """Key by key, the rest of a split set goes after what is queued, so the next keys'
+    reservations take the queued pages first: a set split for three KV slots goes on past the
+    first key only when nothing is queued."""
+    from hicached.daemon import reclaim
+
+    monkeypatch.setattr(reclaim, "ONE_CALL", one_call)
+    for queued in (False, True):
+        slab = 16384
+        ix = PageIndex(SlabAllocator(4 * slab, slab), policy=make_policy("hybrid"),
+                       busy=lambda: False)
+        ix.mark_trailing(MAMBA)
+        keys = [f"c{i:03d}" for i in range(40)]
+        es = ix.reserve_many(KV, keys, 256, 256)
+        ix.link("ns", keys, None, 0)
+        ix.commit_many(es)
+        more = ix.reserve_many(OTHER, [f"o{i:03d}" for i in range(8)], 256, 256)
+        ix.commit_many(more)
+        r, rc = ix.records, ix.reclaimer
+        while ix.alloc.free_slots(256):
+            ix.commit(ix.reserve(OTHER, f"x{r.gen}", 256, 256))
+        if queued:
+            rc.defer([e.rec for e in more])
+        victims = ix.policy.tree.segment(r.find_key("ns", keys[-1]))
+        rc.pressed.add(256)
+        ix.policy.split_ok = True
+        went = rc.evict_victims(victims, 256, 3)
+        assert rc.take(256, 3) == 3 - went
+        assert ix.alloc.free_slots(256) == 3
+        assert went == (1 if queued else 3)  # the leaf's key (one slot), then the rest
+        kept = [k for k in keys if ix.get(KV, k) is not None]
+        assert kept == keys[:-1 if queued else -3]
+        assert [ix.get(OTHER, f"o{i:03d}") is None for i in range(3)] == (
+            [True, True, False] if queued else [False] * 3)  # the queued pages first

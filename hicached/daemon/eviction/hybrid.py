@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import numpy as np
 
@@ -615,9 +615,10 @@ class HybridPolicy(EvictionPolicy):
         """``KeyTree.doomed``: ``p``'s dependants first, then ``p`` (the rules above)."""
         return self.tree.doomed(p)
 
-    def may_go_ahead(self, p: int) -> bool:
-        """``KeyTree.may_go_ahead``: nothing resident depends on ``p`` now."""
-        return self.tree.may_go_ahead(p)
+    def may_go_ahead(self, p: int, going: Collection[int] = ()) -> bool:
+        """``KeyTree.may_go_ahead``: nothing resident depends on ``p`` now (or once the keys
+        ``going`` went)."""
+        return self.tree.may_go_ahead(p, going)
 
     # ------------------------------------------------------------ questions
 
@@ -750,10 +751,14 @@ class HybridPolicy(EvictionPolicy):
         if not others:  # (mostly: a segment of the class that asked)
             self.split_ok = True
             return pages
-        counts, p_off, slab_of = {}, ix.p_off, ix.alloc.slab_of
+        counts, p_off, slab_of, krec = {}, ix.p_off, ix.alloc.slab_of, ix.p_krec
+        first, lead = krec[pages[0]], {}  # (the first key's pages go with any split)
         for p in others:
             slab = slab_of(p_off[p])
             counts[slab] = counts.get(slab, 0) + 1
-        self.split_ok = not any(slab.used == m for slab, m in counts.items())
+            if krec[p] == first:
+                lead[slab] = lead.get(slab, 0) + 1
+        self.split_ok = not any(slab.used == m and lead.get(slab) != m
+                                for slab, m in counts.items())
         return pages
 

@@ -53,7 +53,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -243,9 +243,11 @@ class EvictionPolicy(ABC):
         first); empty when one that must go with it is pinned or pending. Default: ``p``."""
         return [p]
 
-    def may_go_ahead(self, p: int) -> bool:
+    def may_go_ahead(self, p: int, going: Collection[int] = ()) -> bool:
         """Whether page ``p``, named by an earlier ``make_room`` and unchanged since, may still
-        go on its own now (``reclaim.py`` evicts a victim set page by page). Default: yes."""
+        go on its own now, or once the keys ``going`` (key records) went with all their pages
+        (``reclaim.py`` evicts a victim set key by key, or counts the keys that go first).
+        Default: yes."""
         return True
 
     def stale(self, early: int = 0) -> list[int]:

@@ -15,6 +15,7 @@ pages). Reads the index only through ``IndexView`` (``interface.py``).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Protocol
 
 import numpy as np
@@ -299,13 +300,22 @@ class KeyTree:
             self.trim(up, k, trail, out)
         return out
 
-    def may_go_ahead(self, p: int) -> bool:
-        """A state, a page with an L3 copy, or a page of a key with no child now: nothing
-        resident depends on it (a chain continued from a segment's middle since ``make_room``
-        named it does)."""
+    def may_go_ahead(self, p: int, going: Collection[int] = ()) -> bool:
+        """A state, a page with an L3 copy, or a page of a key with no child now, or none once
+        the keys ``going`` (key records leaving with all their pages) went: nothing resident
+        depends on it (a chain continued from a segment's middle since ``make_room`` named it
+        does)."""
         ix = self.ix
         k = ix.p_krec[p]
-        return not self.kid[k] or bool(ix.p_flags[p] & IN_L3) or bool(ix.t_state[ix.p_tid[p]])
+        c = self.kid[k]
+        if not c or ix.p_flags[p] & IN_L3 or ix.t_state[ix.p_tid[p]]:
+            return True
+        sib = self.sib
+        while c:  # (a key freed leaves its parent: ``key_freed``)
+            if c - 1 not in going:
+                return False
+            c = sib[c - 1]
+        return True
 
     def segment(self, k: int) -> list[int] | None:
         """The pages leaf ``k`` takes with it (its own and the state-less single-child keys
