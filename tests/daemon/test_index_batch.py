@@ -673,12 +673,14 @@ def test_a_reservation_takes_the_deferred_keys_it_needs_in_one_call_as_key_by_ke
                     early = [ix.reserve(MAMBA, rng.choice(queued), state_bytes, state_bytes)]
                 keys = [f"{i:04d}{j:060x}" for j in range(n)]
                 if queued and rng.random() < 0.3:  # deferred keys read since
-                    found = [e for e in ix.get_many(KV, rng.sample(queued, min(3, len(queued)))) if e]
+                    some = rng.sample(queued, min(3, len(queued)))
+                    found = [e for e in ix.get_many(KV, some) if e]
                     ix.read_many(found)
                     ix.unpin_many(found)
                 pinned = []
                 if queued and rng.random() < 0.3:  # a read holds deferred keys' pages now
-                    pinned = [e for e in ix.get_many(KV, rng.sample(queued, min(3, len(queued)))) if e]
+                    some = rng.sample(queued, min(3, len(queued)))
+                    pinned = [e for e in ix.get_many(KV, some) if e]
                     ix.pin_many(pinned)
                 got = ix.reserve_many(KV, keys, 256, 256)
                 if rng.random() < 0.8:
