@@ -26,7 +26,10 @@ key that fails ends the set with all its pages kept (what is left of a segment i
 tail, back in ``HybridPolicy.stale``'s queue); a page gone another way meanwhile is skipped. So
 an interrupted set never leaves a page without its ancestors nor a key without some of its
 pages, a page read since the policy chose it stays with its key, and the pages of a set begun
-are going (``leaving``: the orphan count leaves them out).
+are going (``leaving``: the orphan count leaves them out). A reservation that needs several
+keys of the queue (``take``), or of a set it splits (``evict_victims``), counts them first,
+each checked as it would be once the keys before it went, and evicts them in one call: the
+state a key at a time leaves.
 """
 
 from __future__ import annotations
