@@ -236,7 +236,7 @@ def add_trace_args(ap, budgets: str) -> None:
     ap.add_argument("--trace", choices=sorted(MIXES), default="mix1")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--requests", type=int, default=None)
-    ap.add_argument("--budgets", default=budgets, help="% of the working set")
+    ap.add_argument("--budgets", default=budgets, help="%% of the working set")
     ap.add_argument("--state-pages", type=int, default=32)
     ap.add_argument("--warmup", type=float, default=0.1)
     ap.add_argument("--json", action="store_true")

@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace-file", required=True, help="a trace in Mooncake's format")
     ap.add_argument("--requests", type=int, default=None)
-    ap.add_argument("--budgets", default="2,5,10", help="% of the working set")
+    ap.add_argument("--budgets", default="2,5,10", help="%% of the working set")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     budgets = parse_budgets(ap, args.budgets)

@@ -358,3 +358,14 @@ def test_bench_engine_warm_restart_hits_the_prefix_right_after_it_and_not_after_
     assert hit["after a warm restart (SIGTERM)"] == hit["before the restart"], proc.stdout
     assert hit["after a crash (SIGKILL)"] == hit["before the restart"], proc.stdout
     assert hit["after a cold restart, no L3"] == 0.0, proc.stdout
+
+
+@pytest.mark.parametrize("tool", sorted(p.name for p in TOOLS.glob("*.py")
+                                        if "argparse" in p.read_text()))
+def test_every_tools_help_prints_its_usage(tool):
+    """``--help``, what an operator types first, prints the usage and exits 0 (a ``%`` in a help
+    text, unescaped, made argparse raise instead)."""
+    proc = subprocess.run([sys.executable, str(TOOLS / tool), "--help"], check=False,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage:"), proc.stdout[:200]
