@@ -34,9 +34,7 @@ it frees (cached per key: a hint). The lowest score goes (``alpha`` 0, the ``pre
 the least recently used; the states one call stored on a chain go from its deep end:
 ``scoring.py``).
 A victim set that empties a slab of another class goes whole, never split (the freed slab serves
-the class that asked: a state's slot takes the KV slab of a leaf segment, not the chain's head),
-unless its first key alone empties that slab (any split keeps that key: a KV slot's victim whose
-state fills a slab of its own splits where the KV class has room).
+the class that asked: a state's slot takes the KV slab of a leaf segment, not the chain's head).
 A call that needs many slots (``make_room_many``) gets the sets the ranked path would name one
 after the other, in one walk up the chains, as far as it can tell them without the evictions
 (in namespaces with no trailing pool: a segment is then a key's pages). A class with no
@@ -746,22 +744,17 @@ class HybridPolicy(EvictionPolicy):
         """``pages`` (a victim set for class ``stride``), with ``split_ok`` False when they
         empty a slab of another class whole: then they go together, and the slab, free, serves
         ``stride`` (a state's reservation that splits the leaf segment it took keeps the KV
-        slab the segment filled, and takes the next state, or the head of a chain's slab).
-        Not for a slab the set's first key alone empties: a split keeps that key."""
+        slab the segment filled, and takes the next state, or the head of a chain's slab)."""
         ix = self.ix
         p_stride = ix.p_stride
         others = [p for p in pages if p_stride[p] != stride]
         if not others:  # (mostly: a segment of the class that asked)
             self.split_ok = True
             return pages
-        counts, p_off, slab_of, krec = {}, ix.p_off, ix.alloc.slab_of, ix.p_krec
-        first, lead = krec[pages[0]], {}  # (the first key's pages go with any split)
+        counts, p_off, slab_of = {}, ix.p_off, ix.alloc.slab_of
         for p in others:
             slab = slab_of(p_off[p])
             counts[slab] = counts.get(slab, 0) + 1
-            if krec[p] == first:
-                lead[slab] = lead.get(slab, 0) + 1
-        self.split_ok = not any(slab.used == m and lead.get(slab) != m
-                                for slab, m in counts.items())
+        self.split_ok = not any(slab.used == m for slab, m in counts.items())
         return pages
 
